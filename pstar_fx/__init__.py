@@ -1,2 +1,8 @@
 """pstar_fx: train models far larger than device memory, planned from the graph of the training step."""
+from .capture import CaptureError
+from .config import Config
+from .engine import Engine, compile, plan
+from .plan import BudgetError, Plan
+
 __version__ = "0.1.0"
+__all__ = ["Config", "Engine", "Plan", "compile", "plan", "BudgetError", "CaptureError"]

@@ -1,0 +1,182 @@
+"""Config: every knob of a pstar_fx engine, typed, with one docstring per field.
+
+Unknown keys and bad values raise at construction, naming the key and the valid choices, so a typo in a
+JSON file fails before any tracing starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+import torch
+
+Bytes = Union[int, str, None]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+OPTIMIZERS = ("adamw", "adam")
+_OPTIMIZER_DEFAULTS = {"type": "adamw", "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+
+
+def parse_bytes(value: Bytes, key: str) -> int | None:
+    """`64MiB`, `"141GB"`, `1048576` -> bytes. None stays None (= no limit / automatic)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise TypeError(f"{key}: expected bytes as an int or a string like '64MiB', got {value!r}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"{key}: must be positive, got {value}")
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+        if m and m.group(2).lower() in _UNITS:
+            n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+            if n > 0:
+                return n
+        raise ValueError(f"{key}: cannot read {value!r} as a size; use an int or e.g. '64MiB', '141GB' "
+                         f"(units: {', '.join(u for u in _UNITS if u)})")
+    raise TypeError(f"{key}: expected bytes as an int or a string like '64MiB', got {type(value).__name__}")
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass
+class Config:
+    """How to compile and run a training step. Build with keywords, `Config.from_dict`, or `Config.from_file`."""
+
+    device: str = "auto"
+    """Device tier: "cuda", "cuda:N", "cpu" (the CPU plays the device tier, with `device_memory` enforced),
+    or "auto" (cuda when available, else cpu)."""
+
+    device_memory: Bytes = None
+    """Budget of the device tier in bytes or a string ("64MiB", "141GB"). None: the device's free memory
+    (cuda) or unlimited (cpu). Everything the step holds on the device counts: chunks, buffers, activations."""
+
+    host_memory: Bytes = None
+    """Budget of the host tier for model data (chunks and staging buffers). None: unlimited."""
+
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute dtype: the 16-bit (or fp32) copies the model's ops run on. Master weights and Adam moments
+    are always fp32. bf16/fp16 also trace the model under autocast, as PyTorch AMP would run it."""
+
+    chunk_size: Union[int, Literal["auto"]] = "auto"
+    """Elements per chunk. Every parameter lies whole inside one chunk, so a chunk holds at least the
+    largest parameter. "auto" picks a size from the model (at least the largest parameter)."""
+
+    optimizer: dict = field(default_factory=dict)
+    """Optimizer: {"type": "adamw" | "adam", "lr", "betas", "eps", "weight_decay"}. Missing keys take
+    torch.optim.AdamW's defaults (weight_decay 0.01 for adamw, 0 for adam)."""
+
+    placement: Literal["auto", "device", "host"] = "auto"
+    """Where chunks' fp32 state (master weight, exp_avg, exp_avg_sq) lives: "auto" keeps as many chunks on
+    the device as the budget allows; "device" requires all of them there; "host" keeps all on the host."""
+
+    seed: int = 0
+    """Seed used when the engine must initialize weights itself (a model built on the meta device)."""
+
+    def __post_init__(self):
+        self.device = self._check_device(self.device)
+        self.device_memory = parse_bytes(self.device_memory, "device_memory")
+        self.host_memory = parse_bytes(self.host_memory, "host_memory")
+        _choice("dtype", self.dtype, tuple(DTYPES))
+        _choice("placement", self.placement, ("auto", "device", "host"))
+        if self.chunk_size != "auto":
+            if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int):
+                raise TypeError(f"chunk_size: expected an int (elements) or 'auto', got {self.chunk_size!r}")
+            if self.chunk_size <= 0:
+                raise ValueError(f"chunk_size: must be positive, got {self.chunk_size}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"seed: expected an int, got {self.seed!r}")
+        self.optimizer = self._check_optimizer(self.optimizer)
+
+    @staticmethod
+    def _check_device(device) -> str:
+        if not isinstance(device, str):
+            raise TypeError(f"device: expected a string ('auto', 'cpu', 'cuda', 'cuda:N'), got {device!r}")
+        if device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", device):
+            raise ValueError(f"device: {device!r} is not one of 'auto', 'cpu', 'cuda', 'cuda:N'")
+        return device
+
+    @staticmethod
+    def _check_optimizer(opt) -> dict:
+        if not isinstance(opt, dict):
+            raise TypeError(f"optimizer: expected a dict with keys {sorted(_OPTIMIZER_DEFAULTS)}, got {opt!r}")
+        unknown = set(opt) - set(_OPTIMIZER_DEFAULTS)
+        if unknown:
+            raise ValueError(f"optimizer: unknown key(s) {sorted(unknown)}; valid keys: {sorted(_OPTIMIZER_DEFAULTS)}")
+        kind = opt.get("type", "adamw")
+        _choice("optimizer.type", kind, OPTIMIZERS)
+        out = dict(_OPTIMIZER_DEFAULTS, weight_decay=0.01 if kind == "adamw" else 0.0)
+        out.update(opt)
+        for key in ("lr", "eps", "weight_decay"):
+            v = out[key]
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(f"optimizer.{key}: expected a number, got {v!r}")
+            if v < 0 or (key == "eps" and v == 0):
+                raise ValueError(f"optimizer.{key}: must be {'> 0' if key == 'eps' else '>= 0'}, got {v}")
+            out[key] = float(v)
+        betas = out["betas"]
+        if (not isinstance(betas, (list, tuple)) or len(betas) != 2
+                or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas)):
+            raise TypeError(f"optimizer.betas: expected two numbers, got {betas!r}")
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"optimizer.betas: each must be in [0, 1), got {betas!r}")
+        out["betas"] = (float(betas[0]), float(betas[1]))
+        return out
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Config":
+        if not isinstance(d, dict):
+            raise TypeError(f"Config.from_dict: expected a dict, got {type(d).__name__}")
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in d if k not in valid]
+        if unknown:
+            raise ValueError(f"Config: unknown key(s) {unknown}; valid keys: {valid}")
+        return cls(**d)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "Config":
+        with open(path) as f:
+            try:
+                d = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"Config file {path}: not valid JSON ({e})") from None
+        return cls.from_dict(d)
+
+    @classmethod
+    def coerce(cls, config: "Config | dict | str | os.PathLike | None") -> "Config":
+        """Accept a Config, a dict, a JSON file path, or None (all defaults)."""
+        if config is None:
+            return cls()
+        if isinstance(config, Config):
+            return config
+        if isinstance(config, dict):
+            return cls.from_dict(config)
+        if isinstance(config, (str, os.PathLike)):
+            return cls.from_file(config)
+        raise TypeError(f"config: expected a pstar_fx.Config, a dict or a JSON file path, got {type(config).__name__}")
+
+
+def _choice(key: str, value, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{key}: {value!r} is not one of {list(choices)}")

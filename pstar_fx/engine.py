@@ -1,0 +1,201 @@
+"""engine: `pstar_fx.compile(model, config, example_inputs) -> Engine`, and `pstar_fx.plan(...)`.
+
+The pipeline, in order: capture -> layout -> passes (localize_param_views, fuse_optimizer) -> plan ->
+insert_chunk_ops -> runtime. `Engine.graph` is the lowered step; `Engine.explain()` says what the plan
+decided; `Engine.memory_stats()` says what the runtime measured.
+"""
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from .capture import Capture, capture
+from .config import Config, format_bytes
+from .layout import Layout, build_layout
+from .passes import fuse_optimizer, insert_chunk_ops, localize_param_views
+from .plan import Plan, make_plan
+from .runtime import ChunkRuntime, run_graph
+
+
+class Lowered:
+    """Everything short of memory: the captured step, its chunk layout, the plan and the lowered graph."""
+
+    def __init__(self, model: nn.Module, config: Config, example_inputs: tuple):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.capture: Capture = capture(model, tuple(example_inputs), self.device, self.dtype)
+        self.layout: Layout = build_layout(self.capture, config.chunk_size)
+        gm = self.capture.gm
+        g = gm.graph
+        with g.inserting_before(next(iter(g.nodes))):
+            g.placeholder("rt")
+        self.graphs_before: dict[str, str] = {}
+        n_params = len(self.capture.params)
+        self._run_pass("localize_param_views", localize_param_views, gm, n_params)
+        self._run_pass("fuse_optimizer", fuse_optimizer, gm, self.layout, len(self.capture.mutated_buffers))
+        buffer_bytes = sum(_buffer_nbytes(model, b) for b in self.capture.buffers)
+        self.plan: Plan = make_plan(gm, self.layout, config, compute_itemsize=self.dtype.itemsize,
+                                    n_params=n_params, n_buffers=len(self.capture.buffers),
+                                    buffer_bytes=buffer_bytes)
+        self._run_pass("insert_chunk_ops", insert_chunk_ops, gm, self.layout, self.plan)
+        self.graph: fx.GraphModule = gm
+
+    def _run_pass(self, name, fn, gm, *args):
+        self.graphs_before[name] = gm.code
+        fn(gm, *args)
+
+
+def _buffer_nbytes(model: nn.Module, name: str) -> int:
+    b = model.get_buffer(name)
+    return b.numel() * b.element_size()
+
+
+class Engine:
+    """A compiled training step: `step(*inputs) -> loss` runs forward, backward and the optimizer."""
+
+    def __init__(self, model: nn.Module, config: Config | dict | str | None = None, example_inputs=None):
+        config = Config.coerce(config)
+        if example_inputs is None:
+            raise TypeError("compile() needs example_inputs: a tuple of tensors shaped like one batch")
+        if isinstance(example_inputs, torch.Tensor):
+            example_inputs = (example_inputs,)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        if config.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device: {config.device!r} requested but CUDA is not available here; "
+                             "use device='cpu' (the CPU then plays the device tier)")
+        meta = [n for n, p in model.named_parameters() if p.is_meta]
+        if meta:
+            raise ValueError(f"model parameters are on the meta device ({meta[0]!r}, ...): compile() trains real "
+                             "weights; materialize the model first (to_empty + init) or size it with pstar_fx.plan")
+        self.config = config
+        self.lowered = Lowered(model, config, tuple(example_inputs))
+        self.device = self.lowered.device
+        cap = self.lowered.capture
+        self.rt = ChunkRuntime(self.lowered.layout, self.lowered.plan, config, self.device, self.lowered.dtype)
+        named = dict(model.named_parameters(remove_duplicate=False))
+        self.rt.load_params([named[p.name] for p in cap.params])
+        self._buffers = [self._device_buffer(model.get_buffer(b)) for b in cap.buffers]
+        loss_dtype = next(iter(cap.gm.graph.find_nodes(op="placeholder", target="tangent"))).meta["val"].dtype
+        self._tangent = torch.ones((), dtype=loss_dtype, device=self.device)
+        self.steps = 0
+
+    def _device_buffer(self, b: torch.Tensor) -> torch.Tensor:
+        t = b.detach().to(self.device, copy=True)
+        self.rt.stats.device_bytes += t.numel() * t.element_size()
+        return t
+
+    # ---- the step ----------------------------------------------------------------------------------
+    def step(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """One training step on a batch: forward, backward and the optimizer update. Returns the loss."""
+        inputs = self._check_inputs(inputs)
+        rt = self.rt
+        rt.step_count += 1
+        args = [rt, *self._buffers, *inputs, self._tangent]
+        try:
+            if self.device.type == "cpu":
+                outs = run_graph(self.graph, args, rt, skip_args=1 + len(self._buffers))
+            else:
+                outs = self.graph(*args)
+        except BaseException:
+            rt.step_count -= 1
+            raise
+        cap = self.lowered.capture
+        for name, new in zip(cap.mutated_buffers, outs):
+            self._buffers[cap.buffers.index(name)].copy_(new)
+        rt.check_idle()
+        self.steps += 1
+        return outs[len(cap.mutated_buffers)].detach()
+
+    def _check_inputs(self, inputs) -> list[torch.Tensor]:
+        specs = self.lowered.capture.inputs
+        if len(inputs) != len(specs):
+            raise TypeError(f"step() takes {len(specs)} input(s), like the example_inputs it was compiled with; "
+                            f"got {len(inputs)}")
+        out = []
+        for i, (x, spec) in enumerate(zip(inputs, specs)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"input {i}: expected a tensor, got {type(x).__name__}")
+            if x.dtype != spec.dtype:
+                raise TypeError(f"input {i}: dtype {x.dtype}, but the step was compiled for {spec.dtype}")
+            if x.shape != spec.shape:
+                raise ValueError(f"input {i}: shape {tuple(x.shape)}, but the step was compiled for "
+                                 f"{tuple(spec.shape)}; compile again for another shape")
+            if spec.index_bound is not None and x.numel():
+                ok = (x >= 0) & (x < spec.index_bound)
+                if spec.ignore_index is not None:
+                    ok |= x == spec.ignore_index
+                if not bool(ok.all()):
+                    bad = x[~ok].flatten()[0].item()
+                    raise ValueError(f"input {i}: value {bad} is out of range; the model uses this input as ids "
+                                     f"in [0, {spec.index_bound})")
+            out.append(x.to(self.device, non_blocking=True))
+        return out
+
+    # ---- what the user reads -----------------------------------------------------------------------
+    @property
+    def graph(self) -> fx.GraphModule:
+        return self.lowered.graph
+
+    @property
+    def plan(self) -> Plan:
+        return self.lowered.plan
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """fp32 master weights under the model's own parameter names (tied weights under each name)."""
+        out = {}
+        for i, p in enumerate(self.lowered.capture.params):
+            w = self.rt.param_fp32(i).detach().to("cpu", copy=True)
+            for name in p.aliases:
+                out[name] = w
+        return out
+
+    def memory_stats(self) -> dict[str, int]:
+        s = self.rt.stats
+        peak = s.device_peak_bytes
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+        return {
+            "device_peak_bytes": peak,
+            "host_peak_bytes": s.host_peak_bytes,
+            "h2d_bytes": s.h2d_bytes,
+            "d2h_bytes": s.d2h_bytes,
+            "device_chunk_bytes": s.device_bytes,
+            "host_chunk_bytes": s.host_bytes,
+            "predicted_device_peak_bytes": self.plan.device_peak_bytes,
+            "device_budget_bytes": self.config.device_memory or 0,
+            "steps": self.steps,
+        }
+
+    def explain(self) -> str:
+        lo = self.lowered
+        layout, plan = lo.layout, lo.plan
+        lines = [f"pstar_fx engine: {sum(s.numel for s in layout.slots):,} parameters in {len(layout.chunks)} "
+                 f"chunk(s) of {layout.chunk_size:,} elements ({layout.waste_elems:,} padding); "
+                 f"compute dtype {lo.config.dtype}; device {self.device}"]
+        lines.append("chunks:")
+        for c in layout.chunks:
+            names = [s.param.name for s in c.slots]
+            shown = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+            lines.append(f"  c{c.id}: {plan.placement[c.id]:6s} {c.used_elems:>12,} elems, {len(names)} param(s): {shown}")
+        lines.append(plan.summary())
+        ops = Counter(n.target for n in self.graph.graph.nodes if n.op == "call_method")
+        lines.append("schedule (nodes in engine.graph): "
+                     + ", ".join(f"{k} {ops[k]}" for k in ("prefetch", "fetch", "release", "offload", "adam",
+                                                            "grad", "param") if ops[k]))
+        return "\n".join(lines)
+
+
+def compile(model: nn.Module, config: Config | dict | str | os.PathLike | None = None, example_inputs=None) -> Engine:
+    """Capture `model`'s training step as one graph, chunk and plan it, and return an Engine that trains it."""
+    return Engine(model, config, example_inputs)
+
+
+def plan(model: nn.Module, config: Config | dict | str | None = None, example_inputs=None) -> Plan:
+    """Everything `compile` does short of allocating: the model may live on the meta device."""
+    return Lowered(model, Config.coerce(config), tuple(example_inputs)).plan

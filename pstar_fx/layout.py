@@ -1,0 +1,115 @@
+"""layout: parameters -> fixed-size chunks, in the order the step first uses them.
+
+A chunk is `chunk_size` elements of each persistent fp32 tensor (master weight, exp_avg, exp_avg_sq) plus,
+while in use, a compute copy and a gradient buffer. A parameter lies whole inside one chunk, so the chunk
+size is at least the largest parameter. First-use order means forward walks the chunks 0, 1, 2, ... and
+backward walks them back, which is what makes a chunk a useful unit to move.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from .capture import Capture, ParamInfo
+
+_AUTO_CHUNKS = 16          # "auto" aims at about this many chunks ...
+_ALIGN_ELEMS = 1024        # ... with sizes rounded to 1024 elements (4 KiB of fp32)
+
+
+@dataclass
+class Slot:
+    """Where one parameter lives: chunk `chunk`, elements [offset, offset + numel)."""
+    index: int                 # position in Capture.params
+    param: ParamInfo
+    chunk: int
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return self.param.numel
+
+
+@dataclass
+class Chunk:
+    id: int
+    slots: list[Slot] = field(default_factory=list)
+    used_elems: int = 0
+
+    def grad_spans(self) -> list[tuple[int, int]]:
+        """Contiguous (offset, numel) ranges of parameters that receive gradients: what Adam updates."""
+        spans: list[tuple[int, int]] = []
+        for s in self.slots:
+            if not s.param.has_grad:
+                continue
+            if spans and spans[-1][0] + spans[-1][1] == s.offset:
+                spans[-1] = (spans[-1][0], spans[-1][1] + s.numel)
+            else:
+                spans.append((s.offset, s.numel))
+        return spans
+
+
+@dataclass
+class Layout:
+    chunk_size: int
+    chunks: list[Chunk]
+    slots: list[Slot]          # indexed like Capture.params
+
+    @property
+    def total_elems(self) -> int:
+        return self.chunk_size * len(self.chunks)
+
+    @property
+    def param_elems(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+    @property
+    def waste_elems(self) -> int:
+        return self.total_elems - self.param_elems
+
+
+def first_use_order(cap: Capture) -> list[int]:
+    """Indices into Capture.params in the order the graph first reads them; unread parameters last."""
+    index = {n: i for i, n in enumerate(cap.placeholders()[: len(cap.params)])}
+    order, seen = [], set()
+    for node in cap.gm.graph.nodes:
+        for arg in node.all_input_nodes:
+            i = index.get(arg)
+            if i is not None and i not in seen and node.op != "output":
+                seen.add(i)
+                order.append(i)
+    order += [i for i in range(len(cap.params)) if i not in seen]
+    return order
+
+
+def auto_chunk_size(params: list[ParamInfo]) -> int:
+    total = sum(p.numel for p in params)
+    largest = max(p.numel for p in params)
+    size = max(largest, -(-total // _AUTO_CHUNKS))
+    return -(-size // _ALIGN_ELEMS) * _ALIGN_ELEMS
+
+
+def build_layout(cap: Capture, chunk_size: int | str = "auto") -> Layout:
+    if not cap.params:
+        raise ValueError("the model has no parameters to train")
+    if chunk_size == "auto":
+        chunk_size = auto_chunk_size(cap.params)
+    largest = max(cap.params, key=lambda p: p.numel)
+    if largest.numel > chunk_size:
+        raise ValueError(f"chunk_size={chunk_size} elements is smaller than parameter {largest.name!r} "
+                         f"({largest.numel} elements); every parameter must fit in one chunk")
+    chunks: list[Chunk] = [Chunk(0)]
+    slots: list[Slot | None] = [None] * len(cap.params)
+    for i in first_use_order(cap):
+        p = cap.params[i]
+        if chunks[-1].used_elems + p.numel > chunk_size:
+            chunks.append(Chunk(len(chunks)))
+        c = chunks[-1]
+        slots[i] = Slot(i, p, c.id, c.used_elems)
+        c.slots.append(slots[i])
+        c.used_elems += p.numel
+    return Layout(chunk_size, chunks, slots)
+
+
+def param_placeholders(cap: Capture) -> list[fx.Node]:
+    return cap.placeholders()[: len(cap.params)]

@@ -1,0 +1,45 @@
+"""optim: the per-chunk optimizer update (Adam / AdamW with fp32 master weights).
+
+One call updates one chunk's master, exp_avg and exp_avg_sq in place, over the spans of parameters that
+received gradients (padding and gradient-less parameters are left alone, as torch.optim skips params
+whose .grad is None). The kernels (C++ on the host, Triton on the GPU) do the arithmetic.
+
+Hooks for what comes next, so it fits without a rewrite: `step` and the hyperparameters are read per
+call (an lr schedule changes `hparams["lr"]` between steps); `grad_scale` unscales fp16 loss scaling;
+gradient accumulation only delays the call; exact global-norm clipping scales via `grad_scale` once the
+norm of the whole gradient is known.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    from pstar_fx.kernels import adam_step
+except ImportError:  # TEMP until kernels land
+    def adam_step(p, g, m, v, *, step, lr, beta1, beta2, eps, weight_decay, grad_scale=1.0,
+                  decoupled_weight_decay=True, **_):
+        g = g.float() / grad_scale
+        if not torch.isfinite(g).all():
+            return False
+        if decoupled_weight_decay:
+            p.mul_(1 - lr * weight_decay)
+        else:
+            g = g.add(p, alpha=weight_decay)
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (v.sqrt() / (1 - beta2 ** step) ** 0.5).add_(eps)
+        p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** step))
+        return True
+
+
+def chunk_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 spans: list[tuple[int, int]], *, step: int, hparams: dict, grad_scale: float = 1.0) -> bool:
+    """Adam/AdamW over `spans` of a chunk. Returns False (and changes nothing) on non-finite gradients."""
+    beta1, beta2 = hparams["betas"]
+    ok = True
+    for off, n in spans:
+        sl = slice(off, off + n)
+        ok &= adam_step(master[sl], grad[sl], exp_avg[sl], exp_avg_sq[sl], step=step, lr=hparams["lr"],
+                        beta1=beta1, beta2=beta2, eps=hparams["eps"], weight_decay=hparams["weight_decay"],
+                        grad_scale=grad_scale, decoupled_weight_decay=hparams["type"] == "adamw")
+    return ok

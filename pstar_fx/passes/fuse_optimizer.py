@@ -1,0 +1,47 @@
+"""fuse_optimizer: write each gradient into its chunk and update each chunk right after its last use.
+
+Needs: a joint graph with localized parameter views, whose output is (mutated buffers..., loss, grads...),
+and a Layout. Provides: the output is (mutated buffers..., loss); after the node producing parameter i's
+gradient comes `rt.grad(i, g)`; after the last node that reads or writes chunk c comes `rt.adam(c)`.
+Why: the optimizer runs inside backward, so whole-model gradients never exist at once, and a chunk's
+gradient buffer lives only from its first gradient to its update.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from ..layout import Layout
+
+
+def fuse_optimizer(gm: fx.GraphModule, layout: Layout, n_mutated: int) -> fx.GraphModule:
+    g = gm.graph
+    rt = next(iter(g.find_nodes(op="placeholder")))
+    params = list(g.find_nodes(op="placeholder"))[1: 1 + len(layout.slots)]
+    output = g.output_node()
+    outs = list(output.args[0])
+    grads = outs[n_mutated + 1:]
+    output.args = (tuple(outs[: n_mutated + 1]),)
+
+    order = {n: i for i, n in enumerate(g.nodes)}
+    last_touch: dict[int, tuple[float, fx.Node]] = {}   # chunk -> (position, node the update goes after)
+
+    def touch(chunk: int, position: float, node: fx.Node) -> None:
+        if chunk not in last_touch or position > last_touch[chunk][0]:
+            last_touch[chunk] = (position, node)
+
+    for slot, p in zip(layout.slots, params):
+        for user in p.users:
+            touch(slot.chunk, order[user], user)
+    for slot, grad in zip(layout.slots, grads):
+        if grad is None:
+            continue
+        with g.inserting_after(grad):
+            write = g.call_method("grad", (rt, slot.index, grad))
+        touch(slot.chunk, order[grad] + 0.5, write)
+    for chunk, (_, node) in sorted(last_touch.items(), key=lambda kv: -kv[1][0]):
+        if layout.chunks[chunk].grad_spans():
+            with g.inserting_after(node):
+                g.call_method("adam", (rt, chunk))
+    g.lint()
+    gm.recompile()
+    return gm

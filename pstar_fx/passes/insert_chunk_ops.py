@@ -1,0 +1,52 @@
+"""insert_chunk_ops: make every chunk move an explicit node, and read parameters from chunk buffers.
+
+Needs: the graph after `fuse_optimizer` and the Plan made from it. Provides: `rt.prefetch(c)`,
+`rt.fetch(c)` and `rt.release(c)` where the plan's schedule puts them, `rt.offload(c)` (gradients of a
+host-resident chunk go to the host) before `rt.adam(c)`, and `rt.param(i)` (a view of parameter i in its
+chunk's compute buffer) right before each op that reads it. Parameter placeholders are removed: the
+lowered step takes (rt, buffers..., inputs..., tangent).
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from ..layout import Layout
+from ..plan import Plan
+
+
+def insert_chunk_ops(gm: fx.GraphModule, layout: Layout, plan: Plan) -> fx.GraphModule:
+    g = gm.graph
+    placeholders = list(g.find_nodes(op="placeholder"))
+    rt = placeholders[0]
+    params = placeholders[1: 1 + len(layout.slots)]
+    first_op = next(n for n in g.nodes if n.op != "placeholder")
+
+    def emit(op: str, chunk: int) -> fx.Node:
+        return g.call_method(op, (rt, chunk))
+
+    for node in list(g.nodes):
+        for op, c in plan.schedule_before.get(node.name, []):
+            with g.inserting_before(node if node.op != "placeholder" else first_op):
+                emit(op, c)
+        anchor = node
+        for op, c in plan.schedule_after.get(node.name, []):
+            if anchor.op == "placeholder":
+                with g.inserting_before(first_op):
+                    emit(op, c)
+                continue
+            with g.inserting_after(anchor):
+                anchor = emit(op, c)
+        if node.op == "call_method" and node.target == "adam" and plan.placement[node.args[1]] == "host":
+            with g.inserting_before(node):
+                emit("offload", node.args[1])
+
+    for slot, p in zip(layout.slots, params):
+        for user in list(p.users):
+            with g.inserting_before(user):
+                view = g.call_method("param", (rt, slot.index))
+            view._rename(p.name)
+            user.replace_input_with(p, view)
+        g.erase_node(p)
+    g.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,54 @@
+"""localize_param_views: recompute every view of a parameter right before each op that reads it.
+
+Needs: a joint graph whose placeholders are rt, then the parameters.
+Provides: no view of a parameter (t, view, permute, detach, ...) lives across other ops. Why: a parameter's
+data is its chunk's compute buffer, which may be released and refilled between forward and backward; a
+view made in forward and kept for backward would alias a buffer that by then holds another chunk. Views
+cost nothing to recompute.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+
+def is_view(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True  # element of a multi-output view op (split, unbind); callers check the base
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None and not r.alias_info.is_write
+                                      for r in schema.returns)
+
+
+def localize_param_views(gm: fx.GraphModule, n_params: int) -> fx.GraphModule:
+    g = gm.graph
+    params = set(list(g.find_nodes(op="placeholder"))[1: 1 + n_params])  # after rt
+    views: list[fx.Node] = []
+    derived = set(params)
+    for node in g.nodes:
+        if is_view(node) and node.args and node.args[0] in derived:
+            views.append(node)
+            derived.add(node)
+    view_set = set(views)
+
+    def clone_chain(v: fx.Node) -> fx.Node:
+        base = v.args[0]
+        new_base = base if base in params else clone_chain(base)
+        return g.node_copy(v, lambda n: new_base if n is base else n)
+
+    for user in list(g.nodes):
+        if user in view_set:
+            continue
+        for arg in [a for a in user.all_input_nodes if a in view_set]:
+            with g.inserting_before(user):
+                user.replace_input_with(arg, clone_chain(arg))
+    for v in reversed(views):
+        if not v.users:
+            g.erase_node(v)
+    g.lint()
+    gm.recompile()
+    return gm

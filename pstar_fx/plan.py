@@ -1,0 +1,351 @@
+"""plan: a memory model of the step, a placement of chunks on tiers, and a schedule of chunk moves.
+
+Input: the graph after `fuse_optimizer` (so chunk reads, gradient writes and updates are all nodes), the
+Layout and the Config. Output: a `Plan` with
+
+  placement   chunk -> "device" | "host": where its fp32 master, exp_avg and exp_avg_sq live;
+  slots       compute buffers on the device (one chunk each) for chunks whose compute copy is not the
+              master itself (host-resident chunks, and every chunk when dtype is 16-bit);
+  grad_slots  gradient buffers on the device, enough for the chunks whose backward overlaps;
+  schedule    per node: which chunks to prefetch / fetch before it and release after it. Eviction is
+              Belady's: the resident chunk whose next use is farthest away (never, first) leaves;
+  peaks       predicted device and host bytes, from fake-tensor sizes of every value the graph holds.
+
+The memory model counts what the runtime counts: chunk memory allocated once at start, buffers, and the
+live values of the graph (inputs, activations kept for backward, temporaries), each from the moment it is
+produced to its last use. Views cost nothing.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from .config import Config, format_bytes
+from .layout import Layout
+
+MASTER_STATE_BYTES = 12   # fp32 master + exp_avg + exp_avg_sq, per element
+
+
+class BudgetError(MemoryError):
+    """The step cannot fit the memory budget; raised at compile/plan time, before any step runs."""
+
+
+@dataclass
+class Plan:
+    placement: list[str]
+    slots: int
+    grad_slots: int
+    schedule_before: dict[str, list[tuple[str, int]]]
+    schedule_after: dict[str, list[tuple[str, int]]]
+    device_peak_bytes: int
+    host_peak_bytes: int
+    device_breakdown: dict[str, int]
+    host_breakdown: dict[str, int]
+    activation_peak_bytes: int
+    fetches: int = 0
+    budget_bytes: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.budget_bytes is None or self.device_peak_bytes <= self.budget_bytes
+
+    def summary(self) -> str:
+        lines = ["plan:"]
+        lines.append(f"  device peak {format_bytes(self.device_peak_bytes)}"
+                     + (f" of budget {format_bytes(self.budget_bytes)}" if self.budget_bytes else "")
+                     + ": " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.device_breakdown.items()))
+        lines.append(f"  host peak {format_bytes(self.host_peak_bytes)}: "
+                     + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.host_breakdown.items()))
+        n_dev = self.placement.count("device")
+        lines.append(f"  placement: {n_dev} chunk(s) on device, {len(self.placement) - n_dev} on host: "
+                     + _ranges(self.placement))
+        lines.append(f"  {self.slots} compute slot(s), {self.grad_slots} gradient slot(s); "
+                     f"{self.fetches} chunk fetch(es) per step")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _ranges(placement: list[str]) -> str:
+    out, start = [], 0
+    for i in range(1, len(placement) + 1):
+        if i == len(placement) or placement[i] != placement[start]:
+            out.append(f"c{start}" + (f"-c{i - 1}" if i - 1 > start else "") + f"={placement[start]}")
+            start = i
+    return " ".join(out)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# memory model
+
+def _nbytes(val) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.untyped_storage().nbytes() if val.layout == torch.strided else 0
+    if isinstance(val, (list, tuple)):
+        return sum(_nbytes(v) for v in val)
+    return 0
+
+
+def _is_alias(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+class LiveSet:
+    """Bytes held by graph values: each owner (an allocation) lives while any value aliasing it lives."""
+
+    def __init__(self):
+        self.bytes = 0
+        self.peak = 0
+        self._refs: dict[object, list] = {}   # owner key -> [nbytes, refcount]
+
+    def add(self, key, nbytes: int) -> None:
+        entry = self._refs.get(key)
+        if entry is None:
+            self._refs[key] = [nbytes, 1]
+            self.bytes += nbytes
+            self.peak = max(self.peak, self.bytes)
+        else:
+            entry[1] += 1
+
+    def drop(self, key) -> None:
+        entry = self._refs.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.bytes -= entry[0]
+            del self._refs[key]
+
+
+def last_uses(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
+    """node -> values whose last reader is that node (freed right after it runs)."""
+    last: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        for arg in node.all_input_nodes:
+            last[arg] = node
+    out: dict[fx.Node, list[fx.Node]] = {}
+    for value, node in last.items():
+        out.setdefault(node, []).append(value)
+    return out
+
+
+def activation_profile(graph: fx.Graph, skip: set[fx.Node]) -> tuple[list[int], int]:
+    """Predicted live bytes of graph values after each node (excluding `skip`: chunk-backed values)."""
+    live = LiveSet()
+    owner: dict[fx.Node, fx.Node] = {}
+    frees = last_uses(graph)
+    per_node = []
+    for node in graph.nodes:
+        if node in skip or node.op == "output":
+            pass
+        elif _is_alias(node) and node.args and isinstance(node.args[0], fx.Node):
+            base = owner.get(node.args[0])
+            if base is not None:
+                owner[node] = base
+                live.add(base, 0)
+        else:
+            nb = _nbytes(node.meta.get("val"))
+            if nb:
+                owner[node] = node
+                live.add(node, nb)
+        per_node.append(live.bytes)
+        for value in frees.get(node, []):
+            if value in owner:
+                live.drop(owner[value])
+        if node.op != "placeholder" and node in owner and not node.users:
+            live.drop(owner[node])
+    return per_node, live.peak
+
+
+# ---------------------------------------------------------------------------------------------------------
+# placement and schedule
+
+def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_itemsize: int,
+              n_params: int, n_buffers: int, buffer_bytes: int) -> Plan:
+    g = gm.graph
+    nodes = list(g.nodes)
+    placeholders = list(g.find_nodes(op="placeholder"))
+    param_nodes = placeholders[1: 1 + n_params]
+    param_chunk = {p: layout.slots[i].chunk for i, p in enumerate(param_nodes)}
+    n_chunks = len(layout.chunks)
+    cs = layout.chunk_size
+    fp32 = compute_itemsize == 4
+
+    # what each node needs resident, and where gradient buffers live
+    reads: list[set[int]] = []
+    grad_first: dict[int, int] = {}
+    adam_at: dict[int, int] = {}
+    via: dict[fx.Node, set[int]] = {p: {c} for p, c in param_chunk.items()}  # views of chunk memory
+    for i, node in enumerate(nodes):
+        r = set().union(*(via[a] for a in node.all_input_nodes if a in via))
+        reads.append(r)
+        if r and _is_alias(node):
+            via[node] = r   # a view keeps its chunk needed until its own last reader
+        if node.op == "call_method" and node.target == "grad":
+            grad_first.setdefault(layout.slots[node.args[1]].chunk, i)
+        elif node.op == "call_method" and node.target == "adam":
+            adam_at[node.args[1]] = i
+    grad_slots = _max_overlap([(grad_first[c], adam_at[c]) for c in grad_first if c in adam_at])
+
+    buffer_nodes = placeholders[1 + n_params: 1 + n_params + n_buffers]
+    _, act_peak = activation_profile(g, skip=set(param_nodes) | set(buffer_nodes) | {placeholders[0]})
+    slot_bytes = cs * compute_itemsize
+    grad_slot_bytes = cs * compute_itemsize
+    state_bytes = cs * MASTER_STATE_BYTES
+    min_slots = max((len(r) for r in reads), default=0)
+    fixed = act_peak + buffer_bytes + grad_slots * grad_slot_bytes
+    budget = config.device_memory
+    notes: list[str] = []
+
+    # placement: as many chunks' state on the device as the budget allows, keeping `min_slots` slots
+    if config.placement == "host":
+        n_device = 0
+    elif config.placement == "device" or budget is None:
+        n_device = n_chunks
+    else:
+        n_device = 0
+        for k in range(n_chunks, -1, -1):
+            need_slots = min_slots if (not fp32 or k < n_chunks) else 0
+            if fixed + k * state_bytes + need_slots * slot_bytes <= budget:
+                n_device = k
+                break
+    placement = ["device"] * n_device + ["host"] * (n_chunks - n_device)
+    needs_slot = [not (fp32 and placement[c] == "device") for c in range(n_chunks)]
+    slot_chunks = sum(needs_slot)
+    if slot_chunks:
+        spare = (budget - fixed - n_device * state_bytes) // slot_bytes if budget is not None else slot_chunks
+        slots = max(min_slots, min(slot_chunks, spare))
+    else:
+        slots = 0
+
+    before, after, fetches = _belady(nodes, reads, needs_slot, slots)
+    device = {
+        "activations": act_peak,
+        "buffers": buffer_bytes,
+        "chunk state": n_device * state_bytes,
+        "compute slots": slots * slot_bytes,
+        "gradient slots": grad_slots * grad_slot_bytes,
+    }
+    n_host = n_chunks - n_device
+    host = {
+        "chunk state": n_host * state_bytes,
+        "gradient staging": (cs * compute_itemsize) if n_host else 0,
+        "cast staging": (cs * compute_itemsize) if (n_host and not fp32) else 0,
+    }
+    plan = Plan(placement, slots, grad_slots, before, after,
+                device_peak_bytes=sum(device.values()), host_peak_bytes=sum(host.values()),
+                device_breakdown=device, host_breakdown=host, activation_peak_bytes=act_peak,
+                fetches=fetches, budget_bytes=budget, notes=notes)
+    _check(plan, config, layout, min_slots, fixed, slot_bytes, state_bytes)
+    return plan
+
+
+def _max_overlap(intervals: list[tuple[int, int]]) -> int:
+    events = sorted([(s, 1) for s, _ in intervals] + [(e + 1, -1) for _, e in intervals])
+    cur = best = 0
+    for _, d in events:
+        cur += d
+        best = max(best, cur)
+    return best
+
+
+def _belady(nodes, reads, needs_slot, n_slots):
+    """Residency of slot chunks over the node sequence; returns per-node ops and the number of fetches.
+
+    Before node i: every chunk it reads is resident (fetch, evicting the resident chunk used farthest in
+    the future if all slots are full). After node i: a chunk with no further use is released, and the next
+    chunk the step will need is prefetched when a slot is free or holds a chunk needed later than it.
+    """
+    uses: dict[int, list[int]] = {}
+    for i, r in enumerate(reads):
+        for c in r:
+            if needs_slot[c]:
+                uses.setdefault(c, []).append(i)
+    ptr = {c: 0 for c in uses}
+
+    def next_use(c: int, i: int) -> float:
+        u = uses[c]
+        while ptr[c] < len(u) and u[ptr[c]] < i:
+            ptr[c] += 1
+        return u[ptr[c]] if ptr[c] < len(u) else float("inf")
+
+    order = sorted((i, c) for c, u in uses.items() for i in u)   # (use index, chunk) in time order
+    before: dict[str, list] = {}
+    after: dict[str, list] = {}
+    resident: set[int] = set()
+    prefetched: set[int] = set()
+    fetches = 0
+    cursor = 0
+    for i, node in enumerate(nodes):
+        need = [c for c in sorted(reads[i]) if needs_slot[c]]
+        ops = before.setdefault(node.name, [])
+        for c in need:
+            if c in resident:
+                if c in prefetched:
+                    ops.append(("fetch", c))   # wait for the prefetch to land
+                    prefetched.discard(c)
+                continue
+            if len(resident) >= n_slots:
+                victim = max((r for r in resident if r not in need), key=lambda r: next_use(r, i))
+                ops.append(("release", victim))
+                resident.discard(victim)
+                prefetched.discard(victim)
+            ops.append(("fetch", c))
+            resident.add(c)
+            fetches += 1
+        post = after.setdefault(node.name, [])
+        for c in sorted(resident):
+            if next_use(c, i + 1) == float("inf"):
+                post.append(("release", c))
+                resident.discard(c)
+                prefetched.discard(c)
+        # prefetch the next chunk needed that is not resident
+        while cursor < len(order) and order[cursor][0] <= i:
+            cursor += 1
+        k = cursor
+        while k < len(order) and order[k][1] in resident:
+            k += 1
+        if k < len(order):
+            when, c = order[k]
+            if len(resident) < n_slots:
+                post.append(("prefetch", c))
+            else:
+                victim = max(resident, key=lambda r: next_use(r, i + 1))
+                if next_use(victim, i + 1) <= when:
+                    continue
+                post.append(("release", victim))
+                resident.discard(victim)
+                prefetched.discard(victim)
+                post.append(("prefetch", c))
+            resident.add(c)
+            prefetched.add(c)
+            fetches += 1
+    return ({k: v for k, v in before.items() if v}, {k: v for k, v in after.items() if v}, fetches)
+
+
+def _check(plan: Plan, config: Config, layout: Layout, min_slots, fixed, slot_bytes, state_bytes) -> None:
+    budget = config.device_memory
+    if budget is not None and plan.device_peak_bytes > budget:
+        missing = plan.device_peak_bytes - budget
+        tried = ("all chunk state already on the host, the minimum of compute slots "
+                 f"({min_slots}, what one op reads at once)") if config.placement != "device" else \
+            "placement='device' forces every chunk's state onto the device"
+        raise BudgetError(
+            f"the step needs {format_bytes(plan.device_peak_bytes)} of device memory but device_memory is "
+            f"{format_bytes(budget)} ({format_bytes(missing)} missing). Tried: {tried}. Device bytes: "
+            + ", ".join(f"{k} {format_bytes(v)}" for k, v in plan.device_breakdown.items())
+            + ". Lower the batch or sequence, use a smaller chunk_size, or raise device_memory.")
+    host_budget = config.host_memory
+    if host_budget is not None and plan.host_peak_bytes > host_budget:
+        raise BudgetError(
+            f"the host tier needs {format_bytes(plan.host_peak_bytes)} but host_memory is "
+            f"{format_bytes(host_budget)} ({format_bytes(plan.host_peak_bytes - host_budget)} missing): "
+            + ", ".join(f"{k} {format_bytes(v)}" for k, v in plan.host_breakdown.items()))

@@ -1,0 +1,229 @@
+"""runtime: the chunk store and the `rt` object the lowered step calls, with every byte accounted.
+
+The store allocates all chunk memory once, at start: each chunk's fp32 state (master, exp_avg,
+exp_avg_sq) on its tier, the plan's compute slots and gradient slots on the device, staging buffers on
+the host. A step then only copies between these buffers. Allocation checks the tier's budget, and on a
+CPU device tier the runner checks the budget again after every node against the bytes of the graph's
+live values (activations, temporaries, inputs), so the budget is enforced for real, not just planned.
+
+`rt` methods (what the lowered graph calls): prefetch/fetch/release/param for compute copies,
+grad/offload/adam for gradients and the update. This runtime is synchronous: a prefetch copies at once
+and fetch then only checks. The CUDA runtime with copy streams and events replaces those two.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .config import Config, format_bytes
+from .layout import Layout
+from .optim import chunk_update
+from .plan import LiveSet, Plan, last_uses
+
+
+@dataclass
+class MemoryStats:
+    device_bytes: int = 0
+    host_bytes: int = 0
+    device_peak_bytes: int = 0
+    host_peak_bytes: int = 0
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+
+
+class ChunkRuntime:
+    def __init__(self, layout: Layout, plan: Plan, config: Config, device: torch.device,
+                 compute_dtype: torch.dtype):
+        self.layout, self.plan, self.config = layout, plan, config
+        self.device, self.host = device, torch.device("cpu")
+        self.compute_dtype = compute_dtype
+        self.hparams = config.optimizer
+        self.stats = MemoryStats()
+        self.step_count = 0
+        self._store_ptrs: set[int] = set()
+        cs = layout.chunk_size
+        self._pin = device.type == "cuda"
+
+        self.master, self.exp_avg, self.exp_avg_sq = [], [], []
+        for c in range(len(layout.chunks)):
+            on_device = plan.placement[c] == "device"
+            self.master.append(self._alloc(on_device, cs, torch.float32, zero=True))
+            self.exp_avg.append(self._alloc(on_device, cs, torch.float32, zero=True))
+            self.exp_avg_sq.append(self._alloc(on_device, cs, torch.float32, zero=True))
+        self._free_slots = [self._alloc(True, cs, compute_dtype) for _ in range(plan.slots)]
+        self._free_grads = [self._alloc(True, cs, compute_dtype) for _ in range(plan.grad_slots)]
+        any_host = "host" in plan.placement
+        self._host_grad = self._alloc(False, cs, compute_dtype) if any_host else None
+        self._host_cast = (self._alloc(False, cs, compute_dtype)
+                           if any_host and compute_dtype != torch.float32 else None)
+        self.compute: dict[int, torch.Tensor] = {}   # chunk -> its compute buffer, while resident
+        self.grads: dict[int, torch.Tensor] = {}     # chunk -> its gradient buffer, from first grad to adam
+        self._pinned_compute = {c for c in range(len(layout.chunks))
+                                if plan.placement[c] == "device" and compute_dtype == torch.float32}
+        for c in self._pinned_compute:
+            self.compute[c] = self.master[c]         # fp32 on the device: the master is the compute copy
+
+    # ---- allocation and accounting -------------------------------------------------------------------
+    def _alloc(self, on_device: bool, n: int, dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
+        nbytes = n * dtype.itemsize
+        tier = self.device if on_device else self.host
+        if on_device:
+            budget = self.config.device_memory
+            if budget is not None and self.stats.device_bytes + nbytes > budget:
+                raise MemoryError(f"device tier over budget: {format_bytes(self.stats.device_bytes + nbytes)} "
+                                  f"> device_memory {format_bytes(budget)}")
+            self.stats.device_bytes += nbytes
+            self.stats.device_peak_bytes = max(self.stats.device_peak_bytes, self.stats.device_bytes)
+        else:
+            budget = self.config.host_memory
+            if budget is not None and self.stats.host_bytes + nbytes > budget:
+                raise MemoryError(f"host tier over budget: {format_bytes(self.stats.host_bytes + nbytes)} "
+                                  f"> host_memory {format_bytes(budget)}")
+            self.stats.host_bytes += nbytes
+            self.stats.host_peak_bytes = max(self.stats.host_peak_bytes, self.stats.host_bytes)
+        t = (torch.zeros if zero else torch.empty)(n, dtype=dtype, device=tier,
+                                                   pin_memory=self._pin and tier.type == "cpu")
+        self._store_ptrs.add(t.untyped_storage().data_ptr())
+        return t
+
+    def owns(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() in self._store_ptrs
+
+    # ---- weights in and out --------------------------------------------------------------------------
+    def load_params(self, tensors: list[torch.Tensor]) -> None:
+        for slot, t in zip(self.layout.slots, tensors):
+            self.master[slot.chunk][slot.offset: slot.offset + slot.numel].copy_(t.detach().reshape(-1))
+
+    def param_fp32(self, index: int) -> torch.Tensor:
+        slot = self.layout.slots[index]
+        return self.master[slot.chunk][slot.offset: slot.offset + slot.numel].view(slot.param.shape)
+
+    # ---- what the lowered graph calls ----------------------------------------------------------------
+    def prefetch(self, c: int) -> None:
+        self._load(c)
+
+    def fetch(self, c: int) -> None:
+        if c not in self.compute:
+            self._load(c)
+
+    def release(self, c: int) -> None:
+        buf = self.compute.pop(c)
+        self._free_slots.append(buf)
+
+    def param(self, index: int) -> torch.Tensor:
+        slot = self.layout.slots[index]
+        buf = self.compute.get(slot.chunk)
+        if buf is None:
+            raise RuntimeError(f"chunk {slot.chunk} (holding {slot.param.name}) is not resident: schedule bug")
+        return buf[slot.offset: slot.offset + slot.numel].view(slot.param.shape)
+
+    def grad(self, index: int, g: torch.Tensor) -> None:
+        slot = self.layout.slots[index]
+        buf = self.grads.get(slot.chunk)
+        if buf is None:
+            buf = self.grads[slot.chunk] = self._free_grads.pop()
+        buf[slot.offset: slot.offset + slot.numel].copy_(g.reshape(-1))
+
+    def offload(self, c: int) -> None:
+        """Gradients of a host-resident chunk go to the host, where its state is updated."""
+        buf = self.grads.pop(c)
+        n = self.layout.chunks[c].used_elems
+        self._host_grad[:n].copy_(buf[:n])
+        self.stats.d2h_bytes += n * buf.element_size()
+        self._free_grads.append(buf)
+        self.grads[c] = self._host_grad
+
+    def adam(self, c: int) -> None:
+        grad = self.grads.pop(c)
+        spans = self.layout.chunks[c].grad_spans()
+        chunk_update(self.master[c], grad, self.exp_avg[c], self.exp_avg_sq[c], spans,
+                     step=self.step_count, hparams=self.hparams)
+        if grad is not self._host_grad:
+            self._free_grads.append(grad)
+
+    def _load(self, c: int) -> None:
+        buf = self._free_slots.pop()
+        n = self.layout.chunks[c].used_elems
+        src = self.master[c][:n]
+        if self.plan.placement[c] == "device":
+            buf[:n].copy_(src)                       # cast on the device
+        elif self._host_cast is not None:
+            self._host_cast[:n].copy_(src)           # cast on the host, ship 16 bits
+            buf[:n].copy_(self._host_cast[:n], non_blocking=False)
+            self.stats.h2d_bytes += n * buf.element_size()
+        else:
+            buf[:n].copy_(src)
+            self.stats.h2d_bytes += n * 4
+        self.compute[c] = buf
+
+    def check_idle(self) -> None:
+        """After a step every compute copy is released and every gradient consumed."""
+        left = set(self.compute) - self._pinned_compute
+        if left or self.grads:
+            raise RuntimeError(f"step ended with chunks still resident {sorted(left)} or gradients pending "
+                               f"{sorted(self.grads)}: schedule bug")
+
+
+def run_graph(gm: fx.GraphModule, args: list, rt: ChunkRuntime, skip_args: int) -> tuple:
+    """Run the lowered graph node by node, measuring the device bytes of live values after each node.
+
+    Chunk-backed tensors and the first `skip_args` arguments (rt, buffers: accounted by the store) are not
+    counted again. Values are dropped at their last use, as the generated code does.
+    """
+    graph = gm.graph
+    frees = last_uses(graph)
+    env: dict[fx.Node, object] = {}
+    live = LiveSet()
+    budget = rt.config.device_memory
+    keys: dict[fx.Node, list[int]] = {}
+    arg_iter = iter(args)
+    n_placeholder = 0
+
+    def load(a):
+        return fx.node.map_arg(a, lambda n: env[n])
+
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            val = next(arg_iter)
+            n_placeholder += 1
+        elif node.op == "call_function":
+            val = node.target(*load(node.args), **load(node.kwargs))
+        elif node.op == "call_method":
+            obj, *rest = load(node.args)
+            val = getattr(obj, node.target)(*rest, **load(node.kwargs))
+        elif node.op == "output":
+            return load(node.args[0])
+        else:
+            raise RuntimeError(f"unexpected node {node.format_node()}")
+        env[node] = val
+        if not (node.op == "placeholder" and n_placeholder <= skip_args):
+            ks = keys[node] = []
+            for t in _tensors(val):
+                if t.device == rt.device and not rt.owns(t):
+                    k = t.untyped_storage().data_ptr()
+                    live.add(k, t.untyped_storage().nbytes())
+                    ks.append(k)
+            total = rt.stats.device_bytes + live.bytes
+            if total > rt.stats.device_peak_bytes:
+                rt.stats.device_peak_bytes = total
+                if budget is not None and total > budget:
+                    raise MemoryError(f"device tier over budget at {node.name}: {format_bytes(total)} > "
+                                      f"device_memory {format_bytes(budget)}")
+        for value in frees.get(node, []):
+            for k in keys.pop(value, ()):
+                live.drop(k)
+            env.pop(value, None)
+        if not node.users and node in keys:
+            for k in keys.pop(node):
+                live.drop(k)
+    raise RuntimeError("graph has no output node")
+
+
+def _tensors(val):
+    if isinstance(val, torch.Tensor):
+        yield val
+    elif isinstance(val, (list, tuple)):
+        for v in val:
+            yield from _tensors(v)
