@@ -80,15 +80,11 @@ class Engine:
         self.rt = ChunkRuntime(self.lowered.layout, self.lowered.plan, config, self.device, self.lowered.dtype)
         named = dict(model.named_parameters(remove_duplicate=False))
         self.rt.load_params([named[p.name] for p in cap.params])
-        self._buffers = [self._device_buffer(model.get_buffer(b)) for b in cap.buffers]
+        self._buffers = [self.rt.adopt(model.get_buffer(b).detach().to(self.device, copy=True))
+                         for b in cap.buffers]
         loss_dtype = next(iter(cap.gm.graph.find_nodes(op="placeholder", target="tangent"))).meta["val"].dtype
         self._tangent = torch.ones((), dtype=loss_dtype, device=self.device)
         self.steps = 0
-
-    def _device_buffer(self, b: torch.Tensor) -> torch.Tensor:
-        t = b.detach().to(self.device, copy=True)
-        self.rt.stats.device_bytes += t.numel() * t.element_size()
-        return t
 
     # ---- the step ----------------------------------------------------------------------------------
     def step(self, *inputs: torch.Tensor) -> torch.Tensor:

@@ -88,6 +88,13 @@ class ChunkRuntime:
         self._store_ptrs.add(t.untyped_storage().data_ptr())
         return t
 
+    def adopt(self, t: torch.Tensor) -> torch.Tensor:
+        """Account a persistent device tensor allocated elsewhere (the model's buffers)."""
+        self.stats.device_bytes += t.untyped_storage().nbytes()
+        self.stats.device_peak_bytes = max(self.stats.device_peak_bytes, self.stats.device_bytes)
+        self._store_ptrs.add(t.untyped_storage().data_ptr())
+        return t
+
     def owns(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().data_ptr() in self._store_ptrs
 
