@@ -37,7 +37,7 @@ class Lowered:
         self.graphs_before: dict[str, str] = {}
         n_params = len(self.capture.params)
         self._run_pass("localize_param_views", localize_param_views, gm, n_params)
-        self._run_pass("fuse_optimizer", fuse_optimizer, gm, self.layout, len(self.capture.mutated_buffers))
+        self._run_pass("fuse_optimizer", fuse_optimizer, gm, self.layout)
         buffer_bytes = sum(_buffer_nbytes(model, b) for b in self.capture.buffers)
         self.plan: Plan = make_plan(gm, self.layout, config, compute_itemsize=self.dtype.itemsize,
                                     n_params=n_params, n_buffers=len(self.capture.buffers),
@@ -101,12 +101,9 @@ class Engine:
         except BaseException:
             rt.step_count -= 1
             raise
-        cap = self.lowered.capture
-        for name, new in zip(cap.mutated_buffers, outs):
-            self._buffers[cap.buffers.index(name)].copy_(new)
         rt.check_idle()
         self.steps += 1
-        return outs[len(cap.mutated_buffers)].detach()
+        return outs[0].detach()
 
     def _check_inputs(self, inputs) -> list[torch.Tensor]:
         specs = self.lowered.capture.inputs

@@ -177,7 +177,6 @@ def test_buffers_and_mutated_running_stats():
     engine = assert_matches_torch(model, batches, {"placement": "host", "chunk_size": 1024,
                                                    "optimizer": {"lr": 1e-2}})
     cap = engine.lowered.capture
-    assert "bn.running_mean" in cap.mutated_buffers
     running = engine._buffers[cap.buffers.index("bn.running_mean")]
     torch.testing.assert_close(running, ref.bn.running_mean, rtol=1e-5, atol=1e-7)
 

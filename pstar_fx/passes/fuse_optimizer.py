@@ -1,7 +1,7 @@
 """fuse_optimizer: write each gradient into its chunk and update each chunk right after its last use.
 
-Needs: a joint graph with localized parameter views, whose output is (mutated buffers..., loss, grads...),
-and a Layout. Provides: the output is (mutated buffers..., loss); after the node producing parameter i's
+Needs: a joint graph with localized parameter views, whose output is (loss, grads...), and a Layout.
+Provides: the output is (loss,); after the node producing parameter i's
 gradient comes `rt.grad(i, g)`; after the last node that reads or writes chunk c comes `rt.adam(c)`.
 Why: the optimizer runs inside backward, so whole-model gradients never exist at once, and a chunk's
 gradient buffer lives only from its first gradient to its update.
@@ -13,14 +13,14 @@ import torch.fx as fx
 from ..layout import Layout
 
 
-def fuse_optimizer(gm: fx.GraphModule, layout: Layout, n_mutated: int) -> fx.GraphModule:
+def fuse_optimizer(gm: fx.GraphModule, layout: Layout) -> fx.GraphModule:
     g = gm.graph
     rt = next(iter(g.find_nodes(op="placeholder")))
     params = list(g.find_nodes(op="placeholder"))[1: 1 + len(layout.slots)]
     output = g.output_node()
     outs = list(output.args[0])
-    grads = outs[n_mutated + 1:]
-    output.args = (tuple(outs[: n_mutated + 1]),)
+    grads = outs[1:]
+    output.args = ((outs[0],),)
 
     order = {n: i for i, n in enumerate(g.nodes)}
     last_touch: dict[int, tuple[float, fx.Node]] = {}   # chunk -> (position, node the update goes after)
