@@ -1,0 +1,336 @@
+// pstar_fx.kernels._cpu_adam: fused Adam / AdamW, fp32 -> 16-bit casts and sums of squares on
+// raw CPU memory, for flat chunks.
+//
+// Bytes per element (what the memory system must move; the step is memory-bound):
+//   adam_step  read p, m, v (12 B) + grad (4 B fp32 / 2 B bf16, fp16), write p, m, v (12 B),
+//              + 2 B written for the optional 16-bit param copy,
+//              + the non-finite pre-pass, which reads the grad once more (4 B / 2 B).
+//              fp32 grads: 32 B (28 B of Adam + 4 B check); bf16 grads + bf16 copy: 30 B.
+//   cast       read 4 B, write 2 B = 6 B.
+//   sq_sum     read 4 B (fp32) or 2 B (16-bit).
+//
+// Design:
+//  - No libtorch: Python hands over data_ptr() integers, element counts and dtype names.
+//  - The GIL is released for the whole computation so a Python thread can drive the GPU meanwhile.
+//  - OpenMP hands out blocks of 64K elements dynamically (block boundaries are multiples of 64
+//    elements, so threads never share a cache line of the 16-bit output).
+//  - SIMD with run-time dispatch: cpu_adam_impl.h is compiled three times (AVX-512, AVX2, and
+//    baseline x86-64, called "scalar" though GCC may use SSE2 there), each under its own
+//    `#pragma GCC target`; the best level the CPU supports is chosen at import. One build runs
+//    on any x86-64. fp16 conversions use explicit F16C / AVX-512 intrinsics because GCC 12 does
+//    not vectorise _Float16 casts.
+//  - Non-finite gradients: a pre-pass takes max |grad| (integer max over bit patterns, so it
+//    vectorises) and the update runs only if every grad / grad_scale is finite. A failed check
+//    writes nothing, so param, exp_avg, exp_avg_sq and the 16-bit copy stay bit-identical.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && !defined(__clang__)
+#define PSTAR_X86_DISPATCH 1
+#include <immintrin.h>
+#else
+#define PSTAR_X86_DISPATCH 0
+#endif
+
+// GCC 12 warns about _mm512_undefined_ps() inside _mm512_cvtph_ps: a known false positive.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+#ifndef PSTAR_BUILD_FLAGS
+#define PSTAR_BUILD_FLAGS "unknown"
+#endif
+
+namespace py = pybind11;
+
+struct AdamCoeffs {
+    float l2_wd;            // weight_decay in L2 mode (Adam: grad += wd * param)
+    float decay;            // 1 - lr * weight_decay (AdamW: param *= decay)
+    float beta1, one_minus_beta1, beta2, one_minus_beta2;
+    float inv_bc2_sqrt;     // 1 / sqrt(1 - beta2^step)
+    float step_size;        // lr / (1 - beta1^step)
+    float eps;
+    float grad_scale, inv_grad_scale;
+    int scale_mode;         // 0: grad_scale == 1; 1: multiply by the exact 1/grad_scale; 2: divide
+    bool decoupled;
+};
+
+namespace simd_scalar {
+#define PSTAR_SIMD 0
+#include "cpu_adam_impl.h"
+#undef PSTAR_SIMD
+}  // namespace simd_scalar
+
+#if PSTAR_X86_DISPATCH
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace simd_avx2 {
+#define PSTAR_SIMD 1
+#include "cpu_adam_impl.h"
+#undef PSTAR_SIMD
+}  // namespace simd_avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,prefer-vector-width=512")
+namespace simd_avx512 {
+#define PSTAR_SIMD 2
+#include "cpu_adam_impl.h"
+#undef PSTAR_SIMD
+}  // namespace simd_avx512
+#pragma GCC pop_options
+#endif
+
+namespace {
+
+struct Level {
+    const char* name;
+    bool (*supported)();
+    void (*adam)(float*, const void*, int, float*, float*, void*, int, int64_t, const AdamCoeffs&);
+    uint32_t (*max_abs)(const void*, int, int64_t);
+    void (*cast)(void*, int, const float*, int64_t);
+    double (*sq_sum)(const void*, int, int64_t);
+};
+
+bool always() { return true; }
+#if PSTAR_X86_DISPATCH
+bool has_avx2() {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+bool has_avx512() {
+    __builtin_cpu_init();
+    return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+#endif
+
+// Best first.
+const std::vector<Level>& levels() {
+    static const std::vector<Level> all = {
+#if PSTAR_X86_DISPATCH
+        {"avx512", has_avx512, simd_avx512::adam_range, simd_avx512::max_abs_bits, simd_avx512::cast_range,
+         simd_avx512::sq_sum_range},
+        {"avx2", has_avx2, simd_avx2::adam_range, simd_avx2::max_abs_bits, simd_avx2::cast_range,
+         simd_avx2::sq_sum_range},
+#endif
+        {"scalar", always, simd_scalar::adam_range, simd_scalar::max_abs_bits, simd_scalar::cast_range,
+         simd_scalar::sq_sum_range},
+    };
+    return all;
+}
+
+const Level& pick(const std::string& simd) {
+    for (const Level& l : levels()) {
+        if (simd == "auto" && l.supported()) return l;
+        if (simd == l.name) {
+            if (!l.supported()) throw py::value_error("simd level '" + simd + "' is not supported by this CPU");
+            return l;
+        }
+    }
+    std::string names;
+    for (const Level& l : levels()) names += std::string(" ") + l.name;
+    throw py::value_error("unknown simd level '" + simd + "'; compiled:" + names + " (or auto)");
+}
+
+// 0 fp32, 1 bf16, 2 fp16
+int dtype_code(const std::string& name, bool allow_fp32, const char* what) {
+    if (name == "float32" && allow_fp32) return 0;
+    if (name == "bfloat16") return 1;
+    if (name == "float16") return 2;
+    throw py::type_error(std::string(what) + ": unsupported dtype '" + name + "'");
+}
+
+int element_size(int code) { return code == 0 ? 4 : 2; }
+
+void check_ptr(uintptr_t ptr, int esize, int64_t n, const char* what) {
+    if (n > 0 && ptr == 0) throw py::value_error(std::string(what) + ": null pointer");
+    if (ptr % (uintptr_t)esize != 0) throw py::value_error(std::string(what) + ": pointer not aligned to its element size");
+}
+
+int thread_count(int num_threads) {
+#ifdef _OPENMP
+    return num_threads > 0 ? num_threads : omp_get_max_threads();
+#else
+    (void)num_threads;
+    return 1;
+#endif
+}
+
+// Below this many elements a fork/join costs more than it saves.
+constexpr int64_t kParallelMinElems = 1 << 15;
+// Work is handed out in blocks (dynamic schedule): a thread the OS preempts — another process on
+// the machine, or the training loop's own threads — holds up one block, not a static 1/T share.
+constexpr int64_t kBlockElems = 1 << 16;
+
+int threads_for(int64_t n, int num_threads) { return n < kParallelMinElems ? 1 : thread_count(num_threads); }
+
+struct Blocks {
+    int64_t n, count;
+    explicit Blocks(int64_t n_) : n(n_), count((n_ + kBlockElems - 1) / kBlockElems) {}
+    int64_t begin(int64_t b) const { return b * kBlockElems; }
+    int64_t size(int64_t b) const { return b * kBlockElems + kBlockElems < n ? kBlockElems : n - b * kBlockElems; }
+};
+
+template <class T>
+T* at(uintptr_t base, int64_t index) { return reinterpret_cast<T*>(base) + index; }
+
+bool adam_step(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, uintptr_t exp_avg,
+               uintptr_t exp_avg_sq, uintptr_t param_out, const std::string& out_dtype, int64_t n, int64_t step,
+               double lr, double beta1, double beta2, double eps, double weight_decay, double grad_scale,
+               bool decoupled, bool check_finite, const std::string& simd, int num_threads) {
+    if (n < 0) throw py::value_error("adam_step: negative element count");
+    if (step < 1) throw py::value_error("adam_step: step must be >= 1 (1-based, after increment)");
+    if (!(grad_scale > 0.0) || grad_scale == HUGE_VAL)
+        throw py::value_error("adam_step: grad_scale must be positive and finite");
+    const Level& L = pick(simd);
+    const int gcode = dtype_code(grad_dtype, true, "adam_step grad");
+    const int ocode = param_out == 0 ? -1 : dtype_code(out_dtype, false, "adam_step param_out");
+    check_ptr(param, 4, n, "param");
+    check_ptr(exp_avg, 4, n, "exp_avg");
+    check_ptr(exp_avg_sq, 4, n, "exp_avg_sq");
+    check_ptr(grad, element_size(gcode), n, "grad");
+    if (ocode >= 0) check_ptr(param_out, 2, n, "param_out");
+
+    AdamCoeffs c;
+    c.decoupled = decoupled;
+    c.l2_wd = (float)weight_decay;
+    c.decay = (float)(1.0 - lr * weight_decay);
+    c.beta1 = (float)beta1;
+    c.one_minus_beta1 = (float)(1.0 - beta1);
+    c.beta2 = (float)beta2;
+    c.one_minus_beta2 = (float)(1.0 - beta2);
+    const double bc1 = 1.0 - std::pow(beta1, (double)step);
+    const double bc2 = 1.0 - std::pow(beta2, (double)step);
+    c.inv_bc2_sqrt = (float)(1.0 / std::sqrt(bc2));
+    c.step_size = (float)(lr / bc1);
+    c.eps = (float)eps;
+    c.grad_scale = (float)grad_scale;
+    c.inv_grad_scale = 1.0f / c.grad_scale;
+    int exponent;
+    const bool pow2 = std::frexp((double)c.grad_scale, &exponent) == 0.5 && std::isnormal(c.inv_grad_scale);
+    c.scale_mode = c.grad_scale == 1.0f ? 0 : pow2 ? 1 : 2;
+
+    // Every grad / grad_scale is finite iff the largest |grad| is finite and stays finite when
+    // unscaled (division by a positive constant is monotonic).
+    auto all_finite = [&c](uint32_t max_abs) {
+        if (max_abs >= 0x7F800000u) return false;
+        float biggest;
+        std::memcpy(&biggest, &max_abs, 4);
+        return c.scale_mode == 0 ? true
+             : c.scale_mode == 1 ? std::isfinite(biggest * c.inv_grad_scale)
+                                 : std::isfinite(biggest / c.grad_scale);
+    };
+    const int es = element_size(gcode);
+    const Blocks blocks(n);
+    const int nt = threads_for(n, num_threads);
+    uint32_t mx = 0;
+    {
+        py::gil_scoped_release no_gil;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+        {
+            if (check_finite) {
+                // pass 1: reads only the grad; nothing is written before every block has been seen
+#pragma omp for schedule(dynamic, 1) reduction(max : mx)
+                for (int64_t b = 0; b < blocks.count; ++b) {
+                    const uint32_t r = L.max_abs(at<const char>(grad, blocks.begin(b) * es), gcode, blocks.size(b));
+                    mx = r > mx ? r : mx;
+                }
+            }
+            if (all_finite(mx)) {
+                // pass 2: the update, with the 16-bit copy written from registers
+#pragma omp for schedule(dynamic, 1)
+                for (int64_t b = 0; b < blocks.count; ++b) {
+                    const int64_t i = blocks.begin(b);
+                    L.adam(at<float>(param, i), at<const char>(grad, i * es), gcode, at<float>(exp_avg, i),
+                           at<float>(exp_avg_sq, i), ocode >= 0 ? at<uint16_t>(param_out, i) : nullptr, ocode,
+                           blocks.size(b), c);
+                }
+            }
+        }
+    }
+    return all_finite(mx);
+}
+
+void cast(uintptr_t dst, const std::string& dst_dtype, uintptr_t src, int64_t n, const std::string& simd,
+          int num_threads) {
+    if (n < 0) throw py::value_error("cast: negative element count");
+    const Level& L = pick(simd);
+    const int dcode = dtype_code(dst_dtype, false, "cast dst");
+    check_ptr(dst, 2, n, "dst");
+    check_ptr(src, 4, n, "src");
+    const Blocks blocks(n);
+    const int nt = threads_for(n, num_threads);
+    py::gil_scoped_release no_gil;
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(dynamic, 1)
+    for (int64_t b = 0; b < blocks.count; ++b)
+        L.cast(at<uint16_t>(dst, blocks.begin(b)), dcode, at<const float>(src, blocks.begin(b)), blocks.size(b));
+}
+
+double sq_sum(uintptr_t x, const std::string& dtype, int64_t n, const std::string& simd, int num_threads) {
+    if (n < 0) throw py::value_error("sq_sum: negative element count");
+    const Level& L = pick(simd);
+    const int code = dtype_code(dtype, true, "sq_sum");
+    const int es = element_size(code);
+    check_ptr(x, es, n, "x");
+    const Blocks blocks(n);
+    const int nt = threads_for(n, num_threads);
+    std::vector<double> partial(blocks.count, 0.0);
+    py::gil_scoped_release no_gil;
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(dynamic, 1)
+    for (int64_t b = 0; b < blocks.count; ++b)
+        partial[b] = L.sq_sum(at<const char>(x, blocks.begin(b) * es), code, blocks.size(b));
+    double acc = 0.0;  // summed in block order: the same bits on every run and thread count
+    for (double p : partial) acc += p;
+    return acc;
+}
+
+py::dict build_info() {
+    py::dict d;
+    d["simd"] = pick("auto").name;
+    std::vector<std::string> compiled, supported;
+    for (const Level& l : levels()) {
+        compiled.push_back(l.name);
+        if (l.supported()) supported.push_back(l.name);
+    }
+    d["simd_compiled"] = compiled;
+    d["simd_supported"] = supported;
+#ifdef _OPENMP
+    d["openmp"] = true;
+    d["max_threads"] = omp_get_max_threads();
+#else
+    d["openmp"] = false;
+    d["max_threads"] = 1;
+#endif
+#ifdef __VERSION__
+    d["compiler"] = __VERSION__;
+#endif
+    d["flags"] = PSTAR_BUILD_FLAGS;
+    return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_cpu_adam, m) {
+    m.doc() = "Fused Adam/AdamW, fp32->bf16/fp16 casts and sums of squares on raw CPU pointers (see cpu_adam.cpp)";
+    m.def("adam_step", &adam_step, py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"),
+          py::arg("exp_avg_sq"), py::arg("param_out"), py::arg("out_dtype"), py::arg("n"), py::arg("step"),
+          py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+          py::arg("grad_scale"), py::arg("decoupled"), py::arg("check_finite") = true, py::arg("simd") = "auto", py::arg("num_threads") = 0,
+          "In-place Adam/AdamW step on fp32 param/exp_avg/exp_avg_sq; returns False (nothing written) "
+          "if any grad / grad_scale is not finite.");
+    m.def("cast", &cast, py::arg("dst"), py::arg("dst_dtype"), py::arg("src"), py::arg("n"),
+          py::arg("simd") = "auto", py::arg("num_threads") = 0,
+          "fp32 -> bfloat16/float16, round to nearest even.");
+    m.def("sq_sum", &sq_sum, py::arg("x"), py::arg("dtype"), py::arg("n"), py::arg("simd") = "auto",
+          py::arg("num_threads") = 0, "Sum of squares, float64 accumulation.");
+    m.def("build_info", &build_info, "Which SIMD level runs here, what was compiled, OpenMP, compiler, flags.");
+}

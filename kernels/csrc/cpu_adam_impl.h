@@ -1,0 +1,302 @@
+// Per-instruction-set kernel bodies for cpu_adam.cpp. NO include guard: this file is included
+// once per SIMD level, each time inside its own namespace and under its own `#pragma GCC target`,
+// with PSTAR_SIMD set to 0 (scalar), 1 (AVX2+FMA+F16C) or 2 (AVX-512 F/BW/VL/DQ).
+//
+// Everything here lives in that per-level namespace and uses only builtins and intrinsics, never
+// std:: templates, so no inline function compiled for AVX-512 can be picked by the linker for
+// use on a machine without it (the usual ODR trap of per-file ISA flags).
+//
+// Numerics: plain IEEE float32 arithmetic, same operation order on every level, and the build
+// passes -ffp-contract=off, so all three levels give bit-identical results.
+
+// ---------------------------------------------------------------- 16-bit conversions
+
+static inline uint32_t f32_bits(float f) { uint32_t u; __builtin_memcpy(&u, &f, 4); return u; }
+static inline float bits_f32(uint32_t u) { float f; __builtin_memcpy(&f, &u, 4); return f; }
+
+// fp32 -> bf16, round to nearest even; NaN stays NaN (quiet bit set, sign and top payload kept).
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u = f32_bits(f);
+    uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    uint32_t nan = (u >> 16) | 0x0040u;
+    return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? nan : r);
+}
+
+static inline float bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+
+// Software fp32 -> fp16, round to nearest even, exact on subnormals / overflow / inf / NaN.
+// Used by the scalar level and for tails; the SIMD levels use F16C / AVX-512 vcvtps2ph, which
+// round the same way (imm8 = 0: round to nearest even).
+static inline uint16_t f32_to_f16_soft(float f) {
+    uint32_t u = f32_bits(f);
+    uint32_t sign = (u >> 16) & 0x8000u;
+    uint32_t a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return (uint16_t)(sign | 0x7E00u | ((a >> 13) & 0x3FFu));  // NaN, quiet
+    if (a >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u);      // >= 65520 rounds to inf
+    if (a < 0x38800000u) {                                        // below 2^-14: fp16 subnormal
+        // Adding 0.5 puts the value's 2^-24 ulp into the low mantissa bits; the FPU rounds (RNE).
+        float t = bits_f32(a) + 0.5f;
+        return (uint16_t)(sign | (f32_bits(t) - 0x3F000000u));
+    }
+    uint32_t odd = (a >> 13) & 1u;
+    a += 0xC8000FFFu + odd;                                       // rebias exponent, round half even
+    return (uint16_t)(sign | (a >> 13));
+}
+
+static inline float f16_to_f32_soft(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t em = h & 0x7FFFu;
+    if (em >= 0x7C00u) return bits_f32(sign | 0x7F800000u | ((em & 0x3FFu) << 13));
+    if (em >= 0x0400u) return bits_f32(sign | ((em << 13) + 0x38000000u));
+    return bits_f32(sign | f32_bits((float)em * 5.9604644775390625e-08f));  // em * 2^-24, exact
+}
+
+// ---------------------------------------------------------------- vectors of this level
+
+// Scalar ops: the whole of level 0, and the tails of the vector levels.
+struct ScalarOps {
+    typedef float T;
+    static constexpr int64_t W = 1;
+    static inline T set(float x) { return x; }
+    static inline T load(const float* p) { return *p; }
+    static inline void store(float* p, T x) { *p = x; }
+    static inline T add(T a, T b) { return a + b; }
+    static inline T sub(T a, T b) { return a - b; }
+    static inline T mul(T a, T b) { return a * b; }
+    static inline T div(T a, T b) { return a / b; }
+    static inline T sqrt(T a) { return __builtin_sqrtf(a); }
+    static inline T load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
+    static inline T load_f16(const uint16_t* p) { return f16_to_f32_soft(*p); }
+    static inline void store_bf16(uint16_t* p, T x) { *p = f32_to_bf16(x); }
+    static inline void store_f16(uint16_t* p, T x) { *p = f32_to_f16_soft(x); }
+};
+
+#if PSTAR_SIMD == 2
+struct VecOps {
+    typedef __m512 T;
+    static constexpr int64_t W = 16;
+    static inline T set(float x) { return _mm512_set1_ps(x); }
+    static inline T load(const float* p) { return _mm512_loadu_ps(p); }
+    static inline void store(float* p, T x) { _mm512_storeu_ps(p, x); }
+    static inline T add(T a, T b) { return _mm512_add_ps(a, b); }
+    static inline T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+    static inline T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+    static inline T div(T a, T b) { return _mm512_div_ps(a, b); }
+    static inline T sqrt(T a) { return _mm512_sqrt_ps(a); }
+    static inline T load_bf16(const uint16_t* p) {
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+    }
+    static inline T load_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+    static inline void store_f16(uint16_t* p, T x) {
+        _mm256_storeu_si256((__m256i*)p, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+    }
+    static inline void store_bf16(uint16_t* p, T x) {
+        const __m512i u = _mm512_castps_si512(x);
+        __m512i r = _mm512_srli_epi32(
+            _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))),
+            16);
+        const __mmask16 isnan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                        _mm512_set1_epi32(0x7F800000));
+        r = _mm512_mask_or_epi32(r, isnan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x0040));
+        _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(r));
+    }
+};
+#elif PSTAR_SIMD == 1
+struct VecOps {
+    typedef __m256 T;
+    static constexpr int64_t W = 8;
+    static inline T set(float x) { return _mm256_set1_ps(x); }
+    static inline T load(const float* p) { return _mm256_loadu_ps(p); }
+    static inline void store(float* p, T x) { _mm256_storeu_ps(p, x); }
+    static inline T add(T a, T b) { return _mm256_add_ps(a, b); }
+    static inline T sub(T a, T b) { return _mm256_sub_ps(a, b); }
+    static inline T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+    static inline T div(T a, T b) { return _mm256_div_ps(a, b); }
+    static inline T sqrt(T a) { return _mm256_sqrt_ps(a); }
+    static inline T load_bf16(const uint16_t* p) {
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+    }
+    static inline T load_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+    static inline void store_f16(uint16_t* p, T x) {
+        _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+    }
+    static inline void store_bf16(uint16_t* p, T x) {
+        const __m256i u = _mm256_castps_si256(x);
+        const __m256i r = _mm256_srli_epi32(
+            _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
+                             _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))),
+            16);
+        // signed compare is fine: both sides are non-negative as int32
+        const __m256i isnan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)),
+                                                 _mm256_set1_epi32(0x7F800000));
+        const __m256i nanv = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x0040));
+        const __m256i b = _mm256_blendv_epi8(r, nanv, isnan);
+        // every lane is < 2^16, so unsigned saturation is exact
+        _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+    }
+};
+#else
+typedef ScalarOps VecOps;
+#endif
+
+// ---------------------------------------------------------------- Adam
+
+// AdamCoeffs is defined once in cpu_adam.cpp, outside the per-level namespaces.
+
+// The coefficients broadcast once per range (held in registers, not re-read from `AdamCoeffs`
+// after every store, which the compiler would have to do since a float* store may alias it).
+template <class O>
+struct AdamConsts {
+    typename O::T l2_wd, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, step_size, eps,
+        grad_scale, inv_grad_scale;
+    explicit AdamConsts(const AdamCoeffs& c)
+        : l2_wd(O::set(c.l2_wd)), decay(O::set(c.decay)), beta1(O::set(c.beta1)),
+          one_minus_beta1(O::set(c.one_minus_beta1)), beta2(O::set(c.beta2)),
+          one_minus_beta2(O::set(c.one_minus_beta2)), inv_bc2_sqrt(O::set(c.inv_bc2_sqrt)),
+          step_size(O::set(c.step_size)), eps(O::set(c.eps)), grad_scale(O::set(c.grad_scale)),
+          inv_grad_scale(O::set(c.scale_mode == 0 ? 1.0f : c.inv_grad_scale)) {}
+};
+
+// W consecutive elements of one step (W = 1 for the scalar ops), in the order torch.optim.AdamW
+// (non-fused) applies it:
+//   g = grad / grad_scale
+//   AdamW: p *= 1 - lr*wd          Adam (L2): g += wd*p
+//   m = b1*m + (1-b1)*g ; v = b2*v + (1-b2)*g*g
+//   p -= lr/(1-b1^t) * (m / (sqrt(v) * (1/sqrt(1-b2^t)) + eps))
+// torch divides by sqrt(1-b2^t); multiplying by its reciprocal saves one of the two divisions,
+// which bound the step on CPUs with a slow divider, and moves denom by at most 1 ulp.
+// grad_scale: multiplied by its reciprocal when that is exact (a power of two, or 1), else divided.
+// GK / OK: grad / output dtype, 0 fp32, 1 bf16, 2 fp16; OK = -1: no 16-bit copy.
+template <class O, int GK, int OK, bool kDivScale, bool kDecoupled>
+static inline void adam_elems(float* p, const void* grad, float* m, float* v, void* out, int64_t i,
+                              const AdamConsts<O>& k) {
+    typedef typename O::T T;
+    T g = GK == 0 ? O::load(static_cast<const float*>(grad) + i)
+        : GK == 1 ? O::load_bf16(static_cast<const uint16_t*>(grad) + i)
+                  : O::load_f16(static_cast<const uint16_t*>(grad) + i);
+    g = kDivScale ? O::div(g, k.grad_scale) : O::mul(g, k.inv_grad_scale);
+    T pi = O::load(p + i);
+    if (kDecoupled) pi = O::mul(pi, k.decay);
+    else g = O::add(g, O::mul(k.l2_wd, pi));
+    const T mi = O::add(O::mul(k.beta1, O::load(m + i)), O::mul(k.one_minus_beta1, g));
+    const T vi = O::add(O::mul(k.beta2, O::load(v + i)), O::mul(O::mul(k.one_minus_beta2, g), g));
+    const T denom = O::add(O::mul(O::sqrt(vi), k.inv_bc2_sqrt), k.eps);
+    pi = O::sub(pi, O::mul(k.step_size, O::div(mi, denom)));
+    O::store(p + i, pi);
+    O::store(m + i, mi);
+    O::store(v + i, vi);
+    if (OK == 1) O::store_bf16(static_cast<uint16_t*>(out) + i, pi);
+    else if (OK == 2) O::store_f16(static_cast<uint16_t*>(out) + i, pi);
+}
+
+// One thread's contiguous range [0, n) of a chunk; pointers already offset to the range start.
+template <int GK, int OK, bool kDivScale, bool kDecoupled>
+static void adam_range_t(float* p, const void* grad, float* m, float* v, void* out, int64_t n, const AdamCoeffs& c) {
+    const AdamConsts<VecOps> kv(c);
+    int64_t i = 0;
+    for (; i + VecOps::W <= n; i += VecOps::W)
+        adam_elems<VecOps, GK, OK, kDivScale, kDecoupled>(p, grad, m, v, out, i, kv);
+    // tail: bit-identical to the vector lanes (IEEE ops in the same order, no FMA)
+    const AdamConsts<ScalarOps> ks(c);
+    for (; i < n; ++i) adam_elems<ScalarOps, GK, OK, kDivScale, kDecoupled>(p, grad, m, v, out, i, ks);
+}
+
+template <int GK, int OK>
+static void adam_range_o(float* p, const void* grad, float* m, float* v, void* out, int64_t n, const AdamCoeffs& c) {
+    const bool div = c.scale_mode == 2;
+    if (c.decoupled) div ? adam_range_t<GK, OK, true, true>(p, grad, m, v, out, n, c)
+                         : adam_range_t<GK, OK, false, true>(p, grad, m, v, out, n, c);
+    else div ? adam_range_t<GK, OK, true, false>(p, grad, m, v, out, n, c)
+             : adam_range_t<GK, OK, false, false>(p, grad, m, v, out, n, c);
+}
+
+template <int GK>
+static void adam_range_g(float* p, const void* grad, float* m, float* v, void* out, int out_dtype, int64_t n,
+                         const AdamCoeffs& c) {
+    if (out == nullptr) adam_range_o<GK, -1>(p, grad, m, v, out, n, c);
+    else if (out_dtype == 1) adam_range_o<GK, 1>(p, grad, m, v, out, n, c);
+    else adam_range_o<GK, 2>(p, grad, m, v, out, n, c);
+}
+
+static void adam_range(float* p, const void* grad, int grad_dtype, float* m, float* v,
+                       void* out, int out_dtype, int64_t n, const AdamCoeffs& c) {
+    if (grad_dtype == 0) adam_range_g<0>(p, grad, m, v, out, out_dtype, n, c);
+    else if (grad_dtype == 1) adam_range_g<1>(p, grad, m, v, out, out_dtype, n, c);
+    else adam_range_g<2>(p, grad, m, v, out, out_dtype, n, c);
+}
+
+static constexpr int64_t kTile = 1024;
+
+template <class U>
+static inline U max_abs_block(const U* u, int64_t n, U mx) {
+    const U mask = (U)(sizeof(U) == 4 ? 0x7FFFFFFFu : 0x7FFFu);
+    for (int64_t i = 0; i < n; ++i) { U a = u[i] & mask; mx = a > mx ? a : mx; }
+    return mx;
+}
+
+// Largest |x| of a range, as the bit pattern of a float32 (16-bit inputs widened exactly).
+// Bit patterns of non-negative floats order like their values, and NaN/inf sort above every
+// finite value, so "max >= 0x7F800000" is "some element is not finite".
+// The range is read as 4 interleaved streams: one sequential stream per core leaves memory
+// bandwidth unused (about 20% here), and this pass is pure reading.
+template <class U>
+static U max_abs_streams(const U* u, int64_t n) {
+    constexpr int kStreams = 4;
+    constexpr int64_t kBlock = 512;
+    const int64_t per = n / kStreams;
+    U mx = 0;
+    for (int64_t i0 = 0; i0 < per; i0 += kBlock) {
+        const int64_t len = per - i0 < kBlock ? per - i0 : kBlock;
+        for (int s = 0; s < kStreams; ++s) mx = max_abs_block(u + s * per + i0, len, mx);
+    }
+    return max_abs_block(u + kStreams * per, n - kStreams * per, mx);
+}
+
+static uint32_t max_abs_bits(const void* x, int dtype, int64_t n) {
+    if (dtype == 0) return max_abs_streams(static_cast<const uint32_t*>(x), n);
+    const uint16_t mx = max_abs_streams(static_cast<const uint16_t*>(x), n);
+    if (dtype == 1) return (uint32_t)mx << 16;
+    return f32_bits(f16_to_f32_soft(mx));  // fp16 inf/NaN map to fp32 inf/NaN patterns
+}
+
+// fp32 -> 16-bit, round to nearest even (both levels and the scalar tail agree bit for bit).
+template <int OK>
+static void cast_range_t(uint16_t* dst, const float* src, int64_t n) {
+    int64_t i = 0;
+    for (; i + VecOps::W <= n; i += VecOps::W) {
+        if (OK == 1) VecOps::store_bf16(dst + i, VecOps::load(src + i));
+        else VecOps::store_f16(dst + i, VecOps::load(src + i));
+    }
+    for (; i < n; ++i) dst[i] = OK == 1 ? f32_to_bf16(src[i]) : f32_to_f16_soft(src[i]);
+}
+
+static void cast_range(void* dst, int dst_dtype, const float* src, int64_t n) {
+    if (dst_dtype == 1) cast_range_t<1>(static_cast<uint16_t*>(dst), src, n);
+    else cast_range_t<2>(static_cast<uint16_t*>(dst), src, n);
+}
+
+// Sum of squares with float64 accumulation (exact products, so the only error is the adds).
+static double sq_sum_range(const void* x, int dtype, int64_t n) {
+    double acc = 0.0;
+    if (dtype == 0) {
+        const float* f = static_cast<const float*>(x);
+#pragma omp simd reduction(+ : acc)
+        for (int64_t i = 0; i < n; ++i) { double d = f[i]; acc += d * d; }
+        return acc;
+    }
+    const uint16_t* h = static_cast<const uint16_t*>(x);
+    alignas(64) float buf[kTile];
+    for (int64_t i0 = 0; i0 < n; i0 += kTile) {
+        const int64_t len = n - i0 < kTile ? n - i0 : kTile;
+        int64_t i = 0;
+        if (dtype == 1) for (; i < len; ++i) buf[i] = bf16_to_f32(h[i0 + i]);
+        else {
+            for (; i + VecOps::W <= len; i += VecOps::W) VecOps::store(buf + i, VecOps::load_f16(h + i0 + i));
+            for (; i < len; ++i) buf[i] = f16_to_f32_soft(h[i0 + i]);
+        }
+#pragma omp simd reduction(+ : acc)
+        for (int64_t j = 0; j < len; ++j) { double d = buf[j]; acc += d * d; }
+    }
+    return acc;
+}

@@ -1,0 +1,189 @@
+"""The kernel contract: adam_step, cast_, sq_norm on flat chunks, with one validation and one
+backend choice for all of them.
+
+backend:
+  "auto"    CPU tensors -> "cpp" (or "torch" with a one-time warning when the extension is not
+            built); CUDA tensors -> "triton" (or "torch" with a one-time warning without triton);
+            any other device -> "torch".
+  "cpp"     the C++ extension (CPU tensors only).
+  "triton"  Triton kernels: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1.
+  "torch"   plain torch ops, any device.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+import os
+import warnings
+
+import torch
+
+from . import cpu_adam, torch_adam
+
+BACKENDS = ("auto", "cpp", "triton", "torch")
+_FLOAT16 = (torch.bfloat16, torch.float16)
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def _triton():
+    """The Triton kernel module (imports triton on first use), or the ImportError."""
+    try:
+        return importlib.import_module(".triton_adam", __package__)
+    except ImportError as e:
+        return e
+
+
+@functools.cache
+def _warn_fallback(what: str, why: str) -> None:
+    warnings.warn(f"pstar_fx.kernels: {what}; using the pure-torch fallback (slower). Reason: {why}",
+                  RuntimeWarning, stacklevel=4)
+
+
+def _resolve(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        if device.type == "cpu":
+            if cpu_adam.available():
+                return "cpp"
+            _warn_fallback("the C++ CPU Adam extension is not built", str(cpu_adam.extension()))
+            return "torch"
+        if device.type == "cuda":
+            mod = _triton()
+            if not isinstance(mod, ImportError):
+                return "triton"
+            _warn_fallback("triton is not importable", str(mod))
+        return "torch"
+    if backend == "cpp" and device.type != "cpu":
+        raise ValueError(f"backend='cpp' needs CPU tensors, got device {device}")
+    if backend == "triton":
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"backend='triton' needs CUDA (or interpreted CPU) tensors, got device {device}")
+        if isinstance(_triton(), ImportError):
+            raise RuntimeError(f"backend='triton': cannot import the Triton kernels ({_triton()})")
+    return backend
+
+
+def _check_tensor(name: str, t, numel: int | None, device: torch.device | None, dtypes) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; expected {allowed}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (flat chunks)")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{name} has {t.numel()} elements, param has {numel}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, param is on {device}")
+
+
+def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
+              grad_scale=1.0, param_out=None, decoupled_weight_decay=True, backend="auto", found_inf=None,
+              check_finite=True):
+    """One Adam/AdamW step on a flat chunk, in place on fp32 param, exp_avg and exp_avg_sq.
+
+    grad: fp32, bf16 or fp16; it is divided by `grad_scale` first (loss-scale unscaling).
+    param_out: optional bf16/fp16 tensor that receives the updated param (bf16 rounded to nearest even).
+    decoupled_weight_decay: True = AdamW (p -= lr*wd*p), False = Adam with L2 (g += wd*p).
+    step: 1-based step count after increment, as torch's bias correction uses it.
+    Returns True; or False when some grad / grad_scale is inf or NaN, in which case nothing at all
+    was written (param, exp_avg, exp_avg_sq, param_out are bit-unchanged).
+
+    Extensions beyond the contract (defaults keep the contract's behaviour):
+    found_inf: a 1-element float32 tensor on param's device. The step is skipped when it is already
+        nonzero, and it is set to 1 when this grad is non-finite; nothing waits for the device
+        (no host sync on CUDA) and the return value is None.
+    check_finite=False: skip the non-finite pre-pass (one read of the grad, 4 B/element of ~32) when
+        the caller already knows the grads are finite — e.g. a finite sq_norm of the same grads,
+        or an overflow check done on the GPU. Non-finite grads are then applied, as torch's own
+        optimizers do, and the return value is True.
+    """
+    _check_tensor("param", param, None, None, (torch.float32,))
+    n, dev = param.numel(), param.device
+    _check_tensor("grad", grad, n, dev, _GRAD_DTYPES)
+    _check_tensor("exp_avg", exp_avg, n, dev, (torch.float32,))
+    _check_tensor("exp_avg_sq", exp_avg_sq, n, dev, (torch.float32,))
+    if param_out is not None:
+        _check_tensor("param_out", param_out, n, dev, _FLOAT16)
+    if found_inf is not None:
+        _check_tensor("found_inf", found_inf, 1, dev, (torch.float32,))
+    if n > 0:
+        ptrs = {"param": param.data_ptr(), "exp_avg": exp_avg.data_ptr(), "exp_avg_sq": exp_avg_sq.data_ptr()}
+        if len(set(ptrs.values())) < 3:
+            raise ValueError("param, exp_avg and exp_avg_sq must be distinct memory")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"step must be an int >= 1 (1-based, after increment), got {step!r}")
+    if isinstance(grad_scale, torch.Tensor):
+        grad_scale = float(grad_scale)
+    if not (math.isfinite(grad_scale) and grad_scale > 0):
+        raise ValueError(f"grad_scale must be positive and finite, got {grad_scale}")
+    for name, value in (("lr", lr), ("beta1", beta1), ("beta2", beta2), ("eps", eps), ("weight_decay", weight_decay)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise TypeError(f"{name} must be a finite number, got {value!r}")
+    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
+        raise ValueError(f"betas must be in [0, 1), got ({beta1}, {beta2})")
+
+    which = _resolve(backend, dev)
+    hyper = dict(step=step, lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
+                 weight_decay=float(weight_decay), grad_scale=float(grad_scale), param_out=param_out,
+                 decoupled_weight_decay=bool(decoupled_weight_decay), check_finite=bool(check_finite))
+    if which == "triton":
+        return _triton().adam_step(param, grad, exp_avg, exp_avg_sq, found_inf=found_inf, **hyper)
+    if found_inf is not None and bool(found_inf.item() != 0):
+        return None
+    if n == 0:
+        ok = True
+    elif which == "cpp":
+        ok = cpu_adam.adam_step(param, grad, exp_avg, exp_avg_sq, **hyper)
+    else:
+        ok = torch_adam.adam_step(param, grad, exp_avg, exp_avg_sq, **hyper)
+    if found_inf is not None:
+        if not ok:
+            found_inf.fill_(1.0)
+        return None
+    return ok
+
+
+def cast_(dst, src, *, backend="auto") -> None:
+    """dst <- src: fp32 -> bf16/fp16 rounded to nearest even (NaN stays NaN), or a same-dtype copy."""
+    _check_tensor("src", src, None, None, _GRAD_DTYPES)
+    _check_tensor("dst", dst, src.numel(), src.device, _GRAD_DTYPES)
+    if dst.dtype != src.dtype and not (src.dtype == torch.float32 and dst.dtype in _FLOAT16):
+        raise TypeError(f"cast_ converts float32 -> bfloat16/float16 or copies one dtype; "
+                        f"got {src.dtype} -> {dst.dtype}")
+    which = _resolve(backend, src.device)
+    if dst.dtype == src.dtype or src.numel() == 0:
+        with torch.no_grad():
+            dst.copy_(src)
+    elif which == "cpp":
+        cpu_adam.cast_(dst, src)
+    elif which == "triton":
+        _triton().cast_(dst, src)
+    else:
+        torch_adam.cast_(dst, src)
+
+
+def sq_norm(x, *, backend="auto") -> torch.Tensor:
+    """Sum of squares of x (fp32/bf16/fp16) as a 0-d float32 tensor on x's device; with the C++
+    backend the sum is accumulated in float64, with Triton per-block fp32 partials summed in float64."""
+    _check_tensor("x", x, None, None, _GRAD_DTYPES)
+    which = _resolve(backend, x.device)
+    if which == "cpp":
+        return cpu_adam.sq_norm(x)
+    if which == "triton":
+        return _triton().sq_norm(x)
+    return torch_adam.sq_norm(x)
+
+
+def build_info() -> dict:
+    """Which kernels this install has: the C++ extension's SIMD level, OpenMP threads and flags
+    (or why it is missing). Does not import triton."""
+    ext = cpu_adam.extension()
+    if isinstance(ext, ImportError):
+        return {"cpu_adam": None, "cpu_adam_error": str(ext)}
+    return {"cpu_adam": ext.build_info()}

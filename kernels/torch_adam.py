@@ -1,0 +1,48 @@
+"""Pure-torch Adam/AdamW, cast and sum of squares: the fallback when the C++ extension is missing,
+and backend="torch" on any device.
+
+The Adam update is torch.optim.AdamW's (and Adam's) single-tensor arithmetic, op for op, so on
+fp32 grads it gives the same bits as torch.optim.AdamW(foreach=False, fused=False).
+
+Bytes per element: each torch op is its own pass over memory, so with fp32 grads this moves about
+90 B/element (isfinite+all, mul, lerp, mul, addcmul, sqrt, div, add, addcdiv) against the fused
+kernels' 32 B; unscaling, 16-bit grads and the 16-bit param copy add passes of their own.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
+              grad_scale, param_out, decoupled_weight_decay, check_finite=True) -> bool:
+    with torch.no_grad():
+        g = grad if grad.dtype == torch.float32 else grad.float()
+        if grad_scale != 1.0:
+            g = g / grad_scale
+        # Checked on the unscaled grad, before anything is written: a failed check changes nothing.
+        if check_finite and not bool(torch.isfinite(g).all()):
+            return False
+        if weight_decay != 0.0:
+            if decoupled_weight_decay:
+                param.mul_(1 - lr * weight_decay)
+            else:
+                g = g.add(param, alpha=weight_decay)
+        exp_avg.lerp_(g, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        bias_correction1 = 1 - beta1**step
+        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        param.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
+        if param_out is not None:
+            param_out.copy_(param)
+    return True
+
+
+def cast_(dst, src) -> None:
+    with torch.no_grad():
+        dst.copy_(src)  # torch rounds fp32 -> bf16/fp16 to nearest even
+
+
+def sq_norm(x) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.linalg.vector_norm(x, 2, dtype=torch.float32).square()

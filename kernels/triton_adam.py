@@ -1,0 +1,206 @@
+"""Triton kernels for CUDA chunks: fused Adam/AdamW, fp32 -> bf16/fp16 cast, sum-of-squares partials.
+
+Imported only when backend "triton" is used: `import pstar_fx.kernels` does not import triton.
+On CPU tensors they run under TRITON_INTERPRET=1 (that is how CI tests them); there the per-program
+cost dominates, so BLOCK is chosen large (up to 64K elements, one or a few programs per call).
+
+Bytes per element (the kernels are memory-bound):
+  adam   pass 1 reads the grad (4 B fp32 / 2 B 16-bit); pass 2 reads p, g, m, v and writes p, m, v
+         (28 B fp32 grads / 26 B 16-bit grads), + 2 B for the optional 16-bit param copy.
+         fp32 grads: 32 B; bf16 grads + bf16 copy: 30 B; torch's fused AdamW moves 28 B.
+  cast   read 4 B, write 2 B = 6 B.
+  sq_sum read 4 B (fp32) / 2 B (16-bit), + one fp32 partial per block.
+
+Non-finite gradients leave all state untouched, by construction: pass 1 (_nonfinite_kernel) reads
+only the grad and sets a device flag when any grad / grad_scale is inf or NaN; pass 2 (_adam_kernel)
+loads that flag first in every program and folds it into the mask of every load and store, so
+when it is set not one element of param, exp_avg, exp_avg_sq or param_out is written — no block can
+commit before another block has looked. Cost: one extra read of the grad (+4 B on 28, about 14%,
+for fp32 grads; +2 B for 16-bit grads), one extra launch, and — only to return a Python bool — one
+device-to-host read of the 4-byte flag, which waits for the kernels. Pass `found_inf` (a 1-element
+float32 tensor on the device) to keep the whole step asynchronous; the result is then in the flag.
+
+Arithmetic is the C++ kernel's (torch.optim.AdamW's order, sqrt(v) times 1/sqrt(1-b2^t), grad_scale
+applied as a multiplication when its reciprocal is exact), with IEEE-rounded sqrt and division
+(sqrt_rn, div_rn). Under the interpreter the results equal the C++ kernel's bit for bit; on the GPU
+the compiler may fuse multiply-adds, so they match torch to float rounding, not bits.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+# grad / output dtype codes (constexpr kernel arguments)
+_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+# GPU launch shapes. Memory-bound elementwise kernels are flat over 1K-4K elements per program.
+GPU_BLOCK = {"adam": 2048, "check": 4096, "cast": 4096, "sq_sum": 4096}
+GPU_WARPS = {"adam": 8, "check": 8, "cast": 8, "sq_sum": 8}
+INTERPRETER_MAX_BLOCK = 1 << 16
+
+
+@triton.jit
+def _load_f32(ptr, offs, mask, KIND: tl.constexpr):
+    if KIND == 1:
+        # bf16 -> fp32 through the bits: exact, and the interpreter's own bf16 cast mishandles subnormals.
+        h = tl.load(ptr + offs, mask=mask, other=0).to(tl.uint16, bitcast=True)
+        return (h.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptr + offs, mask=mask, other=0).to(tl.float32)
+
+
+@triton.jit
+def _unscale(g, grad_scale, SCALE_MODE: tl.constexpr):
+    # SCALE_MODE 0: no scale; 1: grad_scale holds the exact reciprocal (a power of two); 2: divide.
+    if SCALE_MODE == 1:
+        g = g * grad_scale
+    elif SCALE_MODE == 2:
+        g = tl.div_rn(g, grad_scale)
+    return g
+
+
+@triton.jit
+def _f32_to_bf16_rne(x):
+    # Round to nearest even through the bits: the interpreter truncates x.to(tl.bfloat16), the GPU
+    # rounds; this is exact in both. NaN stays NaN (quiet bit set, sign and top payload kept).
+    u = x.to(tl.uint32, bitcast=True)
+    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    r = tl.where((u & 0x7FFFFFFF) > 0x7F800000, (u >> 16) | 0x40, r)
+    return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _nonfinite_kernel(g_ptr, flag_ptr, n, grad_scale, BLOCK: tl.constexpr, GRAD_KIND: tl.constexpr,
+                      SCALE_MODE: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    # A flag already set (found_inf from an earlier chunk) makes this pass free.
+    mask = offs < tl.where(tl.load(flag_ptr) == 0, n, 0)
+    g = _unscale(_load_f32(g_ptr, offs, mask, GRAD_KIND), grad_scale, SCALE_MODE)
+    u = g.to(tl.uint32, bitcast=True)
+    bad = ((u & 0x7F800000) == 0x7F800000) & mask
+    if tl.max(bad.to(tl.int32), axis=0) > 0:
+        tl.store(flag_ptr, 1.0)
+
+
+@triton.jit
+def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, flag_ptr, n,
+                 grad_scale, l2_wd, decay, beta1, one_minus_beta1, beta2, one_minus_beta2,
+                 inv_bc2_sqrt, step_size, eps,
+                 BLOCK: tl.constexpr, GRAD_KIND: tl.constexpr, OUT_KIND: tl.constexpr,
+                 SCALE_MODE: tl.constexpr, DECOUPLED: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    # Pass 1's verdict gates every load and store: a set flag masks off all of them, so nothing
+    # anywhere is written.
+    mask = offs < tl.where(tl.load(flag_ptr) == 0, n, 0)
+    g = _unscale(_load_f32(g_ptr, offs, mask, GRAD_KIND), grad_scale, SCALE_MODE)
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    if DECOUPLED:
+        p = p * decay
+    else:
+        g = g + l2_wd * p
+    m = beta1 * m + one_minus_beta1 * g
+    v = beta2 * v + (one_minus_beta2 * g) * g
+    denom = tl.sqrt_rn(v) * inv_bc2_sqrt + eps
+    p = p - step_size * tl.div_rn(m, denom)
+    tl.store(p_ptr + offs, p, mask=mask)
+    tl.store(m_ptr + offs, m, mask=mask)
+    tl.store(v_ptr + offs, v, mask=mask)
+    if OUT_KIND == 1:
+        tl.store(out_ptr + offs, _f32_to_bf16_rne(p), mask=mask)
+    elif OUT_KIND == 2:
+        tl.store(out_ptr + offs, p.to(tl.float16), mask=mask)
+
+
+@triton.jit
+def _cast_kernel(dst_ptr, src_ptr, n, BLOCK: tl.constexpr, OUT_KIND: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(src_ptr + offs, mask=mask)
+    if OUT_KIND == 1:
+        tl.store(dst_ptr + offs, _f32_to_bf16_rne(x), mask=mask)
+    else:
+        tl.store(dst_ptr + offs, x.to(tl.float16), mask=mask)  # cvt.rn: round to nearest even
+
+
+@triton.jit
+def _sq_sum_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr, KIND: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = _load_f32(x_ptr, offs, offs < n, KIND)
+    tl.store(partial_ptr + pid, tl.sum(x * x, axis=0))
+
+
+def _scale_mode(grad_scale: float):
+    """(SCALE_MODE, the float the kernel gets): as the C++ kernel, multiply by 1/grad_scale when
+    that is exact in fp32 (grad_scale a power of two, as loss scalers use), else divide."""
+    s32 = float(np.float32(grad_scale))
+    if s32 == 1.0:
+        return 0, 1.0
+    inv = float(np.float32(1.0) / np.float32(s32))
+    if math.frexp(s32)[0] == 0.5 and np.isfinite(inv) and inv >= float(np.finfo(np.float32).tiny):
+        return 1, inv
+    return 2, s32
+
+
+def _launch_shape(kernel: str, n: int, device: torch.device, block: int | None, num_warps: int | None):
+    if device.type != "cuda":  # the interpreter: few, large programs
+        b = block or min(max(triton.next_power_of_2(n), 16), INTERPRETER_MAX_BLOCK)
+        return b, num_warps or 4
+    return block or GPU_BLOCK[kernel], num_warps or GPU_WARPS[kernel]
+
+
+def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
+              grad_scale, param_out, decoupled_weight_decay, check_finite=True, found_inf=None, block=None,
+              num_warps=None):
+    """Fused Adam/AdamW on one chunk. Returns True/False (False: non-finite grads, nothing written),
+    or None when `found_inf` is given (no host sync; the verdict is in found_inf)."""
+    n = param.numel()
+    flag = found_inf if found_inf is not None else torch.zeros(1, dtype=torch.float32, device=param.device)
+    if n > 0:
+        scale_mode, scale_arg = _scale_mode(grad_scale)
+        if check_finite:
+            blk, warps = _launch_shape("check", n, param.device, block, num_warps)
+            _nonfinite_kernel[(triton.cdiv(n, blk),)](
+                grad, flag, n, scale_arg, BLOCK=blk, GRAD_KIND=_KIND[grad.dtype], SCALE_MODE=scale_mode,
+                num_warps=warps)
+        blk, warps = _launch_shape("adam", n, param.device, block, num_warps)
+        _adam_kernel[(triton.cdiv(n, blk),)](
+            param, grad, exp_avg, exp_avg_sq, param if param_out is None else param_out, flag, n,
+            scale_arg, float(weight_decay), 1.0 - lr * weight_decay,
+            float(beta1), 1.0 - beta1, float(beta2), 1.0 - beta2,
+            1.0 / math.sqrt(1.0 - beta2**step), lr / (1.0 - beta1**step), float(eps),
+            BLOCK=blk, GRAD_KIND=_KIND[grad.dtype], OUT_KIND=0 if param_out is None else _KIND[param_out.dtype],
+            SCALE_MODE=scale_mode, DECOUPLED=bool(decoupled_weight_decay) or weight_decay == 0.0,
+            num_warps=warps)
+    if found_inf is not None:
+        return None
+    return bool(flag.item() == 0)
+
+
+def cast_(dst, src, *, block=None, num_warps=None) -> None:
+    n = src.numel()
+    if n == 0:
+        return
+    blk, warps = _launch_shape("cast", n, src.device, block, num_warps)
+    _cast_kernel[(triton.cdiv(n, blk),)](dst, src, n, BLOCK=blk, OUT_KIND=_KIND[dst.dtype], num_warps=warps)
+
+
+def sq_norm_partials(x, *, block=None, num_warps=None) -> torch.Tensor:
+    """One fp32 sum of squares per block of x (for global-norm clipping across chunks)."""
+    n = x.numel()
+    blk, warps = _launch_shape("sq_sum", n, x.device, block, num_warps)
+    partials = torch.empty(triton.cdiv(n, blk), dtype=torch.float32, device=x.device)
+    if n > 0:
+        _sq_sum_kernel[(partials.numel(),)](x, partials, n, BLOCK=blk, KIND=_KIND[x.dtype], num_warps=warps)
+    return partials
+
+
+def sq_norm(x, **launch) -> torch.Tensor:
+    # Partials summed in float64 on the device: no host sync, no loss across many blocks.
+    return sq_norm_partials(x, **launch).sum(dtype=torch.float64).to(torch.float32)
