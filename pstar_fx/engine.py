@@ -1,7 +1,7 @@
 """engine: `pstar_fx.compile(model, config, example_inputs) -> Engine`, and `pstar_fx.plan(...)`.
 
-The pipeline, in order: capture -> layout -> passes (localize_param_views, fuse_optimizer) -> plan ->
-insert_chunk_ops -> runtime. `Engine.graph` is the lowered step; `Engine.explain()` says what the plan
+The pipeline, in order: capture -> layout -> passes (localize_param_views, then recompute + fuse_optimizer +
+plan, searched for the fewest recomputed segments that fit) -> insert_chunk_ops -> runtime. `Engine.graph` is the lowered step; `Engine.explain()` says what the plan
 decided; `Engine.memory_stats()` says what the runtime measured.
 """
 from __future__ import annotations
@@ -17,7 +17,8 @@ from .capture import Capture, capture
 from .config import Config, format_bytes
 from .layout import Layout, build_layout
 from .passes import fuse_optimizer, insert_chunk_ops, localize_param_views
-from .plan import Plan, make_plan
+from .passes.recompute import Segment, find_segments, recompute
+from .plan import BudgetError, Plan, make_plan
 from .runtime import ChunkRuntime, run_graph
 
 
@@ -35,19 +36,60 @@ class Lowered:
         with g.inserting_before(next(iter(g.nodes))):
             g.placeholder("rt")
         self.graphs_before: dict[str, str] = {}
-        n_params = len(self.capture.params)
-        self._run_pass("localize_param_views", localize_param_views, gm, n_params)
-        self._run_pass("fuse_optimizer", fuse_optimizer, gm, self.layout)
-        buffer_bytes = sum(_buffer_nbytes(model, b) for b in self.capture.buffers)
-        self.plan: Plan = make_plan(gm, self.layout, config, compute_itemsize=self.dtype.itemsize,
-                                    n_params=n_params, n_buffers=len(self.capture.buffers),
-                                    buffer_bytes=buffer_bytes)
-        self._run_pass("insert_chunk_ops", insert_chunk_ops, gm, self.layout, self.plan)
-        self.graph: fx.GraphModule = gm
+        self._buffer_bytes = sum(_buffer_nbytes(model, b) for b in self.capture.buffers)
+        self._run_pass("localize_param_views", localize_param_views, gm, len(self.capture.params))
+        self.graph, self.plan = self._plan_with_recompute(gm)
+        self._run_pass("insert_chunk_ops", insert_chunk_ops, self.graph, self.layout, self.plan)
+
+    def _plan_with_recompute(self, gm: fx.GraphModule) -> tuple[fx.GraphModule, Plan]:
+        """The fewest recomputed forward segments (earliest first: their activations live longest) that fit."""
+        segments = [s for s in find_segments(gm, len(self.capture.params)) if s.recomputable]
+        tried: dict[int, tuple[fx.GraphModule, Plan]] = {}
+
+        def attempt(k: int) -> Plan:
+            if k not in tried:
+                g_k, nodes = _copy_graph(gm)
+                if k:
+                    recompute(g_k, [Segment(s.start, [nodes[n] for n in s.nodes]) for s in segments[:k]])
+                fuse_optimizer(g_k, self.layout)
+                tried[k] = (g_k, make_plan(g_k, self.layout, self.config, compute_itemsize=self.dtype.itemsize,
+                                           n_params=len(self.capture.params), n_buffers=len(self.capture.buffers),
+                                           buffer_bytes=self._buffer_bytes))
+            return tried[k][1]
+
+        k = 0
+        if not attempt(0).fits and segments and attempt(len(segments)).fits:
+            lo, hi = 1, len(segments)              # attempt(hi) fits, attempt(lo - 1) does not
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if attempt(mid).fits else (mid + 1, hi)
+            k = lo
+        elif not attempt(0).fits and segments:
+            k = len(segments)                      # does not fit even so: report the best try
+        g_k, plan = tried[k]
+        a0 = attempt(0).activation_peak_bytes
+        if k:
+            plan.recompute = (f"{k} of {len(segments)} forward segments, earliest first: activation peak "
+                              f"{format_bytes(a0)} -> {format_bytes(plan.activation_peak_bytes)}")
+            if not plan.fits:
+                plan.why += f"; recomputing every forward segment ({k}) was already tried"
+        elif segments:
+            plan.recompute = f"none needed ({len(segments)} forward segments could be)"
+        self.graphs_before["recompute"] = gm.code
+        self.graphs_before["fuse_optimizer"] = g_k.code
+        return g_k, plan
 
     def _run_pass(self, name, fn, gm, *args):
         self.graphs_before[name] = gm.code
         fn(gm, *args)
+
+
+def _copy_graph(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
+    g = fx.Graph()
+    g._codegen = gm.graph._codegen
+    nodes: dict[fx.Node, fx.Node] = {}
+    g.output(g.graph_copy(gm.graph, nodes))
+    return fx.GraphModule(gm, g), nodes
 
 
 def _buffer_nbytes(model: nn.Module, name: str) -> int:
@@ -75,6 +117,8 @@ class Engine:
                              "weights; materialize the model first (to_empty + init) or size it with pstar_fx.plan")
         self.config = config
         self.lowered = Lowered(model, config, tuple(example_inputs))
+        if not self.lowered.plan.fits:
+            raise BudgetError(self.lowered.plan.why)
         self.device = self.lowered.device
         cap = self.lowered.capture
         self.rt = ChunkRuntime(self.lowered.layout, self.lowered.plan, config, self.device, self.lowered.dtype)

@@ -27,6 +27,8 @@ from .config import Config, format_bytes
 from .layout import Layout
 
 MASTER_STATE_BYTES = 12   # fp32 master + exp_avg + exp_avg_sq, per element
+CUDA_BLOCK_BYTES = 512    # the CUDA caching allocator rounds every allocation up to this
+CUDA_WORKSPACE_BYTES = 256 * 2**20  # cuBLAS + attention workspaces and fragmentation, stated not guessed per op
 
 
 class BudgetError(MemoryError):
@@ -47,11 +49,14 @@ class Plan:
     activation_peak_bytes: int
     fetches: int = 0
     budget_bytes: int | None = None
+    host_budget_bytes: int | None = None
     notes: list[str] = field(default_factory=list)
+    why: str = ""                      # empty when it fits; else what is missing and what was tried
+    recompute: str = ""                # which forward segments backward recomputes, and why
 
     @property
     def fits(self) -> bool:
-        return self.budget_bytes is None or self.device_peak_bytes <= self.budget_bytes
+        return not self.why
 
     def summary(self) -> str:
         lines = ["plan:"]
@@ -65,7 +70,10 @@ class Plan:
                      + _ranges(self.placement))
         lines.append(f"  {self.slots} compute slot(s), {self.grad_slots} gradient slot(s); "
                      f"{self.fetches} chunk fetch(es) per step")
+        if self.recompute:
+            lines.append(f"  recompute: {self.recompute}")
         lines += [f"  note: {n}" for n in self.notes]
+        lines.append("  fits" if self.fits else f"  DOES NOT FIT: {self.why}")
         return "\n".join(lines)
 
 
@@ -81,11 +89,12 @@ def _ranges(placement: list[str]) -> str:
 # ---------------------------------------------------------------------------------------------------------
 # memory model
 
-def _nbytes(val) -> int:
+def _nbytes(val, round_to: int = 1) -> int:
     if isinstance(val, torch.Tensor):
-        return val.untyped_storage().nbytes() if val.layout == torch.strided else 0
+        n = val.untyped_storage().nbytes() if val.layout == torch.strided else 0
+        return -(-n // round_to) * round_to
     if isinstance(val, (list, tuple)):
-        return sum(_nbytes(v) for v in val)
+        return sum(_nbytes(v, round_to) for v in val)
     return 0
 
 
@@ -137,7 +146,7 @@ def last_uses(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
     return out
 
 
-def activation_profile(graph: fx.Graph, skip: set[fx.Node]) -> tuple[list[int], int]:
+def activation_profile(graph: fx.Graph, skip: set[fx.Node], round_to: int = 1) -> tuple[list[int], int]:
     """Predicted live bytes of graph values after each node (excluding `skip`: chunk-backed values)."""
     live = LiveSet()
     owner: dict[fx.Node, fx.Node] = {}
@@ -152,7 +161,7 @@ def activation_profile(graph: fx.Graph, skip: set[fx.Node]) -> tuple[list[int], 
                 owner[node] = base
                 live.add(base, 0)
         else:
-            nb = _nbytes(node.meta.get("val"))
+            nb = _nbytes(node.meta.get("val"), round_to)
             if nb:
                 owner[node] = node
                 live.add(node, nb)
@@ -170,6 +179,8 @@ def activation_profile(graph: fx.Graph, skip: set[fx.Node]) -> tuple[list[int], 
 
 def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_itemsize: int,
               n_params: int, n_buffers: int, buffer_bytes: int) -> Plan:
+    """Placement and schedule for the fused graph under the config's budgets. Never raises for memory:
+    a plan that does not fit says so (`fits`, `why`); compile() turns that into a BudgetError."""
     g = gm.graph
     nodes = list(g.nodes)
     placeholders = list(g.find_nodes(op="placeholder"))
@@ -196,33 +207,43 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     grad_slots = _max_overlap([(grad_first[c], adam_at[c]) for c in grad_first if c in adam_at])
 
     buffer_nodes = placeholders[1 + n_params: 1 + n_params + n_buffers]
-    _, act_peak = activation_profile(g, skip=set(param_nodes) | set(buffer_nodes) | {placeholders[0]})
+    cuda = config.device.startswith("cuda")
+    _, act_peak = activation_profile(g, skip=set(param_nodes) | set(buffer_nodes) | {placeholders[0]},
+                                     round_to=CUDA_BLOCK_BYTES if cuda else 1)
     slot_bytes = cs * compute_itemsize
     grad_slot_bytes = cs * compute_itemsize
     state_bytes = cs * MASTER_STATE_BYTES
     min_slots = max((len(r) for r in reads), default=0)
-    fixed = act_peak + buffer_bytes + grad_slots * grad_slot_bytes
+    workspace = CUDA_WORKSPACE_BYTES if cuda else 0
+    fixed = act_peak + buffer_bytes + grad_slots * grad_slot_bytes + workspace
     budget = config.device_memory
     notes: list[str] = []
+    host_staging = 2 * cs * compute_itemsize          # gradient staging + cast staging, when any chunk is on host
+    host_room = (None if config.host_memory is None
+                 else max(0, (config.host_memory - host_staging) // state_bytes))
 
-    # placement: as many chunks' state on the device as the budget allows, keeping `min_slots` slots
+    # placement: as many chunks' state on the device as the budget allows, keeping `min_slots` slots;
+    # the rest on the host, which must hold them
+    def device_fits(k: int) -> bool:
+        need_slots = min_slots if (not fp32 or k < n_chunks) else 0
+        return budget is None or fixed + k * state_bytes + need_slots * slot_bytes <= budget
+
     if config.placement == "host":
         n_device = 0
     elif config.placement == "device" or budget is None:
         n_device = n_chunks
     else:
-        n_device = 0
-        for k in range(n_chunks, -1, -1):
-            need_slots = min_slots if (not fp32 or k < n_chunks) else 0
-            if fixed + k * state_bytes + need_slots * slot_bytes <= budget:
-                n_device = k
-                break
+        n_device = next((k for k in range(n_chunks, -1, -1) if device_fits(k)), 0)
+    if host_room is not None and n_chunks - n_device > host_room and config.placement != "host":
+        n_device = min(n_chunks, n_chunks - host_room)   # the host is full: more state must sit on the device
     placement = ["device"] * n_device + ["host"] * (n_chunks - n_device)
     needs_slot = [not (fp32 and placement[c] == "device") for c in range(n_chunks)]
     slot_chunks = sum(needs_slot)
     if slot_chunks:
         spare = (budget - fixed - n_device * state_bytes) // slot_bytes if budget is not None else slot_chunks
         slots = max(min_slots, min(slot_chunks, spare))
+        if slots < slot_chunks:
+            notes.append(f"{slots} compute slots for {slot_chunks} chunks: Belady eviction refetches the rest")
     else:
         slots = 0
 
@@ -234,6 +255,8 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         "compute slots": slots * slot_bytes,
         "gradient slots": grad_slots * grad_slot_bytes,
     }
+    if workspace:
+        device["workspace margin"] = workspace
     n_host = n_chunks - n_device
     host = {
         "chunk state": n_host * state_bytes,
@@ -243,8 +266,12 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     plan = Plan(placement, slots, grad_slots, before, after,
                 device_peak_bytes=sum(device.values()), host_peak_bytes=sum(host.values()),
                 device_breakdown=device, host_breakdown=host, activation_peak_bytes=act_peak,
-                fetches=fetches, budget_bytes=budget, notes=notes)
-    _check(plan, config, layout, min_slots, fixed, slot_bytes, state_bytes)
+                fetches=fetches, budget_bytes=budget, host_budget_bytes=config.host_memory, notes=notes)
+    if cuda:
+        notes.append(f"CUDA memory model: each value rounded up to {CUDA_BLOCK_BYTES} B (the caching allocator's "
+                     f"block), plus a {format_bytes(CUDA_WORKSPACE_BYTES)} margin for cuBLAS/attention workspaces "
+                     "and allocator fragmentation")
+    plan.why = _why(plan, config, min_slots)
     return plan
 
 
@@ -331,21 +358,22 @@ def _belady(nodes, reads, needs_slot, n_slots):
     return ({k: v for k, v in before.items() if v}, {k: v for k, v in after.items() if v}, fetches)
 
 
-def _check(plan: Plan, config: Config, layout: Layout, min_slots, fixed, slot_bytes, state_bytes) -> None:
-    budget = config.device_memory
+def _why(plan: Plan, config: Config, min_slots: int) -> str:
+    """Empty when the plan fits; else what is missing, where the bytes go, and what was already tried."""
+    reasons = []
+    budget, host_budget = config.device_memory, config.host_memory
     if budget is not None and plan.device_peak_bytes > budget:
-        missing = plan.device_peak_bytes - budget
-        tried = ("all chunk state already on the host, the minimum of compute slots "
-                 f"({min_slots}, what one op reads at once)") if config.placement != "device" else \
-            "placement='device' forces every chunk's state onto the device"
-        raise BudgetError(
+        tried = (f"{plan.placement.count('host')} of {len(plan.placement)} chunks' state on the host, "
+                 f"the minimum of {min_slots} compute slot(s) (what one op reads at once)"
+                 if config.placement != "device" else "placement='device' forces every chunk onto the device")
+        reasons.append(
             f"the step needs {format_bytes(plan.device_peak_bytes)} of device memory but device_memory is "
-            f"{format_bytes(budget)} ({format_bytes(missing)} missing). Tried: {tried}. Device bytes: "
+            f"{format_bytes(budget)} ({format_bytes(plan.device_peak_bytes - budget)} missing). Device bytes: "
             + ", ".join(f"{k} {format_bytes(v)}" for k, v in plan.device_breakdown.items())
-            + ". Lower the batch or sequence, use a smaller chunk_size, or raise device_memory.")
-    host_budget = config.host_memory
+            + f". Already tried: {tried}")
     if host_budget is not None and plan.host_peak_bytes > host_budget:
-        raise BudgetError(
+        reasons.append(
             f"the host tier needs {format_bytes(plan.host_peak_bytes)} but host_memory is "
             f"{format_bytes(host_budget)} ({format_bytes(plan.host_peak_bytes - host_budget)} missing): "
             + ", ".join(f"{k} {format_bytes(v)}" for k, v in plan.host_breakdown.items()))
+    return "; ".join(reasons)

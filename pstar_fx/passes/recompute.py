@@ -1,0 +1,148 @@
+"""recompute: drop the activations of chosen forward segments and recompute them in backward.
+
+Needs: the joint graph with localized parameter views (placeholders rt, params, buffers, inputs, tangent).
+Provides: for each chosen segment, no value computed inside it is read by backward; instead, right before
+backward first needs any of them, a copy of the segment's forward ops recomputes them from the segment's
+input (kept) and the parameters (fetched again if the plan evicted them).
+
+A segment is the span of forward ops between two points where exactly one activation is alive: the
+residual stream between transformer sub-blocks, found from the graph alone, no module names needed.
+Activation checkpointing per block is the choice of every segment. Segments with random or in-place ops
+are never recomputed (their recomputation would not reproduce the same values).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+
+@dataclass
+class Segment:
+    start: int                                        # index of the boundary node before it (-1: graph start)
+    nodes: list[fx.Node] = field(default_factory=list)  # interior forward ops
+    saved_bytes: int = 0                              # bytes of interior values that backward reads
+    recomputable: bool = True
+
+
+def _nbytes(val) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.untyped_storage().nbytes()
+    if isinstance(val, (list, tuple)):
+        return sum(_nbytes(v) for v in val)
+    return 0
+
+
+def _is_alias(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return node.target.__name__ == "getitem" if schema is None else any(r.alias_info for r in schema.returns)
+
+
+def _unsafe(node: fx.Node) -> bool:
+    """In-place ops and random ops do not reproduce their values when run again."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return False
+    if schema.is_mutable:
+        return True
+    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    # attention with dropout_p == 0 is tagged random but is not
+    args = dict(zip((a.name for a in schema.arguments), node.args)) | dict(node.kwargs)
+    return args.get("dropout_p", 1.0) != 0.0
+
+
+def find_segments(gm: fx.GraphModule, n_params: int) -> list[Segment]:
+    g = gm.graph
+    nodes = list(g.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    params = set(placeholders[1: 1 + n_params])
+    backward = backward_nodes(g)
+    dynamic: set[fx.Node] = set(params)         # depends on a parameter: an activation
+    for n in nodes:
+        if n.op == "call_function" and n not in backward and any(a in dynamic for a in n.all_input_nodes):
+            dynamic.add(n)
+    forward = [n for n in nodes if n in dynamic and n not in params and n not in backward]
+    fw_index = {n: i for i, n in enumerate(forward)}
+    last_fw_use = {}
+    for n in forward:
+        for a in n.all_input_nodes:
+            if a in fw_index:
+                last_fw_use[a] = fw_index[n]
+    segments = [Segment(-1)]
+    alive: set[fx.Node] = set()
+    for i, n in enumerate(forward):
+        for a in n.all_input_nodes:
+            if a in alive and last_fw_use.get(a) == i:
+                alive.discard(a)
+        if last_fw_use.get(n, -1) > i:
+            alive.add(n)
+        seg = segments[-1]
+        if alive == {n} and not _is_alias(n) and seg.nodes:
+            segments.append(Segment(i))        # n is a boundary: kept, and starts the next segment
+        else:
+            seg.nodes.append(n)
+    for seg in segments:
+        owner: dict[fx.Node, fx.Node] = {}
+        saved: set[fx.Node] = set()
+        for n in seg.nodes:
+            if _unsafe(n):
+                seg.recomputable = False
+            base = n.args[0] if _is_alias(n) and n.args and isinstance(n.args[0], fx.Node) else None
+            owner[n] = owner.get(base, base) if base is not None else n
+            if any(u in backward for u in n.users):
+                saved.add(owner[n])
+        seg.saved_bytes = sum(_nbytes(o.meta.get("val")) for o in saved if o in owner)
+    return [s for s in segments if s.nodes]
+
+
+def recompute(gm: fx.GraphModule, segments: list[Segment]) -> fx.GraphModule:
+    """Rewrite `gm` so that backward recomputes the interior values of `segments`."""
+    g = gm.graph
+    order = {n: i for i, n in enumerate(g.nodes)}
+    backward = backward_nodes(g)
+    for seg in segments:
+        if not seg.recomputable:
+            raise ValueError("segment with random or in-place ops cannot be recomputed")
+        interior = set(seg.nodes)
+        uses = [(u, n) for n in seg.nodes for u in n.users if u in backward]
+        if not uses:
+            continue
+        first = min((u for u, _ in uses), key=order.__getitem__)
+        clones: dict[fx.Node, fx.Node] = {}
+
+        def clone(n: fx.Node) -> fx.Node:
+            if n not in interior:
+                return n
+            if n not in clones:
+                for a in n.all_input_nodes:
+                    clone(a)
+                with g.inserting_before(first):
+                    clones[n] = g.node_copy(n, lambda a: clones.get(a, a))
+            return clones[n]
+
+        for user, n in uses:
+            user.replace_input_with(n, clone(n))
+    g.lint()
+    gm.recompile()
+    return gm
+
+
+def backward_nodes(g: fx.Graph) -> set[fx.Node]:
+    """The backward half of the joint graph: every op from the first one that reads the loss gradient on.
+
+    By position, not by dependence: backward also holds ops that touch only saved forward values
+    (detach, transpose of a saved activation), and those belong to backward too.
+    """
+    back: set[fx.Node] = set()
+    tangent_deps: set[fx.Node] = set()
+    for n in g.nodes:
+        if n.op == "placeholder":
+            if n.name == "tangent":
+                tangent_deps.add(n)
+            continue
+        if back or any(a in tangent_deps for a in n.all_input_nodes):
+            tangent_deps.add(n)
+            back.add(n)
+    return back
