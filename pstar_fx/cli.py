@@ -331,13 +331,13 @@ def cmd_plan(args, parser) -> int:
     try:
         plan = pstar_fx.plan(model, config, _example_inputs(args, seq))
     except pstar_fx.BudgetError as e:
-        print(f"does not fit: {e}")
+        print(f"answer: does not fit: {_one_line(e)}")
         return 0
-    except Exception as e:  # planning on meta is young; a failure is an answer, not a traceback
+    except Exception as e:  # planning on meta is young; a failure is an error line, not a traceback
         print(f"pstar-fx plan: error: planning failed: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
         return 1
     print(plan.summary())
-    print("fits" + (f" in {format_bytes(config.device_memory)} of device memory" if config.device_memory else ""))
+    print("answer: fits" if plan.fits else "answer: does not fit (the plan above says why)")
     return 0
 
 
