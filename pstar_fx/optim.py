@@ -13,23 +13,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    from pstar_fx.kernels import adam_step
-except ImportError:  # TEMP until kernels land
-    def adam_step(p, g, m, v, *, step, lr, beta1, beta2, eps, weight_decay, grad_scale=1.0,
-                  decoupled_weight_decay=True, **_):
-        g = g.float() / grad_scale
-        if not torch.isfinite(g).all():
-            return False
-        if decoupled_weight_decay:
-            p.mul_(1 - lr * weight_decay)
-        else:
-            g = g.add(p, alpha=weight_decay)
-        m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        denom = (v.sqrt() / (1 - beta2 ** step) ** 0.5).add_(eps)
-        p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** step))
-        return True
+from pstar_fx.kernels import adam_step
 
 
 def chunk_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

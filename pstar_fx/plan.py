@@ -7,8 +7,8 @@ Layout and the Config. Output: a `Plan` with
   slots       compute buffers on the device (one chunk each) for chunks whose compute copy is not the
               master itself (host-resident chunks, and every chunk when dtype is 16-bit);
   grad_slots  gradient buffers on the device, enough for the chunks whose backward overlaps;
-  schedule    per node: which chunks to prefetch / fetch before it and release after it. Eviction is
-              Belady's: the resident chunk whose next use is farthest away (never, first) leaves;
+  schedule    per node: which chunks to prefetch / fetch before it and release after it (schedule.py:
+              Belady eviction, prefetch timed by the cost model of costs.py);
   peaks       predicted device and host bytes, from fake-tensor sizes of every value the graph holds.
 
 The memory model counts what the runtime counts: chunk memory allocated once at start, buffers, and the
@@ -24,7 +24,9 @@ import torch
 import torch.fx as fx
 
 from .config import Config, format_bytes
+from .costs import calibrate, node_seconds
 from .layout import Layout
+from .schedule import Schedule, belady, place_prefetches
 
 MASTER_STATE_BYTES = 12   # fp32 master + exp_avg + exp_avg_sq, per element
 CUDA_BLOCK_BYTES = 512    # the CUDA caching allocator rounds every allocation up to this
@@ -247,7 +249,18 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     else:
         slots = 0
 
-    before, after, fetches = _belady(nodes, reads, needs_slot, slots)
+    rates = calibrate(torch.device(config.device), config.torch_dtype)
+    slot_reads = [{c for c in r if needs_slot[c]} for r in reads]
+    copy_bytes = {c: (cs * compute_itemsize if placement[c] == "host" else 0) for c in range(n_chunks)}
+    copy_seconds = {c: b / rates.h2d_bw + cs * (4 + compute_itemsize) / rates.mem_bw for c, b in copy_bytes.items()}
+    sched = place_prefetches(belady(slot_reads, slots), slots, [node_seconds(n, rates) for n in nodes],
+                             copy_seconds) if slots else Schedule()
+    before = {nodes[i].name: ops for i, ops in sched.before.items()}
+    after = {nodes[i].name: ops for i, ops in sched.after.items()}
+    fetches = sched.fetches
+    if sched.exposed_seconds > 1e-4:
+        notes.append(f"copies the compute cannot hide: about {sched.exposed_seconds * 1e3:.1f} ms per step "
+                     f"(rates: {rates.device})")
     device = {
         "activations": act_peak,
         "buffers": buffer_bytes,
@@ -282,80 +295,6 @@ def _max_overlap(intervals: list[tuple[int, int]]) -> int:
         cur += d
         best = max(best, cur)
     return best
-
-
-def _belady(nodes, reads, needs_slot, n_slots):
-    """Residency of slot chunks over the node sequence; returns per-node ops and the number of fetches.
-
-    Before node i: every chunk it reads is resident (fetch, evicting the resident chunk used farthest in
-    the future if all slots are full). After node i: a chunk with no further use is released, and the next
-    chunk the step will need is prefetched when a slot is free or holds a chunk needed later than it.
-    """
-    uses: dict[int, list[int]] = {}
-    for i, r in enumerate(reads):
-        for c in r:
-            if needs_slot[c]:
-                uses.setdefault(c, []).append(i)
-    ptr = {c: 0 for c in uses}
-
-    def next_use(c: int, i: int) -> float:
-        u = uses[c]
-        while ptr[c] < len(u) and u[ptr[c]] < i:
-            ptr[c] += 1
-        return u[ptr[c]] if ptr[c] < len(u) else float("inf")
-
-    order = sorted((i, c) for c, u in uses.items() for i in u)   # (use index, chunk) in time order
-    before: dict[str, list] = {}
-    after: dict[str, list] = {}
-    resident: set[int] = set()
-    prefetched: set[int] = set()
-    fetches = 0
-    cursor = 0
-    for i, node in enumerate(nodes):
-        need = [c for c in sorted(reads[i]) if needs_slot[c]]
-        ops = before.setdefault(node.name, [])
-        for c in need:
-            if c in resident:
-                if c in prefetched:
-                    ops.append(("fetch", c))   # wait for the prefetch to land
-                    prefetched.discard(c)
-                continue
-            if len(resident) >= n_slots:
-                victim = max((r for r in resident if r not in need), key=lambda r: next_use(r, i))
-                ops.append(("release", victim))
-                resident.discard(victim)
-                prefetched.discard(victim)
-            ops.append(("fetch", c))
-            resident.add(c)
-            fetches += 1
-        post = after.setdefault(node.name, [])
-        for c in sorted(resident):
-            if next_use(c, i + 1) == float("inf"):
-                post.append(("release", c))
-                resident.discard(c)
-                prefetched.discard(c)
-        # prefetch the next chunk needed that is not resident
-        while cursor < len(order) and order[cursor][0] <= i:
-            cursor += 1
-        k = cursor
-        while k < len(order) and order[k][1] in resident:
-            k += 1
-        if k < len(order):
-            when, c = order[k]
-            if len(resident) < n_slots:
-                post.append(("prefetch", c))
-            else:
-                victim = max(resident, key=lambda r: next_use(r, i + 1))
-                if next_use(victim, i + 1) <= when:
-                    continue
-                post.append(("release", victim))
-                resident.discard(victim)
-                prefetched.discard(victim)
-                post.append(("prefetch", c))
-            resident.add(c)
-            prefetched.add(c)
-            fetches += 1
-    return ({k: v for k, v in before.items() if v}, {k: v for k, v in after.items() if v}, fetches)
 
 
 def _why(plan: Plan, config: Config, min_slots: int) -> str:

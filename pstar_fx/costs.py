@@ -1,0 +1,144 @@
+"""costs: how long things take on this machine — a short calibration, cached, and a per-node time estimate.
+
+The planner needs two kinds of time: a chunk copy (bytes / link bandwidth) and the compute it can hide
+behind (the nodes between a prefetch and the use). Node time is estimated from fake-tensor metadata:
+matmul-like ops by FLOPs at the measured matmul rate, everything else by bytes at the measured memory
+bandwidth. Rates come from a calibration of a second or so, cached per device in
+~/.cache/pstar_fx/ (PSTAR_FX_CACHE overrides); `Rates.nominal(device)` gives fixed figures when no
+measurement is possible (planning for a CUDA device on a machine without one).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+
+@dataclass
+class Rates:
+    device: str
+    flops: float           # matmul FLOP/s in the compute dtype
+    mem_bw: float          # device memory bytes/s (read + write)
+    h2d_bw: float          # host -> device bytes/s
+    d2h_bw: float          # device -> host bytes/s
+    host_adam: float       # host Adam parameters/s (all cores)
+
+    @staticmethod
+    def nominal(device: torch.device) -> "Rates":
+        if device.type == "cuda":  # one H200 (shared/reference/h200.md): bf16 matmul, HBM copy, pinned PCIe
+            return Rates("cuda-nominal", 790e12, 4.2e12, 55e9, 55e9, 4.0e9)
+        return Rates("cpu-nominal", 5e10, 1e10, 1e10, 1e10, 1.0e9)
+
+
+def _cache_path(key: str) -> str:
+    root = os.environ.get("PSTAR_FX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pstar_fx")
+    return os.path.join(root, f"rates-{key}.json")
+
+
+def _device_key(device: torch.device) -> str:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = f"cpu{os.cpu_count()}-t{torch.get_num_threads()}"
+    return "".join(c if c.isalnum() else "_" for c in name)
+
+
+def calibrate(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Rates:
+    """Measured rates for `device`, from the cache when present."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return Rates.nominal(device)
+    key = _device_key(device) + "-" + str(dtype).split(".")[-1]
+    path = _cache_path(key)
+    try:
+        with open(path) as f:
+            return Rates(**json.load(f))
+    except (OSError, ValueError, TypeError):
+        pass
+    rates = _measure(device, dtype, key)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(asdict(rates), f)
+    except OSError:
+        pass  # a read-only home only costs a re-measurement next time
+    return rates
+
+
+def _timeit(fn, device: torch.device, reps: int = 3) -> float:
+    fn()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return max(best, 1e-9)
+
+
+def _measure(device: torch.device, dtype: torch.dtype, key: str) -> Rates:
+    n = 4096 if device.type == "cuda" else 512
+    a = torch.randn(n, n, device=device, dtype=dtype if device.type == "cuda" else torch.float32)
+    flops = 2 * n**3 / _timeit(lambda: a @ a, device)
+    elems = (64 if device.type == "cuda" else 8) * 2**20
+    x = torch.empty(elems, device=device)
+    y = torch.empty_like(x)
+    mem_bw = 2 * x.nbytes / _timeit(lambda: y.copy_(x), device)
+    pin = device.type == "cuda"
+    h = torch.empty(elems, pin_memory=pin)
+    h2d = x.nbytes / _timeit(lambda: x.copy_(h, non_blocking=pin), device)
+    d2h = x.nbytes / _timeit(lambda: h.copy_(x, non_blocking=pin), device)
+    p, g, m, v = (torch.rand(2**20) for _ in range(4))
+    from pstar_fx.kernels import adam_step
+    adam = p.numel() / _timeit(lambda: adam_step(p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                                                  weight_decay=0.0), torch.device("cpu"))
+    return Rates(key, flops, mem_bw, h2d, d2h, adam)
+
+
+_MATMUL = {aten.mm.default: lambda a, b: 2 * a[0] * a[1] * b[1],
+           aten.addmm.default: lambda c, a, b: 2 * a[0] * a[1] * b[1],
+           aten.bmm.default: lambda a, b: 2 * a[0] * a[1] * a[2] * b[2],
+           aten.baddbmm.default: lambda c, a, b: 2 * a[0] * a[1] * a[2] * b[2]}
+
+
+def _shape(x):
+    v = x.meta.get("val") if isinstance(x, fx.Node) else None
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def _bytes(val) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (list, tuple)):
+        return sum(_bytes(v) for v in val)
+    return 0
+
+
+def node_seconds(node: fx.Node, rates: Rates) -> float:
+    """Estimated time of one graph node on the device: FLOPs for matmuls and attention, bytes otherwise."""
+    if node.op != "call_function":
+        return 0.0
+    target = node.target
+    schema = getattr(target, "_schema", None)
+    if schema is None or any(r.alias_info is not None for r in schema.returns):
+        return 0.0  # views and getitem move nothing
+    if target in _MATMUL:
+        shapes = [_shape(a) for a in node.args[: 3 if "add" in str(target) else 2]]
+        if all(s is not None for s in shapes):
+            return _MATMUL[target](*shapes) / rates.flops
+    name = getattr(target, "__name__", "")
+    if "scaled_dot_product" in name or "attention" in name:
+        q = _shape(node.args[0] if "backward" not in name else node.args[1])
+        if q is not None and len(q) == 4:
+            b, h, t, d = q
+            fwd = 4 * b * h * t * t * d
+            return (2.5 if "backward" in name else 1.0) * fwd / rates.flops
+    moved = _bytes(node.meta.get("val")) + sum(_bytes(a.meta.get("val")) for a in node.all_input_nodes)
+    return moved / rates.mem_bw
