@@ -112,10 +112,6 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
         _check_tensor("param_out", param_out, n, dev, _FLOAT16)
     if found_inf is not None:
         _check_tensor("found_inf", found_inf, 1, dev, (torch.float32,))
-    if n > 0:
-        ptrs = {"param": param.data_ptr(), "exp_avg": exp_avg.data_ptr(), "exp_avg_sq": exp_avg_sq.data_ptr()}
-        if len(set(ptrs.values())) < 3:
-            raise ValueError("param, exp_avg and exp_avg_sq must be distinct memory")
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ValueError(f"step must be an int >= 1 (1-based, after increment), got {step!r}")
     if isinstance(grad_scale, torch.Tensor):
@@ -129,6 +125,9 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
         raise ValueError(f"betas must be in [0, 1), got ({beta1}, {beta2})")
 
     which = _resolve(backend, dev)
+    if n > 0 and dev.type != "meta":
+        if len({param.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr()}) < 3:
+            raise ValueError("param, exp_avg and exp_avg_sq must be distinct memory")
     hyper = dict(step=step, lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
                  weight_decay=float(weight_decay), grad_scale=float(grad_scale), param_out=param_out,
                  decoupled_weight_decay=bool(decoupled_weight_decay), check_finite=bool(check_finite))

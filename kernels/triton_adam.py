@@ -27,6 +27,7 @@ the compiler may fuse multiply-adds, so they match torch to float rounding, not 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -148,6 +149,12 @@ def _scale_mode(grad_scale: float):
     return 2, s32
 
 
+def _quiet(device: torch.device):
+    """The interpreter computes with numpy, which warns on inf arithmetic (e.g. an overflowing
+    unscale, which is exactly what the check pass is for); silence that, on CPU only."""
+    return np.errstate(all="ignore") if device.type != "cuda" else contextlib.nullcontext()
+
+
 def _launch_shape(kernel: str, n: int, device: torch.device, block: int | None, num_warps: int | None):
     if device.type != "cuda":  # the interpreter: few, large programs
         b = block or min(max(triton.next_power_of_2(n), 16), INTERPRETER_MAX_BLOCK)
@@ -162,8 +169,10 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
     or None when `found_inf` is given (no host sync; the verdict is in found_inf)."""
     n = param.numel()
     flag = found_inf if found_inf is not None else torch.zeros(1, dtype=torch.float32, device=param.device)
-    if n > 0:
-        scale_mode, scale_arg = _scale_mode(grad_scale)
+    if n == 0:
+        return None if found_inf is not None else True
+    scale_mode, scale_arg = _scale_mode(grad_scale)
+    with _quiet(param.device):
         if check_finite:
             blk, warps = _launch_shape("check", n, param.device, block, num_warps)
             _nonfinite_kernel[(triton.cdiv(n, blk),)](
@@ -188,7 +197,8 @@ def cast_(dst, src, *, block=None, num_warps=None) -> None:
     if n == 0:
         return
     blk, warps = _launch_shape("cast", n, src.device, block, num_warps)
-    _cast_kernel[(triton.cdiv(n, blk),)](dst, src, n, BLOCK=blk, OUT_KIND=_KIND[dst.dtype], num_warps=warps)
+    with _quiet(src.device):  # fp16 overflow to inf
+        _cast_kernel[(triton.cdiv(n, blk),)](dst, src, n, BLOCK=blk, OUT_KIND=_KIND[dst.dtype], num_warps=warps)
 
 
 def sq_norm_partials(x, *, block=None, num_warps=None) -> torch.Tensor:
@@ -197,7 +207,8 @@ def sq_norm_partials(x, *, block=None, num_warps=None) -> torch.Tensor:
     blk, warps = _launch_shape("sq_sum", n, x.device, block, num_warps)
     partials = torch.empty(triton.cdiv(n, blk), dtype=torch.float32, device=x.device)
     if n > 0:
-        _sq_sum_kernel[(partials.numel(),)](x, partials, n, BLOCK=blk, KIND=_KIND[x.dtype], num_warps=warps)
+        with _quiet(x.device):
+            _sq_sum_kernel[(partials.numel(),)](x, partials, n, BLOCK=blk, KIND=_KIND[x.dtype], num_warps=warps)
     return partials
 
 

@@ -1,0 +1,433 @@
+"""pstar_fx.kernels against the things users trust: torch.optim.AdamW / Adam, a float64 reference,
+and torch's own fp32 -> bf16/fp16 casts — for every backend (C++, Triton under the interpreter on
+CPU or compiled on CUDA, pure torch).
+
+On the GPU machine run with TRITON_INTERPRET=0 so the CUDA cases compile real Triton kernels; the
+interpreted-CPU Triton cases then skip.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+import math  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import pstar_fx.kernels as K  # noqa: E402
+from pstar_fx.kernels import adam_step, cast_, cpu_adam, ops, sq_norm  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_CUDA = torch.cuda.is_available()
+try:
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+
+needs_ext = pytest.mark.skipif(not cpu_adam.available(), reason=f"C++ extension not built: {cpu_adam.extension()}")
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+
+def _backend_params():
+    """(backend, device) pairs, each skipped with its reason where it cannot run."""
+    return [
+        pytest.param("cpp", "cpu", marks=needs_ext, id="cpp"),
+        pytest.param("torch", "cpu", id="torch"),
+        pytest.param("triton", "cpu", id="triton-interp", marks=pytest.mark.skipif(
+            not (HAS_TRITON and INTERPRET), reason="triton on CPU needs triton and TRITON_INTERPRET=1")),
+        pytest.param("triton", "cuda", id="triton-cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+            not (HAS_TRITON and HAS_CUDA and not INTERPRET),
+            reason="needs CUDA, triton and TRITON_INTERPRET=0 (else the kernels would be interpreted)")]),
+        pytest.param("torch", "cuda", id="torch-cuda", marks=[pytest.mark.gpu, needs_cuda]),
+    ]
+
+
+BACKENDS = _backend_params()
+HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
+
+
+def _state(n, grad_dtype, device, seed=0, steps=3):
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.randn(n, generator=gen)
+    grads = [(torch.randn(n, generator=gen) * 0.1).to(grad_dtype) for _ in range(steps)]
+    return p.to(device), [g.to(device) for g in grads]
+
+
+def _torch_reference(p0, grads, *, wd, decoupled, grad_scale):
+    """torch.optim.AdamW / Adam (single-tensor, non-fused) fed the unscaled fp32 grads."""
+    param = torch.nn.Parameter(p0.detach().clone())
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    opt = cls([param], betas=(HYPER["beta1"], HYPER["beta2"]), lr=HYPER["lr"], eps=HYPER["eps"], weight_decay=wd,
+              foreach=False, fused=False)
+    for g in grads:
+        param.grad = g.float() / grad_scale
+        opt.step()
+    st = opt.state[param]
+    return param.detach(), st["exp_avg"], st["exp_avg_sq"]
+
+
+def _float64_reference(p0, grads, *, wd, decoupled, grad_scale):
+    p = p0.double().cpu()
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    b1, b2, lr, eps = HYPER["beta1"], HYPER["beta2"], HYPER["lr"], HYPER["eps"]
+    for t, g in enumerate(grads, start=1):
+        g = g.double().cpu() / grad_scale
+        if decoupled:
+            p = p * (1 - lr * wd)
+        else:
+            g = g + wd * p
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        p = p - lr / (1 - b1**t) * m / (v.sqrt() / math.sqrt(1 - b2**t) + eps)
+    return p, m, v
+
+
+def _run(backend, p0, grads, *, wd, decoupled, grad_scale, out_dtype=None):
+    p = p0.clone()
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    out = None if out_dtype is None else torch.empty(p.shape, dtype=out_dtype, device=p.device)
+    for t, g in enumerate(grads, start=1):
+        ok = adam_step(p, g * grad_scale if g.dtype == torch.float32 else (g.float() * grad_scale).to(g.dtype),
+                       m, v, step=t, weight_decay=wd, grad_scale=grad_scale, param_out=out,
+                       decoupled_weight_decay=decoupled, backend=backend, **HYPER)
+        assert ok is True
+    return p, m, v, out
+
+
+# ---------------------------------------------------------------------------------------------- Adam
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("n", [1, 7, 65537])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["g32", "gbf16", "gf16"])
+def test_adamw_matches_torch(backend, device, n, grad_dtype):
+    p0, grads = _state(n, grad_dtype, device)
+    p, m, v, _ = _run(backend, p0, grads, wd=0.1, decoupled=True, grad_scale=1.0)
+    rp, rm, rv = _torch_reference(p0, grads, wd=0.1, decoupled=True, grad_scale=1.0)
+    torch.testing.assert_close(p, rp, rtol=1e-6, atol=1e-6)
+    # torch's single-tensor AdamW updates m with lerp (m + 0.1*(g - m)), this with b1*m + 0.1*g:
+    # the two round differently when m nearly cancels, so m is compared at the grad's scale.
+    torch.testing.assert_close(m, rm, rtol=1e-6, atol=2e-8)
+    torch.testing.assert_close(v, rv, rtol=1e-6, atol=1e-12)
+    fp, fm, fv = _float64_reference(p0, grads, wd=0.1, decoupled=True, grad_scale=1.0)
+    torch.testing.assert_close(p.double().cpu(), fp, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(m.double().cpu(), fm, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(v.double().cpu(), fv, rtol=1e-5, atol=1e-11)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam-l2"])
+@pytest.mark.parametrize("grad_scale", [1024.0, 3.0], ids=["scale-pow2", "scale-3"])
+def test_weight_decay_modes_and_loss_scale(backend, device, decoupled, grad_scale):
+    p0, grads = _state(4099, torch.float32, device, seed=1)
+    p, m, v, _ = _run(backend, p0, grads, wd=0.05, decoupled=decoupled, grad_scale=grad_scale)
+    rp, rm, rv = _torch_reference(p0, grads, wd=0.05, decoupled=decoupled, grad_scale=1.0)
+    torch.testing.assert_close(p, rp, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(m, rm, rtol=1e-6, atol=2e-8)
+    torch.testing.assert_close(v, rv, rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("n", [7, 65537])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=["g32", "gbf16"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=["out-bf16", "out-f16"])
+def test_param_out_is_rounded_copy(backend, device, n, grad_dtype, out_dtype):
+    p0, grads = _state(n, grad_dtype, device, seed=2, steps=2)
+    p, _, _, out = _run(backend, p0, grads, wd=0.1, decoupled=True, grad_scale=1.0, out_dtype=out_dtype)
+    assert torch.equal(out.view(torch.int16), p.to(out_dtype).view(torch.int16))  # torch's cast rounds RNE
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_weight_decay_zero_and_step_one(backend, device):
+    p0, grads = _state(1000, torch.float32, device, seed=3, steps=1)
+    for decoupled in (True, False):
+        p, m, v, _ = _run(backend, p0, grads, wd=0.0, decoupled=decoupled, grad_scale=1.0)
+        rp, rm, rv = _torch_reference(p0, grads, wd=0.0, decoupled=decoupled, grad_scale=1.0)
+        torch.testing.assert_close(p, rp, rtol=1e-6, atol=1e-6)
+
+
+def test_torch_backend_is_torch_adamw_bit_for_bit():
+    p0, grads = _state(5003, torch.float32, "cpu", seed=4)
+    p, m, v, _ = _run("torch", p0, grads, wd=0.1, decoupled=True, grad_scale=1.0)
+    rp, rm, rv = _torch_reference(p0, grads, wd=0.1, decoupled=True, grad_scale=1.0)
+    assert torch.equal(p, rp) and torch.equal(m, rm) and torch.equal(v, rv)
+
+
+# ----------------------------------------------------------------------------- non-finite gradients
+
+
+def _bits(t):
+    return t.clone().view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["g32", "gbf16", "gf16"])
+@pytest.mark.parametrize("bad", ["inf", "-inf", "nan"])
+@pytest.mark.parametrize("where", [0, 40000, -1], ids=["first", "middle", "last"])
+def test_nonfinite_grad_changes_nothing(backend, device, grad_dtype, bad, where):
+    n = 65537
+    gen = torch.Generator().manual_seed(5)
+    p = torch.randn(n, generator=gen).to(device)
+    m = (torch.randn(n, generator=gen) * 0.01).to(device)
+    v = (torch.rand(n, generator=gen) * 0.01).to(device)
+    g = torch.randn(n, generator=gen).to(grad_dtype).to(device)
+    g[where] = float(bad)
+    out = torch.full((n,), 7.0, dtype=torch.bfloat16, device=device)
+    before = [_bits(t) for t in (p, m, v, out)]
+    ok = adam_step(p, g, m, v, step=3, weight_decay=0.1, param_out=out, backend=backend, **HYPER)
+    assert ok is False
+    for name, t, b in zip(("param", "exp_avg", "exp_avg_sq", "param_out"), (p, m, v, out), before):
+        assert torch.equal(_bits(t), b), f"{name} was modified"
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("grad_scale", [0.5, 0.3])
+def test_overflow_when_unscaling_is_nonfinite(backend, device, grad_scale):
+    # 3e38 / 0.5 overflows fp32: the unscaled grad is inf, so the step must not happen.
+    p, m, v = (torch.ones(70000, device=device) for _ in range(3))
+    g = torch.zeros(70000, device=device)
+    g[12345] = 3e38
+    before = [_bits(t) for t in (p, m, v)]
+    assert adam_step(p, g, m, v, step=1, weight_decay=0.0, grad_scale=grad_scale, backend=backend, **HYPER) is False
+    assert all(torch.equal(_bits(t), b) for t, b in zip((p, m, v), before))
+    g[12345] = 1e38  # finite after unscaling by 0.5 / 0.3
+    assert adam_step(p, g, m, v, step=1, weight_decay=0.0, grad_scale=grad_scale, backend=backend, **HYPER) is True
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_found_inf_flag_accumulates_without_sync(backend, device):
+    n = 1000
+    p, m, v = torch.randn(n, device=device), torch.zeros(n, device=device), torch.zeros(n, device=device)
+    found_inf = torch.zeros(1, device=device)
+    g = torch.randn(n, device=device)
+    assert adam_step(p, g, m, v, step=1, weight_decay=0.0, backend=backend, found_inf=found_inf, **HYPER) is None
+    assert found_inf.item() == 0 and bool(m.abs().sum() > 0)
+    g[3] = float("nan")
+    adam_step(p, g, m, v, step=2, weight_decay=0.0, backend=backend, found_inf=found_inf, **HYPER)
+    assert found_inf.item() == 1
+    before = [_bits(t) for t in (p, m, v)]
+    g[3] = 0.0  # finite, but the flag from the earlier chunk skips this step too
+    adam_step(p, g, m, v, step=2, weight_decay=0.0, backend=backend, found_inf=found_inf, **HYPER)
+    assert all(torch.equal(_bits(t), b) for t, b in zip((p, m, v), before))
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_check_finite_off_applies_like_torch(backend, device):
+    p0, grads = _state(3000, torch.float32, device, seed=6, steps=1)
+    p, m, v = p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0)
+    assert adam_step(p, grads[0], m, v, step=1, weight_decay=0.1, check_finite=False, backend=backend, **HYPER)
+    rp, _, _ = _torch_reference(p0, grads, wd=0.1, decoupled=True, grad_scale=1.0)
+    torch.testing.assert_close(p, rp, rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------ C++ specifics
+
+
+@needs_ext
+def test_cpp_simd_levels_agree_bit_for_bit():
+    info = K.build_info()["cpu_adam"]
+    assert info["simd"] == info["simd_supported"][0] and "scalar" in info["simd_supported"]
+    n = 70001  # two blocks, and a tail for every vector width
+    gen = torch.Generator().manual_seed(7)
+    base = [torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 0.1, torch.rand(n, generator=gen) * 0.1]
+    for grad_dtype in (torch.float32, torch.bfloat16, torch.float16):
+        g = torch.randn(n, generator=gen).to(grad_dtype)
+        for out_dtype in (torch.bfloat16, torch.float16):
+            results = {}
+            for level in info["simd_supported"]:
+                p, m, v = (t.clone() for t in base)
+                out = torch.empty(n, dtype=out_dtype)
+                assert cpu_adam.adam_step(p, g, m, v, step=2, weight_decay=0.1, grad_scale=3.0, param_out=out,
+                                          decoupled_weight_decay=True, simd=level, **HYPER)
+                results[level] = [_bits(t) for t in (p, m, v, out)]
+            ref = results["scalar"]
+            for level, res in results.items():
+                assert all(torch.equal(a, b) for a, b in zip(res, ref)), f"{level} differs from scalar"
+    with pytest.raises(ValueError, match="unknown simd level"):
+        cpu_adam.cast_(torch.empty(4, dtype=torch.bfloat16), torch.zeros(4), simd="sse9")
+
+
+@needs_ext
+@pytest.mark.skipif(not (HAS_TRITON and INTERPRET), reason="needs triton under TRITON_INTERPRET=1")
+def test_cpp_and_interpreted_triton_agree_bit_for_bit():
+    # Same arithmetic in the same order, IEEE ops only (no FMA in either): identical bits.
+    for grad_dtype, scale in ((torch.float32, 1.0), (torch.bfloat16, 8.0), (torch.float16, 3.0)):
+        p0, grads = _state(4097, grad_dtype, "cpu", seed=8)
+        a = _run("cpp", p0, grads, wd=0.1, decoupled=False, grad_scale=scale, out_dtype=torch.bfloat16)
+        b = _run("triton", p0, grads, wd=0.1, decoupled=False, grad_scale=scale, out_dtype=torch.bfloat16)
+        assert all(torch.equal(_bits(x), _bits(y)) for x, y in zip(a, b))
+
+
+@needs_ext
+def test_cpp_releases_the_gil():
+    n = 8_000_000
+    p, g, m, v = torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
+    span = {}
+
+    def work():
+        span["start"] = time.perf_counter()
+        for step in range(1, 4):
+            adam_step(p, g, m, v, step=step, weight_decay=0.0, backend="cpp", **HYPER)
+        span["end"] = time.perf_counter()
+
+    ticks = []
+    t = threading.Thread(target=work)
+    t.start()
+    while t.is_alive():
+        ticks.append(time.perf_counter())
+    t.join()
+    inside = [x for x in ticks if span["start"] + 0.002 < x < span["end"] - 0.002]
+    assert span["end"] - span["start"] > 0.01
+    assert len(inside) > 100, "the Python thread did not run while C++ Adam was working: GIL held"
+
+
+def test_build_info_and_lazy_triton_import():
+    code = ("import sys, torch, pstar_fx.kernels as K; info = K.build_info(); "
+            "K.adam_step(torch.zeros(8), torch.ones(8), torch.zeros(8), torch.zeros(8), step=1, lr=1e-3, beta1=0.9, "
+            "beta2=0.999, eps=1e-8, weight_decay=0.0, backend='torch'); "
+            "print('triton' in sys.modules, info['cpu_adam'] is not None)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == "False", "import pstar_fx.kernels imported triton"
+    assert out[1] == str(cpu_adam.available())
+
+
+def test_missing_extension_falls_back_to_torch_with_one_warning(monkeypatch):
+    monkeypatch.setattr(cpu_adam, "extension", lambda: ImportError("no _cpu_adam here (simulated)"))
+    ops._warn_fallback.cache_clear()
+    p0, grads = _state(100, torch.float32, "cpu", seed=9, steps=1)
+    p, m, v = p0.clone(), torch.zeros(100), torch.zeros(100)
+    with pytest.warns(RuntimeWarning, match="not built"):
+        assert adam_step(p, grads[0], m, v, step=1, weight_decay=0.1, **HYPER)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sq_norm(p)  # second use: silent
+        cast_(torch.empty(100, dtype=torch.bfloat16), p)
+    rp, _, _ = _torch_reference(p0, grads, wd=0.1, decoupled=True, grad_scale=1.0)
+    assert torch.equal(p, rp)
+    with pytest.raises(RuntimeError, match="not built"):
+        adam_step(p, grads[0], m, v, step=1, weight_decay=0.1, backend="cpp", **HYPER)
+    ops._warn_fallback.cache_clear()
+
+
+# ----------------------------------------------------------------------------------- bad calls
+
+
+def test_bad_calls_raise_and_name_the_problem():
+    n = 16
+    p, g, m, v = torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.zeros(n)
+    kw = dict(step=1, weight_decay=0.0, **HYPER)
+    with pytest.raises(ValueError, match="grad has 15 elements"):
+        adam_step(p, torch.zeros(15), m, v, **kw)
+    with pytest.raises(ValueError, match="exp_avg must be contiguous"):
+        adam_step(p, g, torch.zeros(n, 2)[:, 0], v, **kw)
+    with pytest.raises(TypeError, match="exp_avg_sq has dtype bfloat16"):
+        adam_step(p, g, m, v.bfloat16(), **kw)
+    with pytest.raises(TypeError, match="param has dtype float16"):
+        adam_step(p.half(), g, m, v, **kw)
+    with pytest.raises(TypeError, match="grad has dtype float64"):
+        adam_step(p, g.double(), m, v, **kw)
+    with pytest.raises(TypeError, match="param_out has dtype float32"):
+        adam_step(p, g, m, v, param_out=torch.zeros(n), **kw)
+    with pytest.raises(ValueError, match="grad is on meta"):
+        adam_step(p, torch.zeros(n, device="meta"), m, v, **kw)
+    with pytest.raises(ValueError, match="unknown backend 'gpu'"):
+        adam_step(p, g, m, v, backend="gpu", **kw)
+    with pytest.raises(ValueError, match="step must be an int >= 1"):
+        adam_step(p, g, m, v, **{**kw, "step": 0})
+    with pytest.raises(ValueError, match="grad_scale must be positive"):
+        adam_step(p, g, m, v, grad_scale=0.0, **kw)
+    with pytest.raises(ValueError, match="distinct memory"):
+        adam_step(p, g, p, v, **kw)
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        adam_step(p, [0.0] * n, m, v, **kw)
+    with pytest.raises(ValueError, match="needs CPU tensors"):
+        adam_step(*(torch.zeros(n, device="meta") for _ in range(4)), backend="cpp", **kw)
+    with pytest.raises(TypeError, match="float32 -> bfloat16/float16"):
+        cast_(torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="dst has 8 elements"):
+        cast_(torch.zeros(8, dtype=torch.bfloat16), torch.zeros(n))
+    with pytest.raises(TypeError, match="x has dtype int64"):
+        sq_norm(torch.zeros(n, dtype=torch.int64))
+    with pytest.raises(ValueError, match="unknown backend"):
+        sq_norm(p, backend="cuda")
+
+
+# ------------------------------------------------------------------------------------------ cast
+
+
+def _cast_inputs():
+    specials = torch.tensor([0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), 65504.0, 65519.99, 65520.0, 70000.0,
+                             -70000.0, 3.0e38, -3.4e38, 1e-45, -1e-45, 1.17e-38, 5.96e-8, 2.98e-8, 2.99e-8, 6.1e-5,
+                             6.0e-5, 1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.0 + 2**-11, 1.0 + 3 * 2**-11])
+    gen = torch.Generator().manual_seed(10)
+    # random bit patterns over the whole range (subnormals, huge, ties), NaNs removed
+    bits = torch.randint(-(2**31), 2**31 - 1, (200_000,), generator=gen, dtype=torch.int64).to(torch.int32)
+    rand = bits.view(torch.float32)
+    rand = rand[~torch.isnan(rand)]
+    # exact ties between neighbours for both 16-bit formats
+    ties = torch.tensor([(1 + 2 * k + 1) * 2**-9 for k in range(64)] + [(1 + 2 * k + 1) * 2**-12 for k in range(64)])
+    return torch.cat([specials, rand, ties, torch.randn(65537, generator=gen) * 1e-6])
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_cast_bit_exact_vs_torch(backend, device, dtype):
+    src = _cast_inputs().to(device)
+    dst = torch.empty(src.shape, dtype=dtype, device=device)
+    cast_(dst, src, backend=backend)
+    assert torch.equal(dst.view(torch.int16).cpu(), src.to(dtype).view(torch.int16).cpu())
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_cast_nan_stays_nan(backend, device, dtype):
+    nans = torch.tensor([0x7FC00000, 0x7F800001, 0xFF800001, 0xFFFFFFFF, 0x7FFFFFFF, 0x7F80FFFF, 0xFFC00000] * 5,
+                        dtype=torch.int64).to(torch.int32).view(torch.float32)
+    src = torch.cat([nans, torch.ones(3)]).to(device)
+    dst = torch.empty(src.shape, dtype=dtype, device=device)
+    cast_(dst, src, backend=backend)
+    assert bool(torch.isnan(dst[:-3].float()).all()) and bool((dst[-3:] == 1).all())
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("n", [0, 1, 7, 65537])
+def test_cast_sizes_and_same_dtype_copy(backend, device, n):
+    src = torch.randn(n, device=device)
+    for dtype in (torch.bfloat16, torch.float16):
+        dst = torch.empty(n, dtype=dtype, device=device)
+        cast_(dst, src, backend=backend)
+        assert torch.equal(dst, src.to(dtype))
+    dst = torch.empty(n, device=device)
+    cast_(dst, src, backend=backend)
+    assert torch.equal(dst, src)
+
+
+# --------------------------------------------------------------------------------------- sq_norm
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("n", [0, 1, 7, 65537, 300_001])
+def test_sq_norm_vs_float64(backend, device, dtype, n):
+    gen = torch.Generator().manual_seed(n)
+    x = (torch.randn(n, generator=gen) * 3).to(dtype)
+    out = sq_norm(x.to(device), backend=backend)
+    assert out.dtype == torch.float32 and out.dim() == 0 and out.device.type == device
+    ref = x.double().square().sum()
+    torch.testing.assert_close(out.double().cpu(), ref, rtol=1e-5, atol=0.0)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_sq_norm_nonfinite_propagates(backend, device):
+    x = torch.ones(1000, device=device)
+    x[10] = float("inf")
+    assert math.isinf(sq_norm(x, backend=backend).item())
+    x[10] = float("nan")
+    assert math.isnan(sq_norm(x, backend=backend).item())
