@@ -1,0 +1,161 @@
+"""The planner: Belady is optimal, predictions match measurements, recompute keeps results exact."""
+import itertools
+import random
+import sys
+import os
+
+import pytest
+import torch
+
+import pstar_fx
+from pstar_fx.layout import packed_waste, search_chunk_size
+from pstar_fx.models import GPT, Llama, gpt_config, llama_config
+from pstar_fx.schedule import belady, place_prefetches
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_engine import assert_matches_torch, batch  # noqa: E402
+
+
+# ---- Belady against brute force -------------------------------------------------------------------------
+
+def brute_force_fetches(reads, n_slots):
+    """Fewest fetches over every eviction choice (exhaustive search with memo on (time, resident set))."""
+    from functools import lru_cache
+
+    @lru_cache(maxsize=None)
+    def best(i, resident):
+        if i == len(reads):
+            return 0
+        need = reads[i]
+        missing = need - resident
+        keep = resident & need
+        others = sorted(resident - need)
+        room = n_slots - len(keep) - len(missing)
+        out = float("inf")
+        for k in range(min(room, len(others)), -1, -1):
+            if len(keep) + k + len(missing) > n_slots:
+                continue
+            for stay in itertools.combinations(others, k):
+                out = min(out, len(missing) + best(i + 1, frozenset(keep | missing | set(stay))))
+        return out
+
+    return best(0, frozenset())
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_belady_equals_brute_force_optimum(seed):
+    rng = random.Random(seed)
+    n_chunks, n_slots, length = rng.randint(3, 6), rng.randint(1, 3), rng.randint(6, 14)
+    reads = []
+    for _ in range(length):
+        k = rng.randint(0, min(2, n_slots))
+        reads.append(frozenset(rng.sample(range(n_chunks), k)))
+    intervals = belady([set(r) for r in reads], n_slots)
+    assert len(intervals) == brute_force_fetches(reads, n_slots)
+    # every read is covered by an interval of its chunk, and no more than n_slots overlap anywhere
+    for i, r in enumerate(reads):
+        for c in r:
+            assert any(ch == c and s <= i <= e for ch, s, e in intervals)
+        assert sum(s <= i <= e for _, s, e in intervals) <= n_slots
+
+
+def test_prefetch_starts_early_enough_and_never_overfills_slots():
+    reads = [{0}, set(), set(), {1}, set(), set(), {2}, set(), {0}]
+    intervals = belady(reads, 2)
+    sched = place_prefetches(intervals, 2, node_seconds=[1.0] * len(reads), copy_seconds={0: 1.5, 1: 1.5, 2: 1.5})
+    prefetch_at = {c: i for i, ops in sched.before.items() for op, c in ops if op == "prefetch"}
+    assert prefetch_at[1] <= 3 - 2 and prefetch_at[2] <= 6 - 2     # 2 nodes of 1 s hide a 1.5 s copy
+    resident, peak = set(), 0
+    for i in range(len(reads)):
+        for op, c in sched.before.get(i, []):
+            if op in ("prefetch", "fetch"):
+                resident.add(c)
+        assert reads[i] <= resident
+        peak = max(peak, len(resident))
+        for op, c in sched.after.get(i, []):
+            resident.discard(c)
+    assert peak <= 2
+
+
+# ---- chunk size search ----------------------------------------------------------------------------------
+
+def test_chunk_size_search_is_least_waste_in_range():
+    numels = [50304 * 64] + [64 * 64 * 3, 64 * 3, 64 * 64, 64, 64 * 256, 256, 256 * 64, 64, 64, 64] * 6
+    best = search_chunk_size(numels)
+    assert best >= max(numels)
+    waste = packed_waste(numels, best)[0]
+    for size in range(max(numels), best, 1024):
+        assert packed_waste(numels, size)[0] >= waste
+
+
+# ---- predicted peak against measured peak ---------------------------------------------------------------
+
+CASES = [
+    ("gpt", "fp32", "host", None),
+    ("gpt", "bf16", "auto", 3),
+    ("llama", "fp32", "auto", 2),
+    ("llama", "bf16", "host", None),
+]
+
+
+@pytest.mark.parametrize("name,dtype,placement,device_chunks", CASES)
+def test_measured_device_peak_matches_plan(name, dtype, placement, device_chunks):
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny")) if name == "gpt" else Llama(llama_config("tiny"))
+    inputs = batch(b=2, t=48)
+    budget = None
+    if device_chunks is not None:
+        probe = pstar_fx.plan(model, {"device": "cpu", "placement": "host", "dtype": dtype}, inputs)
+        d = probe.device_breakdown
+        budget = (d["activations"] + d["buffers"] + d["gradient slots"] + d["compute slots"] // 2
+                  + device_chunks * 12 * (d["compute slots"] // probe.slots // (2 if dtype == "bf16" else 4)))
+    engine = pstar_fx.compile(model, {"device": "cpu", "dtype": dtype, "placement": placement,
+                                      "device_memory": budget}, inputs)
+    for _ in range(2):
+        engine.step(*inputs)
+    measured = engine.memory_stats()["device_peak_bytes"]
+    predicted = engine.plan.device_peak_bytes
+    assert 0.85 <= measured / predicted <= 1.0, (measured, predicted)
+    if budget is not None:
+        assert measured <= budget
+
+
+# ---- recompute --------------------------------------------------------------------------------------------
+
+def test_recompute_when_activations_do_not_fit_keeps_fp32_exact():
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny"))
+    batches = [batch(b=4, t=64, seed=s) for s in range(3)]
+    probe = pstar_fx.plan(model, {"device": "cpu", "placement": "host"}, batches[0])
+    d = probe.device_breakdown
+    budget = int(d["activations"] * 0.75) + d["gradient slots"] + d["compute slots"]
+    engine = assert_matches_torch(model, batches, {"placement": "host", "device_memory": budget,
+                                                   "optimizer": {"lr": 1e-3}})
+    plan = engine.plan
+    assert plan.recompute.startswith(tuple("123456789")), plan.recompute
+    assert plan.activation_peak_bytes < d["activations"]
+    assert engine.memory_stats()["device_peak_bytes"] <= budget
+
+
+def test_too_small_budget_says_what_is_missing_and_what_was_tried():
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny"))
+    plan = pstar_fx.plan(model, {"device": "cpu", "device_memory": "200KiB"}, batch())
+    assert not plan.fits
+    assert "missing" in plan.why and "host" in plan.why and "recomputing every forward segment" in plan.why
+    assert "DOES NOT FIT" in plan.summary()
+    with pytest.raises(pstar_fx.BudgetError, match="missing.*recomputing"):
+        pstar_fx.compile(model, {"device": "cpu", "device_memory": "200KiB"}, batch())
+
+
+# ---- planning big models without memory -----------------------------------------------------------------
+
+def test_plan_10b_on_meta_for_an_h200_without_a_gpu():
+    with torch.device("meta"):
+        model = GPT(gpt_config("GPT3_10B"))
+        inputs = (torch.zeros(1, 1024, dtype=torch.long), torch.zeros(1, 1024, dtype=torch.long))
+    plan = pstar_fx.plan(model, {"device": "cuda", "device_memory": "141GB", "host_memory": "126GiB",
+                                 "dtype": "bf16"}, inputs)
+    assert plan.fits, plan.summary()
+    state = plan.device_breakdown["chunk state"] + plan.host_breakdown["chunk state"]
+    assert state >= 12 * 10.2e9                         # 12 B/param of fp32 state, all accounted
