@@ -227,7 +227,8 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     # placement: as many chunks' state on the device as the budget allows, keeping `min_slots` slots;
     # the rest on the host, which must hold them
     def device_fits(k: int) -> bool:
-        need_slots = min_slots if (not fp32 or k < n_chunks) else 0
+        # with chunks on the host, one slot more than an op reads lets the next copy overlap compute
+        need_slots = 0 if (fp32 and k == n_chunks) else min_slots + (k < n_chunks)
         return budget is None or fixed + k * state_bytes + need_slots * slot_bytes <= budget
 
     if config.placement == "host":
