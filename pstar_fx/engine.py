@@ -6,6 +6,7 @@ decided; `Engine.memory_stats()` says what the runtime measured.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import Counter
 
@@ -20,6 +21,7 @@ from .passes import fuse_optimizer, insert_chunk_ops, localize_param_views
 from .passes.recompute import Segment, find_segments, recompute
 from .plan import BudgetError, Plan, make_plan
 from .runtime import ChunkRuntime, run_graph
+from .runtime_cuda import CudaChunkRuntime
 
 
 class Lowered:
@@ -111,24 +113,51 @@ class Engine:
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device: {config.device!r} requested but CUDA is not available here; "
                              "use device='cpu' (the CPU then plays the device tier)")
-        meta = [n for n, p in model.named_parameters() if p.is_meta]
-        if meta:
-            raise ValueError(f"model parameters are on the meta device ({meta[0]!r}, ...): compile() trains real "
-                             "weights; materialize the model first (to_empty + init) or size it with pstar_fx.plan")
+        if config.device.startswith("cuda") and config.device_memory is None:
+            free, _ = torch.cuda.mem_get_info(torch.device(config.device))
+            config = dataclasses.replace(config, device_memory=free)
         self.config = config
         self.lowered = Lowered(model, config, tuple(example_inputs))
         if not self.lowered.plan.fits:
             raise BudgetError(self.lowered.plan.why)
         self.device = self.lowered.device
         cap = self.lowered.capture
-        self.rt = ChunkRuntime(self.lowered.layout, self.lowered.plan, config, self.device, self.lowered.dtype)
-        named = dict(model.named_parameters(remove_duplicate=False))
-        self.rt.load_params([named[p.name] for p in cap.params])
+        runtime = CudaChunkRuntime if self.device.type == "cuda" else ChunkRuntime
+        self.rt = runtime(self.lowered.layout, self.lowered.plan, config, self.device, self.lowered.dtype)
+        if any(p.is_meta for p in model.parameters()):
+            self._materialize(model)
+        else:
+            named = dict(model.named_parameters(remove_duplicate=False))
+            self.rt.load_params([named[p.name] for p in cap.params])
         self._buffers = [self.rt.adopt(model.get_buffer(b).detach().to(self.device, copy=True))
                          for b in cap.buffers]
         loss_dtype = next(iter(cap.gm.graph.find_nodes(op="placeholder", target="tangent"))).meta["val"].dtype
         self._tangent = torch.ones((), dtype=loss_dtype, device=self.device)
         self.steps = 0
+
+    def _materialize(self, model: nn.Module) -> None:
+        """A model built on the meta device gets its weights made directly in chunk memory: its parameters
+        become views of the fp32 masters (on their tier), then its own init runs on them. The model is
+        never whole in memory anywhere else, which is what lets a model larger than either tier start."""
+        cap = self.lowered.capture
+        owner = {alias: i for i, p in enumerate(cap.params) for alias in p.aliases}
+        shared = [nn.Parameter(self.rt.param_fp32(i), requires_grad=p.requires_grad) for i, p in enumerate(cap.params)]
+        for mod_name, mod in model.named_modules(remove_duplicate=False):
+            for name, p in list(mod._parameters.items()):
+                full = f"{mod_name}.{name}" if mod_name else name
+                if p is not None and full in owner:
+                    mod._parameters[name] = shared[owner[full]]
+            for name, b in list(mod._buffers.items()):
+                if b is not None and b.is_meta:
+                    mod._buffers[name] = torch.empty_like(b, device=self.device)
+        torch.manual_seed(self.config.seed)
+        with torch.no_grad():
+            if hasattr(model, "init_weights"):
+                model.init_weights()
+            else:
+                for m in model.modules():
+                    if hasattr(m, "reset_parameters"):
+                        m.reset_parameters()
 
     # ---- the step ----------------------------------------------------------------------------------
     def step(self, *inputs: torch.Tensor) -> torch.Tensor:
@@ -136,6 +165,7 @@ class Engine:
         inputs = self._check_inputs(inputs)
         rt = self.rt
         rt.step_count += 1
+        rt.begin()
         args = [rt, *self._buffers, *inputs, self._tangent]
         try:
             if self.device.type == "cpu":

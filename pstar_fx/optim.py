@@ -17,13 +17,18 @@ from pstar_fx.kernels import adam_step
 
 
 def chunk_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                 spans: list[tuple[int, int]], *, step: int, hparams: dict, grad_scale: float = 1.0) -> bool:
-    """Adam/AdamW over `spans` of a chunk. Returns False (and changes nothing) on non-finite gradients."""
+                 spans: list[tuple[int, int]], *, step: int, hparams: dict, grad_scale: float = 1.0,
+                 found_inf: torch.Tensor | None = None) -> bool:
+    """Adam/AdamW over `spans` of a chunk. Returns False (and changes nothing) on non-finite gradients.
+
+    With `found_inf` (a 1-element device tensor) nothing waits for the device: a non-finite gradient
+    sets the flag and later updates skip; the return value is then True."""
     beta1, beta2 = hparams["betas"]
     ok = True
     for off, n in spans:
         sl = slice(off, off + n)
         ok &= adam_step(master[sl], grad[sl], exp_avg[sl], exp_avg_sq[sl], step=step, lr=hparams["lr"],
                         beta1=beta1, beta2=beta2, eps=hparams["eps"], weight_decay=hparams["weight_decay"],
-                        grad_scale=grad_scale, decoupled_weight_decay=hparams["type"] == "adamw")
+                        grad_scale=grad_scale, decoupled_weight_decay=hparams["type"] == "adamw",
+                        found_inf=found_inf) is not False
     return ok

@@ -217,6 +217,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     state_bytes = cs * MASTER_STATE_BYTES
     min_slots = max((len(r) for r in reads), default=0)
     workspace = CUDA_WORKSPACE_BYTES if cuda else 0
+    staging = cs * 4 if (cuda and not fp32) else 0      # (when any chunk is on the host)
     fixed = act_peak + buffer_bytes + grad_slots * grad_slot_bytes + workspace
     budget = config.device_memory
     notes: list[str] = []
@@ -229,7 +230,8 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     def device_fits(k: int) -> bool:
         # with chunks on the host, one slot more than an op reads lets the next copy overlap compute
         need_slots = 0 if (fp32 and k == n_chunks) else min_slots + (k < n_chunks)
-        return budget is None or fixed + k * state_bytes + need_slots * slot_bytes <= budget
+        extra = staging if k < n_chunks else 0
+        return budget is None or fixed + extra + k * state_bytes + need_slots * slot_bytes <= budget
 
     if config.placement == "host":
         n_device = 0
@@ -243,7 +245,9 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     needs_slot = [not (fp32 and placement[c] == "device") for c in range(n_chunks)]
     slot_chunks = sum(needs_slot)
     if slot_chunks:
-        spare = (budget - fixed - n_device * state_bytes) // slot_bytes if budget is not None else slot_chunks
+        extra = staging if n_device < n_chunks else 0
+        spare = ((budget - fixed - extra - n_device * state_bytes) // slot_bytes
+                 if budget is not None else slot_chunks)
         slots = max(min_slots, min(slot_chunks, spare))
         if slots < slot_chunks:
             notes.append(f"{slots} compute slots for {slot_chunks} chunks: Belady eviction refetches the rest")
@@ -272,9 +276,12 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     if workspace:
         device["workspace margin"] = workspace
     n_host = n_chunks - n_device
+    if cuda and n_host and not fp32:
+        device["copy staging"] = cs * 4   # host chunks ship fp32 and are cast on the device
     host = {
         "chunk state": n_host * state_bytes,
-        "gradient staging": (cs * compute_itemsize) if n_host else 0,
+        # the CUDA runtime double-buffers gradients so one copies while Adam reads the other
+        "gradient staging": (cs * compute_itemsize * (2 if cuda else 1)) if n_host else 0,
         "cast staging": (cs * compute_itemsize) if (n_host and not fp32) else 0,
     }
     plan = Plan(placement, slots, grad_slots, before, after,

@@ -165,6 +165,12 @@ class ChunkRuntime:
             self.stats.h2d_bytes += n * 4
         self.compute[c] = buf
 
+    def begin(self) -> None:
+        """Start of a step (the synchronous runtime has nothing to order)."""
+
+    def finish(self) -> None:
+        """End of a step: every update has landed (already true here)."""
+
     def check_idle(self) -> None:
         """After a step every compute copy is released and every gradient consumed."""
         left = set(self.compute) - self._pinned_compute

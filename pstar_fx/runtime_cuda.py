@@ -1,0 +1,150 @@
+"""runtime_cuda: the chunk runtime on a GPU — copy streams, events, and the host Adam on a worker thread.
+
+Same `rt` methods as runtime.ChunkRuntime (the lowered graph does not change), but asynchronous:
+
+  prefetch(c)  on the host->device stream: wait until the slot's previous chunk was released by the
+               compute stream, copy the fp32 master (pinned) into a device staging buffer and cast it into
+               the slot there (4 B/param over PCIe, the cast at HBM speed); or cast on the device for a
+               device-resident chunk. Records an event.
+  fetch(c)     the compute stream waits for that event (prefetching first if the plan did not).
+  release(c)   records on the compute stream when the slot's last reader ran; the slot's next copy waits.
+  offload(c)   on the device->host stream, after the chunk's last gradient: gradients into a pinned host
+               buffer (two, so one copies while the other is being used by Adam).
+  adam(c)      host chunk: the C++ Adam on a worker thread (it releases the GIL) once the gradient copy has
+               landed, while the GPU goes on with backward; device chunk: the Triton Adam on the compute
+               stream, with no host sync (a non-finite gradient sets a flag instead).
+  finish()     end of step: waits for the worker, so the next step's prefetches read updated masters.
+
+No `record_stream`: every cross-stream use is ordered by an explicit event, and all buffers come from
+pools allocated once.
+"""
+from __future__ import annotations
+
+import queue
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from .optim import chunk_update
+from .runtime import ChunkRuntime
+
+
+class CudaChunkRuntime(ChunkRuntime):
+    HOST_GRAD_BUFFERS = 2
+
+    def __init__(self, layout, plan, config, device, compute_dtype):
+        super().__init__(layout, plan, config, device, compute_dtype)
+        cs = layout.chunk_size
+        self.compute_stream = torch.cuda.current_stream(device)
+        self.h2d = torch.cuda.Stream(device)
+        self.d2h = torch.cuda.Stream(device)
+        self._ready: dict[int, torch.cuda.Event] = {}
+        self._slot_done: dict[int, torch.cuda.Event] = {}       # slot data_ptr -> last reader finished
+        self._grad_done: dict[int, torch.cuda.Event] = {}       # grad slot data_ptr -> d2h copy finished
+        any_host = "host" in plan.placement
+        self._staging = (self._alloc(True, cs, torch.float32)
+                         if any_host and compute_dtype != torch.float32 else None)
+        self._host_grads: queue.Queue = queue.Queue()
+        if any_host:
+            self._host_grads.put(self._host_grad)
+            for _ in range(self.HOST_GRAD_BUFFERS - 1):
+                self._host_grads.put(self._alloc(False, cs, compute_dtype))
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pstar_fx-adam") if any_host else None
+        self._pending: list[Future] = []
+        self.found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+
+    # ---- compute copies ------------------------------------------------------------------------------
+    def begin(self) -> None:
+        """Start of step: copies may read masters the compute stream updated in the last step."""
+        self.h2d.wait_stream(self.compute_stream)
+
+    def prefetch(self, c: int) -> None:
+        buf = self._free_slots.pop()
+        n = self.layout.chunks[c].used_elems
+        with torch.cuda.stream(self.h2d):
+            done = self._slot_done.pop(buf.data_ptr(), None)
+            if done is not None:
+                self.h2d.wait_event(done)
+            src = self.master[c][:n]
+            if self.plan.placement[c] == "device":
+                buf[:n].copy_(src)
+            elif self._staging is not None:
+                self._staging[:n].copy_(src, non_blocking=True)
+                buf[:n].copy_(self._staging[:n])            # cast on the device
+                self.stats.h2d_bytes += n * 4
+            else:
+                buf[:n].copy_(src, non_blocking=True)
+                self.stats.h2d_bytes += n * 4
+            ready = torch.cuda.Event()
+            ready.record(self.h2d)
+        self._ready[c] = ready
+        self.compute[c] = buf
+
+    def fetch(self, c: int) -> None:
+        if c not in self.compute:
+            self.prefetch(c)
+        ready = self._ready.pop(c, None)
+        if ready is not None:
+            self.compute_stream.wait_event(ready)
+
+    def release(self, c: int) -> None:
+        buf = self.compute.pop(c)
+        done = torch.cuda.Event()
+        done.record(self.compute_stream)
+        self._slot_done[buf.data_ptr()] = done
+        self._free_slots.append(buf)
+
+    # ---- gradients and the update ---------------------------------------------------------------------
+    def grad(self, index: int, g: torch.Tensor) -> None:
+        slot = self.layout.slots[index]
+        buf = self.grads.get(slot.chunk)
+        if buf is None:
+            buf = self.grads[slot.chunk] = self._free_grads.pop()
+            copied = self._grad_done.pop(buf.data_ptr(), None)
+            if copied is not None:
+                self.compute_stream.wait_event(copied)      # its last gradients are on the host now
+        buf[slot.offset: slot.offset + slot.numel].copy_(g.reshape(-1))
+
+    def offload(self, c: int) -> None:
+        buf = self.grads.pop(c)
+        n = self.layout.chunks[c].used_elems
+        host = self._host_grads.get()                       # blocks only if Adam still uses both buffers
+        written = torch.cuda.Event()
+        written.record(self.compute_stream)
+        with torch.cuda.stream(self.d2h):
+            self.d2h.wait_event(written)
+            host[:n].copy_(buf[:n], non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self.d2h)
+        self.stats.d2h_bytes += n * buf.element_size()
+        self._grad_done[buf.data_ptr()] = copied
+        self._free_grads.append(buf)
+        self.grads[c] = (host, copied)
+
+    def adam(self, c: int) -> None:
+        spans = self.layout.chunks[c].grad_spans()
+        if self.plan.placement[c] == "host":
+            host, copied = self.grads.pop(c)
+            self._pending.append(self._worker.submit(self._host_adam, c, host, copied, spans, self.step_count))
+            return
+        grad = self.grads.pop(c)
+        chunk_update(self.master[c], grad, self.exp_avg[c], self.exp_avg_sq[c], spans, step=self.step_count,
+                     hparams=self.hparams, found_inf=self.found_inf)
+        self._free_grads.append(grad)
+
+    def _host_adam(self, c, host, copied, spans, step) -> None:
+        try:
+            copied.synchronize()
+            chunk_update(self.master[c], host, self.exp_avg[c], self.exp_avg_sq[c], spans, step=step,
+                         hparams=self.hparams)
+        finally:
+            self._host_grads.put(host)
+
+    def finish(self) -> None:
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()
+
+    def check_idle(self) -> None:
+        self.finish()
+        super().check_idle()
