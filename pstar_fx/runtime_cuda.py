@@ -21,6 +21,7 @@ pools allocated once.
 from __future__ import annotations
 
 import queue
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -52,6 +53,7 @@ class CudaChunkRuntime(ChunkRuntime):
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pstar_fx-adam") if any_host else None
         self._pending: list[Future] = []
         self.found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        self._seconds = {"host_adam": 0.0, "wait_for_host_adam": 0.0, "steps": 0}
 
     # ---- compute copies ------------------------------------------------------------------------------
     def begin(self) -> None:
@@ -135,15 +137,25 @@ class CudaChunkRuntime(ChunkRuntime):
     def _host_adam(self, c, host, copied, spans, step) -> None:
         try:
             copied.synchronize()
+            t0 = time.perf_counter()
             chunk_update(self.master[c], host, self.exp_avg[c], self.exp_avg_sq[c], spans, step=step,
                          hparams=self.hparams)
+            self._seconds["host_adam"] += time.perf_counter() - t0
         finally:
             self._host_grads.put(host)
 
     def finish(self) -> None:
+        t0 = time.perf_counter()
         pending, self._pending = self._pending, []
         for f in pending:
             f.result()
+        self._seconds["wait_for_host_adam"] += time.perf_counter() - t0
+        self._seconds["steps"] += 1
+
+    def timing(self) -> dict:
+        """Seconds per step: host Adam work (on the worker) and how long the step's end waited for it."""
+        n = max(1, self._seconds["steps"])
+        return {k: round(v / n, 4) for k, v in self._seconds.items() if k != "steps"}
 
     def check_idle(self) -> None:
         self.finish()

@@ -1,0 +1,172 @@
+"""Train the GPT from pstar_fx.models with random tokens and print one line: RESULT {json}.
+
+    python bench/gpt.py --model NAME --system {pstar_fx,torch,deepspeed} --batch B --seq S --steps K [--json FILE]
+
+pstar_fx   the model built on the meta device, compiled with dtype bf16 on one GPU; the planner decides
+           placement and recompute.
+torch      the same model all on the GPU: bf16 autocast, fused AdamW, activation checkpointing per block.
+deepspeed  ZeRO-3 with parameters and optimizer offloaded to pinned CPU memory (when importable).
+
+Fields: params, tokens, step_s (median of the steps after the first two), tflops (6 * params * tokens /
+step_s), gpu_peak_bytes (torch.cuda.max_memory_allocated), host_rss_bytes (largest RSS seen), and for
+pstar_fx the plan's predicted GPU peak and a per-phase breakdown. A model that does not fit prints a
+RESULT with "error" instead of a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import psutil
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import pstar_fx  # noqa: E402
+from pstar_fx.models import GPT, gpt_config, num_params  # noqa: E402
+
+
+class Checkpointed(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+def torch_system(cfg, args):
+    with torch.device("meta"):
+        model = GPT(cfg)
+    model.to_empty(device="cuda")
+    torch.manual_seed(0)
+    model.init_weights()
+    model.h = torch.nn.ModuleList(Checkpointed(b) for b in model.h)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=True)
+
+    def step(idx, tgt):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(idx, tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step, {}
+
+
+def pstar_system(cfg, args, example):
+    with torch.device("meta"):
+        model = GPT(cfg)
+    config = pstar_fx.Config(device="cuda", dtype="bf16", host_memory=args.host_memory,
+                             device_memory=args.device_memory,
+                             optimizer={"type": "adamw", "lr": args.lr, "weight_decay": 0.1})
+    t0 = time.perf_counter()
+    engine = pstar_fx.compile(model, config, example_inputs=example)
+    compile_s = time.perf_counter() - t0
+    print(engine.explain(), file=sys.stderr)
+    extra = {"compile_s": round(compile_s, 2), "predicted_gpu_peak_bytes": engine.plan.device_peak_bytes,
+             "placement_device_chunks": engine.plan.placement.count("device"),
+             "chunks": len(engine.plan.placement), "recompute": engine.plan.recompute}
+    return engine.step, extra, engine
+
+
+def deepspeed_system(cfg, args):
+    import deepspeed  # noqa: F401  (ImportError is reported as the result)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights()
+    model.h = torch.nn.ModuleList(Checkpointed(b) for b in model.h)
+    ds_config = {
+        "train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.1}},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
+                              "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+    }
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+
+    def step(idx, tgt):
+        loss = engine(idx, tgt)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return step, {}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--system", choices=("pstar_fx", "torch", "deepspeed"), required=True)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--host-memory", default=None, help="pstar_fx host budget, e.g. 120GiB")
+    ap.add_argument("--device-memory", default=None, help="pstar_fx device budget (default: free GPU memory)")
+    ap.add_argument("--json", default=None, help="append the result to this file")
+    args = ap.parse_args(argv)
+
+    cfg = gpt_config(args.model, block_size=max(args.seq, 1))
+    params = num_params(cfg)
+    tokens = args.batch * args.seq
+    result = {"system": args.system, "model": args.model, "params": params, "batch": args.batch,
+              "seq": args.seq, "tokens": tokens, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+    proc = psutil.Process()
+    rss = 0
+    try:
+        if not torch.cuda.is_available():
+            raise RuntimeError("no CUDA device")
+        torch.cuda.reset_peak_memory_stats()
+        g = torch.Generator(device="cuda").manual_seed(0)
+        batches = [(torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device="cuda", generator=g),
+                    torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device="cuda", generator=g))
+                   for _ in range(2)]
+        engine = None
+        if args.system == "torch":
+            step, extra = torch_system(cfg, args)
+        elif args.system == "deepspeed":
+            step, extra = deepspeed_system(cfg, args)
+        else:
+            step, extra, engine = pstar_system(cfg, args, batches[0])
+        result.update(extra)
+        times, losses = [], []
+        for k in range(args.steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss = step(*batches[k % 2])
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            losses.append(float(loss))
+            rss = max(rss, proc.memory_info().rss)
+            print(f"step {k}: {times[-1]:.3f} s loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
+        steady = times[2:] if len(times) > 2 else times
+        step_s = statistics.median(steady)
+        result.update(step_s=round(step_s, 4), tflops=round(6 * params * tokens / step_s / 1e12, 1),
+                      steps_s=[round(t, 3) for t in times], losses=[round(x, 4) for x in losses],
+                      gpu_peak_bytes=torch.cuda.max_memory_allocated(), host_rss_bytes=rss)
+        if engine is not None:
+            result["phases"] = engine.rt.timing() if hasattr(engine.rt, "timing") else {}
+            result["memory_stats"] = engine.memory_stats()
+    except Exception as e:  # noqa: BLE001 - a model that does not fit is a result, not a crash
+        result["error"] = f"{type(e).__name__}: {str(e)[:1500]}"
+        traceback.print_exc(file=sys.stderr)
+        if torch.cuda.is_available():
+            result["gpu_peak_bytes"] = torch.cuda.max_memory_allocated()
+        result["host_rss_bytes"] = max(rss, proc.memory_info().rss)
+    line = "RESULT " + json.dumps(result)
+    print(line, flush=True)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
