@@ -197,12 +197,13 @@ def _check_cuda(config: Config) -> None:
                          f"(torch {torch.__version__}); use --device cpu")
 
 
-def _auto_budgets(model, d: dict, inputs) -> list[tuple[int, str]]:
-    """Device budgets to try, in order, when the CPU plays the device tier and none was given.
+def _auto_budgets(model, d: dict, inputs) -> tuple[int, list[int]]:
+    """What the whole step needs on the device, and device budgets to try, in order, when the CPU plays the
+    device tier and no budget was given.
 
-    The first keeps about a quarter of the chunks' fp32 state on the device and room for 4 compute slots,
-    so most state lives on the host and chunks move every step; the later ones are fallbacks in case a
-    single op reads more chunks at once than that leaves room for.
+    The first budget has room for the step's activations, about a quarter of the chunks' fp32 state and 4
+    compute slots, so most state lives on the host and chunks move every step; the later ones are
+    fallbacks in case the planner needs more room than that (e.g. one op reads more chunks at once).
     """
     whole = pstar_fx.plan(model, Config.from_dict({**d, "placement": "device", "device_memory": None}), inputs)
     state = whole.device_breakdown["chunk state"]
@@ -210,20 +211,13 @@ def _auto_budgets(model, d: dict, inputs) -> list[tuple[int, str]]:
     chunk_state = state // n_chunks
     slot_bytes = chunk_state // 12 * Config.from_dict(d).torch_dtype.itemsize  # 12 B/elem: master + Adam moments
     base = whole.device_peak_bytes - state - whole.device_breakdown["compute slots"]
-    out = []
-    for keep, slots in ((n_chunks // 4, 4), (n_chunks // 2, 8)):
-        budget = base + keep * chunk_state + slots * slot_bytes
-        if budget < whole.device_peak_bytes:
-            out.append((budget, f"{format_bytes(budget)} (auto: the whole step on the device needs "
-                                f"{format_bytes(whole.device_peak_bytes)}; this budget keeps at most {keep} of "
-                                f"{n_chunks} chunks' fp32 state on the device, the rest on the host, so chunks "
-                                "move every step; --device-memory sets it)"))
-    out.append((whole.device_peak_bytes, f"{format_bytes(whole.device_peak_bytes)} (auto: the whole step)"))
-    return out
+    budgets = [base + keep * chunk_state + slots * slot_bytes for keep, slots in ((n_chunks // 4, 4),
+                                                                                  (n_chunks // 2, 8))]
+    return whole.device_peak_bytes, [b for b in budgets if b < whole.device_peak_bytes] + [whole.device_peak_bytes]
 
 
 def _compile(args, parser, cap: int | None):
-    """Model, Config and Engine for train/explain; prints the device budget it chose, if it chose one."""
+    """Model, Engine and sequence length for train/explain; prints the device budget it chose, if it chose one."""
     seq = _seq(args, parser, cap)
     if args.model.config.vocab_size < 256:
         parser.error(f"{args.model} has vocab_size {args.model.config.vocab_size}; byte tokens need 256")
@@ -239,15 +233,21 @@ def _compile(args, parser, cap: int | None):
     auto = config.device == "cpu" and config.device_memory is None and config.placement == "auto"
     if not auto:
         return model, pstar_fx.compile(model, config, inputs), seq
-    tries = _auto_budgets(model, d, inputs)
-    for i, (budget, why) in enumerate(tries):
+    whole_bytes, budgets = _auto_budgets(model, d, inputs)
+    for i, budget in enumerate(budgets):
         try:
             engine = pstar_fx.compile(model, Config.from_dict({**d, "device_memory": budget}), inputs)
         except pstar_fx.BudgetError:
-            if i == len(tries) - 1:
+            if i == len(budgets) - 1:
                 raise
             continue
-        print(f"device memory: {why}")
+        n_host, n_chunks = engine.plan.placement.count("host"), len(engine.plan.placement)
+        print(f"device memory: {format_bytes(budget)}, chosen for you: the whole step on the device would need "
+              f"{format_bytes(whole_bytes)}; "
+              + (f"in this budget {n_chunks - n_host} of {n_chunks} chunks' fp32 state fit on the device and "
+                 f"{n_host} live on the host, so chunks move every step" if n_host else
+                 "no smaller budget fit, so nothing moves")
+              + " (--device-memory sets the budget)")
         return model, engine, seq
 
 
