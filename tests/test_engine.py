@@ -342,3 +342,21 @@ def test_capture_errors_name_op_and_source_line():
         pstar_fx.compile(NotALoss(), {"device": "cpu"}, (torch.randn(2, 4),))
     with pytest.raises(TypeError, match="example_inputs"):
         pstar_fx.compile(NotALoss(), {"device": "cpu"})
+
+
+def test_meta_model_materializes_in_chunk_memory_like_a_cpu_build():
+    with torch.device("meta"):
+        model = GPT(gpt_config("tiny"))
+    inputs = batch()
+    engine = pstar_fx.compile(model, {"device": "cpu", "placement": "host", "seed": 3,
+                                      "optimizer": {"lr": 1e-3}}, inputs)
+    torch.manual_seed(3)
+    ref = GPT(gpt_config("tiny"))            # a CPU build initializes with the same seed the same way
+    torch.manual_seed(3)
+    ref.init_weights()
+    sd = engine.state_dict()
+    for name, p in ref.named_parameters():
+        assert torch.equal(sd[name], p.detach()), name
+    _, ref_losses = reference_run(ref, [inputs] * 3, {"lr": 1e-3})
+    losses = [engine.step(*inputs).item() for _ in range(3)]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
