@@ -318,9 +318,7 @@ def cmd_explain(args, parser) -> int:
 
 def cmd_plan(args, parser) -> int:
     seq = _seq(args, parser, None)
-    config = Config.from_dict(_config_dict(args))
-    # Planning for cuda traces on the cuda device; a CPU-only torch aborts the process there, so say it first.
-    _check_cuda(config)
+    config = Config.from_dict(_config_dict(args))   # planning for cuda needs no GPU here: nothing is allocated
     with torch.device("meta"):
         model = args.model.build()
     n_params = args.model.config.num_params()

@@ -101,8 +101,14 @@ def test_plan_on_meta_answers_fits_or_not(capsys):
     assert "does not fit" in capsys.readouterr().out
 
 
+def test_plan_for_cuda_needs_no_gpu(capsys):
+    assert main(["plan", "--model", "tiny", "--device", "cuda", "--dtype", "bf16", "--device-memory", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "device cuda" in out and "answer: fits" in out
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a CPU-only torch gives")
-def test_plan_for_cuda_without_cuda_is_a_clean_error(capsys):
-    assert main(["plan", "--model", "tiny", "--device", "cuda"]) == 1
+def test_train_on_cuda_without_cuda_is_a_clean_error(capsys):
+    assert main(["train", "--model", "tiny", "--device", "cuda", "--steps", "1"]) == 1
     err = capsys.readouterr().err.strip()
     assert "no usable CUDA" in err and "\n" not in err
