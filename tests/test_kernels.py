@@ -129,9 +129,12 @@ def test_weight_decay_modes_and_loss_scale(backend, device, decoupled, grad_scal
     p0, grads = _state(4099, torch.float32, device, seed=1)
     p, m, v, _ = _run(backend, p0, grads, wd=0.05, decoupled=decoupled, grad_scale=grad_scale)
     rp, rm, rv = _torch_reference(p0, grads, wd=0.05, decoupled=decoupled, grad_scale=1.0)
-    torch.testing.assert_close(p, rp, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(m, rm, rtol=1e-6, atol=2e-8)
-    torch.testing.assert_close(v, rv, rtol=1e-6, atol=1e-12)
+    # Adam's L2 term can cancel the grad (g + wd*p ~ 0, then the step is eps-dominated and a
+    # 1-ulp difference in g + wd*p — torch's add uses an FMA — moves p by up to ~1% of lr).
+    atol = 1e-6 if decoupled else HYPER["lr"] / 100
+    torch.testing.assert_close(p, rp, rtol=1e-6, atol=atol)
+    torch.testing.assert_close(m, rm, rtol=1e-6, atol=2e-8 if decoupled else 1e-6)
+    torch.testing.assert_close(v, rv, rtol=1e-5, atol=1e-12 if decoupled else 1e-9)
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS)

@@ -228,34 +228,21 @@ static void adam_range(float* p, const void* grad, int grad_dtype, float* m, flo
 
 static constexpr int64_t kTile = 1024;
 
+// Largest |x| of a range, as the bit pattern of a float32 (16-bit inputs widened exactly).
+// Bit patterns of non-negative floats order like their values, and NaN/inf sort above every
+// finite value, so "max >= 0x7F800000" is "some element is not finite". An integer max over the
+// bits vectorises (vpmaxud / vpmaxuw) and needs no float compares.
 template <class U>
-static inline U max_abs_block(const U* u, int64_t n, U mx) {
+static U max_abs(const U* u, int64_t n) {
     const U mask = (U)(sizeof(U) == 4 ? 0x7FFFFFFFu : 0x7FFFu);
+    U mx = 0;
     for (int64_t i = 0; i < n; ++i) { U a = u[i] & mask; mx = a > mx ? a : mx; }
     return mx;
 }
 
-// Largest |x| of a range, as the bit pattern of a float32 (16-bit inputs widened exactly).
-// Bit patterns of non-negative floats order like their values, and NaN/inf sort above every
-// finite value, so "max >= 0x7F800000" is "some element is not finite".
-// The range is read as 4 interleaved streams: one sequential stream per core leaves memory
-// bandwidth unused (about 20% here), and this pass is pure reading.
-template <class U>
-static U max_abs_streams(const U* u, int64_t n) {
-    constexpr int kStreams = 4;
-    constexpr int64_t kBlock = 512;
-    const int64_t per = n / kStreams;
-    U mx = 0;
-    for (int64_t i0 = 0; i0 < per; i0 += kBlock) {
-        const int64_t len = per - i0 < kBlock ? per - i0 : kBlock;
-        for (int s = 0; s < kStreams; ++s) mx = max_abs_block(u + s * per + i0, len, mx);
-    }
-    return max_abs_block(u + kStreams * per, n - kStreams * per, mx);
-}
-
 static uint32_t max_abs_bits(const void* x, int dtype, int64_t n) {
-    if (dtype == 0) return max_abs_streams(static_cast<const uint32_t*>(x), n);
-    const uint16_t mx = max_abs_streams(static_cast<const uint16_t*>(x), n);
+    if (dtype == 0) return max_abs(static_cast<const uint32_t*>(x), n);
+    const uint16_t mx = max_abs(static_cast<const uint16_t*>(x), n);
     if (dtype == 1) return (uint32_t)mx << 16;
     return f32_bits(f16_to_f32_soft(mx));  // fp16 inf/NaN map to fp32 inf/NaN patterns
 }
