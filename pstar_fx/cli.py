@@ -25,6 +25,7 @@ from torch import nn
 import pstar_fx
 from pstar_fx.config import Config, format_bytes, parse_bytes
 from pstar_fx.data import batches, stdlib_tokens
+from pstar_fx.plan import MASTER_STATE_BYTES
 from pstar_fx.models import GPT_CONFIGS, LLAMA_CONFIGS, GPT, Llama
 
 STEPS_ENV = "PSTAR_FX_TRAIN_STEPS"   # default for `train --steps`; CI sets it to keep the README's run short
@@ -186,8 +187,8 @@ def _seq(args, parser, cap: int | None) -> int:
     return args.seq
 
 
-def _example_inputs(args, seq: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    x = torch.zeros((args.batch, seq), dtype=torch.long, device=device)
+def _example_inputs(args, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.zeros((args.batch, seq), dtype=torch.long)
     return x, x.clone()
 
 
@@ -209,7 +210,7 @@ def _auto_budgets(model, d: dict, inputs) -> tuple[int, list[int]]:
     state = whole.device_breakdown["chunk state"]
     n_chunks = len(whole.placement)
     chunk_state = state // n_chunks
-    slot_bytes = chunk_state // 12 * Config.from_dict(d).torch_dtype.itemsize  # 12 B/elem: master + Adam moments
+    slot_bytes = chunk_state // MASTER_STATE_BYTES * Config.from_dict(d).torch_dtype.itemsize
     base = whole.device_peak_bytes - state - whole.device_breakdown["compute slots"]
     budgets = [base + keep * chunk_state + slots * slot_bytes for keep, slots in ((n_chunks // 4, 4),
                                                                                   (n_chunks // 2, 8))]
