@@ -174,6 +174,7 @@ class Engine:
                 outs = self.graph(*args)
         except BaseException:
             rt.step_count -= 1
+            rt.abandon()
             raise
         rt.check_idle()
         self.steps += 1

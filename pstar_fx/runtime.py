@@ -171,6 +171,17 @@ class ChunkRuntime:
     def finish(self) -> None:
         """End of a step: every update has landed (already true here)."""
 
+    def abandon(self) -> None:
+        """After a step failed midway: release every compute copy and gradient buffer, so the engine
+        can run the next step. Chunks already updated stay updated (that part cannot be undone)."""
+        self.finish()
+        for c in [c for c in self.compute if c not in self._pinned_compute]:
+            self.release(c)
+        for c, buf in list(self.grads.items()):
+            if isinstance(buf, torch.Tensor) and buf is not self._host_grad:
+                self._free_grads.append(buf)
+        self.grads.clear()
+
     def check_idle(self) -> None:
         """After a step every compute copy is released and every gradient consumed."""
         left = set(self.compute) - self._pinned_compute

@@ -160,3 +160,11 @@ class CudaChunkRuntime(ChunkRuntime):
     def check_idle(self) -> None:
         self.finish()
         super().check_idle()
+
+    def abandon(self) -> None:
+        for c, g in list(self.grads.items()):
+            if isinstance(g, tuple):                         # offloaded: give the host buffer back
+                self._host_grads.put(g[0])
+                del self.grads[c]
+        self._ready.clear()
+        super().abandon()

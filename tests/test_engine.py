@@ -360,3 +360,24 @@ def test_meta_model_materializes_in_chunk_memory_like_a_cpu_build():
     _, ref_losses = reference_run(ref, [inputs] * 3, {"lr": 1e-3})
     losses = [engine.step(*inputs).item() for _ in range(3)]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+
+
+def test_a_step_interrupted_midway_leaves_the_engine_usable():
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny"))
+    inputs = batch()
+    engine = pstar_fx.compile(model, {"device": "cpu", "placement": "host", "chunk_size": 16384}, inputs)
+    real_adam, calls = engine.rt.adam, []
+
+    def interrupted(c):
+        calls.append(c)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        real_adam(c)
+
+    engine.rt.adam = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        engine.step(*inputs)
+    engine.rt.adam = real_adam
+    losses = [engine.step(*inputs).item() for _ in range(2)]   # runs, and keeps training
+    assert losses[1] < losses[0]
