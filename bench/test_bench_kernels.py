@@ -110,13 +110,13 @@ def test_adam_torch_foreach(benchmark):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 def test_cast_cpp(benchmark, state, dtype):
     dst = torch.empty(N, dtype=dtype)
-    _run(benchmark, lambda: cast_(dst, state["p"], backend="cpp"), 6, f"C++ cast fp32->{dtype}")
+    _run(benchmark, lambda: cast_(dst, state["p"], backend="cpp"), 6, f"C++ cast fp32->{str(dtype)[6:]}")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 def test_cast_torch_copy(benchmark, state, dtype):
     dst = torch.empty(N, dtype=dtype)
-    _run(benchmark, lambda: dst.copy_(state["p"]), 6, f"torch copy_ fp32->{dtype}")
+    _run(benchmark, lambda: dst.copy_(state["p"]), 6, f"torch copy_ fp32->{str(dtype)[6:]}")
 
 
 @needs_ext

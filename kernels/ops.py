@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import numbers
 import os
 import warnings
 
@@ -82,6 +83,18 @@ def _check_tensor(name: str, t, numel: int | None, device: torch.device | None, 
         raise ValueError(f"{name} is on {t.device}, param is on {device}")
 
 
+def _as_float(name: str, value) -> float:
+    """A finite Python float from a number or a one-element tensor (reading a CUDA tensor syncs)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
 def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
               grad_scale=1.0, param_out=None, decoupled_weight_decay=True, backend="auto", found_inf=None,
               check_finite=True):
@@ -112,15 +125,13 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
         _check_tensor("param_out", param_out, n, dev, _FLOAT16)
     if found_inf is not None:
         _check_tensor("found_inf", found_inf, 1, dev, (torch.float32,))
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
         raise ValueError(f"step must be an int >= 1 (1-based, after increment), got {step!r}")
-    if isinstance(grad_scale, torch.Tensor):
-        grad_scale = float(grad_scale)
-    if not (math.isfinite(grad_scale) and grad_scale > 0):
+    lr, beta1, beta2, eps, weight_decay, grad_scale = (
+        _as_float(name, value) for name, value in (("lr", lr), ("beta1", beta1), ("beta2", beta2), ("eps", eps),
+                                                    ("weight_decay", weight_decay), ("grad_scale", grad_scale)))
+    if not grad_scale > 0:
         raise ValueError(f"grad_scale must be positive and finite, got {grad_scale}")
-    for name, value in (("lr", lr), ("beta1", beta1), ("beta2", beta2), ("eps", eps), ("weight_decay", weight_decay)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-            raise TypeError(f"{name} must be a finite number, got {value!r}")
     if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
         raise ValueError(f"betas must be in [0, 1), got ({beta1}, {beta2})")
 
@@ -128,8 +139,8 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
     if n > 0 and dev.type != "meta":
         if len({param.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr()}) < 3:
             raise ValueError("param, exp_avg and exp_avg_sq must be distinct memory")
-    hyper = dict(step=step, lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
-                 weight_decay=float(weight_decay), grad_scale=float(grad_scale), param_out=param_out,
+    hyper = dict(step=int(step), lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                 grad_scale=grad_scale, param_out=param_out,
                  decoupled_weight_decay=bool(decoupled_weight_decay), check_finite=bool(check_finite))
     if which == "triton":
         return _triton().adam_step(param, grad, exp_avg, exp_avg_sq, found_inf=found_inf, **hyper)

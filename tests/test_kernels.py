@@ -346,6 +346,12 @@ def test_bad_calls_raise_and_name_the_problem():
         adam_step(p, g, m, v, **{**kw, "step": 0})
     with pytest.raises(ValueError, match="grad_scale must be positive"):
         adam_step(p, g, m, v, grad_scale=0.0, **kw)
+    with pytest.raises(ValueError, match="grad_scale must be finite"):
+        adam_step(p, g, m, v, grad_scale=float("inf"), **kw)
+    with pytest.raises(TypeError, match="lr must be a number"):
+        adam_step(p, g, m, v, **{**kw, "lr": "0.1"})
+    with pytest.raises(ValueError, match="betas must be in"):
+        adam_step(p, g, m, v, **{**kw, "beta2": 1.0})
     with pytest.raises(ValueError, match="distinct memory"):
         adam_step(p, g, p, v, **kw)
     with pytest.raises(TypeError, match="must be a torch.Tensor"):
@@ -434,3 +440,14 @@ def test_sq_norm_nonfinite_propagates(backend, device):
     assert math.isinf(sq_norm(x, backend=backend).item())
     x[10] = float("nan")
     assert math.isnan(sq_norm(x, backend=backend).item())
+
+
+def test_hyperparameters_may_be_numpy_scalars_or_0d_tensors():
+    import numpy as np
+
+    p0, grads = _state(100, torch.float32, "cpu", seed=11, steps=1)
+    p, m, v = p0.clone(), torch.zeros(100), torch.zeros(100)
+    assert adam_step(p, grads[0], m, v, step=np.int64(1), lr=torch.tensor(HYPER["lr"]), beta1=np.float32(0.9),
+                     beta2=0.999, eps=1e-8, weight_decay=np.float64(0.1))
+    rp, _, _ = _torch_reference(p0, grads, wd=0.1, decoupled=True, grad_scale=1.0)
+    torch.testing.assert_close(p, rp, rtol=1e-6, atol=1e-6)
