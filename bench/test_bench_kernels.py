@@ -126,3 +126,25 @@ def test_sq_norm_cpp(benchmark, state):
 
 def test_sq_norm_torch(benchmark, state):
     _run(benchmark, lambda: sq_norm(state["g"], backend="torch"), 4, "torch sq_norm fp32 (fallback)")
+
+
+@needs_ext
+def test_adam_cpp_vs_fused_interleaved(benchmark, state):
+    """The ratio that survives a noisy machine: C++ (contract default, with the check) and torch's
+    fused AdamW timed alternately in one loop; extra_info holds fused_ms / cpp_ms (> 1: C++ faster)."""
+    import statistics
+    import time
+
+    s, opt = state, _torch_optimizer(fused=True)
+    cpp = lambda: adam_step(s["p"], s["g"], s["m"], s["v"], step=10, backend="cpp", **HYPER)  # noqa: E731
+    times = {"cpp": [], "fused": []}
+    for _ in range(2 * ROUNDS):
+        for name, fn in (("cpp", cpp), ("fused", opt.step)):
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    cpp_ms, fused_ms = (statistics.median(times[k][2:]) * 1e3 for k in ("cpp", "fused"))
+    benchmark.extra_info.update(cpp_ms=round(cpp_ms, 3), fused_ms=round(fused_ms, 3),
+                                fused_over_cpp=round(fused_ms / cpp_ms, 3))
+    print(f"\ninterleaved: C++ {cpp_ms:.2f} ms, torch fused {fused_ms:.2f} ms, fused/C++ = {fused_ms / cpp_ms:.2f}")
+    _run(benchmark, cpp, 32, "C++ Adam fp32 grads (with check), interleaved run")
