@@ -12,7 +12,7 @@ for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case "$stage" in
     kernels) timeout 240 python3 bench/kernels_gpu.py 2>&1 | tee -a "$OUT/kernels.txt" ;;
-    tests) timeout 300 python3 -m pytest -q -x -rs tests/test_gpu.py 2>&1 | tail -25 | tee -a "$OUT/tests.txt" ;;
+    tests) timeout 300 python3 -m pytest -q -x -rs -o faulthandler_timeout=100 tests/test_gpu.py 2>&1 | tail -80 | tee -a "$OUT/tests.txt" ;;
     gpt:*) IFS=: read -r _ model system batch <<< "$stage"
        timeout 420 python3 bench/gpt.py --model "$model" --system "$system" --batch "${batch:-16}" --seq 1024 \
          --steps 6 --host-memory 120GiB --json "$OUT/gpt.jsonl" 2> >(tail -40 >&2) ;;
