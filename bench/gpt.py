@@ -15,6 +15,7 @@ RESULT with "error" instead of a traceback.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import statistics
@@ -68,6 +69,7 @@ def pstar_system(cfg, args, example):
     t0 = time.perf_counter()
     engine = pstar_fx.compile(model, config, example_inputs=example)
     compile_s = time.perf_counter() - t0
+    print(f"compiled in {compile_s:.1f} s", file=sys.stderr, flush=True)
     print(engine.explain(), file=sys.stderr)
     extra = {"compile_s": round(compile_s, 2), "predicted_gpu_peak_bytes": engine.plan.device_peak_bytes,
              "placement_device_chunks": engine.plan.placement.count("device"),
@@ -112,7 +114,10 @@ def main(argv=None):
     ap.add_argument("--host-memory", default=None, help="pstar_fx host budget, e.g. 120GiB")
     ap.add_argument("--device-memory", default=None, help="pstar_fx device budget (default: free GPU memory)")
     ap.add_argument("--json", default=None, help="append the result to this file")
+    ap.add_argument("--dump-after", type=float, default=0, help="print every thread's stack after this many s")
     args = ap.parse_args(argv)
+    if args.dump_after:
+        faulthandler.dump_traceback_later(args.dump_after, repeat=True)
 
     cfg = gpt_config(args.model, block_size=max(args.seq, 1))
     params = num_params(cfg)
