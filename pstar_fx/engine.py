@@ -59,19 +59,25 @@ class Lowered:
                                            buffer_bytes=self._buffer_bytes))
             return tried[k][1]
 
-        k = 0
-        if not attempt(0).fits and segments and attempt(len(segments)).fits:
-            lo, hi = 1, len(segments)              # attempt(hi) fits, attempt(lo - 1) does not
+        k, n = 0, len(segments)
+        if not attempt(0).fits and segments and attempt(n).fits:
+            lo, hi = 1, n                          # attempt(hi) fits, attempt(lo - 1) does not
             while lo < hi:
                 mid = (lo + hi) // 2
                 lo, hi = (lo, mid) if attempt(mid).fits else (mid + 1, hi)
             k = lo
         elif not attempt(0).fits and segments:
-            k = len(segments)                      # does not fit even so: report the best try
+            k = n                                  # does not fit even so: report the best try
+        if attempt(k).fits and k < n and "host" in attempt(k).placement:
+            # Recomputing more frees device memory for chunk state and compute slots, which saves copies
+            # and host Adam; the cost model says whether that pays for the extra forward work.
+            for more in sorted({k + (n - k) // 4, k + (n - k) // 2, n} - {k}):
+                if attempt(more).fits and attempt(more).estimated_step_seconds < attempt(k).estimated_step_seconds:
+                    k = more
         g_k, plan = tried[k]
         a0 = attempt(0).activation_peak_bytes
         if k:
-            plan.recompute = (f"{k} of {len(segments)} forward segments, earliest first: activation peak "
+            plan.recompute = (f"{k} of {n} forward segments, earliest first: activation peak "
                               f"{format_bytes(a0)} -> {format_bytes(plan.activation_peak_bytes)}")
             if not plan.fits:
                 plan.why += f"; recomputing every forward segment ({k}) was already tried"

@@ -31,6 +31,7 @@ from .schedule import Schedule, belady, place_prefetches
 MASTER_STATE_BYTES = 12   # fp32 master + exp_avg + exp_avg_sq, per element
 CUDA_BLOCK_BYTES = 512    # the CUDA caching allocator rounds every allocation up to this
 CUDA_WORKSPACE_BYTES = 256 * 2**20  # cuBLAS + attention workspaces and fragmentation, stated not guessed per op
+CUDA_HOST_OVERHEAD_BYTES = 4 * 2**30  # host memory of a CUDA process besides chunks: context, libraries, Python
 
 
 class BudgetError(MemoryError):
@@ -55,6 +56,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     why: str = ""                      # empty when it fits; else what is missing and what was tried
     recompute: str = ""                # which forward segments backward recomputes, and why
+    estimated_step_seconds: float = 0.0  # from the cost model (costs.py); compares plans, not a promise
 
     @property
     def fits(self) -> bool:
@@ -71,7 +73,7 @@ class Plan:
         lines.append(f"  placement: {n_dev} chunk(s) on device, {len(self.placement) - n_dev} on host: "
                      + _ranges(self.placement))
         lines.append(f"  {self.slots} compute slot(s), {self.grad_slots} gradient slot(s); "
-                     f"{self.fetches} chunk fetch(es) per step")
+                     f"{self.fetches} chunk fetch(es) per step; estimated step {self.estimated_step_seconds:.3g} s")
         if self.recompute:
             lines.append(f"  recompute: {self.recompute}")
         lines += [f"  note: {n}" for n in self.notes]
@@ -221,7 +223,8 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     fixed = act_peak + buffer_bytes + grad_slots * grad_slot_bytes + workspace
     budget = config.device_memory
     notes: list[str] = []
-    host_staging = 2 * cs * compute_itemsize          # gradient staging + cast staging, when any chunk is on host
+    host_staging = (3 if cuda else 2) * cs * compute_itemsize   # gradient + cast staging, when any chunk is on host
+    host_staging += CUDA_HOST_OVERHEAD_BYTES if cuda else 0
     host_room = (None if config.host_memory is None
                  else max(0, (config.host_memory - host_staging) // state_bytes))
 
@@ -258,8 +261,8 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     slot_reads = [{c for c in r if needs_slot[c]} for r in reads]
     copy_bytes = {c: (cs * compute_itemsize if placement[c] == "host" else 0) for c in range(n_chunks)}
     copy_seconds = {c: b / rates.h2d_bw + cs * (4 + compute_itemsize) / rates.mem_bw for c, b in copy_bytes.items()}
-    sched = place_prefetches(belady(slot_reads, slots), slots, [node_seconds(n, rates) for n in nodes],
-                             copy_seconds) if slots else Schedule()
+    node_secs = [node_seconds(n, rates) for n in nodes]
+    sched = place_prefetches(belady(slot_reads, slots), slots, node_secs, copy_seconds) if slots else Schedule()
     before = {nodes[i].name: ops for i, ops in sched.before.items()}
     after = {nodes[i].name: ops for i, ops in sched.after.items()}
     fetches = sched.fetches
@@ -279,6 +282,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     if cuda and n_host and not fp32:
         device["copy staging"] = cs * 4   # host chunks ship fp32 and are cast on the device
     host = {
+        "process overhead": CUDA_HOST_OVERHEAD_BYTES if cuda else 0,
         "chunk state": n_host * state_bytes,
         # the CUDA runtime double-buffers gradients so one copies while Adam reads the other
         "gradient staging": (cs * compute_itemsize * (2 if cuda else 1)) if n_host else 0,
@@ -293,6 +297,10 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
                      f"block), plus a {format_bytes(CUDA_WORKSPACE_BYTES)} margin for cuBLAS/attention workspaces "
                      "and allocator fragmentation")
     plan.why = _why(plan, config, min_slots)
+    # step time = compute (recompute included) + copies not hidden + host Adam that backward can't hide
+    compute_s = sum(node_secs)
+    host_adam_s = (n_chunks - n_device) * cs / rates.host_adam
+    plan.estimated_step_seconds = compute_s + sched.exposed_seconds + max(0.0, host_adam_s - 0.6 * compute_s)
     return plan
 
 

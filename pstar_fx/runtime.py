@@ -12,6 +12,7 @@ and fetch then only checks. The CUDA runtime with copy streams and events replac
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -83,8 +84,9 @@ class ChunkRuntime:
                                   f"> host_memory {format_bytes(budget)}")
             self.stats.host_bytes += nbytes
             self.stats.host_peak_bytes = max(self.stats.host_peak_bytes, self.stats.host_bytes)
-        t = (torch.zeros if zero else torch.empty)(n, dtype=dtype, device=tier,
-                                                   pin_memory=self._pin and tier.type == "cpu")
+        t = (torch.zeros if zero else torch.empty)(n, dtype=dtype, device=tier)
+        if self._pin and not on_device:
+            t = _page_lock(t)
         self._store_ptrs.add(t.untyped_storage().data_ptr())
         return t
 
@@ -188,6 +190,26 @@ class ChunkRuntime:
         if left or self.grads:
             raise RuntimeError(f"step ended with chunks still resident {sorted(left)} or gradients pending "
                                f"{sorted(self.grads)}: schedule bug")
+
+
+def _page_lock(t: torch.Tensor) -> torch.Tensor:
+    """Page-lock a host tensor in place so copies to and from the GPU are asynchronous.
+
+    `pin_memory=True` would go through PyTorch's pinned caching allocator, which rounds every block up
+    to a power of two: a 1.88 GB chunk tensor takes 2 GiB, 14% more host memory than the plan counted
+    (measured on the H200 box: 10B training reached 75 GB RSS for 65 GB of planned host state).
+    cudaHostRegister locks exactly the bytes the tensor has.
+    """
+    nbytes = t.untyped_storage().nbytes()
+    try:
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister failed with error {int(err)}")
+    except Exception:  # noqa: BLE001 - the allocator's pinned memory still works, only bigger
+        return t.pin_memory()
+    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+    return t
 
 
 def run_graph(gm: fx.GraphModule, args: list, rt: ChunkRuntime, skip_args: int) -> tuple:
