@@ -24,11 +24,18 @@ def chunk_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
     With `found_inf` (a 1-element device tensor) nothing waits for the device: a non-finite gradient
     sets the flag and later updates skip; the return value is then True."""
     beta1, beta2 = hparams["betas"]
+    check = len(spans) == 1          # one span: the kernel's own pre-pass keeps it all-or-nothing
+    if not check:                    # several: one verdict for the whole chunk before any span changes
+        bad = torch.stack([~torch.isfinite(grad[off: off + n]).all() for off, n in spans]).any()
+        if found_inf is not None:
+            found_inf.add_(bad.to(found_inf.dtype))
+        elif bool(bad):
+            return False
     ok = True
     for off, n in spans:
         sl = slice(off, off + n)
-        ok &= adam_step(master[sl], grad[sl], exp_avg[sl], exp_avg_sq[sl], step=step, lr=hparams["lr"],
-                        beta1=beta1, beta2=beta2, eps=hparams["eps"], weight_decay=hparams["weight_decay"],
-                        grad_scale=grad_scale, decoupled_weight_decay=hparams["type"] == "adamw",
-                        found_inf=found_inf) is not False
+        ok = adam_step(master[sl], grad[sl], exp_avg[sl], exp_avg_sq[sl], step=step, lr=hparams["lr"],
+                  beta1=beta1, beta2=beta2, eps=hparams["eps"], weight_decay=hparams["weight_decay"],
+                  grad_scale=grad_scale, decoupled_weight_decay=hparams["type"] == "adamw",
+                  found_inf=found_inf, check_finite=check) is not False and ok
     return ok
