@@ -20,8 +20,10 @@ pools allocated once.
 """
 from __future__ import annotations
 
+import os
 import queue
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -35,6 +37,9 @@ class CudaChunkRuntime(ChunkRuntime):
 
     def __init__(self, layout, plan, config, device, compute_dtype):
         super().__init__(layout, plan, config, device, compute_dtype)
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            warnings.warn("TRITON_INTERPRET=1 is set: the GPU Adam and casts will run in Triton's Python "
+                          "interpreter, orders of magnitude slower; unset it for GPU training", RuntimeWarning)
         cs = layout.chunk_size
         self.compute_stream = torch.cuda.current_stream(device)
         self.h2d = torch.cuda.Stream(device)

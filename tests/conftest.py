@@ -1,10 +1,13 @@
 import os
 
-# Triton reads this when its kernels are decorated, so it must be set before anything imports triton.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+# Triton reads this when its kernels are decorated, so it must be set before anything imports triton
+# (importing torch does not). Without a GPU the kernels run in Triton's interpreter, which is how CI tests
+# them; with one they must not: interpreted kernels on CUDA tensors are orders of magnitude slower (a
+# GPU test once sat for minutes in the interpreter because this was set unconditionally).
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
 
 def pytest_collection_modifyitems(config, items):
