@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.fx as fx
 
+from .fxutil import aliases_input
+
 aten = torch.ops.aten
 
 
@@ -126,9 +128,8 @@ def node_seconds(node: fx.Node, rates: Rates) -> float:
     if node.op != "call_function":
         return 0.0
     target = node.target
-    schema = getattr(target, "_schema", None)
-    if schema is None or any(r.alias_info is not None for r in schema.returns):
-        return 0.0  # views and getitem move nothing
+    if aliases_input(node) or getattr(target, "_schema", None) is None:
+        return 0.0  # views, getitem and in-place bookkeeping move nothing new
     if target in _MATMUL:
         shapes = [_shape(a) for a in node.args[: 3 if "add" in str(target) else 2]]
         if all(s is not None for s in shapes):

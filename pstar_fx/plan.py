@@ -17,7 +17,6 @@ produced to its last use. Views cost nothing.
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +24,7 @@ import torch.fx as fx
 
 from .config import Config, format_bytes
 from .costs import calibrate, node_seconds
+from .fxutil import aliases_input, value_bytes
 from .layout import Layout
 from .schedule import Schedule, belady, place_prefetches
 
@@ -93,24 +93,6 @@ def _ranges(placement: list[str]) -> str:
 # ---------------------------------------------------------------------------------------------------------
 # memory model
 
-def _nbytes(val, round_to: int = 1) -> int:
-    if isinstance(val, torch.Tensor):
-        n = val.untyped_storage().nbytes() if val.layout == torch.strided else 0
-        return -(-n // round_to) * round_to
-    if isinstance(val, (list, tuple)):
-        return sum(_nbytes(v, round_to) for v in val)
-    return 0
-
-
-def _is_alias(node: fx.Node) -> bool:
-    if node.op != "call_function":
-        return False
-    if node.target is operator.getitem:
-        return True
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and any(r.alias_info is not None for r in schema.returns)
-
-
 class LiveSet:
     """Bytes held by graph values: each owner (an allocation) lives while any value aliasing it lives."""
 
@@ -159,13 +141,13 @@ def activation_profile(graph: fx.Graph, skip: set[fx.Node], round_to: int = 1) -
     for node in graph.nodes:
         if node in skip or node.op == "output":
             pass
-        elif _is_alias(node) and node.args and isinstance(node.args[0], fx.Node):
+        elif aliases_input(node) and node.args and isinstance(node.args[0], fx.Node):
             base = owner.get(node.args[0])
             if base is not None:
                 owner[node] = base
                 live.add(base, 0)
         else:
-            nb = _nbytes(node.meta.get("val"), round_to)
+            nb = value_bytes(node.meta.get("val"), round_to)
             if nb:
                 owner[node] = node
                 live.add(node, nb)
@@ -202,7 +184,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     for i, node in enumerate(nodes):
         r = set().union(*(via[a] for a in node.all_input_nodes if a in via))
         reads.append(r)
-        if r and _is_alias(node):
+        if r and aliases_input(node):
             via[node] = r   # a view keeps its chunk needed until its own last reader
         if node.op == "call_method" and node.target == "grad":
             grad_first.setdefault(layout.slots[node.args[1]].chunk, i)

@@ -8,20 +8,13 @@ cost nothing to recompute.
 """
 from __future__ import annotations
 
-import operator
-
-import torch
 import torch.fx as fx
+
+from ..fxutil import aliases_input
 
 
 def is_view(node: fx.Node) -> bool:
-    if node.op != "call_function":
-        return False
-    if node.target is operator.getitem:
-        return True  # element of a multi-output view op (split, unbind); callers check the base
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and any(r.alias_info is not None and not r.alias_info.is_write
-                                      for r in schema.returns)
+    return aliases_input(node, in_place=False)
 
 
 def localize_param_views(gm: fx.GraphModule, n_params: int) -> fx.GraphModule:

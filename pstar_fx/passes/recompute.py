@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from ..fxutil import aliases_input, value_bytes
+
 
 @dataclass
 class Segment:
@@ -24,19 +26,6 @@ class Segment:
     nodes: list[fx.Node] = field(default_factory=list)  # interior forward ops
     saved_bytes: int = 0                              # bytes of interior values that backward reads
     recomputable: bool = True
-
-
-def _nbytes(val) -> int:
-    if isinstance(val, torch.Tensor):
-        return val.untyped_storage().nbytes()
-    if isinstance(val, (list, tuple)):
-        return sum(_nbytes(v) for v in val)
-    return 0
-
-
-def _is_alias(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return node.target.__name__ == "getitem" if schema is None else any(r.alias_info for r in schema.returns)
 
 
 def _unsafe(node: fx.Node) -> bool:
@@ -79,7 +68,7 @@ def find_segments(gm: fx.GraphModule, n_params: int) -> list[Segment]:
         if last_fw_use.get(n, -1) > i:
             alive.add(n)
         seg = segments[-1]
-        if alive == {n} and not _is_alias(n) and seg.nodes:
+        if alive == {n} and not aliases_input(n) and seg.nodes:
             segments.append(Segment(i))        # n is a boundary: kept, and starts the next segment
         else:
             seg.nodes.append(n)
@@ -89,11 +78,11 @@ def find_segments(gm: fx.GraphModule, n_params: int) -> list[Segment]:
         for n in seg.nodes:
             if _unsafe(n):
                 seg.recomputable = False
-            base = n.args[0] if _is_alias(n) and n.args and isinstance(n.args[0], fx.Node) else None
+            base = n.args[0] if aliases_input(n) and n.args and isinstance(n.args[0], fx.Node) else None
             owner[n] = owner.get(base, base) if base is not None else n
             if any(u in backward for u in n.users):
                 saved.add(owner[n])
-        seg.saved_bytes = sum(_nbytes(o.meta.get("val")) for o in saved if o in owner)
+        seg.saved_bytes = sum(value_bytes(o.meta.get("val")) for o in saved if o in owner)
     return [s for s in segments if s.nodes]
 
 

@@ -1,0 +1,29 @@
+"""fxutil: the two facts about a graph value that the passes and the memory model all need."""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+
+def aliases_input(node: fx.Node, *, in_place: bool = True) -> bool:
+    """The node's output shares memory with its first input: a view, `getitem` of a multi-output op,
+    or (with `in_place`) an in-place op. Such a value costs no new bytes."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None and (in_place or not r.alias_info.is_write)
+                                      for r in schema.returns)
+
+
+def value_bytes(val, round_to: int = 1) -> int:
+    """Bytes of the storage(s) behind a fake or real value, each rounded up to `round_to`."""
+    if isinstance(val, torch.Tensor):
+        n = val.untyped_storage().nbytes() if val.layout == torch.strided else 0
+        return -(-n // round_to) * round_to
+    if isinstance(val, (list, tuple)):
+        return sum(value_bytes(v, round_to) for v in val)
+    return 0
