@@ -40,13 +40,19 @@ class Checkpointed(torch.nn.Module):
         return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
 
 
-def torch_system(cfg, args):
+def checkpointed_gpt(cfg, device: str) -> GPT:
+    """The peers' model: built on meta, initialized on `device`, activation checkpointing per block."""
     with torch.device("meta"):
         model = GPT(cfg)
-    model.to_empty(device="cuda")
+    model.to_empty(device=device)
     torch.manual_seed(0)
     model.init_weights()
     model.h = torch.nn.ModuleList(Checkpointed(b) for b in model.h)
+    return model
+
+
+def torch_system(cfg, args):
+    model = checkpointed_gpt(cfg, "cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=True)
 
     def step(idx, tgt):
@@ -79,12 +85,7 @@ def pstar_system(cfg, args, example):
 
 def deepspeed_system(cfg, args):
     import deepspeed  # noqa: F401  (ImportError is reported as the result)
-    with torch.device("meta"):
-        model = GPT(cfg)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    model.init_weights()
-    model.h = torch.nn.ModuleList(Checkpointed(b) for b in model.h)
+    model = checkpointed_gpt(cfg, "cpu")
     ds_config = {
         "train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
         "bf16": {"enabled": True},

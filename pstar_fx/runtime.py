@@ -33,6 +33,14 @@ class MemoryStats:
     h2d_bytes: int = 0
     d2h_bytes: int = 0
 
+    def charge(self, tier: str, nbytes: int, budget: int | None) -> None:
+        """Count a persistent allocation on `tier` ("device" or "host"), refusing one over the budget."""
+        total = getattr(self, f"{tier}_bytes") + nbytes
+        if budget is not None and total > budget:
+            raise MemoryError(f"{tier} tier over budget: {format_bytes(total)} > {tier}_memory {format_bytes(budget)}")
+        setattr(self, f"{tier}_bytes", total)
+        setattr(self, f"{tier}_peak_bytes", max(getattr(self, f"{tier}_peak_bytes"), total))
+
 
 class ChunkRuntime:
     def __init__(self, layout: Layout, plan: Plan, config: Config, device: torch.device,
@@ -68,22 +76,9 @@ class ChunkRuntime:
 
     # ---- allocation and accounting -------------------------------------------------------------------
     def _alloc(self, on_device: bool, n: int, dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
-        nbytes = n * dtype.itemsize
         tier = self.device if on_device else self.host
-        if on_device:
-            budget = self.config.device_memory
-            if budget is not None and self.stats.device_bytes + nbytes > budget:
-                raise MemoryError(f"device tier over budget: {format_bytes(self.stats.device_bytes + nbytes)} "
-                                  f"> device_memory {format_bytes(budget)}")
-            self.stats.device_bytes += nbytes
-            self.stats.device_peak_bytes = max(self.stats.device_peak_bytes, self.stats.device_bytes)
-        else:
-            budget = self.config.host_memory
-            if budget is not None and self.stats.host_bytes + nbytes > budget:
-                raise MemoryError(f"host tier over budget: {format_bytes(self.stats.host_bytes + nbytes)} "
-                                  f"> host_memory {format_bytes(budget)}")
-            self.stats.host_bytes += nbytes
-            self.stats.host_peak_bytes = max(self.stats.host_peak_bytes, self.stats.host_bytes)
+        self.stats.charge("device" if on_device else "host", n * dtype.itemsize,
+                          self.config.device_memory if on_device else self.config.host_memory)
         t = (torch.zeros if zero else torch.empty)(n, dtype=dtype, device=tier)
         if self._pin and not on_device:
             t = _page_lock(t)
@@ -92,8 +87,7 @@ class ChunkRuntime:
 
     def adopt(self, t: torch.Tensor) -> torch.Tensor:
         """Account a persistent device tensor allocated elsewhere (the model's buffers)."""
-        self.stats.device_bytes += t.untyped_storage().nbytes()
-        self.stats.device_peak_bytes = max(self.stats.device_peak_bytes, self.stats.device_bytes)
+        self.stats.charge("device", t.untyped_storage().nbytes(), self.config.device_memory)
         self._store_ptrs.add(t.untyped_storage().data_ptr())
         return t
 
