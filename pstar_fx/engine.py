@@ -164,6 +164,7 @@ class Engine:
                 for m in model.modules():
                     if hasattr(m, "reset_parameters"):
                         m.reset_parameters()
+        self.rt.masters_changed()
 
     # ---- the step ----------------------------------------------------------------------------------
     def step(self, *inputs: torch.Tensor) -> torch.Tensor:

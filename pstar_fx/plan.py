@@ -57,6 +57,10 @@ class Plan:
     why: str = ""                      # empty when it fits; else what is missing and what was tried
     recompute: str = ""                # which forward segments backward recomputes, and why
     estimated_step_seconds: float = 0.0  # from the cost model (costs.py); compares plans, not a promise
+    ship: list[str] = field(default_factory=list)  # per chunk, how its compute copy reaches the device:
+    # "-" (state on the device), "shadow" (a 16-bit copy kept on the host, written by the host Adam in the
+    # same pass: 2 B/param cross), "cast" (cast on the host at fetch: 2 B/param), "fp32" (4 B/param cross,
+    # cast on the device)
 
     @property
     def fits(self) -> bool:
@@ -72,6 +76,10 @@ class Plan:
         n_dev = self.placement.count("device")
         lines.append(f"  placement: {n_dev} chunk(s) on device, {len(self.placement) - n_dev} on host: "
                      + _ranges(self.placement))
+        crossing = {k: self.ship.count(k) for k in ("shadow", "cast", "fp32") if k in self.ship}
+        if crossing:
+            lines.append("  host chunks reach the device as: " + ", ".join(f"{k} {v}" for k, v in crossing.items())
+                         + " (shadow: 16-bit host copy written by the host Adam; fp32: cast on the device)")
         lines.append(f"  {self.slots} compute slot(s), {self.grad_slots} gradient slot(s); "
                      f"{self.fetches} chunk fetch(es) per step; estimated step {self.estimated_step_seconds:.3g} s")
         if self.recompute:
@@ -239,9 +247,12 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     else:
         slots = 0
 
+    ship = _choose_shipping(placement, config, cs, compute_itemsize, cuda, host_used=(
+        n_chunks - n_device) * state_bytes + host_staging)
     rates = calibrate(torch.device(config.device), config.torch_dtype)
     slot_reads = [{c for c in r if needs_slot[c]} for r in reads]
-    copy_bytes = {c: (cs * compute_itemsize if placement[c] == "host" else 0) for c in range(n_chunks)}
+    crossing = {"-": 0, "shadow": compute_itemsize, "cast": compute_itemsize, "fp32": 4}
+    copy_bytes = {c: cs * crossing[ship[c]] for c in range(n_chunks)}
     copy_seconds = {c: b / rates.h2d_bw + cs * (4 + compute_itemsize) / rates.mem_bw for c, b in copy_bytes.items()}
     node_secs = [node_seconds(n, rates) for n in nodes]
     sched = place_prefetches(belady(slot_reads, slots), slots, node_secs, copy_seconds) if slots else Schedule()
@@ -261,19 +272,21 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     if workspace:
         device["workspace margin"] = workspace
     n_host = n_chunks - n_device
-    if cuda and n_host and not fp32:
-        device["copy staging"] = cs * 4   # host chunks ship fp32 and are cast on the device
+    if not fp32 and "fp32" in ship:
+        device["copy staging"] = cs * 4   # chunks shipped in fp32 are cast on the device
     host = {
         "process overhead": CUDA_HOST_OVERHEAD_BYTES if cuda else 0,
         "chunk state": n_host * state_bytes,
+        "16-bit shadows": ship.count("shadow") * cs * compute_itemsize,
         # the CUDA runtime double-buffers gradients so one copies while Adam reads the other
         "gradient staging": (cs * compute_itemsize * (2 if cuda else 1)) if n_host else 0,
-        "cast staging": (cs * compute_itemsize) if (n_host and not fp32) else 0,
+        "cast staging": (cs * compute_itemsize) if "cast" in ship else 0,
     }
     plan = Plan(placement, slots, grad_slots, before, after,
                 device_peak_bytes=sum(device.values()), host_peak_bytes=sum(host.values()),
                 device_breakdown=device, host_breakdown=host, activation_peak_bytes=act_peak,
-                fetches=fetches, budget_bytes=budget, host_budget_bytes=config.host_memory, notes=notes)
+                fetches=fetches, budget_bytes=budget, host_budget_bytes=config.host_memory, notes=notes,
+                ship=ship)
     if cuda:
         notes.append(f"CUDA memory model: each value rounded up to {CUDA_BLOCK_BYTES} B (the caching allocator's "
                      f"block), plus a {format_bytes(CUDA_WORKSPACE_BYTES)} margin for cuBLAS/attention workspaces "
@@ -284,6 +297,31 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     host_adam_s = (n_chunks - n_device) * cs / rates.host_adam
     plan.estimated_step_seconds = compute_s + sched.exposed_seconds + max(0.0, host_adam_s - 0.6 * compute_s)
     return plan
+
+
+def _choose_shipping(placement: list[str], config: Config, cs: int, itemsize: int, cuda: bool,
+                     host_used: int) -> list[str]:
+    """How each host chunk's compute copy crosses to the device.
+
+    fp32 compute: the master itself crosses (4 B/param). 16-bit: a host-side 16-bit shadow, written by the
+    host Adam in the same pass that updates the master (no extra read), halves the bytes that cross, so
+    every host chunk gets one while host memory lasts. Without room, the CUDA runtime ships fp32 and
+    casts on the device (a cast on the host would stall the thread that launches GPU work), and the
+    CPU runtime casts on the host into a staging buffer.
+    """
+    spare = float("inf") if config.host_memory is None else config.host_memory - host_used
+    ship = []
+    for where in placement:
+        if where == "device":
+            ship.append("-")
+        elif itemsize == 4:
+            ship.append("fp32")
+        elif spare >= cs * itemsize:
+            ship.append("shadow")
+            spare -= cs * itemsize
+        else:
+            ship.append("fp32" if cuda else "cast")
+    return ship
 
 
 def _max_overlap(intervals: list[tuple[int, int]]) -> int:

@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from .config import Config, format_bytes
+from .kernels import cast_
 from .layout import Layout
 from .optim import chunk_update
 from .plan import LiveSet, Plan, last_uses
@@ -65,8 +66,10 @@ class ChunkRuntime:
         self._free_grads = [self._alloc(True, cs, compute_dtype) for _ in range(plan.grad_slots)]
         any_host = "host" in plan.placement
         self._host_grad = self._alloc(False, cs, compute_dtype) if any_host else None
-        self._host_cast = (self._alloc(False, cs, compute_dtype)
-                           if any_host and compute_dtype != torch.float32 else None)
+        self._host_cast = self._alloc(False, cs, compute_dtype) if "cast" in plan.ship else None
+        # 16-bit host copies of host chunks, kept current by the host Adam (plan.ship == "shadow")
+        self.shadow = {c: self._alloc(False, cs, compute_dtype) for c, how in enumerate(plan.ship)
+                       if how == "shadow"}
         self.compute: dict[int, torch.Tensor] = {}   # chunk -> its compute buffer, while resident
         self.grads: dict[int, torch.Tensor] = {}     # chunk -> its gradient buffer, from first grad to adam
         self._pinned_compute = {c for c in range(len(layout.chunks))
@@ -98,6 +101,12 @@ class ChunkRuntime:
     def load_params(self, tensors: list[torch.Tensor]) -> None:
         for slot, t in zip(self.layout.slots, tensors):
             self.master[slot.chunk][slot.offset: slot.offset + slot.numel].copy_(t.detach().reshape(-1))
+        self.masters_changed()
+
+    def masters_changed(self) -> None:
+        """The fp32 masters were written outside Adam (loading, initialization): refresh the shadows."""
+        for c, shadow in self.shadow.items():
+            cast_(shadow, self.master[c])
 
     def param_fp32(self, index: int) -> torch.Tensor:
         slot = self.layout.slots[index]
@@ -142,7 +151,7 @@ class ChunkRuntime:
         grad = self.grads.pop(c)
         spans = self.layout.chunks[c].grad_spans()
         chunk_update(self.master[c], grad, self.exp_avg[c], self.exp_avg_sq[c], spans,
-                     step=self.step_count, hparams=self.hparams)
+                     step=self.step_count, hparams=self.hparams, param_out=self.shadow.get(c))
         if grad is not self._host_grad:
             self._free_grads.append(grad)
 
@@ -152,7 +161,10 @@ class ChunkRuntime:
         src = self.master[c][:n]
         if self.plan.placement[c] == "device":
             buf[:n].copy_(src)                       # cast on the device
-        elif self._host_cast is not None:
+        elif c in self.shadow:
+            buf[:n].copy_(self.shadow[c][:n])        # the host Adam already wrote the 16-bit copy
+            self.stats.h2d_bytes += n * buf.element_size()
+        elif self.plan.ship[c] == "cast":
             self._host_cast[:n].copy_(src)           # cast on the host, ship 16 bits
             buf[:n].copy_(self._host_cast[:n], non_blocking=False)
             self.stats.h2d_bytes += n * buf.element_size()

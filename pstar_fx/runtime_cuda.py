@@ -49,7 +49,7 @@ class CudaChunkRuntime(ChunkRuntime):
         self._grad_done: dict[int, torch.cuda.Event] = {}       # grad slot data_ptr -> d2h copy finished
         any_host = "host" in plan.placement
         self._staging = (self._alloc(True, cs, torch.float32)
-                         if any_host and compute_dtype != torch.float32 else None)
+                         if "fp32" in plan.ship and compute_dtype != torch.float32 else None)
         self._host_grads: queue.Queue = queue.Queue()
         if any_host:
             self._host_grads.put(self._host_grad)
@@ -75,6 +75,9 @@ class CudaChunkRuntime(ChunkRuntime):
             src = self.master[c][:n]
             if self.plan.placement[c] == "device":
                 buf[:n].copy_(src)
+            elif c in self.shadow:
+                buf[:n].copy_(self.shadow[c][:n], non_blocking=True)   # 16 bits cross
+                self.stats.h2d_bytes += n * buf.element_size()
             elif self._staging is not None:
                 self._staging[:n].copy_(src, non_blocking=True)
                 buf[:n].copy_(self._staging[:n])            # cast on the device
@@ -144,7 +147,7 @@ class CudaChunkRuntime(ChunkRuntime):
             copied.synchronize()
             t0 = time.perf_counter()
             chunk_update(self.master[c], host, self.exp_avg[c], self.exp_avg_sq[c], spans, step=step,
-                         hparams=self.hparams)
+                         hparams=self.hparams, param_out=self.shadow.get(c))
             self._seconds["host_adam"] += time.perf_counter() - t0
         finally:
             self._host_grads.put(host)

@@ -159,3 +159,22 @@ def test_plan_10b_on_meta_for_an_h200_without_a_gpu():
     assert plan.fits, plan.summary()
     state = plan.device_breakdown["chunk state"] + plan.host_breakdown["chunk state"]
     assert state >= 12 * 10.2e9                         # 12 B/param of fp32 state, all accounted
+
+
+def test_16bit_shadows_ship_half_the_bytes_and_change_no_result():
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny"))
+    batches = [batch(seed=s) for s in range(3)]
+    common = {"device": "cpu", "dtype": "bf16", "placement": "host", "chunk_size": 16384, "optimizer": {"lr": 1e-3}}
+    probe = pstar_fx.plan(model, common, batches[0])
+    state = probe.host_breakdown["chunk state"]
+    staging = probe.host_breakdown["gradient staging"] + 16384 * 2
+    runs = {}
+    for name, host_memory in (("shadow", None), ("cast", state + staging)):
+        engine = pstar_fx.compile(model, dict(common, host_memory=host_memory), batches[0])
+        assert set(engine.plan.ship) == {name}, engine.plan.ship
+        runs[name] = ([engine.step(*b).item() for b in batches], engine.state_dict(), engine.memory_stats())
+    assert runs["shadow"][0] == runs["cast"][0]                               # bit-identical losses
+    assert all(torch.equal(runs["shadow"][1][k], runs["cast"][1][k]) for k in runs["cast"][1])
+    assert runs["shadow"][2]["h2d_bytes"] == runs["cast"][2]["h2d_bytes"]    # both cross 2 B/param ...
+    assert runs["shadow"][2]["host_peak_bytes"] > runs["cast"][2]["host_peak_bytes"]  # ... shadows cost host
