@@ -5,7 +5,8 @@
 pstar_fx   the model built on the meta device, compiled with dtype bf16 on one GPU; the planner decides
            placement and recompute.
 torch      the same model all on the GPU: bf16 autocast, fused AdamW, activation checkpointing per block.
-deepspeed  ZeRO-3 with parameters and optimizer offloaded to pinned CPU memory (when importable).
+deepspeed  ZeRO-3 with parameters and optimizer offloaded to pinned CPU memory (when importable; the box
+           lacks it: `bash bench/peer_wheels.sh` builds the wheels to carry).
 
 Fields: params, tokens, step_s (median of the steps after the first two), tflops (6 * params * tokens /
 step_s), gpu_peak_bytes (torch.cuda.max_memory_allocated), host_rss_bytes (largest RSS seen), and for
@@ -85,6 +86,9 @@ def pstar_system(cfg, args, example):
 
 def deepspeed_system(cfg, args):
     import deepspeed  # noqa: F401  (ImportError is reported as the result)
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", "29511")):
+        os.environ.setdefault(key, value)   # one process, no launcher
     model = checkpointed_gpt(cfg, "cpu")
     ds_config = {
         "train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
