@@ -89,13 +89,11 @@ def capture(model: nn.Module, example_inputs: tuple, device: torch.device, dtype
         fake_buffers = list(fake_model.buffers())
         tangent = torch.ones((), device=traced_on)
     trainable = [i for i, p in enumerate(fake_params) if p.requires_grad]
-    out_meta: dict = {}
 
     def step(params, buffers, inputs, tangent):
         state = {**dict(zip(param_names, params)), **dict(zip(buffer_names, buffers))}
         loss = torch.func.functional_call(fake_model, state, tuple(inputs))
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
-            out_meta["bad"] = loss
             raise CaptureError("forward() must return a scalar (0-d) floating-point loss tensor, got "
                                + (f"shape {tuple(loss.shape)} {loss.dtype}" if isinstance(loss, torch.Tensor)
                                   else type(loss).__name__))

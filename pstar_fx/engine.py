@@ -41,6 +41,10 @@ class Lowered:
         self._buffer_bytes = sum(_buffer_nbytes(model, b) for b in self.capture.buffers)
         self._run_pass("localize_param_views", localize_param_views, gm, len(self.capture.params))
         self.graph, self.plan = self._plan_with_recompute(gm)
+        if self.capture.traced_on != self.device:
+            self.plan.notes.append(f"traced on {self.capture.traced_on} for a {self.device.type} target (this torch "
+                                   "has no CUDA): CPU attention kernels and autocast rules, so activation bytes "
+                                   "are an estimate")
         self._run_pass("insert_chunk_ops", insert_chunk_ops, self.graph, self.layout, self.plan)
 
     def _plan_with_recompute(self, gm: fx.GraphModule) -> tuple[fx.GraphModule, Plan]:
