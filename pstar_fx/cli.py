@@ -142,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "(also when interrupted)")
 
     plan = sub.add_parser("plan", help="does a model fit? (built on the meta device, nothing allocated)",
-                          description="Plan a model built on the meta device against device and host budgets.")
+                          description="Plan a model built on the meta device against device and host budgets "
+                                      "(default --device cuda --dtype bf16: sizing for a GPU box).")
     common(plan, None)
     plan.add_argument("--seq", type=_positive_int, help="sequence length (default the model's block_size)")
 
@@ -319,7 +320,9 @@ def cmd_explain(args, parser) -> int:
 
 def cmd_plan(args, parser) -> int:
     seq = _seq(args, parser, None)
-    config = Config.from_dict(_config_dict(args))   # planning for cuda needs no GPU here: nothing is allocated
+    # A plan sizes the model for a GPU box unless told otherwise: cuda and bf16 are the defaults here, and
+    # planning for cuda needs no GPU (nothing is allocated).
+    config = Config.from_dict({"device": "cuda", "dtype": "bf16", **_config_dict(args)})
     with torch.device("meta"):
         model = args.model.build()
     n_params = args.model.config.num_params()

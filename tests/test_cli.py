@@ -95,9 +95,9 @@ def test_config_file_with_flags_over_it(tmp_path, capsys):
 
 
 def test_plan_on_meta_answers_fits_or_not(capsys):
-    assert main(["plan", "--model", "tiny", "--device-memory", "64MiB"]) == 0
+    assert main(["plan", "--model", "tiny", "--device", "cpu", "--device-memory", "64MiB"]) == 0
     assert "answer: fits" in capsys.readouterr().out
-    assert main(["plan", "--model", "tiny", "--device-memory", "256KiB"]) == 0
+    assert main(["plan", "--model", "tiny", "--device", "cpu", "--device-memory", "256KiB"]) == 0
     assert "does not fit" in capsys.readouterr().out
 
 
@@ -105,6 +105,9 @@ def test_plan_for_cuda_needs_no_gpu(capsys):
     assert main(["plan", "--model", "tiny", "--device", "cuda", "--dtype", "bf16", "--device-memory", "1GiB"]) == 0
     out = capsys.readouterr().out
     assert "device cuda" in out and "answer: fits" in out
+    assert main(["plan", "--model", "tiny", "--device-memory", "1GiB"]) == 0     # sizing for a GPU box by default
+    out = capsys.readouterr().out
+    assert "bf16; device cuda" in out and "answer: fits" in out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a CPU-only torch gives")
