@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections import Counter
 
 import torch
@@ -192,6 +193,9 @@ class Engine:
             raise
         rt.check_idle()
         self.steps += 1
+        if rt.skipped_chunks:
+            warnings.warn(f"step {self.steps}: non-finite gradients; the update of {rt.skipped_chunks} chunk(s) "
+                          "was skipped (the others were applied)", RuntimeWarning, stacklevel=2)
         return outs[0].detach()
 
     def _check_inputs(self, inputs) -> list[torch.Tensor]:

@@ -52,6 +52,7 @@ class ChunkRuntime:
         self.hparams = config.optimizer
         self.stats = MemoryStats()
         self.step_count = 0
+        self.skipped_chunks = 0    # chunks whose update a non-finite gradient skipped, in the last step
         self._store_ptrs: set[int] = set()
         cs = layout.chunk_size
         self._pin = device.type == "cuda"
@@ -150,8 +151,9 @@ class ChunkRuntime:
     def adam(self, c: int) -> None:
         grad = self.grads.pop(c)
         spans = self.layout.chunks[c].grad_spans()
-        chunk_update(self.master[c], grad, self.exp_avg[c], self.exp_avg_sq[c], spans,
-                     step=self.step_count, hparams=self.hparams, param_out=self.shadow.get(c))
+        if not chunk_update(self.master[c], grad, self.exp_avg[c], self.exp_avg_sq[c], spans,
+                            step=self.step_count, hparams=self.hparams, param_out=self.shadow.get(c)):
+            self.skipped_chunks += 1
         if grad is not self._host_grad:
             self._free_grads.append(grad)
 
@@ -175,6 +177,7 @@ class ChunkRuntime:
 
     def begin(self) -> None:
         """Start of a step (the synchronous runtime has nothing to order)."""
+        self.skipped_chunks = 0
 
     def finish(self) -> None:
         """End of a step: every update has landed (already true here)."""

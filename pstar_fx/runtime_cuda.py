@@ -62,7 +62,10 @@ class CudaChunkRuntime(ChunkRuntime):
 
     # ---- compute copies ------------------------------------------------------------------------------
     def begin(self) -> None:
-        """Start of step: copies may read masters the compute stream updated in the last step."""
+        """Start of step: copies may read masters the compute stream updated in the last step; the
+        device chunks' non-finite flag starts clear."""
+        super().begin()
+        self.found_inf.zero_()
         self.h2d.wait_stream(self.compute_stream)
 
     def prefetch(self, c: int) -> None:
@@ -146,8 +149,9 @@ class CudaChunkRuntime(ChunkRuntime):
         try:
             copied.synchronize()
             t0 = time.perf_counter()
-            chunk_update(self.master[c], host, self.exp_avg[c], self.exp_avg_sq[c], spans, step=step,
-                         hparams=self.hparams, param_out=self.shadow.get(c))
+            if not chunk_update(self.master[c], host, self.exp_avg[c], self.exp_avg_sq[c], spans, step=step,
+                                hparams=self.hparams, param_out=self.shadow.get(c)):
+                self.skipped_chunks += 1
             self._seconds["host_adam"] += time.perf_counter() - t0
         finally:
             self._host_grads.put(host)
@@ -159,6 +163,8 @@ class CudaChunkRuntime(ChunkRuntime):
             f.result()
         self._seconds["wait_for_host_adam"] += time.perf_counter() - t0
         self._seconds["steps"] += 1
+        if "device" in self.plan.placement and bool(self.found_inf.item()):   # one sync per step
+            self.skipped_chunks += 1      # at least one device chunk, and every device chunk after it
 
     def timing(self) -> dict:
         """Seconds per step: host Adam work (on the worker) and how long the step's end waited for it."""

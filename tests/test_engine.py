@@ -396,3 +396,31 @@ def test_chunk_update_is_all_or_nothing_over_its_spans():
     grad[50] = 0.0
     assert chunk_update(master, grad, m, v, [(0, 20), (30, 30)], step=1, hparams=hp) is True
     assert not torch.equal(master[:20], before[0][:20]) and torch.equal(master[20:30], before[0][20:30])
+
+
+class LinearRegression(nn.Module):
+    """An inf in the input gives non-finite gradients on demand."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 1)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.fc(x).squeeze(-1), y)
+
+
+def test_non_finite_gradients_skip_the_update_and_say_so():
+    torch.manual_seed(0)
+    model = LinearRegression()
+    x, y = regression_batches(1)[0]
+    engine = pstar_fx.compile(model, {"device": "cpu", "placement": "host", "optimizer": {"lr": 1e-2}}, (x, y))
+    engine.step(x, y)
+    before = engine.state_dict()
+    bad = x.clone()
+    bad[0, 0] = float("inf")
+    with pytest.warns(RuntimeWarning, match="non-finite gradients.*skipped"):
+        engine.step(bad, y)
+    after = engine.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    engine.step(x, y)                                        # and training goes on
+    assert not torch.equal(engine.state_dict()["fc.weight"], before["fc.weight"])
