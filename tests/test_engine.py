@@ -424,3 +424,19 @@ def test_non_finite_gradients_skip_the_update_and_say_so():
     assert all(torch.equal(before[k], after[k]) for k in before)
     engine.step(x, y)                                        # and training goes on
     assert not torch.equal(engine.state_dict()["fc.weight"], before["fc.weight"])
+
+
+def test_the_cpu_device_tier_enforces_its_budget_at_run_time():
+    import dataclasses
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny"))
+    inputs = batch()
+    engine = pstar_fx.compile(model, {"device": "cpu", "placement": "host", "chunk_size": 16384}, inputs)
+    planned = engine.plan.device_peak_bytes
+    roomy = engine.rt.config
+    engine.rt.config = dataclasses.replace(roomy, device_memory=int(planned * 0.9))   # short of what it needs
+    with pytest.raises(MemoryError, match="over budget"):
+        engine.step(*inputs)
+    engine.rt.config = roomy
+    engine.step(*inputs)
+    assert 0.99 * planned <= engine.memory_stats()["device_peak_bytes"] <= planned
