@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # One device call on the H200 machine: build the C++ kernel there, then run the stages named as
-# arguments (kernels | tests | gpt:MODEL:SYSTEM[:BATCH]). Output files land in $OUT.
+# arguments (kernels | tests | gpt:MODEL:SYSTEM[:BATCH[:HOST_MEMORY]]). Output files land in $OUT.
+# Wheels in .whl/ (bench/peer_wheels.sh: DeepSpeed and what it needs) are installed first when carried:
+#   run(command="bash bench/gpu_run.sh gpt:GPT_h3072_L36:deepspeed", carry=[".whl"])
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi -L; nproc; free -g | head -2
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3
 python3 -c "import pstar_fx.kernels as k; print(k.build_info())"
 for stage in "$@"; do
@@ -13,9 +18,10 @@ for stage in "$@"; do
   case "$stage" in
     kernels) timeout 240 python3 bench/kernels_gpu.py 2>&1 | tee -a "$OUT/kernels.txt" ;;
     tests) timeout 300 python3 -m pytest -q -x -rs -o faulthandler_timeout=100 tests/test_gpu.py 2>&1 | tail -80 | tee -a "$OUT/tests.txt" ;;
-    gpt:*) IFS=: read -r _ model system batch <<< "$stage"
+    gpt:*) IFS=: read -r _ model system batch host <<< "$stage"
        timeout 420 python3 bench/gpt.py --model "$model" --system "$system" --batch "${batch:-16}" --seq 1024 \
-         --steps 6 --host-memory 120GiB --json "$OUT/gpt.jsonl" 2> >(tail -40 >&2) ;;
+         --steps 6 --host-memory "${host:-110GiB}" --dump-after 300 --json "$OUT/gpt.jsonl" \
+         2> >(tee -a "$OUT/gpt.log" | tail -40 >&2) ;;
   esac
 done
 echo "=== done $(date +%T)"
