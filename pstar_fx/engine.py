@@ -19,8 +19,8 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from .capture import Capture, capture
 from .config import Config, format_bytes
 from .layout import Layout, build_layout
-from .passes import fuse_optimizer, insert_chunk_ops, localize_param_views
-from .passes.recompute import Segment, find_segments, recompute
+from .passes import find_segments, fuse_optimizer, insert_chunk_ops, localize_param_views, recompute
+from .passes.recompute import Segment
 from .plan import BudgetError, Plan, make_plan
 from .runtime import ChunkRuntime, run_graph
 from .runtime_cuda import CudaChunkRuntime
@@ -54,11 +54,15 @@ class Lowered:
         segments = [s for s in find_segments(gm, len(self.capture.params)) if s.recomputable]
         tried: dict[int, tuple[fx.GraphModule, Plan]] = {}
 
+        def recomputed(k: int) -> fx.GraphModule:
+            g_k, nodes = _copy_graph(gm)
+            if k:
+                recompute(g_k, [Segment(s.start, [nodes[n] for n in s.nodes]) for s in segments[:k]])
+            return g_k
+
         def attempt(k: int) -> Plan:
             if k not in tried:
-                g_k, nodes = _copy_graph(gm)
-                if k:
-                    recompute(g_k, [Segment(s.start, [nodes[n] for n in s.nodes]) for s in segments[:k]])
+                g_k = recomputed(k)
                 fuse_optimizer(g_k, self.layout)
                 tried[k] = (g_k, make_plan(g_k, self.layout, self.config, compute_itemsize=self.dtype.itemsize,
                                            n_params=len(self.capture.params), n_buffers=len(self.capture.buffers),
@@ -90,7 +94,7 @@ class Lowered:
         elif segments:
             plan.recompute = f"none needed ({len(segments)} forward segments could be)"
         self.graphs_before["recompute"] = gm.code
-        self.graphs_before["fuse_optimizer"] = g_k.code
+        self.graphs_before["fuse_optimizer"] = recomputed(k).code
         return g_k, plan
 
     def _run_pass(self, name, fn, gm, *args):
@@ -231,6 +235,13 @@ class Engine:
     @property
     def plan(self) -> Plan:
         return self.lowered.plan
+
+    def graph_before(self, pass_name: str) -> str:
+        """The step's code as the named pass received it (see pstar_fx.passes for the list)."""
+        graphs = self.lowered.graphs_before
+        if pass_name not in graphs:
+            raise ValueError(f"unknown pass {pass_name!r}; passes: {list(graphs)}")
+        return graphs[pass_name]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights under the model's own parameter names (tied weights under each name)."""

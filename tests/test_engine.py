@@ -440,3 +440,14 @@ def test_the_cpu_device_tier_enforces_its_budget_at_run_time():
     engine.rt.config = roomy
     engine.step(*inputs)
     assert 0.99 * planned <= engine.memory_stats()["device_peak_bytes"] <= planned
+
+
+def test_each_pass_input_can_be_dumped():
+    torch.manual_seed(0)
+    engine = pstar_fx.compile(GPT(gpt_config("tiny")), {"device": "cpu", "placement": "host"}, batch())
+    before_fuse = engine.graph_before("fuse_optimizer")
+    assert "rt.grad(" not in before_fuse and "rt.grad(" in engine.graph_before("insert_chunk_ops")
+    assert "rt.fetch(" not in engine.graph_before("insert_chunk_ops") and "rt.fetch(" in engine.graph.code
+    assert "p_wte_weight" in engine.graph_before("localize_param_views")
+    with pytest.raises(ValueError, match="unknown pass.*insert_chunk_ops"):
+        engine.graph_before("fuse")

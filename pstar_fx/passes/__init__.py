@@ -1,17 +1,20 @@
-"""Graph passes. Each is `GraphModule -> GraphModule`, one file each, applied in the order of `PASSES`.
+"""Graph passes. Each is `GraphModule -> GraphModule`, one file each, applied in this order:
 
     localize_param_views  needs: the captured joint graph.  provides: every view of a parameter is computed
                           right before its one user, so a parameter is read only where an op reads it.
+    recompute             needs: localized views, a choice of segments.  provides: backward recomputes those
+                          segments' activations instead of keeping them (the planner chooses, only when
+                          memory demands it, so for a model that fits this pass changes nothing).
     fuse_optimizer        needs: localized views, a Layout.  provides: each gradient is written into its
                           chunk (`rt.grad`) and each chunk is updated (`rt.adam`) right after its last use.
     insert_chunk_ops      needs: fused optimizer, a Plan.  provides: `rt.fetch/prefetch/release/offload`
                           and `rt.param` views; parameters are no longer graph inputs.
 
-`Engine(passes_off=...)` can switch a pass off (for debugging: the step then keeps whole-model gradients or
-re-reads parameters), and `Engine.graph_before(name)` dumps the graph a pass received.
+`engine.graph_before(name)` prints the graph a pass received; `engine.graph.code` is the result of the last.
 """
 from .fuse_optimizer import fuse_optimizer
 from .insert_chunk_ops import insert_chunk_ops
 from .localize_views import localize_param_views
+from .recompute import find_segments, recompute
 
-__all__ = ["localize_param_views", "fuse_optimizer", "insert_chunk_ops"]
+__all__ = ["localize_param_views", "find_segments", "recompute", "fuse_optimizer", "insert_chunk_ops"]
