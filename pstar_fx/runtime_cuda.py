@@ -58,13 +58,15 @@ class CudaChunkRuntime(ChunkRuntime):
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pstar_fx-adam") if any_host else None
         self._pending: list[Future] = []
         self.found_inf = torch.zeros(1, dtype=torch.float32, device=device)
-        self._seconds = {"host_adam": 0.0, "wait_for_host_adam": 0.0, "steps": 0}
+        self._seconds = {"compute_waits_for_copies": 0.0, "host_adam": 0.0, "wait_for_host_adam": 0.0, "steps": 0}
+        self._stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     # ---- compute copies ------------------------------------------------------------------------------
     def begin(self) -> None:
         """Start of step: copies may read masters the compute stream updated in the last step; the
         device chunks' non-finite flag starts clear."""
         super().begin()
+        self._count_stalls()
         self.found_inf.zero_()
         self.h2d.wait_stream(self.compute_stream)
 
@@ -98,7 +100,7 @@ class CudaChunkRuntime(ChunkRuntime):
             self.prefetch(c)
         ready = self._ready.pop(c, None)
         if ready is not None:
-            self.compute_stream.wait_event(ready)
+            self._wait(ready)
 
     def release(self, c: int) -> None:
         buf = self.compute.pop(c)
@@ -115,7 +117,7 @@ class CudaChunkRuntime(ChunkRuntime):
             buf = self.grads[slot.chunk] = self._free_grads.pop()
             copied = self._grad_done.pop(buf.data_ptr(), None)
             if copied is not None:
-                self.compute_stream.wait_event(copied)      # its last gradients are on the host now
+                self._wait(copied)                          # its last gradients are on the host now
         buf[slot.offset: slot.offset + slot.numel].copy_(g.reshape(-1))
 
     def offload(self, c: int) -> None:
@@ -166,8 +168,29 @@ class CudaChunkRuntime(ChunkRuntime):
         if "device" in self.plan.placement and bool(self.found_inf.item()):   # one sync per step
             self.skipped_chunks += 1      # at least one device chunk, and every device chunk after it
 
+    def _wait(self, event: torch.cuda.Event) -> None:
+        """The compute stream waits for a copy; timing events on both sides measure how long it stalled."""
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(self.compute_stream)
+        self.compute_stream.wait_event(event)
+        after.record(self.compute_stream)
+        self._stalls.append((before, after))
+
+    def _count_stalls(self) -> None:
+        """Add up the stalls whose events have completed (no sync: unfinished ones wait for later)."""
+        pending = []
+        for before, after in self._stalls:
+            if after.query():
+                self._seconds["compute_waits_for_copies"] += before.elapsed_time(after) / 1e3
+            else:
+                pending.append((before, after))
+        self._stalls = pending
+
     def timing(self) -> dict:
-        """Seconds per step: host Adam work (on the worker) and how long the step's end waited for it."""
+        """Seconds per step: the compute stream stalled waiting for chunk copies; host Adam work (on the
+        worker thread); and how long each step's end waited for that worker."""
+        torch.cuda.synchronize(self.device)
+        self._count_stalls()
         n = max(1, self._seconds["steps"])
         return {k: round(v / n, 4) for k, v in self._seconds.items() if k != "steps"}
 
