@@ -20,7 +20,7 @@ import contextlib
 import copy
 import os
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -63,7 +63,6 @@ class Capture:
     device: torch.device
     dtype: torch.dtype
     traced_on: torch.device          # differs from `device` when planning for CUDA on a machine without it
-    fake_mode: FakeTensorMode = field(repr=False)
 
     def placeholders(self) -> list[fx.Node]:
         return list(self.gm.graph.find_nodes(op="placeholder"))
@@ -112,8 +111,7 @@ def capture(model: nn.Module, example_inputs: tuple, device: torch.device, dtype
         raise
     except Exception as e:  # noqa: BLE001 - re-raised with the user's source line
         raise CaptureError(_explain_capture_failure(model, e)) from e
-    return _normalize(gm, model, param_names, buffer_names, trainable, example_inputs, device, traced_on,
-                      dtype, fake_mode)
+    return _normalize(gm, model, param_names, buffer_names, trainable, example_inputs, device, traced_on, dtype)
 
 
 def _fake_copy(model: nn.Module, mode: FakeTensorMode, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -129,8 +127,8 @@ def _fake_copy(model: nn.Module, mode: FakeTensorMode, device: torch.device, dty
     return copy.deepcopy(model, memo)
 
 
-def _normalize(gm, model, param_names, buffer_names, trainable, example_inputs, device, traced_on, dtype,
-               fake_mode) -> Capture:
+def _normalize(gm, model, param_names, buffer_names, trainable, example_inputs, device, traced_on,
+               dtype) -> Capture:
     g = gm.graph
     g._codegen = fx.graph.CodeGen()  # plain positional signature instead of pytree flattening
     placeholders = list(g.find_nodes(op="placeholder"))
@@ -161,7 +159,7 @@ def _normalize(gm, model, param_names, buffer_names, trainable, example_inputs, 
     g.eliminate_dead_code(is_impure_node=_keeps_mutations)
     g.lint()
     gm.recompile()
-    return Capture(gm, params, buffer_names, inputs, device, dtype, traced_on, fake_mode)
+    return Capture(gm, params, buffer_names, inputs, device, dtype, traced_on)
 
 
 def _keeps_mutations(node: fx.Node) -> bool:

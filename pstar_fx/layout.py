@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch.fx as fx
 
 from .capture import Capture, ParamInfo
 
@@ -133,6 +132,3 @@ def build_layout(cap: Capture, chunk_size: int | str = "auto") -> Layout:
         c.used_elems += p.numel
     return Layout(chunk_size, chunks, slots)
 
-
-def param_placeholders(cap: Capture) -> list[fx.Node]:
-    return cap.placeholders()[: len(cap.params)]
