@@ -20,7 +20,7 @@ from .capture import Capture, capture
 from .config import Config, format_bytes
 from .layout import Layout, build_layout
 from .passes import find_segments, fuse_optimizer, insert_chunk_ops, localize_param_views, recompute
-from .passes.recompute import Segment
+from .passes.recompute import Segment, group_segments
 from .plan import BudgetError, Plan, make_plan
 from .runtime import ChunkRuntime, run_graph
 from .runtime_cuda import CudaChunkRuntime
@@ -50,51 +50,69 @@ class Lowered:
         self._run_pass("insert_chunk_ops", insert_chunk_ops, self.graph, self.layout, self.plan)
 
     def _plan_with_recompute(self, gm: fx.GraphModule) -> tuple[fx.GraphModule, Plan]:
-        """The fewest recomputed forward segments (earliest first: their activations live longest) that fit."""
-        segments = [s for s in find_segments(gm, len(self.capture.params)) if s.recomputable]
-        tried: dict[int, tuple[fx.GraphModule, Plan]] = {}
+        """The fewest recomputed forward segments (earliest first: their activations live longest) that fit.
 
-        def recomputed(k: int) -> fx.GraphModule:
+        Segments are tried one at a time first, then joined in runs of 2 and 4 (`group_segments`): a run
+        keeps one boundary activation instead of 2 or 4, at no extra compute. Among plans that fit, more
+        recompute or larger runs win when the cost model says the device memory they free (for chunk
+        state and compute slots) saves more time than the extra forward work costs.
+        """
+        singles = [s for s in find_segments(gm, len(self.capture.params)) if s.recomputable]
+        runs = {m: group_segments(singles, m) if m > 1 else singles for m in (1, 2, 4)}
+        runs = {m: r for m, r in runs.items() if m == 1 or len(r) < len(runs[1])}
+        tried: dict[tuple[int, int], tuple[fx.GraphModule, Plan]] = {}
+
+        def recomputed(m: int, k: int) -> fx.GraphModule:
             g_k, nodes = _copy_graph(gm)
             if k:
-                recompute(g_k, [Segment(s.start, [nodes[n] for n in s.nodes]) for s in segments[:k]])
+                recompute(g_k, [Segment(s.start, [nodes[n] for n in s.nodes]) for s in runs[m][:k]])
             return g_k
 
-        def attempt(k: int) -> Plan:
-            if k not in tried:
-                g_k = recomputed(k)
+        def attempt(m: int, k: int) -> Plan:
+            if (m, k) not in tried:
+                g_k = recomputed(m, k)
                 fuse_optimizer(g_k, self.layout)
-                tried[k] = (g_k, make_plan(g_k, self.layout, self.config, compute_itemsize=self.dtype.itemsize,
-                                           n_params=len(self.capture.params), n_buffers=len(self.capture.buffers),
-                                           buffer_bytes=self._buffer_bytes))
-            return tried[k][1]
+                tried[m, k] = (g_k, make_plan(g_k, self.layout, self.config, compute_itemsize=self.dtype.itemsize,
+                                              n_params=len(self.capture.params), n_buffers=len(self.capture.buffers),
+                                              buffer_bytes=self._buffer_bytes))
+            return tried[m, k][1]
 
-        k, n = 0, len(segments)
-        if not attempt(0).fits and segments and attempt(n).fits:
-            lo, hi = 1, n                          # attempt(hi) fits, attempt(lo - 1) does not
-            while lo < hi:
-                mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if attempt(mid).fits else (mid + 1, hi)
-            k = lo
-        elif not attempt(0).fits and segments:
-            k = n                                  # does not fit even so: report the best try
-        if attempt(k).fits and k < n and "host" in attempt(k).placement:
+        best = (1, 0)
+        if not attempt(1, 0).fits and singles:
+            fitting = [m for m in runs if attempt(m, len(runs[m])).fits]
+            if fitting:
+                m = fitting[0]
+                lo, hi = 1, len(runs[m])           # attempt(m, hi) fits, attempt(m, lo - 1) does not
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    lo, hi = (lo, mid) if attempt(m, mid).fits else (mid + 1, hi)
+                best = (m, lo)
+            else:                                   # does not fit even so: report the smallest try
+                best = min(((m, len(r)) for m, r in runs.items()), key=lambda mk: attempt(*mk).device_peak_bytes)
+        if attempt(*best).fits and "host" in attempt(*best).placement:
             # Recomputing more frees device memory for chunk state and compute slots, which saves copies
             # and host Adam; the cost model says whether that pays for the extra forward work.
-            for more in sorted({k + (n - k) // 4, k + (n - k) // 2, n} - {k}):
-                if attempt(more).fits and attempt(more).estimated_step_seconds < attempt(k).estimated_step_seconds:
-                    k = more
-        g_k, plan = tried[k]
-        a0 = attempt(0).activation_peak_bytes
+            m, k = best
+            n = len(runs[m])
+            more = [(m, j) for j in sorted({k + (n - k) // 4, k + (n - k) // 2, n} - {k})]
+            more += [(m2, len(runs[m2])) for m2 in runs if m2 > m]
+            for mk in more:
+                if attempt(*mk).fits and attempt(*mk).estimated_step_seconds < attempt(*best).estimated_step_seconds:
+                    best = mk
+        g_k, plan = tried[best]
+        m, k = best
+        a0 = attempt(1, 0).activation_peak_bytes
         if k:
-            plan.recompute = (f"{k} of {n} forward segments, earliest first: activation peak "
+            unit = "forward segments" if m == 1 else f"runs of {m} forward segments"
+            plan.recompute = (f"{k} of {len(runs[m])} {unit}, earliest first: activation peak "
                               f"{format_bytes(a0)} -> {format_bytes(plan.activation_peak_bytes)}")
             if not plan.fits:
-                plan.why += f"; recomputing every forward segment ({k}) was already tried"
-        elif segments:
-            plan.recompute = f"none needed ({len(segments)} forward segments could be)"
+                plan.why += f"; recomputing every forward segment ({len(singles)}, also in runs of " \
+                            f"{', '.join(str(m) for m in runs if m > 1) or '-'}) was already tried"
+        elif singles:
+            plan.recompute = f"none needed ({len(singles)} forward segments could be)"
         self.graphs_before["recompute"] = gm.code
-        self.graphs_before["fuse_optimizer"] = recomputed(k).code
+        self.graphs_before["fuse_optimizer"] = recomputed(m, k).code
         return g_k, plan
 
     def _run_pass(self, name, fn, gm, *args):

@@ -137,6 +137,21 @@ def test_recompute_when_activations_do_not_fit_keeps_fp32_exact():
     assert engine.memory_stats()["device_peak_bytes"] <= budget
 
 
+def test_runs_of_segments_keep_fewer_boundaries_and_stay_exact():
+    """When recomputing every segment alone is not enough, runs of segments (inner boundaries recomputed
+    too) are tried; the plan that needs them fits and trains exactly like torch."""
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny", n_layer=4))
+    batches = [batch(b=4, t=16, seed=s) for s in range(3)]   # short: boundaries dominate
+    smallest = pstar_fx.plan(model, {"device": "cpu", "placement": "host", "device_memory": "1KiB"}, batches[0])
+    assert not smallest.fits and "runs of" in smallest.recompute, smallest.summary()
+    budget = smallest.device_peak_bytes       # the least any plan needs: fits only with runs
+    engine = assert_matches_torch(model, batches, {"placement": "host", "device_memory": budget,
+                                                   "optimizer": {"lr": 1e-3}})
+    assert "runs of" in engine.plan.recompute, engine.plan.recompute
+    assert engine.memory_stats()["device_peak_bytes"] <= budget
+
+
 def test_too_small_budget_says_what_is_missing_and_what_was_tried():
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny"))

@@ -9,6 +9,10 @@ A segment is the span of forward ops between two points where exactly one activa
 residual stream between transformer sub-blocks, found from the graph alone, no module names needed.
 Activation checkpointing per block is the choice of every segment. Segments with random or in-place ops
 are never recomputed (their recomputation would not reproduce the same values).
+
+`group_segments` joins runs of adjacent segments into one: the boundaries inside a run are recomputed
+too instead of kept, which trades fewer kept activations (a transformer has two boundaries per block:
+after attention and after the MLP) for a larger recompute burst in backward, at no extra compute.
 """
 from __future__ import annotations
 
@@ -26,6 +30,8 @@ class Segment:
     nodes: list[fx.Node] = field(default_factory=list)  # interior forward ops
     saved_bytes: int = 0                              # bytes of interior values that backward reads
     recomputable: bool = True
+    boundary: fx.Node | None = None                   # the kept node at `start` (None at graph start)
+    end: int = -1                                     # index of the boundary node after it
 
 
 def _unsafe(node: fx.Node) -> bool:
@@ -69,9 +75,11 @@ def find_segments(gm: fx.GraphModule, n_params: int) -> list[Segment]:
             alive.add(n)
         seg = segments[-1]
         if alive == {n} and not aliases_input(n) and seg.nodes:
-            segments.append(Segment(i))        # n is a boundary: kept, and starts the next segment
+            seg.end = i
+            segments.append(Segment(i, boundary=n))   # n is a boundary: kept, and starts the next segment
         else:
             seg.nodes.append(n)
+    segments[-1].end = len(forward)
     for seg in segments:
         owner: dict[fx.Node, fx.Node] = {}
         saved: set[fx.Node] = set()
@@ -84,6 +92,22 @@ def find_segments(gm: fx.GraphModule, n_params: int) -> list[Segment]:
                 saved.add(owner[n])
         seg.saved_bytes = sum(value_bytes(o.meta.get("val")) for o in saved if o in owner)
     return [s for s in segments if s.nodes]
+
+
+def group_segments(segments: list[Segment], size: int) -> list[Segment]:
+    """Runs of up to `size` adjacent segments, each joined into one (inner boundaries become interior)."""
+    groups: list[Segment] = []
+    run = 0
+    for seg in segments:
+        last = groups[-1] if groups else None
+        if last is not None and run < size and last.end == seg.start and last.recomputable and seg.recomputable:
+            groups[-1] = Segment(last.start, last.nodes + [seg.boundary] + seg.nodes,
+                                 last.saved_bytes + seg.saved_bytes + value_bytes(seg.boundary.meta.get("val")), True, last.boundary, seg.end)
+            run += 1
+        else:
+            groups.append(seg)
+            run = 1
+    return groups
 
 
 def recompute(gm: fx.GraphModule, segments: list[Segment]) -> fx.GraphModule:
