@@ -9,8 +9,9 @@ deepspeed  ZeRO-3 with parameters and optimizer offloaded to pinned CPU memory (
            lacks it: `bash bench/peer_wheels.sh` builds the wheels to carry).
 
 Fields: params, tokens, step_s (median of the steps after the first two), tflops (6 * params * tokens /
-step_s), gpu_peak_bytes (torch.cuda.max_memory_allocated), host_rss_bytes (largest RSS seen), and for
-pstar_fx the plan's predicted GPU peak and a per-phase breakdown. A model that does not fit prints a
+step_s), gpu_peak_bytes (torch.cuda.max_memory_allocated), host_rss_bytes (largest RSS seen after a
+step), host_max_rss_bytes (the process's peak RSS, compile included), and for pstar_fx the plan's
+predicted GPU and host peaks and a per-phase breakdown. A model that does not fit prints a
 RESULT with "error" instead of a traceback.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 import faulthandler
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -79,6 +81,9 @@ def pstar_system(cfg, args, example):
     print(f"compiled in {compile_s:.1f} s", file=sys.stderr, flush=True)
     print(engine.explain(), file=sys.stderr)
     extra = {"compile_s": round(compile_s, 2), "predicted_gpu_peak_bytes": engine.plan.device_peak_bytes,
+             "predicted_host_peak_bytes": engine.plan.host_peak_bytes, "host_memory": args.host_memory,
+             "chunk_size": engine.lowered.layout.chunk_size,
+             "estimated_step_s": round(engine.plan.estimated_step_seconds, 3),
              "placement_device_chunks": engine.plan.placement.count("device"),
              "chunks": len(engine.plan.placement), "recompute": engine.plan.recompute}
     return engine.step, extra, engine
@@ -108,6 +113,11 @@ def deepspeed_system(cfg, args):
     return step, {}
 
 
+def _max_rss() -> int:
+    """The process's peak resident set since it started (compile included), in bytes."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -115,6 +125,8 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--layers", type=int, default=None, help="override the model's n_layer (e.g. the largest "
+                    "GPT3_18B-shaped model that trains: --model GPT3_18B --layers 96)")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--host-memory", default=None, help="pstar_fx host budget, e.g. 120GiB")
     ap.add_argument("--device-memory", default=None, help="pstar_fx device budget (default: free GPU memory)")
@@ -124,10 +136,11 @@ def main(argv=None):
     if args.dump_after:
         faulthandler.dump_traceback_later(args.dump_after, repeat=True)
 
-    cfg = gpt_config(args.model, block_size=max(args.seq, 1))
+    overrides = {"block_size": max(args.seq, 1)} | ({"n_layer": args.layers} if args.layers else {})
+    cfg = gpt_config(args.model, **overrides)
     params = num_params(cfg)
     tokens = args.batch * args.seq
-    result = {"system": args.system, "model": args.model, "params": params, "batch": args.batch,
+    result = {"system": args.system, "model": args.model, "n_layer": cfg.n_layer, "params": params, "batch": args.batch,
               "seq": args.seq, "tokens": tokens, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
     proc = psutil.Process()
     rss = 0
@@ -161,7 +174,8 @@ def main(argv=None):
         step_s = statistics.median(steady)
         result.update(step_s=round(step_s, 4), tflops=round(6 * params * tokens / step_s / 1e12, 1),
                       steps_s=[round(t, 3) for t in times], losses=[round(x, 4) for x in losses],
-                      gpu_peak_bytes=torch.cuda.max_memory_allocated(), host_rss_bytes=rss)
+                      gpu_peak_bytes=torch.cuda.max_memory_allocated(), host_rss_bytes=rss,
+                      host_max_rss_bytes=_max_rss())
         if engine is not None:
             result["phases"] = engine.rt.timing() if hasattr(engine.rt, "timing") else {}
             result["memory_stats"] = engine.memory_stats()
@@ -171,6 +185,7 @@ def main(argv=None):
         if torch.cuda.is_available():
             result["gpu_peak_bytes"] = torch.cuda.max_memory_allocated()
         result["host_rss_bytes"] = max(rss, proc.memory_info().rss)
+        result["host_max_rss_bytes"] = _max_rss()
     line = "RESULT " + json.dumps(result)
     print(line, flush=True)
     if args.json:

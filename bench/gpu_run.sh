@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the H200 machine: build the C++ kernel there, then run the stages named as
-# arguments (kernels | tests | gpt:MODEL:SYSTEM[:BATCH[:HOST_MEMORY]]). Output files land in $OUT.
+# arguments (kernels | tests | gpt:MODEL:SYSTEM[:BATCH[:HOST_MEMORY[:LAYERS]]]). Output files land in $OUT.
+# STEPS (default 6) sets the training steps of each gpt stage.
 # Wheels in .whl/ (bench/peer_wheels.sh: DeepSpeed and what it needs) are installed first when carried:
 #   run(command="bash bench/gpu_run.sh gpt:GPT_h3072_L36:deepspeed", carry=[".whl"])
 set -uo pipefail
@@ -17,10 +18,11 @@ for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case "$stage" in
     kernels) timeout 240 python3 bench/kernels_gpu.py 2>&1 | tee -a "$OUT/kernels.txt" ;;
-    tests) timeout 300 python3 -m pytest -q -x -rs -o faulthandler_timeout=100 tests/test_gpu.py 2>&1 | tail -80 | tee -a "$OUT/tests.txt" ;;
-    gpt:*) IFS=: read -r _ model system batch host <<< "$stage"
+    tests) timeout 200 python3 -m pytest -q -x -rs -o faulthandler_timeout=100 tests/test_gpu.py 2>&1 | tail -80 | tee -a "$OUT/tests.txt" ;;
+    gpt:*) IFS=: read -r _ model system batch host layers <<< "$stage"
        timeout 420 python3 bench/gpt.py --model "$model" --system "$system" --batch "${batch:-16}" --seq 1024 \
-         --steps 6 --host-memory "${host:-110GiB}" --dump-after 300 --json "$OUT/gpt.jsonl" \
+         --steps "${STEPS:-6}" --host-memory "${host:-110GiB}" ${layers:+--layers "$layers"} --dump-after 300 \
+         --json "$OUT/gpt.jsonl" \
          2> >(tee -a "$OUT/gpt.log" | tail -40 >&2) ;;
   esac
 done

@@ -263,6 +263,7 @@ class Engine:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights under the model's own parameter names (tied weights under each name)."""
+        self.rt.drain()                  # host Adam of the last step may still be running
         out = {}
         for i, p in enumerate(self.lowered.capture.params):
             w = self.rt.param_fp32(i).detach().to("cpu", copy=True)

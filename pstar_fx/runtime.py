@@ -182,9 +182,13 @@ class ChunkRuntime:
     def finish(self) -> None:
         """End of a step: every update has landed (already true here)."""
 
+    def drain(self) -> None:
+        """Wait for updates still running after the step returned (none here: the CPU runtime is synchronous)."""
+
     def abandon(self) -> None:
         """After a step failed midway: release every compute copy and gradient buffer, so the engine
         can run the next step. Chunks already updated stay updated (that part cannot be undone)."""
+        self.drain()
         self.finish()
         for c in [c for c in self.compute if c not in self._pinned_compute]:
             self.release(c)

@@ -11,9 +11,12 @@ Same `rt` methods as runtime.ChunkRuntime (the lowered graph does not change), b
   offload(c)   on the device->host stream, after the chunk's last gradient: gradients into a pinned host
                buffer (two, so one copies while the other is being used by Adam).
   adam(c)      host chunk: the C++ Adam on a worker thread (it releases the GIL) once the gradient copy has
-               landed, while the GPU goes on with backward; device chunk: the Triton Adam on the compute
-               stream, with no host sync (a non-finite gradient sets a flag instead).
-  finish()     end of step: waits for the worker, so the next step's prefetches read updated masters.
+               landed, while the GPU goes on with backward and into the next step's forward; device
+               chunk: the Triton Adam on the compute stream, with no host sync (a non-finite gradient sets
+               a flag instead).
+  finish()     end of step: does not wait for the worker. The next step's prefetch of a host chunk waits
+               for that chunk's update alone, so host Adam overlaps the next forward up to that chunk;
+               `drain()` waits for all of it (state_dict does).
 
 No `record_stream`: every cross-stream use is ordered by an explicit event, and all buffers come from
 pools allocated once.
@@ -56,9 +59,10 @@ class CudaChunkRuntime(ChunkRuntime):
             for _ in range(self.HOST_GRAD_BUFFERS - 1):
                 self._host_grads.put(self._alloc(False, cs, compute_dtype))
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pstar_fx-adam") if any_host else None
-        self._pending: list[Future] = []
+        self._updates: dict[int, Future] = {}   # host chunk -> its Adam on the worker (True: applied)
         self.found_inf = torch.zeros(1, dtype=torch.float32, device=device)
-        self._seconds = {"compute_waits_for_copies": 0.0, "host_adam": 0.0, "wait_for_host_adam": 0.0, "steps": 0}
+        self._seconds = {"compute_waits_for_copies": 0.0, "host_adam": 0.0, "wait_for_host_grad_buffer": 0.0,
+                         "wait_for_host_adam": 0.0, "steps": 0}
         self._stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     # ---- compute copies ------------------------------------------------------------------------------
@@ -71,6 +75,8 @@ class CudaChunkRuntime(ChunkRuntime):
         self.h2d.wait_stream(self.compute_stream)
 
     def prefetch(self, c: int) -> None:
+        if c in self._updates:
+            self._await_update(c)                            # the master/shadow must be this step's
         buf = self._free_slots.pop()
         n = self.layout.chunks[c].used_elems
         with torch.cuda.stream(self.h2d):
@@ -123,7 +129,9 @@ class CudaChunkRuntime(ChunkRuntime):
     def offload(self, c: int) -> None:
         buf = self.grads.pop(c)
         n = self.layout.chunks[c].used_elems
+        t0 = time.perf_counter()
         host = self._host_grads.get()                       # blocks only if Adam still uses both buffers
+        self._seconds["wait_for_host_grad_buffer"] += time.perf_counter() - t0
         written = torch.cuda.Event()
         written.record(self.compute_stream)
         with torch.cuda.stream(self.d2h):
@@ -140,30 +148,40 @@ class CudaChunkRuntime(ChunkRuntime):
         spans = self.layout.chunks[c].grad_spans()
         if self.plan.placement[c] == "host":
             host, copied = self.grads.pop(c)
-            self._pending.append(self._worker.submit(self._host_adam, c, host, copied, spans, self.step_count))
+            self._updates[c] = self._worker.submit(self._host_adam, c, host, copied, spans, self.step_count)
             return
         grad = self.grads.pop(c)
         chunk_update(self.master[c], grad, self.exp_avg[c], self.exp_avg_sq[c], spans, step=self.step_count,
                      hparams=self.hparams, found_inf=self.found_inf)
         self._free_grads.append(grad)
 
-    def _host_adam(self, c, host, copied, spans, step) -> None:
+    def _host_adam(self, c, host, copied, spans, step) -> bool:
         try:
             copied.synchronize()
             t0 = time.perf_counter()
-            if not chunk_update(self.master[c], host, self.exp_avg[c], self.exp_avg_sq[c], spans, step=step,
-                                hparams=self.hparams, param_out=self.shadow.get(c)):
-                self.skipped_chunks += 1
+            applied = chunk_update(self.master[c], host, self.exp_avg[c], self.exp_avg_sq[c], spans, step=step,
+                                   hparams=self.hparams, param_out=self.shadow.get(c))
             self._seconds["host_adam"] += time.perf_counter() - t0
+            return applied
         finally:
             self._host_grads.put(host)
 
-    def finish(self) -> None:
+    def _await_update(self, c: int) -> None:
+        """Wait for chunk c's host Adam; a skipped update counts in the step that waits for it."""
         t0 = time.perf_counter()
-        pending, self._pending = self._pending, []
-        for f in pending:
-            f.result()
+        applied = self._updates.pop(c).result()
         self._seconds["wait_for_host_adam"] += time.perf_counter() - t0
+        if not applied:
+            self.skipped_chunks += 1
+
+    def drain(self) -> None:
+        """Wait for every host Adam still running: the masters are then those of the last step."""
+        for c in list(self._updates):
+            self._await_update(c)
+
+    def finish(self) -> None:
+        for c in [c for c, f in self._updates.items() if f.done()]:
+            self._await_update(c)                            # collect results (and errors) already in
         self._seconds["steps"] += 1
         if "device" in self.plan.placement and bool(self.found_inf.item()):   # one sync per step
             self.skipped_chunks += 1      # at least one device chunk, and every device chunk after it
@@ -188,7 +206,9 @@ class CudaChunkRuntime(ChunkRuntime):
 
     def timing(self) -> dict:
         """Seconds per step: the compute stream stalled waiting for chunk copies; host Adam work (on the
-        worker thread); and how long each step's end waited for that worker."""
+        worker thread); how long the launching thread waited for a free host gradient buffer (Adam
+        behind backward); and how long prefetches waited for a host chunk's update."""
+        self.drain()
         torch.cuda.synchronize(self.device)
         self._count_stalls()
         n = max(1, self._seconds["steps"])
