@@ -18,7 +18,7 @@ for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case "$stage" in
     kernels) timeout 240 python3 bench/kernels_gpu.py 2>&1 | tee -a "$OUT/kernels.txt" ;;
-    tests) timeout 200 python3 -m pytest -q -x -rs -o faulthandler_timeout=100 tests/test_gpu.py 2>&1 | tail -80 | tee -a "$OUT/tests.txt" ;;
+    tests) timeout 200 python3 -m pytest -q -rs -p no:logging --tb=short -o faulthandler_timeout=100 tests/test_gpu.py 2>&1 | tail -60 | tee -a "$OUT/tests.txt" ;;
     gpt:*) IFS=: read -r _ model system batch host layers <<< "$stage"
        timeout 420 python3 bench/gpt.py --model "$model" --system "$system" --batch "${batch:-16}" --seq 1024 \
          --steps "${STEPS:-6}" --host-memory "${host:-110GiB}" ${layers:+--layers "$layers"} --dump-after 300 \

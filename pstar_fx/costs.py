@@ -97,7 +97,7 @@ def _measure(device: torch.device, dtype: torch.dtype, key: str) -> Rates:
     h = torch.empty(elems, pin_memory=pin)
     h2d = x.nbytes / _timeit(lambda: x.copy_(h, non_blocking=pin), device)
     d2h = x.nbytes / _timeit(lambda: h.copy_(x, non_blocking=pin), device)
-    p, g, m, v = (torch.rand(2**20) for _ in range(4))
+    p, g, m, v = (torch.rand(2**24) for _ in range(4))   # 256 MB: out of cache, like a chunk
     from pstar_fx.kernels import adam_step
     adam = p.numel() / _timeit(lambda: adam_step(p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
                                                   weight_decay=0.0), torch.device("cpu"))

@@ -7,6 +7,8 @@ Layout and the Config. Output: a `Plan` with
   slots       compute buffers on the device (one chunk each) for chunks whose compute copy is not the
               master itself (host-resident chunks, and every chunk when dtype is 16-bit);
   grad_slots  gradient buffers on the device, enough for the chunks whose backward overlaps;
+  host_grad_buffers  pinned host buffers where gradients of host chunks wait for the host Adam: enough
+              that backward never waits for it (simulated with the cost model), as host memory allows;
   schedule    per node: which chunks to prefetch / fetch before it and release after it (schedule.py:
               Belady eviction, prefetch timed by the cost model of costs.py);
   peaks       predicted device and host bytes, from fake-tensor sizes of every value the graph holds.
@@ -43,6 +45,7 @@ class Plan:
     placement: list[str]
     slots: int
     grad_slots: int
+    host_grad_buffers: int
     schedule_before: dict[str, list[tuple[str, int]]]
     schedule_after: dict[str, list[tuple[str, int]]]
     device_peak_bytes: int
@@ -80,7 +83,8 @@ class Plan:
         if crossing:
             lines.append("  host chunks reach the device as: " + ", ".join(f"{k} {v}" for k, v in crossing.items())
                          + " (shadow: 16-bit host copy written by the host Adam; fp32: cast on the device)")
-        lines.append(f"  {self.slots} compute slot(s), {self.grad_slots} gradient slot(s); "
+        lines.append(f"  {self.slots} compute slot(s), {self.grad_slots} gradient slot(s), "
+                     f"{self.host_grad_buffers} host gradient buffer(s); "
                      f"{self.fetches} chunk fetch(es) per step; estimated step {self.estimated_step_seconds:.3g} s")
         if self.recompute:
             lines.append(f"  recompute: {self.recompute}")
@@ -213,7 +217,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     fixed = act_peak + buffer_bytes + grad_slots * grad_slot_bytes + workspace
     budget = config.device_memory
     notes: list[str] = []
-    host_staging = (3 if cuda else 2) * cs * compute_itemsize   # gradient + cast staging, when any chunk is on host
+    host_staging = (3 if cuda else 2) * cs * compute_itemsize   # 2 gradient buffers (CPU: 1) + cast staging
     host_staging += CUDA_HOST_OVERHEAD_BYTES if cuda else 0
     host_room = (None if config.host_memory is None
                  else max(0, (config.host_memory - host_staging) // state_bytes))
@@ -247,14 +251,18 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     else:
         slots = 0
 
-    ship = _choose_shipping(placement, config, cs, compute_itemsize, cuda, host_used=(
-        n_chunks - n_device) * state_bytes + host_staging)
     rates = calibrate(torch.device(config.device), config.torch_dtype)
+    node_secs = [node_seconds(n, rates) for n in nodes]
+    host_used = (n_chunks - n_device) * state_bytes + host_staging
+    room = None if config.host_memory is None else (config.host_memory - host_used) // (cs * compute_itemsize)
+    host_grad_buffers, adam_exposed = _host_adam_pipeline(placement, layout, node_secs, reads, adam_at, rates,
+                                                          cuda, room)
+    host_used += max(0, host_grad_buffers - 2) * cs * compute_itemsize
+    ship = _choose_shipping(placement, config, cs, compute_itemsize, cuda, host_used=host_used)
     slot_reads = [{c for c in r if needs_slot[c]} for r in reads]
     crossing = {"-": 0, "shadow": compute_itemsize, "cast": compute_itemsize, "fp32": 4}
     copy_bytes = {c: cs * crossing[ship[c]] for c in range(n_chunks)}
     copy_seconds = {c: b / rates.h2d_bw + cs * (4 + compute_itemsize) / rates.mem_bw for c, b in copy_bytes.items()}
-    node_secs = [node_seconds(n, rates) for n in nodes]
     sched = place_prefetches(belady(slot_reads, slots), slots, node_secs, copy_seconds) if slots else Schedule()
     before = {nodes[i].name: ops for i, ops in sched.before.items()}
     after = {nodes[i].name: ops for i, ops in sched.after.items()}
@@ -278,11 +286,11 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         "process overhead": CUDA_HOST_OVERHEAD_BYTES if cuda else 0,
         "chunk state": n_host * state_bytes,
         "16-bit shadows": ship.count("shadow") * cs * compute_itemsize,
-        # the CUDA runtime double-buffers gradients so one copies while Adam reads the other
-        "gradient staging": (cs * compute_itemsize * (2 if cuda else 1)) if n_host else 0,
+        # gradients of host chunks queue here for the host Adam (CUDA: while backward goes on)
+        "gradient staging": cs * compute_itemsize * host_grad_buffers,
         "cast staging": (cs * compute_itemsize) if "cast" in ship else 0,
     }
-    plan = Plan(placement, slots, grad_slots, before, after,
+    plan = Plan(placement, slots, grad_slots, host_grad_buffers, before, after,
                 device_peak_bytes=sum(device.values()), host_peak_bytes=sum(host.values()),
                 device_breakdown=device, host_breakdown=host, activation_peak_bytes=act_peak,
                 fetches=fetches, budget_bytes=budget, host_budget_bytes=config.host_memory, notes=notes,
@@ -292,11 +300,53 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
                      f"block), plus a {format_bytes(CUDA_WORKSPACE_BYTES)} margin for cuBLAS/attention workspaces "
                      "and allocator fragmentation")
     plan.why = _why(plan, config, min_slots)
-    # step time = compute (recompute included) + copies not hidden + host Adam that backward can't hide
-    compute_s = sum(node_secs)
-    host_adam_s = (n_chunks - n_device) * cs / rates.host_adam
-    plan.estimated_step_seconds = compute_s + sched.exposed_seconds + max(0.0, host_adam_s - 0.6 * compute_s)
+    # step time = compute (recompute included) + copies not hidden + host Adam that compute can't hide
+    plan.estimated_step_seconds = sum(node_secs) + sched.exposed_seconds + adam_exposed
+    if adam_exposed > 1e-3:
+        notes.append(f"host Adam the compute cannot hide: about {adam_exposed * 1e3:.0f} ms per step "
+                     f"({host_grad_buffers} host gradient buffers)")
     return plan
+
+
+def _host_adam_pipeline(placement: list[str], layout: Layout, node_secs: list[float], reads: list[set[int]],
+                        adam_at: dict[int, int], rates, cuda: bool, room: int | None,
+                        most: int = 32) -> tuple[int, float]:
+    """(host gradient buffers, seconds of host Adam the step cannot hide), by simulating the pipeline.
+
+    Backward hands each host chunk's gradient to one worker that runs the host Adam chunk after chunk.
+    A gradient waits in a host buffer until its Adam is done; with every buffer taken, the thread that
+    launches GPU work blocks, and the GPU runs dry. The Adam still running when the step ends overlaps
+    the next step's forward up to the first read of a host chunk. The smallest buffer count that never
+    blocks (within `room` more than the 2 always counted, at most `most`) is chosen; the CPU runtime is
+    synchronous and uses one.
+    """
+    host = [c for c in sorted(adam_at, key=adam_at.__getitem__) if placement[c] == "host"]
+    if not host:
+        return (1 if "host" in placement else 0), 0.0
+    if not cuda:
+        return 1, sum(layout.chunks[c].used_elems for c in host) / rates.host_adam
+    clock, t = [], 0.0
+    for s in node_secs:
+        t += s
+        clock.append(t)
+    first_host_read = next((clock[i] - node_secs[i] for i, r in enumerate(reads)
+                            if any(placement[c] == "host" for c in r)), 0.0)
+    adam_s = [layout.chunks[c].used_elems / rates.host_adam for c in host]
+
+    def simulate(k: int) -> float:
+        delay, done = 0.0, []
+        for i, c in enumerate(host):
+            ready = clock[adam_at[c]] + delay
+            if i >= k and done[i - k] > ready:       # every buffer holds a gradient Adam has not read
+                delay += done[i - k] - ready
+                ready = done[i - k]
+            done.append(max(ready, done[-1] if done else 0.0) + adam_s[i])
+        tail = done[-1] - (clock[-1] + delay)          # Adam left when the step's compute ends
+        return delay + max(0.0, tail - first_host_read)
+
+    cap = most if room is None else max(2, min(most, 2 + room))
+    best = min(range(2, cap + 1), key=lambda k: (round(simulate(k), 3), k))
+    return best, simulate(best)
 
 
 def _choose_shipping(placement: list[str], config: Config, cs: int, itemsize: int, cuda: bool,
