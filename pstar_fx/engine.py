@@ -1,6 +1,6 @@
 """engine: `pstar_fx.compile(model, config, example_inputs) -> Engine`, and `pstar_fx.plan(...)`.
 
-The pipeline, in order: capture -> layout -> passes (localize_param_views, then recompute + fuse_optimizer +
+The pipeline, in order: capture -> layout -> passes (localize_param_views, lean_cross_entropy, then recompute + fuse_optimizer +
 plan, searched for the fewest recomputed segments that fit) -> insert_chunk_ops -> runtime. `Engine.graph` is the lowered step; `Engine.explain()` says what the plan
 decided; `Engine.memory_stats()` says what the runtime measured.
 """
@@ -19,7 +19,8 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from .capture import Capture, capture
 from .config import Config, format_bytes
 from .layout import Layout, build_layout
-from .passes import find_segments, fuse_optimizer, insert_chunk_ops, localize_param_views, recompute
+from .passes import (find_segments, fuse_optimizer, insert_chunk_ops, lean_cross_entropy, localize_param_views,
+                     recompute)
 from .passes.recompute import Segment, group_segments
 from .plan import BudgetError, Plan, make_plan
 from .runtime import ChunkRuntime, run_graph
@@ -42,6 +43,7 @@ class Lowered:
         self.graphs_before: dict[str, str] = {}
         self._buffer_bytes = sum(_buffer_nbytes(model, b) for b in self.capture.buffers)
         self._run_pass("localize_param_views", localize_param_views, gm, len(self.capture.params))
+        self._run_pass("lean_cross_entropy", lean_cross_entropy, gm)
         self.graph, self.plan = self._plan_with_recompute(gm)
         if self.capture.traced_on != self.device:
             self.plan.notes.append(f"traced on {self.capture.traced_on} for a {self.device.type} target (this torch "
