@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One device call on the H200 machine: build the C++ kernel there, then run the stages named as
-# arguments (kernels | tests | gpt:MODEL:SYSTEM[:BATCH[:HOST_MEMORY[:LAYERS]]]). Output files land in $OUT.
+# arguments (kernels | tests | probe | gpt:MODEL:SYSTEM[:BATCH[:HOST_MEMORY[:LAYERS]]]). Output files land in $OUT.
 # STEPS (default 6) sets the training steps of each gpt stage.
 # Wheels in .whl/ (bench/peer_wheels.sh: DeepSpeed and what it needs) are installed first when carried:
 #   run(command="bash bench/gpu_run.sh gpt:GPT_h3072_L36:deepspeed", carry=[".whl"])
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export TORCH_CUDA_ARCH_LIST=9.0 DS_BUILD_OPS=0      # DeepSpeed JIT-builds its CPU Adam for this GPU only
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi -L; nproc; free -g | head -2
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -17,6 +18,7 @@ python3 -c "import pstar_fx.kernels as k; print(k.build_info())"
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case "$stage" in
+    probe) timeout 120 python3 bench/peak_probe.py 2>&1 | grep -v "^DEBUG" | tail -45 | tee -a "$OUT/probe.txt" ;;
     kernels) timeout 240 python3 bench/kernels_gpu.py 2>&1 | tee -a "$OUT/kernels.txt" ;;
     tests) timeout 200 python3 -m pytest -q -rs -p no:logging --tb=short -o faulthandler_timeout=100 tests/test_gpu.py 2>&1 | tail -60 | tee -a "$OUT/tests.txt" ;;
     gpt:*) IFS=: read -r _ model system batch host layers <<< "$stage"

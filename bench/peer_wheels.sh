@@ -17,6 +17,6 @@ PY=${PYTHON:-.venv/bin/python}       # needs torch importable: DeepSpeed's setup
 (cd "$tmp"/deepspeed-"$DS_VERSION" && DS_BUILD_OPS=0 "$OLDPWD/$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$OLDPWD/$OUTDIR" .)
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
-    -d "$OUTDIR" hjson pydantic pydantic-core annotated-types typing-inspection typing-extensions
+    -d "$OUTDIR" hjson pydantic pydantic-core annotated-types typing-inspection "typing-extensions>=4.16.0"
 ls -la "$OUTDIR"
 du -sh "$OUTDIR"
