@@ -7,12 +7,19 @@ import torch
 import torch.fx as fx
 
 
+# ops whose output shares its input's storage though their schema does not say so
+_UNANNOTATED_VIEWS = {torch.ops.aten._unsafe_view.default}
+
+
 def aliases_input(node: fx.Node, *, in_place: bool = True) -> bool:
-    """The node's output shares memory with its first input: a view, `getitem` of a multi-output op,
-    or (with `in_place`) an in-place op. Such a value costs no new bytes."""
+    """The node's output shares memory with its first input: a view (`_unsafe_view` too: matmul's
+    reshape of its result), `getitem` of a multi-output op, or (with `in_place`) an in-place op. Such a
+    value costs no new bytes."""
     if node.op != "call_function":
         return False
     if node.target is operator.getitem:
+        return True
+    if node.target in _UNANNOTATED_VIEWS:
         return True
     schema = getattr(node.target, "_schema", None)
     return schema is not None and any(r.alias_info is not None and (in_place or not r.alias_info.is_write)

@@ -19,6 +19,7 @@ produced to its last use. Views cost nothing.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -145,30 +146,55 @@ def last_uses(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
 
 
 def activation_profile(graph: fx.Graph, skip: set[fx.Node], round_to: int = 1) -> tuple[list[int], int]:
-    """Predicted live bytes of graph values after each node (excluding `skip`: chunk-backed values)."""
+    """Predicted live bytes of graph values after each node (excluding `skip`: chunk-backed values).
+
+    Each output of a multi-output op is its own allocation: layer norm's normalized output dies after
+    the next op while its mean and rstd live on for backward (counting the tuple as one block kept all
+    three alive: 24 MiB per layer too many for a GPT on the H200, by bench/peak_probe.py).
+    """
     live = LiveSet()
-    owner: dict[fx.Node, fx.Node] = {}
+    owner: dict[fx.Node, list] = {}          # node -> the allocations it keeps alive
     frees = last_uses(graph)
     per_node = []
+
+    def hold(node: fx.Node, keys: list) -> None:
+        owner[node] = keys
+        for k in keys:
+            live.add(k, 0)
+
     for node in graph.nodes:
         if node in skip or node.op == "output":
             pass
+        elif (node.target is operator.getitem and isinstance(node.args[0], fx.Node)
+              and (node.args[0], node.args[1]) in live._refs):
+            hold(node, [(node.args[0], node.args[1])])       # one output of a multi-output op
         elif aliases_input(node) and node.args and isinstance(node.args[0], fx.Node):
             base = owner.get(node.args[0])
             if base is not None:
-                owner[node] = base
-                live.add(base, 0)
+                hold(node, base)
         else:
-            nb = value_bytes(node.meta.get("val"), round_to)
-            if nb:
-                owner[node] = node
-                live.add(node, nb)
+            val = node.meta.get("val")
+            if isinstance(val, (list, tuple)):
+                keys = []
+                for i, v in enumerate(val):
+                    nb = value_bytes(v, round_to)
+                    if nb:
+                        live.add((node, i), nb)
+                        keys.append((node, i))
+                if keys:
+                    owner[node] = keys
+            else:
+                nb = value_bytes(val, round_to)
+                if nb:
+                    live.add(node, nb)
+                    owner[node] = [node]
         per_node.append(live.bytes)
         for value in frees.get(node, []):
-            if value in owner:
-                live.drop(owner[value])
-        if node.op != "placeholder" and node in owner and not node.users:
-            live.drop(owner[node])
+            for k in owner.pop(value, ()):
+                live.drop(k)
+        if node.op != "placeholder" and not node.users:
+            for k in owner.pop(node, ()):
+                live.drop(k)
     return per_node, live.peak
 
 
