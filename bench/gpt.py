@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import logging
 import os
 import resource
 import statistics
@@ -80,7 +81,7 @@ def pstar_system(cfg, args, example):
     compile_s = time.perf_counter() - t0
     print(f"compiled in {compile_s:.1f} s", file=sys.stderr, flush=True)
     print(engine.explain(), file=sys.stderr)
-    extra = {"compile_s": round(compile_s, 2), "predicted_gpu_peak_bytes": engine.plan.device_peak_bytes,
+    extra = {"compile_s": round(compile_s, 2), "compile_phases_s": {k: round(v, 2) for k, v in engine.phases.seconds.items()}, "predicted_gpu_peak_bytes": engine.plan.device_peak_bytes,
              "predicted_host_peak_bytes": engine.plan.host_peak_bytes, "host_memory": args.host_memory,
              "chunk_size": engine.lowered.layout.chunk_size,
              "estimated_step_s": round(engine.plan.estimated_step_seconds, 3),
@@ -133,6 +134,8 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="append the result to this file")
     ap.add_argument("--dump-after", type=float, default=0, help="print every thread's stack after this many s")
     args = ap.parse_args(argv)
+    logging.basicConfig(stream=sys.stderr, format="%(relativeCreated)8.0f ms %(message)s")
+    logging.getLogger("pstar_fx").setLevel(logging.INFO)     # compile phases as they happen
     if args.dump_after:
         faulthandler.dump_traceback_later(args.dump_after, repeat=True)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import sys
@@ -350,9 +351,20 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
+class _Progress(logging.Handler):
+    """The library's progress lines (logger "pstar_fx", INFO) on standard output, as they happen."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"  [{record.relativeCreated / 1e3:7.1f} s] {record.getMessage()}", file=sys.stdout, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    logger = logging.getLogger("pstar_fx")
+    if not any(isinstance(h, _Progress) for h in logger.handlers):
+        logger.addHandler(_Progress())
+    logger.setLevel(logging.INFO)
     try:
         return COMMANDS[args.command](args, parser)
     except (ValueError, TypeError, MemoryError, OSError, pstar_fx.CaptureError) as e:

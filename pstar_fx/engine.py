@@ -6,8 +6,11 @@ decided; `Engine.memory_stats()` says what the runtime measured.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
+import time
 import warnings
 from collections import Counter
 
@@ -27,29 +30,57 @@ from .runtime import ChunkRuntime, run_graph
 from .runtime_cuda import CudaChunkRuntime
 
 
+log = logging.getLogger("pstar_fx")
+
+
+class Phases:
+    """Seconds per compile phase. Each phase is logged (logger "pstar_fx", INFO) as it starts and ends: a
+    20B model takes minutes to capture, plan and pin, and should say where it is."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str, what: str = ""):
+        log.info("%s%s ...", name, f" ({what})" if what else "")
+        t0 = time.perf_counter()
+        yield
+        self.seconds[name] = time.perf_counter() - t0
+        log.info("%s done in %.1f s", name, self.seconds[name])
+
+    def summary(self) -> str:
+        return ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items())
+
+
 class Lowered:
     """Everything short of memory: the captured step, its chunk layout, the plan and the lowered graph."""
 
-    def __init__(self, model: nn.Module, config: Config, example_inputs: tuple):
+    def __init__(self, model: nn.Module, config: Config, example_inputs: tuple, phases: Phases | None = None):
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
-        self.capture: Capture = capture(model, tuple(example_inputs), self.device, self.dtype)
-        self.layout: Layout = build_layout(self.capture, config.chunk_size)
+        self.phases = phases = phases or Phases()
+        with phases("capture", "forward + backward traced with fake tensors"):
+            self.capture: Capture = capture(model, tuple(example_inputs), self.device, self.dtype)
+            self.layout: Layout = build_layout(self.capture, config.chunk_size)
+        log.info("%s parameters in %d chunks of %s elements", f"{self.layout.param_elems:,}",
+                 len(self.layout.chunks), f"{self.layout.chunk_size:,}")
         gm = self.capture.gm
         g = gm.graph
         with g.inserting_before(next(iter(g.nodes))):
             g.placeholder("rt")
         self.graphs_before: dict[str, str] = {}
         self._buffer_bytes = sum(_buffer_nbytes(model, b) for b in self.capture.buffers)
-        self._run_pass("localize_param_views", localize_param_views, gm, len(self.capture.params))
-        self._run_pass("lean_cross_entropy", lean_cross_entropy, gm)
-        self.graph, self.plan = self._plan_with_recompute(gm)
+        with phases("plan", "placement, recompute and schedule against the budgets"):
+            self._run_pass("localize_param_views", localize_param_views, gm, len(self.capture.params))
+            self._run_pass("lean_cross_entropy", lean_cross_entropy, gm)
+            self.graph, self.plan = self._plan_with_recompute(gm)
         if self.capture.traced_on != self.device:
             self.plan.notes.append(f"traced on {self.capture.traced_on} for a {self.device.type} target (this torch "
                                    "has no CUDA): CPU attention kernels and autocast rules, so activation bytes "
                                    "are an estimate")
-        self._run_pass("insert_chunk_ops", insert_chunk_ops, self.graph, self.layout, self.plan)
+        with phases("lower", "chunk ops into the graph"):
+            self._run_pass("insert_chunk_ops", insert_chunk_ops, self.graph, self.layout, self.plan)
 
     def _plan_with_recompute(self, gm: fx.GraphModule) -> tuple[fx.GraphModule, Plan]:
         """The fewest recomputed forward segments (earliest first: their activations live longest) that fit.
@@ -77,6 +108,10 @@ class Lowered:
                 tried[m, k] = (g_k, make_plan(g_k, self.layout, self.config, compute_itemsize=self.dtype.itemsize,
                                               n_params=len(self.capture.params), n_buffers=len(self.capture.buffers),
                                               buffer_bytes=self._buffer_bytes))
+                p = tried[m, k][1]
+                log.info("  tried recomputing %d of %d %s: device peak %s, %s", k, len(runs[m]),
+                         "segments" if m == 1 else f"runs of {m} segments", format_bytes(p.device_peak_bytes),
+                         f"fits, estimated {p.estimated_step_seconds:.2f} s/step" if p.fits else "does not fit")
             return tried[m, k][1]
 
         best = (1, 0)
@@ -155,18 +190,23 @@ class Engine:
             free, _ = torch.cuda.mem_get_info(torch.device(config.device))
             config = dataclasses.replace(config, device_memory=free)
         self.config = config
-        self.lowered = Lowered(model, config, tuple(example_inputs))
+        self.phases = phases = Phases()
+        self.lowered = Lowered(model, config, tuple(example_inputs), phases)
         if not self.lowered.plan.fits:
             raise BudgetError(self.lowered.plan.why)
         self.device = self.lowered.device
         cap = self.lowered.capture
         runtime = CudaChunkRuntime if self.device.type == "cuda" else ChunkRuntime
-        self.rt = runtime(self.lowered.layout, self.lowered.plan, config, self.device, self.lowered.dtype)
-        if any(p.is_meta for p in model.parameters()):
-            self._materialize(model)
-        else:
-            named = dict(model.named_parameters(remove_duplicate=False))
-            self.rt.load_params([named[p.name] for p in cap.params])
+        plan = self.lowered.plan
+        with phases("allocate", f"chunk memory: {format_bytes(plan.device_peak_bytes - plan.activation_peak_bytes)} "
+                                f"on {self.lowered.device.type}, {format_bytes(plan.host_peak_bytes)} on the host"):
+            self.rt = runtime(self.lowered.layout, plan, config, self.device, self.lowered.dtype)
+        with phases("initialize", "weights written into the fp32 masters"):
+            if any(p.is_meta for p in model.parameters()):
+                self._materialize(model)
+            else:
+                named = dict(model.named_parameters(remove_duplicate=False))
+                self.rt.load_params([named[p.name] for p in cap.params])
         self._buffers = [self.rt.adopt(model.get_buffer(b).detach().to(self.device, copy=True))
                          for b in cap.buffers]
         loss_dtype = next(iter(cap.gm.graph.find_nodes(op="placeholder", target="tangent"))).meta["val"].dtype
@@ -302,6 +342,7 @@ class Engine:
             shown = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
             lines.append(f"  c{c.id}: {plan.placement[c.id]:6s} {c.used_elems:>12,} elems, {len(names)} param(s): {shown}")
         lines.append(plan.summary())
+        lines.append(f"compile: {self.phases.summary()}")
         ops = Counter(n.target for n in self.graph.graph.nodes if n.op == "call_method")
         lines.append("schedule (nodes in engine.graph): "
                      + ", ".join(f"{k} {ops[k]}" for k in ("prefetch", "fetch", "release", "offload", "adam",

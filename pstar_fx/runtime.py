@@ -12,6 +12,7 @@ and fetch then only checks. The CUDA runtime with copy streams and events replac
 """
 from __future__ import annotations
 
+import logging
 import weakref
 from dataclasses import dataclass
 
@@ -23,6 +24,8 @@ from .kernels import cast_
 from .layout import Layout
 from .optim import chunk_update
 from .plan import LiveSet, Plan, last_uses
+
+log = logging.getLogger("pstar_fx")
 
 
 @dataclass
@@ -58,11 +61,15 @@ class ChunkRuntime:
         self._pin = device.type == "cuda"
 
         self.master, self.exp_avg, self.exp_avg_sq = [], [], []
-        for c in range(len(layout.chunks)):
+        n = len(layout.chunks)
+        for c in range(n):
             on_device = plan.placement[c] == "device"
             self.master.append(self._alloc(on_device, cs, torch.float32, zero=True))
             self.exp_avg.append(self._alloc(on_device, cs, torch.float32, zero=True))
             self.exp_avg_sq.append(self._alloc(on_device, cs, torch.float32, zero=True))
+            if n >= 20 and (c + 1) % (n // 10) == 0:    # page-locking 100 GiB of host state takes a minute
+                log.info("  chunk state allocated for %d of %d chunks (%s on the host)", c + 1, n,
+                         format_bytes(self.stats.host_bytes))
         self._free_slots = [self._alloc(True, cs, compute_dtype) for _ in range(plan.slots)]
         self._free_grads = [self._alloc(True, cs, compute_dtype) for _ in range(plan.grad_slots)]
         any_host = "host" in plan.placement

@@ -1,6 +1,7 @@
 """The spine against plain PyTorch: compiled training under a device budget equals torch.optim.AdamW."""
 import copy
 import json
+import logging
 
 import pytest
 import torch
@@ -243,6 +244,19 @@ def test_graph_shows_chunk_ops_in_a_valid_order():
             assert nodes[i + 1].target == "adam" and nodes[i + 1].args[1] == n.args[1]
     text = engine.explain()
     assert "placement" in text and "c0:" in text and "device peak" in text
+
+
+def test_compile_reports_progress_and_phase_times(caplog):
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny"))
+    with caplog.at_level(logging.INFO, logger="pstar_fx"):
+        engine = pstar_fx.compile(model, {"device": "cpu", "placement": "host"}, batch())
+    messages = [r.getMessage() for r in caplog.records if r.name == "pstar_fx"]
+    for phase in ("capture", "plan", "lower", "allocate", "initialize"):
+        assert any(m.startswith(f"{phase} done in") for m in messages), (phase, messages)
+    assert any("tried recomputing" in m for m in messages)
+    assert set(engine.phases.seconds) == {"capture", "plan", "lower", "allocate", "initialize"}
+    assert "compile: capture" in engine.explain()
 
 
 def test_budget_too_small_fails_at_compile_time():
