@@ -243,7 +243,9 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     fixed = act_peak + buffer_bytes + grad_slots * grad_slot_bytes + workspace
     budget = config.device_memory
     notes: list[str] = []
-    host_staging = (3 if cuda else 2) * cs * compute_itemsize   # 2 gradient buffers (CPU: 1) + cast staging
+    # with any chunk on the host: CUDA keeps at least 2 gradient buffers (it never casts on the host);
+    # the CPU runtime 1 gradient buffer and 1 cast staging buffer
+    host_staging = 2 * cs * compute_itemsize
     host_staging += CUDA_HOST_OVERHEAD_BYTES if cuda else 0
     host_room = (None if config.host_memory is None
                  else max(0, (config.host_memory - host_staging) // state_bytes))
