@@ -17,6 +17,7 @@ RESULT with "error" instead of a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import faulthandler
 import json
 import logging
@@ -85,6 +86,7 @@ def pstar_system(cfg, args, example):
              "predicted_host_peak_bytes": engine.plan.host_peak_bytes, "host_memory": args.host_memory,
              "chunk_size": engine.lowered.layout.chunk_size,
              "estimated_step_s": round(engine.plan.estimated_step_seconds, 3),
+             "rates": dataclasses.asdict(engine.plan.rates) if engine.plan.rates else None,
              "placement_device_chunks": engine.plan.placement.count("device"),
              "chunks": len(engine.plan.placement), "recompute": engine.plan.recompute}
     return engine.step, extra, engine

@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from .config import Config, format_bytes
-from .costs import calibrate, node_seconds
+from .costs import Rates, calibrate, node_seconds
 from .fxutil import aliases_input, value_bytes
 from .layout import Layout
 from .schedule import Schedule, belady, place_prefetches
@@ -61,6 +61,7 @@ class Plan:
     why: str = ""                      # empty when it fits; else what is missing and what was tried
     recompute: str = ""                # which forward segments backward recomputes, and why
     estimated_step_seconds: float = 0.0  # from the cost model (costs.py); compares plans, not a promise
+    rates: Rates | None = None         # the copy/compute/host-Adam rates the estimates used (costs.py)
     ship: list[str] = field(default_factory=list)  # per chunk, how its compute copy reaches the device:
     # "-" (state on the device), "shadow" (a 16-bit copy kept on the host, written by the host Adam in the
     # same pass: 2 B/param cross), "cast" (cast on the host at fetch: 2 B/param), "fp32" (4 B/param cross,
@@ -322,7 +323,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
                 device_peak_bytes=sum(device.values()), host_peak_bytes=sum(host.values()),
                 device_breakdown=device, host_breakdown=host, activation_peak_bytes=act_peak,
                 fetches=fetches, budget_bytes=budget, host_budget_bytes=config.host_memory, notes=notes,
-                ship=ship)
+                ship=ship, rates=rates)
     if cuda:
         notes.append(f"CUDA memory model: each value rounded up to {CUDA_BLOCK_BYTES} B (the caching allocator's "
                      f"block), plus a {format_bytes(CUDA_WORKSPACE_BYTES)} margin for cuBLAS/attention workspaces "
