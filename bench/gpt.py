@@ -82,7 +82,9 @@ def pstar_system(cfg, args, example):
     compile_s = time.perf_counter() - t0
     print(f"compiled in {compile_s:.1f} s", file=sys.stderr, flush=True)
     print(engine.explain(), file=sys.stderr)
-    extra = {"compile_s": round(compile_s, 2), "compile_phases_s": {k: round(v, 2) for k, v in engine.phases.seconds.items()}, "predicted_gpu_peak_bytes": engine.plan.device_peak_bytes,
+    extra = {"compile_s": round(compile_s, 2),
+             "compile_phases_s": {k: round(v, 2) for k, v in engine.phases.seconds.items()},
+             "predicted_gpu_peak_bytes": engine.plan.device_peak_bytes,
              "predicted_host_peak_bytes": engine.plan.host_peak_bytes, "host_memory": args.host_memory,
              "chunk_size": engine.lowered.layout.chunk_size,
              "estimated_step_s": round(engine.plan.estimated_step_seconds, 3),

@@ -19,7 +19,7 @@ import torch.fx as fx
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import pstar_fx  # noqa: E402
 from pstar_fx.models import GPT, gpt_config  # noqa: E402
-from pstar_fx.plan import CUDA_BLOCK_BYTES, activation_profile  # noqa: E402
+from pstar_fx.plan import CUDA_BLOCK_BYTES, activation_profile, last_uses  # noqa: E402
 
 
 def main():
@@ -51,13 +51,7 @@ def main():
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     env: dict[fx.Node, object] = {}
-    last = {}
-    for n in g.nodes:
-        for a in n.all_input_nodes:
-            last[a] = n
-    frees: dict[fx.Node, list] = {}
-    for v, n in last.items():
-        frees.setdefault(n, []).append(v)
+    frees = last_uses(g)
     it = iter(args_)
     measured, names = [], []
     for n in g.nodes:

@@ -1,8 +1,9 @@
 """engine: `pstar_fx.compile(model, config, example_inputs) -> Engine`, and `pstar_fx.plan(...)`.
 
-The pipeline, in order: capture -> layout -> passes (localize_param_views, lean_cross_entropy, then recompute + fuse_optimizer +
-plan, searched for the fewest recomputed segments that fit) -> insert_chunk_ops -> runtime. `Engine.graph` is the lowered step; `Engine.explain()` says what the plan
-decided; `Engine.memory_stats()` says what the runtime measured.
+The pipeline, in order: capture -> layout -> passes (localize_param_views, lean_cross_entropy, then
+recompute + fuse_optimizer + plan, searched for the fewest recomputed segments that fit) -> insert_chunk_ops
+-> runtime. `Engine.graph` is the lowered step; `Engine.explain()` says what the plan decided;
+`Engine.memory_stats()` says what the runtime measured.
 """
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ class Lowered:
         state and compute slots) saves more time than the extra forward work costs.
         """
         singles = [s for s in find_segments(gm, len(self.capture.params)) if s.recomputable]
-        runs = {m: group_segments(singles, m) if m > 1 else singles for m in (1, 2, 4)}
+        runs = {m: group_segments(singles, m) for m in (1, 2, 4)}     # runs of 1: the segments themselves
         runs = {m: r for m, r in runs.items() if m == 1 or len(r) < len(runs[1])}
         tried: dict[tuple[int, int], tuple[fx.GraphModule, Plan]] = {}
 

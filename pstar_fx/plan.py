@@ -124,6 +124,9 @@ class LiveSet:
         else:
             entry[1] += 1
 
+    def holds(self, key) -> bool:
+        return key in self._refs
+
     def drop(self, key) -> None:
         entry = self._refs.get(key)
         if entry is None:
@@ -167,7 +170,7 @@ def activation_profile(graph: fx.Graph, skip: set[fx.Node], round_to: int = 1) -
         if node in skip or node.op == "output":
             pass
         elif (node.target is operator.getitem and isinstance(node.args[0], fx.Node)
-              and (node.args[0], node.args[1]) in live._refs):
+              and live.holds((node.args[0], node.args[1]))):
             hold(node, [(node.args[0], node.args[1])])       # one output of a multi-output op
         elif aliases_input(node) and node.args and isinstance(node.args[0], fx.Node):
             base = owner.get(node.args[0])

@@ -2,8 +2,9 @@
 
     localize_param_views  needs: the captured joint graph.  provides: every view of a parameter is computed
                           right before its one user, so a parameter is read only where an op reads it.
-    lean_cross_entropy    needs: the joint graph.  provides: cross-entropy's backward overwrites the saved
-                          log-probabilities in place instead of allocating two more tensors of their size.
+    lean_cross_entropy    needs: the joint graph.  provides: cross-entropy's log_softmax runs in place on its
+                          fp32 input, and its backward overwrites the saved log-probabilities in place
+                          instead of allocating two more tensors of their size.
     recompute             needs: localized views, a choice of segments.  provides: backward recomputes those
                           segments' activations instead of keeping them (the planner chooses, only when
                           memory demands it, so for a model that fits this pass changes nothing).
@@ -20,4 +21,5 @@ from .lean_loss import lean_cross_entropy
 from .localize_views import localize_param_views
 from .recompute import find_segments, recompute
 
-__all__ = ["localize_param_views", "lean_cross_entropy", "find_segments", "recompute", "fuse_optimizer", "insert_chunk_ops"]
+__all__ = ["localize_param_views", "lean_cross_entropy", "find_segments", "recompute", "fuse_optimizer",
+           "insert_chunk_ops"]

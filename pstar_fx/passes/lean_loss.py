@@ -23,7 +23,8 @@ import torch
 import torch.fx as fx
 
 aten = torch.ops.aten
-_REDUCTION_NONE, _REDUCTION_MEAN, _REDUCTION_SUM = 0, 1, 2
+_REDUCTION_MEAN = 1                    # ATen's reduction enum: 0 none, 1 mean, 2 sum
+_ALIAS_OPS = (aten.detach.default, aten.alias.default)
 
 
 @torch.library.custom_op("pstar_fx::cross_entropy_backward_", mutates_args=("log_probs",))
@@ -63,7 +64,7 @@ def _(x):
 
 def _base(node: fx.Node) -> fx.Node:
     """Through detach/alias nodes to the value they alias."""
-    while node.op == "call_function" and node.target in (aten.detach.default, aten.alias.default):
+    while node.op == "call_function" and node.target in _ALIAS_OPS:
         node = node.args[0]
     return node
 
@@ -108,7 +109,7 @@ def _lean_backward(g: fx.Graph) -> None:
         while stack:
             v = stack.pop()
             for u in v.users:
-                if u.op == "call_function" and u.target in (aten.detach.default, aten.alias.default):
+                if u.op == "call_function" and u.target in _ALIAS_OPS:
                     stack.append(u)
                 elif u is not nb and u is not lsb:
                     readers.append(u)

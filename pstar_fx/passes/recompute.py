@@ -101,8 +101,9 @@ def group_segments(segments: list[Segment], size: int) -> list[Segment]:
     for seg in segments:
         last = groups[-1] if groups else None
         if last is not None and run < size and last.end == seg.start and last.recomputable and seg.recomputable:
-            groups[-1] = Segment(last.start, last.nodes + [seg.boundary] + seg.nodes,
-                                 last.saved_bytes + seg.saved_bytes + value_bytes(seg.boundary.meta.get("val")), True, last.boundary, seg.end)
+            saved = last.saved_bytes + seg.saved_bytes + value_bytes(seg.boundary.meta.get("val"))
+            groups[-1] = Segment(last.start, last.nodes + [seg.boundary] + seg.nodes, saved, True, last.boundary,
+                                 seg.end)
             run += 1
         else:
             groups.append(seg)
