@@ -9,7 +9,8 @@ allocated, so a 10B model captures in seconds.
 
 Graph contract (what later passes may rely on):
   placeholders, in order: one per unique parameter (`Capture.params`), one per buffer, one per user input,
-  then `tangent` (the loss gradient fed to backward, normally 1.0);
+  then `tangent` (the loss gradient fed to backward: 1.0, or loss scale / micro-batches); each carries its
+  role ("param", "buffer", "input", "tangent") and index in `node.meta` (`fxutil.role_nodes` finds them);
   output: a flat tuple (loss, one gradient or None per parameter in `Capture.params` order);
   a tied parameter is one placeholder, and its gradient is already the sum of its uses;
   buffers the model updates (BatchNorm statistics) are updated in place, by ops in the graph.
@@ -27,6 +28,8 @@ import torch.fx as fx
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+
+from .fxutil import role_nodes, tag
 
 
 class CaptureError(RuntimeError):
@@ -64,8 +67,8 @@ class Capture:
     dtype: torch.dtype
     traced_on: torch.device          # differs from `device` when planning for CUDA on a machine without it
 
-    def placeholders(self) -> list[fx.Node]:
-        return list(self.gm.graph.find_nodes(op="placeholder"))
+    def param_nodes(self) -> list[fx.Node]:
+        return role_nodes(self.gm.graph, "param")
 
 
 def capture(model: nn.Module, example_inputs: tuple, device: torch.device, dtype: torch.dtype) -> Capture:
@@ -138,16 +141,20 @@ def _normalize(gm, model, param_names, buffer_names, trainable, example_inputs, 
         aliases.setdefault(id(p), []).append(name)
     named = dict(model.named_parameters())
     params = [ParamInfo(n, aliases[id(named[n])], named[n].shape, named[n].requires_grad) for n in param_names]
-    for node, info in zip(placeholders[:n_p], params):
+    for k, (node, info) in enumerate(zip(placeholders[:n_p], params)):
         _rename(node, "p_" + _ident(info.name))
-    for node, name in zip(placeholders[n_p: n_p + n_b], buffer_names):
+        tag(node, "param", k)
+    for k, (node, name) in enumerate(zip(placeholders[n_p: n_p + n_b], buffer_names)):
         _rename(node, "b_" + _ident(name))
+        tag(node, "buffer", k)
     inputs = []
     for k, (node, x) in enumerate(zip(placeholders[n_p + n_b: n_p + n_b + n_i], example_inputs)):
         _rename(node, f"input_{k}")
+        tag(node, "input", k)
         inputs.append(InputInfo(x.shape, x.dtype))
         _find_index_bound(node, inputs[-1])
     _rename(placeholders[-1], "tangent")
+    tag(placeholders[-1], "tangent", 0)
 
     output = g.output_node()
     loss, *grads = output.args[0]

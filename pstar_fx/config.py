@@ -10,9 +10,12 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Callable, Literal, Union
 
 import torch
+
+from .optim.loss_scale import DYNAMIC_DEFAULTS
+from .optim.lr import check_schedule
 
 Bytes = Union[int, str, None]
 
@@ -88,6 +91,39 @@ class Config:
     seed: int = 0
     """Seed used when the engine must initialize weights itself (a model built on the meta device)."""
 
+    grad_clip: float | None = None
+    """Max global L2 norm of the gradient over all trainable parameters: exactly
+    `torch.nn.utils.clip_grad_norm_(params, grad_clip)` before the update. None: no clipping. Costs nothing
+    when it does not trigger (the norm is summed on the device as gradients are produced); when it
+    triggers, each chunk's speculative update is undone and redone (see `transaction`)."""
+
+    grad_accum: int = 1
+    """Micro-batches per optimizer step. `example_inputs` is one micro-batch; `engine.step(*inputs)` takes
+    the whole batch (leading dimension grad_accum x the compiled one) and updates once, as one step on
+    the whole batch of a mean-reduced loss. Costs an fp32 accumulator per parameter (4 B) on its tier;
+    the updates then run after the last micro-batch, from the accumulators."""
+
+    lr_schedule: Union[None, dict, Callable[[int], float]] = None
+    """None (constant), {"type": "cosine" | "linear" | "constant", "warmup_steps", "total_steps",
+    "min_lr"} (Hugging Face's formulas; min_lr absolute, default 0; past total_steps the rate stays at
+    min_lr), or a callable step -> multiplier (as LambdaLR). `step` counts applied updates from 0."""
+
+    loss_scale: Union[Literal["auto", "dynamic"], float, dict, None] = "auto"
+    """"dynamic" (torch.amp.GradScaler's rules: 2**16, x2 after 2000 clean steps, x0.5 on overflow; a dict
+    of "init_scale", "growth_factor", "backoff_factor", "growth_interval" changes them), a float (static),
+    or None. "auto": dynamic for fp16, None for bf16/fp32. Whatever the scale, a step with a non-finite
+    gradient is skipped whole: no chunk changes, the step count and schedule do not advance."""
+
+    transaction: Literal["auto", "kept_grads", "two_pass", "none"] = "auto"
+    """How a step's updates stay provisional until it commits. "kept_grads": updates run speculatively
+    inside backward and each chunk's gradient is kept on the host until the verdict (compute-dtype bytes
+    per parameter of host memory); clipping that triggers, a skip or an exception undoes them from it
+    (within fp32 rounding). "two_pass": a first forward+backward measures the norm and updates nothing,
+    the second applies exactly (2x the step's compute when clipping or loss scaling is on; no memory; an
+    exception in the second pass leaves the chunks it updated). "none": no protection (an exception or a
+    non-finite gradient leaves the chunks already updated; not allowed with grad_clip). "auto": the
+    planner picks kept_grads when the host budget holds it, else two_pass when needed, else none."""
+
     def __post_init__(self):
         self.device = self._check_device(self.device)
         self.device_memory = parse_bytes(self.device_memory, "device_memory")
@@ -102,6 +138,52 @@ class Config:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed: expected an int, got {self.seed!r}")
         self.optimizer = self._check_optimizer(self.optimizer)
+        if self.grad_clip is not None:
+            if isinstance(self.grad_clip, bool) or not isinstance(self.grad_clip, (int, float)):
+                raise TypeError(f"grad_clip: expected a number or None, got {self.grad_clip!r}")
+            if not self.grad_clip > 0 or self.grad_clip == float("inf"):
+                raise ValueError(f"grad_clip: must be a positive finite norm, got {self.grad_clip}")
+            self.grad_clip = float(self.grad_clip)
+        if isinstance(self.grad_accum, bool) or not isinstance(self.grad_accum, int):
+            raise TypeError(f"grad_accum: expected an int, got {self.grad_accum!r}")
+        if self.grad_accum < 1:
+            raise ValueError(f"grad_accum: must be >= 1, got {self.grad_accum}")
+        self.lr_schedule = check_schedule(self.lr_schedule)
+        self.loss_scale = self._check_loss_scale(self.loss_scale)
+        _choice("transaction", self.transaction, ("auto", "kept_grads", "two_pass", "none"))
+        if self.transaction == "none" and self.grad_clip is not None:
+            raise ValueError("transaction: 'none' cannot clip (the norm is known only after the updates); "
+                             "use 'auto', 'kept_grads' or 'two_pass' with grad_clip")
+
+    @staticmethod
+    def _check_loss_scale(spec):
+        if spec is None or spec in ("auto", "dynamic"):
+            return spec
+        if isinstance(spec, dict):
+            unknown = set(spec) - set(DYNAMIC_DEFAULTS)
+            if unknown:
+                raise ValueError(f"loss_scale: unknown key(s) {sorted(unknown)}; valid keys: {sorted(DYNAMIC_DEFAULTS)}")
+            for k, v in spec.items():
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                    raise ValueError(f"loss_scale.{k}: expected a positive number, got {v!r}")
+            if "growth_interval" in spec and not isinstance(spec["growth_interval"], int):
+                raise ValueError(f"loss_scale.growth_interval: expected an int, got {spec['growth_interval']!r}")
+            if spec.get("backoff_factor", 0.5) >= 1 or spec.get("growth_factor", 2.0) <= 1:
+                raise ValueError("loss_scale: backoff_factor must be < 1 and growth_factor > 1")
+            return dict(spec)
+        if isinstance(spec, bool) or not isinstance(spec, (int, float)):
+            raise TypeError(f"loss_scale: expected 'dynamic', 'auto', a number, a dict or None, got {spec!r}")
+        if not spec > 0 or spec == float("inf"):
+            raise ValueError(f"loss_scale: a static scale must be positive and finite, got {spec}")
+        return float(spec)
+
+    @property
+    def loss_scaler_spec(self):
+        """The loss scale this config resolves to: a dict of dynamic rules, a float, or None."""
+        spec = self.loss_scale
+        if spec == "auto":
+            spec = "dynamic" if self.dtype == "fp16" else None
+        return dict(DYNAMIC_DEFAULTS) if spec == "dynamic" else spec
 
     @staticmethod
     def _check_device(device) -> str:

@@ -22,13 +22,14 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from .capture import Capture, capture
 from .config import Config, format_bytes
+from .fxutil import role_nodes, tag
 from .layout import Layout, build_layout
 from .passes import (find_segments, fuse_optimizer, insert_chunk_ops, lean_cross_entropy, localize_param_views,
                      recompute)
 from .passes.recompute import Segment, group_segments
 from .plan import BudgetError, Plan, make_plan
-from .runtime import ChunkRuntime, run_graph
-from .runtime_cuda import CudaChunkRuntime
+from .runtime import ChunkRuntime, StepRolledBack, run_graph
+from .runtime.step import StepReport, Stepper
 
 
 log = logging.getLogger("pstar_fx")
@@ -69,11 +70,11 @@ class Lowered:
         gm = self.capture.gm
         g = gm.graph
         with g.inserting_before(next(iter(g.nodes))):
-            g.placeholder("rt")
+            tag(g.placeholder("rt"), "rt", 0)
         self.graphs_before: dict[str, str] = {}
         self._buffer_bytes = sum(_buffer_nbytes(model, b) for b in self.capture.buffers)
         with phases("plan", "placement, recompute and schedule against the budgets"):
-            self._run_pass("localize_param_views", localize_param_views, gm, len(self.capture.params))
+            self._run_pass("localize_param_views", localize_param_views, gm)
             self._run_pass("lean_cross_entropy", lean_cross_entropy, gm)
             self.graph, self.plan = self._plan_with_recompute(gm)
         if self.capture.traced_on != self.device:
@@ -91,7 +92,7 @@ class Lowered:
         recompute or larger runs win when the cost model says the device memory they free (for chunk
         state and compute slots) saves more time than the extra forward work costs.
         """
-        singles = [s for s in find_segments(gm, len(self.capture.params)) if s.recomputable]
+        singles = [s for s in find_segments(gm) if s.recomputable]
         runs = {m: group_segments(singles, m) for m in (1, 2, 4)}     # runs of 1: the segments themselves
         runs = {m: r for m, r in runs.items() if m == 1 or len(r) < len(runs[1])}
         tried: dict[tuple[int, int], tuple[fx.GraphModule, Plan]] = {}
@@ -107,7 +108,6 @@ class Lowered:
                 g_k = recomputed(m, k)
                 fuse_optimizer(g_k, self.layout)
                 tried[m, k] = (g_k, make_plan(g_k, self.layout, self.config, compute_itemsize=self.dtype.itemsize,
-                                              n_params=len(self.capture.params), n_buffers=len(self.capture.buffers),
                                               buffer_bytes=self._buffer_bytes))
                 p = tried[m, k][1]
                 log.info("  tried recomputing %d of %d %s: device peak %s, %s", k, len(runs[m]),
@@ -197,22 +197,21 @@ class Engine:
             raise BudgetError(self.lowered.plan.why)
         self.device = self.lowered.device
         cap = self.lowered.capture
-        runtime = CudaChunkRuntime if self.device.type == "cuda" else ChunkRuntime
         plan = self.lowered.plan
         with phases("allocate", f"chunk memory: {format_bytes(plan.device_peak_bytes - plan.activation_peak_bytes)} "
                                 f"on {self.lowered.device.type}, {format_bytes(plan.host_peak_bytes)} on the host"):
-            self.rt = runtime(self.lowered.layout, plan, config, self.device, self.lowered.dtype)
+            self.rt = ChunkRuntime(self.lowered.layout, plan, config, self.device, self.lowered.dtype)
         with phases("initialize", "weights written into the fp32 masters"):
             if any(p.is_meta for p in model.parameters()):
                 self._materialize(model)
             else:
                 named = dict(model.named_parameters(remove_duplicate=False))
-                self.rt.load_params([named[p.name] for p in cap.params])
-        self._buffers = [self.rt.adopt(model.get_buffer(b).detach().to(self.device, copy=True))
+                self.rt.store.load_params([named[p.name] for p in cap.params])
+        self._buffers = [self.rt.store.adopt(model.get_buffer(b).detach().to(self.device, copy=True))
                          for b in cap.buffers]
-        loss_dtype = next(iter(cap.gm.graph.find_nodes(op="placeholder", target="tangent"))).meta["val"].dtype
-        self._tangent = torch.ones((), dtype=loss_dtype, device=self.device)
-        self.steps = 0
+        self._tangent_dtype = role_nodes(cap.gm.graph, "tangent")[0].meta["val"].dtype
+        self.stepper = Stepper(self.rt, config, plan.transaction, self._run, self._buffers)
+        self.last_step: StepReport | None = None
 
     def _materialize(self, model: nn.Module) -> None:
         """A model built on the meta device gets its weights made directly in chunk memory: its parameters
@@ -220,7 +219,8 @@ class Engine:
         never whole in memory anywhere else, which is what lets a model larger than either tier start."""
         cap = self.lowered.capture
         owner = {alias: i for i, p in enumerate(cap.params) for alias in p.aliases}
-        shared = [nn.Parameter(self.rt.param_fp32(i), requires_grad=p.requires_grad) for i, p in enumerate(cap.params)]
+        shared = [nn.Parameter(self.rt.store.param_fp32(i), requires_grad=p.requires_grad)
+                  for i, p in enumerate(cap.params)]
         for mod_name, mod in model.named_modules(remove_duplicate=False):
             for name, p in list(mod._parameters.items()):
                 full = f"{mod_name}.{name}" if mod_name else name
@@ -237,34 +237,55 @@ class Engine:
                 for m in model.modules():
                     if hasattr(m, "reset_parameters"):
                         m.reset_parameters()
-        self.rt.masters_changed()
+        self.rt.store.masters_changed()
 
     # ---- the step ----------------------------------------------------------------------------------
     def step(self, *inputs: torch.Tensor) -> torch.Tensor:
-        """One training step on a batch: forward, backward and the optimizer update. Returns the loss."""
-        inputs = self._check_inputs(inputs)
-        rt = self.rt
-        rt.step_count += 1
-        rt.begin()
-        args = [rt, *self._buffers, *inputs, self._tangent]
-        try:
-            if self.device.type == "cpu":
-                outs = run_graph(self.graph, args, rt, skip_args=1 + len(self._buffers))
-            else:
-                outs = self.graph(*args)
-        except BaseException:
-            rt.step_count -= 1
-            rt.abandon()
-            raise
-        rt.check_idle()
-        self.steps += 1
-        if rt.skipped_chunks:
-            warnings.warn(f"step {self.steps}: non-finite gradients; the update of {rt.skipped_chunks} chunk(s) "
-                          "was skipped (the others were applied)", RuntimeWarning, stacklevel=2)
+        """One optimizer step on a batch: forward, backward and the update, as one transaction (a step that
+        fails or must be skipped changes no weight). With `grad_accum` k the batch's leading dimension is k
+        times the compiled one: k micro-batches, one update. Returns the loss (the micro-batches' mean);
+        `engine.last_step` says what the step did."""
+        micro = self._check_inputs(inputs)
+        report = self.stepper.step(micro)
+        self.last_step = report
+        if report.skipped:
+            what = "the step was skipped" + (f"; loss scale {report.loss_scale:g} -> {self.stepper.scaler.scale:g}"
+                                              if self.stepper.scaler.dynamic else "")
+            warnings.warn(f"step {self.steps + 1}: non-finite gradients; {what} (no weight changed)",
+                          RuntimeWarning, stacklevel=2)
+        return torch.tensor(report.loss)
+
+    def _run(self, inputs: list[torch.Tensor], tangent: torch.Tensor) -> torch.Tensor:
+        """One forward + backward of the lowered graph on one micro-batch."""
+        args = [self.rt, *self._buffers, *inputs, tangent.to(self.device, self._tangent_dtype)]
+        if self.device.type == "cpu":
+            outs = run_graph(self.graph, args, self.rt, skip_args=1 + len(self._buffers))
+        else:
+            outs = self.graph(*args)
         return outs[0].detach()
 
-    def _check_inputs(self, inputs) -> list[torch.Tensor]:
+    @property
+    def steps(self) -> int:
+        """Optimizer updates applied (skipped steps do not count): Adam's step count and the schedule's."""
+        return self.stepper.applied
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next update will use."""
+        return self.stepper.lr
+
+    def drain(self) -> None:
+        """Wait until every update of the last step has landed (host Adam may still be running)."""
+        try:
+            self.rt.drain()
+        except StepRolledBack:
+            self.stepper.rolled_back()
+            raise
+
+    def _check_inputs(self, inputs) -> list[list[torch.Tensor]]:
+        """The batch, checked against the compiled shapes, split into `grad_accum` micro-batches."""
         specs = self.lowered.capture.inputs
+        k = self.config.grad_accum
         if len(inputs) != len(specs):
             raise TypeError(f"step() takes {len(specs)} input(s), like the example_inputs it was compiled with; "
                             f"got {len(inputs)}")
@@ -274,9 +295,13 @@ class Engine:
                 raise TypeError(f"input {i}: expected a tensor, got {type(x).__name__}")
             if x.dtype != spec.dtype:
                 raise TypeError(f"input {i}: dtype {x.dtype}, but the step was compiled for {spec.dtype}")
-            if x.shape != spec.shape:
+            want = spec.shape if k == 1 else torch.Size((spec.shape[0] * k, *spec.shape[1:])) if spec.shape else None
+            if want is None:
+                raise ValueError(f"input {i}: a 0-d input cannot be split into grad_accum={k} micro-batches")
+            if x.shape != want:
                 raise ValueError(f"input {i}: shape {tuple(x.shape)}, but the step was compiled for "
-                                 f"{tuple(spec.shape)}; compile again for another shape")
+                                 f"{tuple(want)}" + (f" (grad_accum={k} micro-batches of {tuple(spec.shape)})"
+                                                     if k > 1 else "") + "; compile again for another shape")
             if spec.index_bound is not None and x.numel():
                 ok = (x >= 0) & (x < spec.index_bound)
                 if spec.ignore_index is not None:
@@ -286,7 +311,9 @@ class Engine:
                     raise ValueError(f"input {i}: value {bad} is out of range; the model uses this input as ids "
                                      f"in [0, {spec.index_bound})")
             out.append(x.to(self.device, non_blocking=True))
-        return out
+        if k == 1:
+            return [out]
+        return [[x.chunk(k)[j] for x in out] for j in range(k)]
 
     # ---- what the user reads -----------------------------------------------------------------------
     @property
@@ -306,10 +333,10 @@ class Engine:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights under the model's own parameter names (tied weights under each name)."""
-        self.rt.drain()                  # host Adam of the last step may still be running
+        self.drain()                     # host Adam of the last step may still be running
         out = {}
         for i, p in enumerate(self.lowered.capture.params):
-            w = self.rt.param_fp32(i).detach().to("cpu", copy=True)
+            w = self.rt.store.param_fp32(i).detach().to("cpu", copy=True)
             for name in p.aliases:
                 out[name] = w
         return out

@@ -1,10 +1,26 @@
-"""fxutil: the two facts about a graph value that the passes and the memory model all need."""
+"""fxutil: what the passes and the memory model all need to know about a graph: each placeholder's role,
+whether a value aliases its input, and how many bytes it holds."""
 from __future__ import annotations
 
 import operator
 
 import torch
 import torch.fx as fx
+
+
+ROLES = ("rt", "param", "buffer", "input", "tangent")
+
+
+def tag(node: fx.Node, role: str, index: int) -> None:
+    """Mark a placeholder with its role and its index among placeholders of that role (capture does this)."""
+    assert role in ROLES, role
+    node.meta["role"], node.meta["index"] = role, index
+
+
+def role_nodes(graph: fx.Graph, role: str) -> list[fx.Node]:
+    """The placeholders of one role, by index: parameters in `Capture.params` order, buffers, inputs."""
+    nodes = [n for n in graph.find_nodes(op="placeholder") if n.meta.get("role") == role]
+    return sorted(nodes, key=lambda n: n.meta["index"])
 
 
 # ops whose output shares its input's storage though their schema does not say so

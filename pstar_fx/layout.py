@@ -69,7 +69,7 @@ class Layout:
 
 def first_use_order(cap: Capture) -> list[int]:
     """Indices into Capture.params in the order the graph first reads them; unread parameters last."""
-    index = {n: i for i, n in enumerate(cap.placeholders()[: len(cap.params)])}
+    index = {n: i for i, n in enumerate(cap.param_nodes())}
     order, seen = [], set()
     for node in cap.gm.graph.nodes:
         for arg in node.all_input_nodes:

@@ -27,7 +27,7 @@ import torch.fx as fx
 
 from .config import Config, format_bytes
 from .costs import Rates, calibrate, node_seconds
-from .fxutil import aliases_input, value_bytes
+from .fxutil import aliases_input, role_nodes, value_bytes
 from .layout import Layout
 from .schedule import Schedule, belady, place_prefetches
 
@@ -62,6 +62,8 @@ class Plan:
     recompute: str = ""                # which forward segments backward recomputes, and why
     estimated_step_seconds: float = 0.0  # from the cost model (costs.py); compares plans, not a promise
     rates: Rates | None = None         # the copy/compute/host-Adam rates the estimates used (costs.py)
+    transaction: str = "none"          # how a step stays provisional until it commits (runtime/step.py)
+    transaction_cost: str = ""         # what that costs, and how much smaller it makes the largest model
     ship: list[str] = field(default_factory=list)  # per chunk, how its compute copy reaches the device:
     # "-" (state on the device), "shadow" (a 16-bit copy kept on the host, written by the host Adam in the
     # same pass: 2 B/param cross), "cast" (cast on the host at fetch: 2 B/param), "fp32" (4 B/param cross,
@@ -90,6 +92,8 @@ class Plan:
                      f"{self.fetches} chunk fetch(es) per step; estimated step {self.estimated_step_seconds:.3g} s")
         if self.recompute:
             lines.append(f"  recompute: {self.recompute}")
+        lines.append(f"  step transaction: {self.transaction}" + (f" ({self.transaction_cost})"
+                                                                 if self.transaction_cost else ""))
         lines += [f"  note: {n}" for n in self.notes]
         lines.append("  fits" if self.fits else f"  DOES NOT FIT: {self.why}")
         return "\n".join(lines)
@@ -206,13 +210,12 @@ def activation_profile(graph: fx.Graph, skip: set[fx.Node], round_to: int = 1) -
 # placement and schedule
 
 def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_itemsize: int,
-              n_params: int, n_buffers: int, buffer_bytes: int) -> Plan:
+              buffer_bytes: int) -> Plan:
     """Placement and schedule for the fused graph under the config's budgets. Never raises for memory:
     a plan that does not fit says so (`fits`, `why`); compile() turns that into a BudgetError."""
     g = gm.graph
     nodes = list(g.nodes)
-    placeholders = list(g.find_nodes(op="placeholder"))
-    param_nodes = placeholders[1: 1 + n_params]
+    param_nodes = role_nodes(g, "param")
     param_chunk = {p: layout.slots[i].chunk for i, p in enumerate(param_nodes)}
     n_chunks = len(layout.chunks)
     cs = layout.chunk_size
@@ -234,13 +237,15 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
             adam_at[node.args[1]] = i
     grad_slots = _max_overlap([(grad_first[c], adam_at[c]) for c in grad_first if c in adam_at])
 
-    buffer_nodes = placeholders[1 + n_params: 1 + n_params + n_buffers]
+    buffer_nodes = role_nodes(g, "buffer")
     cuda = config.device.startswith("cuda")
-    _, act_peak = activation_profile(g, skip=set(param_nodes) | set(buffer_nodes) | {placeholders[0]},
+    _, act_peak = activation_profile(g, skip=set(param_nodes) | set(buffer_nodes) | set(role_nodes(g, "rt")),
                                      round_to=CUDA_BLOCK_BYTES if cuda else 1)
     slot_bytes = cs * compute_itemsize
     grad_slot_bytes = cs * compute_itemsize
-    state_bytes = cs * MASTER_STATE_BYTES
+    accum_bytes = cs * 4 if config.grad_accum > 1 else 0       # fp32 gradient accumulators, on each tier
+    state_bytes = cs * MASTER_STATE_BYTES + accum_bytes
+    n_updated = sum(1 for ch in layout.chunks if ch.grad_spans())
     min_slots = max((len(r) for r in reads), default=0)
     workspace = CUDA_WORKSPACE_BYTES if cuda else 0
     staging = cs * 4 if (cuda and not fp32) else 0      # (when any chunk is on the host)
@@ -270,6 +275,9 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         n_device = next((k for k in range(n_chunks, -1, -1) if device_fits(k)), 0)
     if host_room is not None and n_chunks - n_device > host_room and config.placement != "host":
         n_device = min(n_chunks, n_chunks - host_room)   # the host is full: more state must sit on the device
+    transaction, kept_bytes = _choose_transaction(config, n_updated * cs * compute_itemsize,
+                                                  host_free=None if config.host_memory is None else
+                                                  config.host_memory - host_staging - (n_chunks - n_device) * state_bytes)
     placement = ["device"] * n_device + ["host"] * (n_chunks - n_device)
     needs_slot = [not (fp32 and placement[c] == "device") for c in range(n_chunks)]
     slot_chunks = sum(needs_slot)
@@ -289,7 +297,9 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     room = None if config.host_memory is None else (config.host_memory - host_used) // (cs * compute_itemsize)
     host_grad_buffers, adam_exposed = _host_adam_pipeline(placement, layout, node_secs, reads, adam_at, rates,
                                                           cuda, room)
-    host_used += max(0, host_grad_buffers - 2) * cs * compute_itemsize
+    if kept_bytes:                     # every host chunk's gradient lands in its own kept buffer: no pool
+        host_grad_buffers = 0
+    host_used += max(0, host_grad_buffers - 2) * cs * compute_itemsize + kept_bytes
     ship = _choose_shipping(placement, config, cs, compute_itemsize, cuda, host_used=host_used)
     slot_reads = [{c for c in r if needs_slot[c]} for r in reads]
     crossing = {"-": 0, "shadow": compute_itemsize, "cast": compute_itemsize, "fp32": 4}
@@ -321,7 +331,13 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         # gradients of host chunks queue here for the host Adam (CUDA: while backward goes on)
         "gradient staging": cs * compute_itemsize * host_grad_buffers,
         "cast staging": (cs * compute_itemsize) if "cast" in ship else 0,
+        "kept gradients": kept_bytes,
     }
+    if accum_bytes:
+        device["gradient accumulators"] = n_device * accum_bytes
+        device["chunk state"] -= n_device * accum_bytes
+        host["gradient accumulators"] = n_host * accum_bytes
+        host["chunk state"] -= n_host * accum_bytes
     plan = Plan(placement, slots, grad_slots, host_grad_buffers, before, after,
                 device_peak_bytes=sum(device.values()), host_peak_bytes=sum(host.values()),
                 device_breakdown=device, host_breakdown=host, activation_peak_bytes=act_peak,
@@ -334,6 +350,13 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     plan.why = _why(plan, config, min_slots)
     # step time = compute (recompute included) + copies not hidden + host Adam that compute can't hide
     plan.estimated_step_seconds = sum(node_secs) + sched.exposed_seconds + adam_exposed
+    plan.transaction = transaction
+    two_passes = transaction == "two_pass" and (config.grad_clip is not None or config.loss_scaler_spec is not None)
+    if two_passes:
+        plan.estimated_step_seconds += sum(node_secs)
+    plan.transaction_cost = _transaction_cost(transaction, config, compute_itemsize, kept_bytes, accum_bytes, cs,
+                                              n_device, n_chunks - n_device, ship, sum(node_secs) if two_passes else 0.0,
+                                              (n_device * cs * compute_itemsize) / rates.d2h_bw if kept_bytes else 0.0)
     if adam_exposed > 1e-3:
         notes.append(f"host Adam the compute cannot hide: about {adam_exposed * 1e3:.0f} ms per step "
                      f"({host_grad_buffers} host gradient buffers)")
@@ -404,6 +427,46 @@ def _choose_shipping(placement: list[str], config: Config, cs: int, itemsize: in
         else:
             ship.append("fp32" if cuda else "cast")
     return ship
+
+
+def _choose_transaction(config: Config, kept_total: int, host_free: int | None) -> tuple[str, int]:
+    """(transaction, host bytes of kept gradients). See Config.transaction for the choices."""
+    if config.grad_accum > 1:
+        return "accumulate", 0        # the accumulators keep the step's gradients; updates run after the verdict
+    choice = config.transaction
+    if choice == "auto":
+        needed = config.grad_clip is not None or config.loss_scaler_spec is not None
+        if host_free is None or kept_total <= host_free:
+            choice = "kept_grads"
+        else:
+            choice = "two_pass" if needed else "none"
+    return choice, kept_total if choice == "kept_grads" else 0
+
+
+def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_bytes: int, accum_bytes: int, cs: int,
+                      n_device: int, n_host: int, ship: list[str], second_pass_s: float, kept_copy_s: float) -> str:
+    """What the chosen transaction costs, and how much smaller the largest model is for it."""
+    shadow = itemsize if "shadow" in ship else 0
+    host_base = MASTER_STATE_BYTES + shadow            # bytes per parameter of a host chunk without it
+    if transaction == "accumulate":
+        return (f"gradients of {config.grad_accum} micro-batches summed in fp32 accumulators, 4 B/param on "
+                f"each chunk's tier ({format_bytes(accum_bytes * (n_device + n_host))}); every update runs after "
+                f"the verdict, exactly. Chunk state {MASTER_STATE_BYTES} -> {MASTER_STATE_BYTES + 4} B/param on "
+                f"the device and {host_base} -> {host_base + 4} on the host: the largest model is about "
+                f"{100 * 4 / (host_base + 4):.0f}% smaller")
+    if transaction == "kept_grads":
+        return (f"speculative updates inside backward; each chunk's gradient kept on the host until the verdict, "
+                f"{itemsize} B/param ({format_bytes(kept_bytes)}), device chunks' copied there "
+                f"(about {kept_copy_s * 1e3:.0f} ms of device->host copies, overlapped); clipping that triggers "
+                f"costs an undo + redo pass over every chunk; rollback within fp32 rounding. Host bytes per "
+                f"parameter of a host-bound model {host_base} -> {host_base + itemsize}: the largest model is "
+                f"about {100 * itemsize / (host_base + itemsize):.0f}% smaller")
+    if transaction == "two_pass":
+        return ("a first forward+backward measures the norm and updates nothing, the second applies exactly: "
+                f"+{second_pass_s:.3g} s/step of compute when clipping or loss scaling is on; no memory; "
+                "an exception in the second pass leaves the chunks it updated")
+    return ("updates applied as they come: an exception or a non-finite gradient leaves the chunks already "
+            "updated (the host budget does not hold kept gradients)")
 
 
 def _max_overlap(intervals: list[tuple[int, int]]) -> int:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from ..fxutil import role_nodes
 from ..layout import Layout
 
 
 def fuse_optimizer(gm: fx.GraphModule, layout: Layout) -> fx.GraphModule:
     g = gm.graph
-    rt = next(iter(g.find_nodes(op="placeholder")))
-    params = list(g.find_nodes(op="placeholder"))[1: 1 + len(layout.slots)]
+    rt = role_nodes(g, "rt")[0]
+    params = role_nodes(g, "param")
     output = g.output_node()
     outs = list(output.args[0])
     grads = outs[1:]

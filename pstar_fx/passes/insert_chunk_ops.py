@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from ..fxutil import role_nodes
 from ..layout import Layout
 from ..plan import Plan
 
 
 def insert_chunk_ops(gm: fx.GraphModule, layout: Layout, plan: Plan) -> fx.GraphModule:
     g = gm.graph
-    placeholders = list(g.find_nodes(op="placeholder"))
-    rt = placeholders[0]
-    params = placeholders[1: 1 + len(layout.slots)]
+    rt = role_nodes(g, "rt")[0]
+    params = role_nodes(g, "param")
     first_op = next(n for n in g.nodes if n.op != "placeholder")
 
     def emit(op: str, chunk: int) -> fx.Node:

@@ -1,6 +1,6 @@
 """localize_param_views: recompute every view of a parameter right before each op that reads it.
 
-Needs: a joint graph whose placeholders are rt, then the parameters.
+Needs: a joint graph whose parameter placeholders are tagged (capture does it).
 Provides: no view of a parameter (t, view, permute, detach, ...) lives across other ops. Why: a parameter's
 data is its chunk's compute buffer, which may be released and refilled between forward and backward; a
 view made in forward and kept for backward would alias a buffer that by then holds another chunk. Views
@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..fxutil import aliases_input
+from ..fxutil import aliases_input, role_nodes
 
 
 def is_view(node: fx.Node) -> bool:
     return aliases_input(node, in_place=False)
 
 
-def localize_param_views(gm: fx.GraphModule, n_params: int) -> fx.GraphModule:
+def localize_param_views(gm: fx.GraphModule) -> fx.GraphModule:
     g = gm.graph
-    params = set(list(g.find_nodes(op="placeholder"))[1: 1 + n_params])  # after rt
+    params = set(role_nodes(g, "param"))
     views: list[fx.Node] = []
     derived = set(params)
     for node in g.nodes:

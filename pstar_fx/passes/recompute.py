@@ -1,6 +1,6 @@
 """recompute: drop the activations of chosen forward segments and recompute them in backward.
 
-Needs: the joint graph with localized parameter views (placeholders rt, params, buffers, inputs, tangent).
+Needs: the joint graph with localized parameter views (placeholders tagged by role).
 Provides: for each chosen segment, no value computed inside it is read by backward; instead, right before
 backward first needs any of them, a copy of the segment's forward ops recomputes them from the segment's
 input (kept) and the parameters (fetched again if the plan evicted them).
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..fxutil import aliases_input, value_bytes
+from ..fxutil import aliases_input, role_nodes, value_bytes
 
 
 @dataclass
@@ -48,11 +48,10 @@ def _unsafe(node: fx.Node) -> bool:
     return args.get("dropout_p", 1.0) != 0.0
 
 
-def find_segments(gm: fx.GraphModule, n_params: int) -> list[Segment]:
+def find_segments(gm: fx.GraphModule) -> list[Segment]:
     g = gm.graph
     nodes = list(g.nodes)
-    placeholders = [n for n in nodes if n.op == "placeholder"]
-    params = set(placeholders[1: 1 + n_params])
+    params = set(role_nodes(g, "param"))
     backward = backward_nodes(g)
     dynamic: set[fx.Node] = set(params)         # depends on a parameter: an activation
     for n in nodes:
@@ -153,7 +152,7 @@ def backward_nodes(g: fx.Graph) -> set[fx.Node]:
     tangent_deps: set[fx.Node] = set()
     for n in g.nodes:
         if n.op == "placeholder":
-            if n.name == "tangent":
+            if n.meta.get("role") == "tangent":
                 tangent_deps.add(n)
             continue
         if back or any(a in tangent_deps for a in n.all_input_nodes):

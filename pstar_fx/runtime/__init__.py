@@ -1,0 +1,98 @@
+"""runtime: what runs the lowered step — small parts with one job each.
+
+    store      ChunkStore: each chunk's persistent fp32 state on its tier; every allocation, accounted
+    movers     Mover: compute copies into device slots, gradients out (CpuCopies: synchronous;
+               CudaCopies: copy streams and events)
+    updater    Updater: the only caller of the chunk update and its undo; the step's verdict; the host worker
+    step       Stepper: one optimizer step (micro-batches, verdict, commit or roll back) and its StepReport
+    runner     run_graph: the graph node by node with the CPU device tier's budget enforced
+    telemetry  MemoryStats and seconds per phase
+
+`ChunkRuntime` is the `rt` the lowered graph calls; each of its methods is one chunk node and hands the
+work to the part that owns it. The graph is the same on every device.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import Config
+from ..layout import Layout
+from ..plan import Plan
+from .movers import CpuCopies, CudaCopies, Mover
+from .runner import run_graph
+from .store import ChunkStore
+from .telemetry import MemoryStats, Telemetry
+from .updater import StepRolledBack, Updater
+
+HOST_WORKER_ON_CPU = False   # the CPU runtime updates host chunks inline; tests flip this to run the worker
+
+
+class ChunkRuntime:
+    def __init__(self, layout: Layout, plan: Plan, config: Config, device: torch.device, compute_dtype: torch.dtype):
+        self.layout, self.plan, self.config, self.device = layout, plan, config, device
+        self.telemetry = Telemetry()
+        self.stats: MemoryStats = self.telemetry.stats
+        cuda = device.type == "cuda"
+        self.copies = CudaCopies(device, self.telemetry) if cuda else CpuCopies()
+        self.store = ChunkStore(layout, plan, config, device, compute_dtype, self.stats)
+        self.mover = Mover(self.store, plan, self.copies, self.telemetry)
+        self.updater = Updater(self.store, plan, self.copies, self.telemetry, self.mover,
+                               worker=cuda or HOST_WORKER_ON_CPU, grad_accum=config.grad_accum)
+        self.mover.before_read = self.updater.wait_for
+        self._offloaded: dict[int, tuple] = {}
+
+    # ---- what the lowered graph calls ----------------------------------------------------------------
+    def prefetch(self, c: int) -> None:
+        self.mover.prefetch(c)
+
+    def fetch(self, c: int) -> None:
+        self.mover.fetch(c)
+
+    def release(self, c: int) -> None:
+        self.mover.release(c)
+
+    def param(self, index: int) -> torch.Tensor:
+        return self.mover.param(index)
+
+    def grad(self, index: int, g: torch.Tensor) -> None:
+        self.mover.grad(index, g)
+
+    def offload(self, c: int) -> None:
+        """A host chunk's gradients go to the host, where its state is updated."""
+        self.updater.measure_device(c, self.mover.grads[c])
+        dst = self.updater.host_slot(c)
+        self._offloaded[c] = (dst, self.mover.offload(c, dst))
+
+    def adam(self, c: int) -> None:
+        """Chunk c's gradient is complete: the updater takes it (see updater.py for what it does)."""
+        if c in self._offloaded:
+            dst, ready = self._offloaded.pop(c)
+            self.updater.update(c, dst, ready)
+        else:
+            self.updater.update(c, self.mover.hand_over(c))
+
+    # ---- for the engine ------------------------------------------------------------------------------
+    def owns(self, t: torch.Tensor) -> bool:
+        return self.store.owns(t)
+
+    def clear(self) -> None:
+        """After a step that failed midway: every slot back to its pool, nothing in flight."""
+        self.mover.clear()
+        for dst, _ in self._offloaded.values():
+            if not any(dst is kept for kept in self.updater.kept.values()):
+                self.updater.host_grads.give(dst)
+        self._offloaded.clear()
+
+    def drain(self) -> None:
+        self.updater.drain()
+
+    def timing(self) -> dict[str, float]:
+        """Seconds per step: the compute stream stalled on chunk copies; host Adam work (on the worker);
+        the launching thread waited for a free host gradient buffer; prefetches waited for a host chunk's
+        update; corrections of speculative updates (clipping that triggered)."""
+        self.drain()
+        self.copies.sync()
+        return self.telemetry.per_step()
+
+
+__all__ = ["ChunkRuntime", "MemoryStats", "StepRolledBack", "run_graph"]

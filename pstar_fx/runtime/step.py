@@ -1,0 +1,135 @@
+"""step: one optimizer step as a transaction — micro-batches, the verdict, then commit or roll back.
+
+A step's updates are provisional until it commits. The plan chose how (`plan.transaction`):
+
+  kept_grads  each chunk is updated inside backward with clip coefficient 1 (speculation) and its gradient
+              kept; the verdict (global norm, finiteness) then commits, corrects the updates by the clip
+              coefficient (undo + redo per chunk) or rolls them back (a skipped step);
+  two_pass    a first pass measures the verdict and updates nothing; a second pass applies exactly;
+  none        updates are applied as they come; a non-finite gradient or an exception leaves the chunks
+              already updated (the engine warns);
+  an accumulating step (grad_accum > 1) sums each chunk's gradients into fp32 accumulators over its
+              micro-batches and applies every update after the verdict, from them, whatever the choice.
+
+An exception anywhere in a step (forward, backward after some chunks were updated, the host Adam) undoes
+what the step applied, frees its buffers and re-raises, with the step count, schedule and loss scale as
+they were. Hyperparameters (step, lr, loss scale, clip coefficient) are frozen into a `Hyper` per step.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..optim import Hyper, LossScaler, LrSchedule, clip_coefficient
+from . import ChunkRuntime, StepRolledBack
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one `engine.step` did (`engine.last_step`)."""
+    loss: float              # the step's loss (the mean over its micro-batches)
+    grad_norm: float | None  # global L2 norm of the (unscaled) gradient, before clipping
+    clip_coef: float         # the factor the gradient was multiplied by (1.0: not clipped)
+    skipped: bool            # a non-finite gradient: nothing was updated
+    lr: float                # the learning rate this step used
+    loss_scale: float        # the loss scale this step used (1.0 without loss scaling)
+
+
+class Stepper:
+    """Runs optimizer steps on a runtime: owns the applied-update count, the schedule and the loss scaler."""
+
+    def __init__(self, rt: ChunkRuntime, config, transaction: str,
+                 run: Callable[[list, torch.Tensor], torch.Tensor], buffers: list[torch.Tensor]):
+        self.rt, self.config, self.transaction, self._run = rt, config, transaction, run
+        self.buffers = buffers
+        self.schedule = LrSchedule(config.lr_schedule, config.optimizer["lr"])
+        self.scaler = LossScaler(config.loss_scaler_spec)
+        self.applied = 0                        # updates applied: Adam's step count and the schedule's position
+        self._before_settling: tuple | None = None   # (applied, scaler state) before a step still settling
+
+    @property
+    def lr(self) -> float:
+        return self.schedule.lr(self.applied)
+
+    def step(self, micro_batches: list[list[torch.Tensor]]) -> StepReport:
+        rt, up, cfg = self.rt, self.rt.updater, self.config
+        scale = self.scaler.scale
+        lr = self.lr
+        hyper = Hyper.from_config(cfg.optimizer, step=self.applied + 1, lr=lr, grad_scale=scale)
+        k = len(micro_batches)
+        tangent = torch.tensor(scale / k, dtype=torch.float32)
+        before = (self.applied, self.scaler.state_dict())
+        rt.copies.start_step()
+        try:
+            if k > 1:
+                up.open(hyper, "accumulate")
+                losses = []
+                for j, mb in enumerate(micro_batches):
+                    up.micro(first=j == 0, last=j == k - 1)
+                    losses.append(self._run(mb, tangent))
+                loss = torch.stack(losses).mean()
+                norm, coef, finite = self._verdict(scale)
+                if finite:
+                    up.apply_accumulated(hyper.scaled(scale / coef))
+            elif self.transaction == "two_pass" and (cfg.grad_clip is not None or self.scaler.enabled):
+                saved = [b.clone() for b in self.buffers]   # the measuring pass must not move BatchNorm twice
+                up.open(hyper, "measure")
+                loss = self._run(micro_batches[0], tangent)
+                norm, coef, finite = self._verdict(scale)
+                if finite:
+                    for b, s in zip(self.buffers, saved):
+                        b.copy_(s)
+                    up.open(hyper.scaled(scale / coef), "apply")
+                    loss = self._run(micro_batches[0], tangent)
+            else:
+                up.open(hyper, "speculate" if self.transaction == "kept_grads" else "apply")
+                loss = self._run(micro_batches[0], tangent)
+                norm, coef, finite = self._verdict(scale)
+                if not finite:
+                    if self.transaction == "kept_grads":
+                        up.rollback()
+                    else:
+                        warnings.warn("non-finite gradients with transaction 'none': the chunks updated before "
+                                      "they were found stay updated", RuntimeWarning, stacklevel=3)
+                elif coef < 1.0:
+                    up.correct(hyper.scaled(scale / coef))
+            rt.mover.check_idle()
+            loss_value = float(loss)
+            up.commit()
+        except StepRolledBack:
+            self._abandon()
+            self.rolled_back()
+            raise
+        except BaseException:
+            self._abandon()
+            raise
+        self._before_settling = before if up.settling is not None else None
+        self.scaler.update(found_inf=not finite)
+        if finite:
+            self.applied += 1
+        self.rt.telemetry.steps += 1
+        return StepReport(loss=loss_value, grad_norm=norm, clip_coef=coef if finite else 1.0, skipped=not finite,
+                          lr=lr, loss_scale=scale)
+
+    def _verdict(self, scale: float) -> tuple[float, float, bool]:
+        sq = self.rt.updater.verdict() / (scale * scale)
+        norm, coef = clip_coefficient(sq, self.config.grad_clip)
+        return norm, coef, math.isfinite(norm)
+
+    def _abandon(self) -> None:
+        self.rt.clear()
+        self.rt.updater.abandon()
+        if self.rt.updater.not_undone:
+            warnings.warn(f"the failed step had updated {len(self.rt.updater.not_undone)} chunk(s) that transaction "
+                          f"{self.transaction!r} cannot undo; they stay updated", RuntimeWarning, stacklevel=4)
+
+    def rolled_back(self) -> None:
+        """The step before, still settling, was rolled back: it did not happen (counts and scale as before it)."""
+        if self._before_settling is not None:
+            self.applied, state = self._before_settling
+            self.scaler.scale, self.scaler.growth_tracker = state["scale"], state["growth_tracker"]
+            self._before_settling = None

@@ -1,0 +1,127 @@
+"""store: the chunks' persistent state on its tier, and every allocation the runtime makes, accounted.
+
+Per chunk, on the tier the plan placed it: the fp32 master, exp_avg and exp_avg_sq (12 B/param), and for
+host chunks that ship 16 bits a 16-bit shadow the host Adam keeps current. Everything is allocated once,
+at start, through `alloc`, which charges the tier's budget; `Pool` hands out equal buffers allocated the
+same way (compute slots, gradient slots, host gradient buffers). Host memory is page-locked on CUDA.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import weakref
+
+import torch
+
+from ..config import Config, format_bytes
+from ..kernels import cast_
+from ..layout import Layout
+from ..plan import Plan
+from .telemetry import MemoryStats
+
+log = logging.getLogger("pstar_fx")
+
+
+class Pool:
+    """Equal buffers allocated once. `take()` hands one out; `give()` returns it. A blocking pool's
+    `take()` waits for a `give()` from another thread (the host Adam worker returning a buffer)."""
+
+    def __init__(self, buffers: list[torch.Tensor], blocking: bool = False):
+        self.size = len(buffers)
+        self._free: queue.Queue | list = queue.Queue() if blocking else []
+        for b in buffers:
+            self.give(b)
+
+    def take(self) -> torch.Tensor:
+        if isinstance(self._free, list):
+            if not self._free:
+                raise RuntimeError(f"all {self.size} buffers of a pool are in use: schedule bug")
+            return self._free.pop()
+        return self._free.get()
+
+    def give(self, buf: torch.Tensor) -> None:
+        if isinstance(self._free, list):
+            self._free.append(buf)
+        else:
+            self._free.put(buf)
+
+
+class ChunkStore:
+    def __init__(self, layout: Layout, plan: Plan, config: Config, device: torch.device,
+                 compute_dtype: torch.dtype, stats: MemoryStats):
+        self.layout, self.plan, self.config = layout, plan, config
+        self.device, self.host = device, torch.device("cpu")
+        self.compute_dtype = compute_dtype
+        self.stats = stats
+        self._pin = device.type == "cuda"
+        self._ptrs: set[int] = set()
+        cs, n = layout.chunk_size, len(layout.chunks)
+        self.master, self.exp_avg, self.exp_avg_sq = [], [], []
+        for c in range(n):
+            tier = self.tier(c)
+            self.master.append(self.alloc(tier, cs, torch.float32, zero=True))
+            self.exp_avg.append(self.alloc(tier, cs, torch.float32, zero=True))
+            self.exp_avg_sq.append(self.alloc(tier, cs, torch.float32, zero=True))
+            if n >= 20 and (c + 1) % (n // 10) == 0:    # page-locking 100 GiB of host state takes a minute
+                log.info("  chunk state allocated for %d of %d chunks (%s on the host)", c + 1, n,
+                         format_bytes(stats.host_bytes))
+        # 16-bit host copies of host chunks, kept current by the host Adam (plan.ship == "shadow")
+        self.shadow = {c: self.alloc("host", cs, compute_dtype) for c, how in enumerate(plan.ship) if how == "shadow"}
+
+    def tier(self, c: int) -> str:
+        return self.plan.placement[c]
+
+    def alloc(self, tier: str, n: int, dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
+        """A persistent buffer on `tier` ("device" or "host"), charged against that tier's budget."""
+        on_device = tier == "device"
+        self.stats.charge(tier, n * dtype.itemsize, self.config.device_memory if on_device else self.config.host_memory)
+        t = (torch.zeros if zero else torch.empty)(n, dtype=dtype, device=self.device if on_device else self.host)
+        if self._pin and not on_device:
+            t = _page_lock(t)
+        self._ptrs.add(t.untyped_storage().data_ptr())
+        return t
+
+    def adopt(self, t: torch.Tensor) -> torch.Tensor:
+        """Account a persistent device tensor allocated elsewhere (the model's buffers)."""
+        self.stats.charge("device", t.untyped_storage().nbytes(), self.config.device_memory)
+        self._ptrs.add(t.untyped_storage().data_ptr())
+        return t
+
+    def owns(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() in self._ptrs
+
+    # ---- weights in and out --------------------------------------------------------------------------
+    def load_params(self, tensors: list[torch.Tensor]) -> None:
+        for slot, t in zip(self.layout.slots, tensors):
+            self.master[slot.chunk][slot.offset: slot.offset + slot.numel].copy_(t.detach().reshape(-1))
+        self.masters_changed()
+
+    def masters_changed(self, chunks=None) -> None:
+        """The fp32 masters were written outside Adam (loading, initialization, a rollback): refresh the shadows."""
+        for c, shadow in self.shadow.items():
+            if chunks is None or c in chunks:
+                cast_(shadow, self.master[c])
+
+    def param_fp32(self, index: int) -> torch.Tensor:
+        slot = self.layout.slots[index]
+        return self.master[slot.chunk][slot.offset: slot.offset + slot.numel].view(slot.param.shape)
+
+
+def _page_lock(t: torch.Tensor) -> torch.Tensor:
+    """Page-lock a host tensor in place so copies to and from the GPU are asynchronous.
+
+    `pin_memory=True` would go through PyTorch's pinned caching allocator, which rounds every block up
+    to a power of two: a 1.88 GB chunk tensor takes 2 GiB, 14% more host memory than the plan counted
+    (measured on the H200 box: 10B training reached 75 GB RSS for 65 GB of planned host state).
+    cudaHostRegister locks exactly the bytes the tensor has.
+    """
+    nbytes = t.untyped_storage().nbytes()
+    try:
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister failed with error {int(err)}")
+    except Exception:  # noqa: BLE001 - the allocator's pinned memory still works, only bigger
+        return t.pin_memory()
+    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+    return t

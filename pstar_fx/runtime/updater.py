@@ -1,0 +1,336 @@
+"""updater: the only caller of the chunk update and its undo — it owns the step's verdict and the host worker.
+
+Each `rt.adam(c)` hands the updater chunk c's gradient (in a device gradient slot, or already on the host
+for a host chunk). What it does with it depends on the step's mode, set by the step context:
+
+  speculate   update now with the clip coefficient 1 and keep the gradient (a copy on the host, or the host
+              buffer it landed in) until the step's verdict: the step may still be rolled back or corrected;
+  apply       update now, keep nothing (the verdict is already known, or nothing can undo it);
+  measure     only add the gradient's squared norm to the verdict (the first pass of a two-pass step);
+  accumulate  add the gradient into the chunk's fp32 accumulator (a micro-batch of an accumulating step);
+              the last micro-batch measures the accumulated gradient; the update is applied after the verdict.
+
+The verdict is the global squared norm of the step's gradient, summed on the device as gradients are
+produced (device and host chunks alike, before a host chunk's gradient leaves the device), so it costs one
+read of each gradient and one sync per step — never one per chunk, and never a wait for the host worker.
+A non-finite norm skips the step. Updates are applied only with finite gradients (the device flag
+`found_inf` gates the Triton Adam; the C++ Adam checks its own input), so a rollback never meets a NaN.
+
+Host chunks are updated by the C++ Adam on one worker thread while the GPU goes on. A step's host updates
+may still run after the step returned, into the next step's forward (a read of chunk c waits for c's
+update, `wait_for`): that step is "settling". If one of its updates fails, the settling step is rolled
+back from the gradients it kept (still intact: the next step overwrites them only in its backward, after
+its forward waited for every one of these updates) and the error is raised as `StepRolledBack`.
+"""
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from ..kernels import sq_norm
+from ..optim import Hyper, chunk_undo, chunk_update
+from ..plan import Plan
+from .movers import Mover
+from .store import ChunkStore, Pool
+from .telemetry import Telemetry
+
+MODES = ("speculate", "apply", "measure", "accumulate")
+
+
+class StepRolledBack(RuntimeError):
+    """An update of an earlier step failed after that step returned; that step was rolled back."""
+
+
+@dataclass
+class _Log:
+    """What one step did, as far as undoing it needs to know."""
+    hyper: Hyper
+    mode: str
+    device: list[int] = field(default_factory=list)        # device chunks whose update was launched
+    host: dict[int, Future | bool] = field(default_factory=dict)   # host chunk -> applied (or its future)
+    host_sq: list[float] = field(default_factory=list)     # squared norms measured on the host
+    undoable: bool = False
+
+    def pending_host(self) -> bool:
+        return any(isinstance(f, Future) for f in self.host.values())
+
+
+class Updater:
+    def __init__(self, store: ChunkStore, plan: Plan, copies, telemetry: Telemetry, mover: Mover, *,
+                 worker: bool, grad_accum: int):
+        self.store, self.plan, self.copies, self.telemetry, self.mover = store, plan, copies, telemetry, mover
+        layout, cs, dtype = store.layout, store.layout.chunk_size, store.compute_dtype
+        self.layout, self.device = layout, store.device
+        self.spans = [ch.grad_spans() for ch in layout.chunks]
+        updated = [c for c, s in enumerate(self.spans) if s]
+        host = [c for c in updated if store.tier(c) == "host"]
+        self.accumulates = grad_accum > 1
+        # kept gradients: every chunk's, on the host, until the step's verdict (an accumulating step keeps
+        # its accumulators instead)
+        self.kept: dict[int, torch.Tensor] = {}
+        if plan.transaction == "kept_grads" and not self.accumulates:
+            self.kept = {c: store.alloc("host", cs, dtype) for c in updated}
+        self.acc = {c: store.alloc(store.tier(c), cs, torch.float32) for c in updated} if self.accumulates else {}
+        staging = 0 if (self.kept or not host) else max(1, plan.host_grad_buffers)
+        self.host_grads = Pool([store.alloc("host", cs, dtype) for _ in range(staging)], blocking=worker)
+        self.found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)
+        self._sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._flag_after = torch.zeros(len(layout.chunks), dtype=torch.float32, device=self.device)
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pstar_fx-adam") if worker and host else None
+        self.pending: dict[int, Future] = {}       # host chunk -> its update still on the worker
+        self.log: _Log | None = None               # the step running now
+        self.settling: _Log | None = None          # the step before, while some of its host updates run
+        self._first_micro = self._last_micro = True
+        self.not_undone: list[int] = []            # chunks a failed step updated and nothing could undo
+
+    # ---- the step's frame ----------------------------------------------------------------------------
+    def open(self, hyper: Hyper, mode: str) -> None:
+        assert mode in MODES, mode
+        self.log = _Log(hyper, mode, undoable=mode in ("speculate", "accumulate"))
+        self.not_undone = []
+        self.found_inf.zero_()
+        self._sq.zero_()
+
+    def micro(self, first: bool, last: bool) -> None:
+        """Which micro-batch of an accumulating step runs next."""
+        self._first_micro, self._last_micro = first, last
+
+    def measure_device(self, c: int, buf: torch.Tensor) -> None:
+        """A host chunk's gradient, still on the device: its squared norm joins the verdict there."""
+        if self.log.mode != "accumulate":
+            self._add_sq(buf, c)
+
+    def host_slot(self, c: int) -> torch.Tensor:
+        """Where chunk c's gradient lands on the host (its kept buffer, or one of the pool's)."""
+        if c in self.kept:
+            self.wait_for(c)                # the settling step's update of c still reads this buffer
+            return self.kept[c]
+        t0 = time.perf_counter()
+        buf = self.host_grads.take()        # blocks only while the host Adam is behind
+        self.telemetry.add("wait_for_host_grad_buffer", time.perf_counter() - t0)
+        return buf
+
+    def update(self, c: int, grad: torch.Tensor, ready=None) -> None:
+        """Chunk c's gradient is complete (its last contribution in backward has been written)."""
+        self.wait_for(c)
+        if self.store.tier(c) == "host":
+            job = (self._host_job, c, grad, ready, self.log, self._first_micro, self._last_micro)
+            if self.worker is None:
+                self.log.host[c] = job[0](*job[1:])
+            else:
+                self.pending[c] = self.log.host[c] = self.worker.submit(*job)
+            return
+        log, spans = self.log, self.spans[c]
+        master, m, v = self.store.master[c], self.store.exp_avg[c], self.store.exp_avg_sq[c]
+        if log.mode == "accumulate":
+            self._accumulate(c, grad)
+            if self._last_micro:
+                self._add_sq(self.acc[c], c)
+        elif log.mode == "measure":
+            self._add_sq(grad, c)
+        else:
+            sq = self._add_sq(grad, c)
+            self.found_inf.add_((~torch.isfinite(sq)).float())   # gates this update and every later one
+            if log.mode == "speculate":
+                self.mover.ship(grad, self.kept[c], self.layout.chunks[c].used_elems)   # kept before it is used
+            chunk_update(master, grad, m, v, spans, log.hyper, found_inf=self.found_inf, check_finite=False)
+            self._flag_after[c:c + 1].copy_(self.found_inf)
+            log.device.append(c)
+        self.mover.give_back(grad)
+
+    def _host_job(self, c, grad, ready, log: _Log, first: bool, last: bool) -> bool:
+        """A host chunk's part of the step (on the worker, or inline on the CPU runtime)."""
+        try:
+            self.copies.host_waits(ready)
+            t0 = time.perf_counter()
+            applied = False
+            if log.mode == "accumulate":
+                self._accumulate(c, grad, first)
+                if last:
+                    log.host_sq.append(float(self._sq_spans(self.acc[c], c)))
+            elif log.mode != "measure":
+                applied = chunk_update(self.store.master[c], grad, self.store.exp_avg[c], self.store.exp_avg_sq[c],
+                                       self.spans[c], log.hyper, param_out=self.store.shadow.get(c))
+            self.telemetry.add("host_adam", time.perf_counter() - t0)
+            return applied
+        finally:
+            if c not in self.kept:
+                self.host_grads.give(grad)
+
+    def _accumulate(self, c: int, grad: torch.Tensor, first: bool | None = None) -> None:
+        acc = self.acc[c]
+        first = self._first_micro if first is None else first
+        for off, n in self.spans[c]:
+            if first:
+                acc[off: off + n].copy_(grad[off: off + n])
+            else:
+                acc[off: off + n].add_(grad[off: off + n])
+
+    def _sq_spans(self, t: torch.Tensor, c: int) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64, device=t.device)
+        for off, n in self.spans[c]:
+            total += sq_norm(t[off: off + n]).double()
+        return total
+
+    def _add_sq(self, t: torch.Tensor, c: int) -> torch.Tensor:
+        sq = self._sq_spans(t, c)
+        self._sq += sq
+        return sq
+
+    # ---- the verdict and what follows it --------------------------------------------------------------
+    def verdict(self) -> float:
+        """The step's global sum of squared gradient entries (scaled by the loss scale squared): one sync.
+        An accumulating step waits for its host chunks' sums here."""
+        if self.log.mode in ("accumulate", "measure"):
+            self._settle(self.log)
+        return float(self._sq) + sum(self.log.host_sq)
+
+    def apply_accumulated(self, hyper: Hyper) -> None:
+        """An accumulating step's updates, from the accumulators, now that the verdict allows them."""
+        self.log.hyper, self.log.mode = hyper, "apply_accumulated"
+        for c in sorted(self.acc):
+            if self.store.tier(c) == "host":
+                job = (self._apply_host, c, self.log)
+                if self.worker is None:
+                    self.log.host[c] = job[0](*job[1:])
+                else:
+                    self.pending[c] = self.log.host[c] = self.worker.submit(*job)
+            else:
+                chunk_update(self.store.master[c], self.acc[c], self.store.exp_avg[c], self.store.exp_avg_sq[c],
+                             self.spans[c], hyper, found_inf=self.found_inf, check_finite=False)
+                self._flag_after[c:c + 1].copy_(self.found_inf)
+                self.log.device.append(c)
+
+    def _apply_host(self, c: int, log: _Log) -> bool:
+        t0 = time.perf_counter()
+        ok = chunk_update(self.store.master[c], self.acc[c], self.store.exp_avg[c], self.store.exp_avg_sq[c],
+                          self.spans[c], log.hyper, param_out=self.store.shadow.get(c))
+        self.telemetry.add("host_adam", time.perf_counter() - t0)
+        return ok
+
+    def rollback(self) -> list[int]:
+        """Undo every update this step applied; returns the chunks restored."""
+        return self._undo(self.log)
+
+    def correct(self, hyper: Hyper) -> None:
+        """The speculative updates used the clip coefficient 1: undo each and apply it with `hyper`'s."""
+        t0 = time.perf_counter()
+        log = self.log
+        for c in self._undo(log):
+            grad = self._kept_on_tier(c)
+            chunk_update(self.store.master[c], grad, self.store.exp_avg[c], self.store.exp_avg_sq[c], self.spans[c],
+                         hyper, param_out=self.store.shadow.get(c), check_finite=False)
+            self._done_with(grad, c)
+        log.hyper = hyper
+        self.copies.sync()
+        self.telemetry.add("correction", time.perf_counter() - t0)
+
+    def commit(self) -> None:
+        """The step stands. Host updates may still be running: the step settles as they finish."""
+        if self.settling is not None:           # every chunk's update waited for it: nothing is left to run
+            self._settle(self.settling)
+            self.settling = None
+        if self.log.pending_host():
+            self.settling = self.log             # its host updates finish in the background
+        self.log = None
+
+    def abandon(self) -> list[int]:
+        """After an exception: every update of this step (and of a settling one) is undone if it can be.
+        Returns the chunks restored."""
+        restored = []
+        if self.settling is not None:
+            restored += self._undo(self.settling, swallow=True)
+            self.settling = None
+        if self.log is not None:
+            restored += self._undo(self.log, swallow=True)
+            self.log = None
+        return restored
+
+    # ---- host updates in flight ---------------------------------------------------------------------
+    def wait_for(self, c: int) -> None:
+        """Chunk c's master (and shadow) must be current: wait for its pending host update."""
+        fut = self.pending.pop(c, None)
+        if fut is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            applied = fut.result()
+        except BaseException as e:
+            self.telemetry.add("wait_for_host_adam", time.perf_counter() - t0)
+            self._fail(e)
+        self.telemetry.add("wait_for_host_adam", time.perf_counter() - t0)
+        for log in (self.settling, self.log):
+            if log is not None and log.host.get(c) is fut:
+                log.host[c] = applied
+        if self.settling is not None and not self.settling.pending_host():
+            self.settling = None
+
+    def drain(self) -> None:
+        """Wait for every host update still running (state_dict, the end of training)."""
+        for c in list(self.pending):
+            self.wait_for(c)
+
+    def _fail(self, e: BaseException):
+        settling = self.settling
+        if settling is None or not any(f is not None and f.done() and f.exception() is e
+                                       for f in settling.host.values() if isinstance(f, Future)):
+            raise e                                  # the running step's own update: its abandon undoes it
+        self.settling = None
+        self._undo(settling, swallow=True)
+        raise StepRolledBack(f"the host Adam of an earlier step failed after that step returned "
+                             f"({type(e).__name__}: {e}); that step was rolled back") from e
+
+    def _settle(self, log: _Log) -> None:
+        for c, f in list(log.host.items()):
+            if isinstance(f, Future):
+                if self.pending.get(c) is f:
+                    del self.pending[c]
+                log.host[c] = f.result()
+
+    # ---- undo ----------------------------------------------------------------------------------------
+    def _undo(self, log: _Log, swallow: bool = False) -> list[int]:
+        """Restore the chunks `log`'s step updated. With `swallow`, failed host updates count as not applied."""
+        for c, f in list(log.host.items()):           # every host update of the step finished, one way or another
+            if isinstance(f, Future):
+                if self.pending.get(c) is f:
+                    del self.pending[c]
+                try:
+                    log.host[c] = f.result()
+                except BaseException:
+                    if not swallow:
+                        raise
+                    log.host[c] = False
+        if log.mode in ("measure", "accumulate"):
+            return []
+        self.copies.sync()
+        flags = self._flag_after.tolist() if log.device else []
+        applied = [c for c in log.device if flags[c] == 0] + [c for c, ok in log.host.items() if ok is True]
+        if not log.undoable:
+            self.not_undone = applied    # transaction "none" or a two-pass step's second pass: nothing kept
+            return []
+        for c in applied:
+            grad = self._kept_on_tier(c)
+            chunk_undo(self.store.master[c], grad, self.store.exp_avg[c], self.store.exp_avg_sq[c], self.spans[c],
+                       log.hyper, param_out=self.store.shadow.get(c))
+            self._done_with(grad, c)
+        self.copies.sync()
+        return applied
+
+    def _kept_on_tier(self, c: int) -> torch.Tensor:
+        """Chunk c's kept gradient on the chunk's own tier (a device chunk's comes back from the host)."""
+        src = self.acc[c] if c in self.acc else self.kept[c]
+        if src.device == self.store.master[c].device:
+            return src
+        buf = self.mover.grad_slots.take()
+        n = self.layout.chunks[c].used_elems
+        buf[:n].copy_(src[:n])
+        return buf
+
+    def _done_with(self, grad: torch.Tensor, c: int) -> None:
+        if grad is not self.acc.get(c) and grad is not self.kept.get(c):
+            self.mover.give_back(grad)
+
