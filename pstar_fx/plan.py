@@ -64,6 +64,7 @@ class Plan:
     rates: Rates | None = None         # the copy/compute/host-Adam rates the estimates used (costs.py)
     transaction: str = "none"          # how a step stays provisional until it commits (runtime/step.py)
     transaction_cost: str = ""         # what that costs, and how much smaller it makes the largest model
+    kept_on_device: bool = False       # kept_grads: device chunks keep their gradients on the device (room left)
     ship: list[str] = field(default_factory=list)  # per chunk, how its compute copy reaches the device:
     # "-" (state on the device), "shadow" (a 16-bit copy kept on the host, written by the host Adam in the
     # same pass: 2 B/param cross), "cast" (cast on the host at fetch: 2 B/param), "fp32" (4 B/param cross,
@@ -275,6 +276,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         n_device = next((k for k in range(n_chunks, -1, -1) if device_fits(k)), 0)
     if host_room is not None and n_chunks - n_device > host_room and config.placement != "host":
         n_device = min(n_chunks, n_chunks - host_room)   # the host is full: more state must sit on the device
+    n_updated_device = sum(1 for ch in layout.chunks[:n_device] if ch.grad_spans())
     transaction, kept_bytes = _choose_transaction(config, n_updated * cs * compute_itemsize,
                                                   host_free=None if config.host_memory is None else
                                                   config.host_memory - host_staging - (n_chunks - n_device) * state_bytes)
@@ -347,6 +349,14 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         notes.append(f"CUDA memory model: each value rounded up to {CUDA_BLOCK_BYTES} B (the caching allocator's "
                      f"block), plus a {format_bytes(CUDA_WORKSPACE_BYTES)} margin for cuBLAS/attention workspaces "
                      "and allocator fragmentation")
+    device_kept = n_updated_device * cs * compute_itemsize if transaction == "kept_grads" else 0
+    if device_kept and (budget is None or plan.device_peak_bytes + device_kept <= budget):
+        plan.kept_on_device = True       # spare device memory: no copies out, and an undo needs none back
+        device["kept gradients"] = device_kept
+        host["kept gradients"] -= device_kept
+        kept_bytes -= device_kept
+        plan.device_peak_bytes += device_kept
+        plan.host_peak_bytes -= device_kept
     plan.why = _why(plan, config, min_slots)
     # step time = compute (recompute included) + copies not hidden + host Adam that compute can't hide
     plan.estimated_step_seconds = sum(node_secs) + sched.exposed_seconds + adam_exposed
@@ -356,7 +366,8 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         plan.estimated_step_seconds += sum(node_secs)
     plan.transaction_cost = _transaction_cost(transaction, config, compute_itemsize, kept_bytes, accum_bytes, cs,
                                               n_device, n_chunks - n_device, ship, sum(node_secs) if two_passes else 0.0,
-                                              (n_device * cs * compute_itemsize) / rates.d2h_bw if kept_bytes else 0.0)
+                                              0.0 if plan.kept_on_device else n_updated_device * cs * compute_itemsize / rates.d2h_bw,
+                                              plan.kept_on_device)
     if adam_exposed > 1e-3:
         notes.append(f"host Adam the compute cannot hide: about {adam_exposed * 1e3:.0f} ms per step "
                      f"({host_grad_buffers} host gradient buffers)")
@@ -444,7 +455,8 @@ def _choose_transaction(config: Config, kept_total: int, host_free: int | None) 
 
 
 def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_bytes: int, accum_bytes: int, cs: int,
-                      n_device: int, n_host: int, ship: list[str], second_pass_s: float, kept_copy_s: float) -> str:
+                      n_device: int, n_host: int, ship: list[str], second_pass_s: float, kept_copy_s: float,
+                      kept_on_device: bool) -> str:
     """What the chosen transaction costs, and how much smaller the largest model is for it."""
     shadow = itemsize if "shadow" in ship else 0
     host_base = MASTER_STATE_BYTES + shadow            # bytes per parameter of a host chunk without it
@@ -455,9 +467,11 @@ def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_byte
                 f"the device and {host_base} -> {host_base + 4} on the host: the largest model is about "
                 f"{100 * 4 / (host_base + 4):.0f}% smaller")
     if transaction == "kept_grads":
-        return (f"speculative updates inside backward; each chunk's gradient kept on the host until the verdict, "
-                f"{itemsize} B/param ({format_bytes(kept_bytes)}), device chunks' copied there "
-                f"(about {kept_copy_s * 1e3:.0f} ms of device->host copies, overlapped); clipping that triggers "
+        where = ("device chunks' on the device (spare room)" if kept_on_device else
+                 f"device chunks' copied to the host (about {kept_copy_s * 1e3:.0f} ms of device->host copies, "
+                 "overlapped)")
+        return (f"speculative updates inside backward; each chunk's gradient kept until the verdict, "
+                f"{itemsize} B/param ({format_bytes(kept_bytes)} on the host), {where}; clipping that triggers "
                 f"costs an undo + redo pass over every chunk; rollback within fp32 rounding. Host bytes per "
                 f"parameter of a host-bound model {host_base} -> {host_base + itemsize}: the largest model is "
                 f"about {100 * itemsize / (host_base + itemsize):.0f}% smaller")

@@ -414,17 +414,17 @@ def test_a_step_interrupted_midway_leaves_the_engine_usable():
 
 
 def test_chunk_update_is_all_or_nothing_over_its_spans():
-    from pstar_fx.optim import chunk_update
-    hp = pstar_fx.Config().optimizer
+    from pstar_fx.optim import Hyper, chunk_update
+    hp = Hyper.from_config(pstar_fx.Config().optimizer, step=1, lr=1e-3)
     g = torch.Generator().manual_seed(0)
     master, grad = torch.randn(64, generator=g), torch.randn(64, generator=g)
     m, v = torch.zeros(64), torch.zeros(64)
     grad[50] = float("inf")                                   # in the second span only
     before = [t.clone() for t in (master, m, v)]
-    assert chunk_update(master, grad, m, v, [(0, 20), (30, 30)], step=1, hparams=hp) is False
+    assert chunk_update(master, grad, m, v, [(0, 20), (30, 30)], hp) is False
     assert all(torch.equal(a, b) for a, b in zip(before, (master, m, v)))
     grad[50] = 0.0
-    assert chunk_update(master, grad, m, v, [(0, 20), (30, 30)], step=1, hparams=hp) is True
+    assert chunk_update(master, grad, m, v, [(0, 20), (30, 30)], hp) is True
     assert not torch.equal(master[:20], before[0][:20]) and torch.equal(master[20:30], before[0][20:30])
 
 

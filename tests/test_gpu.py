@@ -36,7 +36,8 @@ def test_bf16_on_gpu_tracks_cpu_fp32_reference_with_host_offload():
     stats = engine.memory_stats()
     assert stats["h2d_bytes"] > 0 and stats["d2h_bytes"] > 0
     phases = engine.rt.timing()
-    assert set(phases) == {"compute_waits_for_copies", "host_adam", "wait_for_host_grad_buffer", "wait_for_host_adam"}
+    assert set(phases) == {"compute_waits_for_copies", "host_adam", "wait_for_host_grad_buffer", "wait_for_host_adam",
+                           "correction"}
     assert phases["host_adam"] > 0 and all(v >= 0 for v in phases.values())
 
 

@@ -73,7 +73,8 @@ class Updater:
         # its accumulators instead)
         self.kept: dict[int, torch.Tensor] = {}
         if plan.transaction == "kept_grads" and not self.accumulates:
-            self.kept = {c: store.alloc("host", cs, dtype) for c in updated}
+            where = lambda c: "device" if plan.kept_on_device and store.tier(c) == "device" else "host"  # noqa: E731
+            self.kept = {c: store.alloc(where(c), cs, dtype) for c in updated}
         self.acc = {c: store.alloc(store.tier(c), cs, torch.float32) for c in updated} if self.accumulates else {}
         staging = 0 if (self.kept or not host) else max(1, plan.host_grad_buffers)
         self.host_grads = Pool([store.alloc("host", cs, dtype) for _ in range(staging)], blocking=worker)
@@ -135,8 +136,12 @@ class Updater:
         else:
             sq = self._add_sq(grad, c)
             self.found_inf.add_((~torch.isfinite(sq)).float())   # gates this update and every later one
-            if log.mode == "speculate":
-                self.mover.ship(grad, self.kept[c], self.layout.chunks[c].used_elems)   # kept before it is used
+            if log.mode == "speculate":                        # kept before it is used
+                n = self.layout.chunks[c].used_elems
+                if self.kept[c].device == grad.device:
+                    self.kept[c][:n].copy_(grad[:n])
+                else:
+                    self.mover.ship(grad, self.kept[c], n)
             chunk_update(master, grad, m, v, spans, log.hyper, found_inf=self.found_inf, check_finite=False)
             self._flag_after[c:c + 1].copy_(self.found_inf)
             log.device.append(c)
