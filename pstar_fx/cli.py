@@ -272,12 +272,14 @@ def cmd_train(args, parser) -> int:
     in_step = interrupted = False
     start = mark = time.perf_counter()
     loss_sum, since = 0.0, 0
+    ran = 0
     try:
         for step in range(1, steps + 1):
             idx, tgt = next(data)
             in_step = True
             loss = engine.step(idx, tgt)
             in_step = False
+            ran = step
             loss_sum, since = loss_sum + loss, since + 1    # a tensor sum: no device sync until printed
             if step == 1 or step % args.log_every == 0 or step == steps:
                 now = time.perf_counter()
@@ -289,24 +291,23 @@ def cmd_train(args, parser) -> int:
                 loss_sum, since, mark = 0.0, 0, now
     except KeyboardInterrupt:
         interrupted = True
-        print(f"\ninterrupted after {engine.steps} complete step(s)"
-              + ("; the step in flight may already have updated some chunks (a step cannot be rolled back)"
-                 if in_step else ""), file=sys.stderr)
+        print(f"\ninterrupted after {ran} complete step(s)"
+              + ("; the step in flight was rolled back" if in_step else ""), file=sys.stderr)
     elapsed = time.perf_counter() - start
     if first is not None:
-        print(f"done: {engine.steps} steps in {elapsed:.1f} s "
-              f"({engine.steps * tokens_per_step / elapsed:,.0f} tok/s); loss {first:.4f} -> {last:.4f}")
+        print(f"done: {ran} steps in {elapsed:.1f} s "
+              f"({ran * tokens_per_step / elapsed:,.0f} tok/s); loss {first:.4f} -> {last:.4f}")
     s = engine.memory_stats()
     print(f"memory: device peak {_mib(s['device_peak_bytes'])} measured, "
           f"{_mib(s['predicted_device_peak_bytes'])} predicted"
           + (f", budget {_mib(s['device_budget_bytes'])}" if s["device_budget_bytes"] else "")
           + f"; host peak {_mib(s['host_peak_bytes'])}")
-    per_step = max(engine.steps, 1)
+    per_step = max(ran, 1)
     print(f"moved: host->device {_mib(s['h2d_bytes'])} ({_mib(s['h2d_bytes'] // per_step)}/step), "
           f"device->host {_mib(s['d2h_bytes'])} ({_mib(s['d2h_bytes'] // per_step)}/step)")
     if args.save:
         torch.save(engine.state_dict(), args.save)
-        print(f"saved: {args.save} (state_dict of {engine.steps} step(s); load with "
+        print(f"saved: {args.save} (state_dict after {engine.steps} update(s); load with "
               "model.load_state_dict(torch.load(path), strict=False))")
     return 130 if interrupted else 0
 

@@ -50,6 +50,7 @@ class Stepper:
         self.scaler = LossScaler(config.loss_scaler_spec)
         self.applied = 0                        # updates applied: Adam's step count and the schedule's position
         self._before_settling: tuple | None = None   # (applied, scaler state) before a step still settling
+        self._last_coef = 1.0                   # the last applied step's clip coefficient: the next one's guess
 
     @property
     def lr(self) -> float:
@@ -86,7 +87,12 @@ class Stepper:
                     up.open(hyper.scaled(scale / coef), "apply")
                     loss = self._run(micro_batches[0], tangent)
             else:
-                up.open(hyper, "speculate" if self.transaction == "kept_grads" else "apply")
+                # Speculate with the last step's clip coefficient: norms change slowly, so a correction then
+                # moves each update a little, and its undo loses nothing to cancellation (undoing a step
+                # speculated at 1 that should have been 0.01 would subtract nearly equal numbers)
+                guess = self._last_coef if cfg.grad_clip is not None else 1.0
+                speculative = hyper.scaled(scale / guess)
+                up.open(speculative, "speculate" if self.transaction == "kept_grads" else "apply")
                 loss = self._run(micro_batches[0], tangent)
                 norm, coef, finite = self._verdict(scale)
                 if not finite:
@@ -95,7 +101,7 @@ class Stepper:
                     else:
                         warnings.warn("non-finite gradients with transaction 'none': the chunks updated before "
                                       "they were found stay updated", RuntimeWarning, stacklevel=3)
-                elif coef < 1.0:
+                elif coef != guess:
                     up.correct(hyper.scaled(scale / coef))
             rt.mover.check_idle()
             loss_value = float(loss)
@@ -111,6 +117,7 @@ class Stepper:
         self.scaler.update(found_inf=not finite)
         if finite:
             self.applied += 1
+            self._last_coef = coef
         self.rt.telemetry.steps += 1
         return StepReport(loss=loss_value, grad_norm=norm, clip_coef=coef if finite else 1.0, skipped=not finite,
                           lr=lr, loss_scale=scale)

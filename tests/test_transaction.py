@@ -1,0 +1,416 @@
+"""The step as a transaction, against plain PyTorch: clip_grad_norm_ + AdamW + LambdaLR (+ GradScaler), with
+accumulation as summed `loss / k` backward calls — and a step interrupted anywhere leaves the state as it was."""
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from test_engine import assert_weights_close, batch, tight_budget
+
+import pstar_fx
+import pstar_fx.optim.adam as adam_module
+import pstar_fx.runtime as runtime_module
+import pstar_fx.runtime.updater as updater_module
+from pstar_fx.models import GPT, gpt_config
+from pstar_fx.optim import LrSchedule
+
+CHUNK = 16384
+OPT = {"type": "adamw", "lr": 3e-3, "weight_decay": 0.1}
+
+
+def hf_cosine(warmup, total, min_rate=0.0):
+    """Hugging Face's cosine-with-warm-up multiplier, held at its end past `total` (written out here, not ours)."""
+    def f(step):
+        if step < warmup:
+            return step / max(1, warmup)
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return max(0.0, (0.5 * (1.0 + math.cos(math.pi * progress))) * (1 - min_rate) + min_rate)
+    return f
+
+
+def reference(model, batches, *, grad_clip=None, accum=1, lr_lambda=None, scaler_kw=None, autocast=None):
+    """Plain PyTorch with the same recipe; per step (loss, grad norm, skipped, lr, loss scale)."""
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), **{k: v for k, v in OPT.items() if k != "type"})
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda) if lr_lambda else None
+    scaler = torch.amp.GradScaler("cpu", **scaler_kw) if scaler_kw is not None else None
+    out = []
+    smallest = {p: None for p in ref.parameters()}
+    for whole in batches:
+        opt.zero_grad(set_to_none=True)
+        lr, scale = opt.param_groups[0]["lr"], (scaler.get_scale() if scaler else 1.0)
+        total = 0.0
+        for mb in zip(*(x.chunk(accum) for x in whole)):
+            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                loss = ref(*mb)
+            (scaler.scale(loss / accum) if scaler else loss / accum).backward()
+            total += loss.item()
+        if scaler:
+            scaler.unscale_(opt)
+        norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), grad_clip or float("inf")))
+        if math.isfinite(norm):
+            for p in ref.parameters():
+                if p.grad is not None:
+                    smallest[p] = p.grad.abs() if smallest[p] is None else torch.minimum(smallest[p], p.grad.abs())
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+            skipped = scaler.get_scale() < scale
+        else:
+            opt.step()
+            skipped = False
+        if sched and not skipped:
+            sched.step()
+        out.append((total / accum, norm, skipped, lr, scale))
+    # Elements whose gradient was within rounding of zero at some step (the key part of a qkv bias, whose
+    # true gradient is zero; a sum of micro-batch gradients that cancel) get noise as gradient, which Adam
+    # turns into lr-sized steps: assert_weights_close leaves out elements by their `.grad`, so hand it the
+    # smallest magnitude each element had over the run.
+    for p, g in smallest.items():
+        p.grad = g
+    return ref, opt, out
+
+
+def gpt_batches(n, accum=1, seed=0):
+    return [tuple(torch.cat(parts) for parts in zip(*(batch(seed=100 * s + j) for j in range(accum))))
+            for s in range(seed, seed + n)]
+
+
+def compile_gpt(model, **cfg):
+    budget, _ = tight_budget(model, batch(), device_chunks=1, chunk_size=CHUNK)
+    config = dict({"device": "cpu", "device_memory": budget, "chunk_size": CHUNK, "optimizer": OPT}, **cfg)
+    engine = pstar_fx.compile(model, config, example_inputs=batch())
+    placement = engine.plan.placement
+    assert placement.count("host") > len(placement) // 2, placement       # most state lives on the host
+    return engine
+
+
+def run(engine, batches):
+    reports = []
+    for b in batches:
+        engine.step(*b)
+        reports.append(engine.last_step)
+    return reports
+
+
+def assert_run_matches(engine, reports, ref, ref_out, rel=1e-5):
+    torch.testing.assert_close(torch.tensor([r.loss for r in reports]), torch.tensor([o[0] for o in ref_out]),
+                               rtol=rel, atol=0)
+    for r, (_, norm, skipped, lr, scale) in zip(reports, ref_out):
+        assert r.skipped == skipped and r.lr == pytest.approx(lr, rel=1e-12, abs=0) and r.loss_scale == scale
+        if not skipped:
+            assert r.grad_norm == pytest.approx(norm, rel=rel)
+    assert_weights_close(engine.state_dict(), ref, rel)
+
+
+def tiny_gpt():
+    torch.manual_seed(0)
+    return GPT(gpt_config("tiny"))
+
+
+# ---- clipping ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("transaction", ["kept_grads", "two_pass"])
+@pytest.mark.parametrize("when", ["every", "some", "never"])
+def test_clipping_equals_clip_grad_norm(when, transaction):
+    model = tiny_gpt()
+    batches = gpt_batches(5)
+    _, _, free = reference(model, batches)                        # the norms without clipping
+    norms = sorted(o[1] for o in free)
+    # thresholds from the unclipped norms; once clipping starts, later norms change, so "some" is checked below
+    clip = {"every": norms[0] * 0.5, "some": norms[len(norms) // 2], "never": norms[-1] * 4}[when]
+    ref, _, ref_out = reference(model, batches, grad_clip=clip)
+    engine = compile_gpt(model, grad_clip=clip, transaction=transaction)
+    assert engine.plan.transaction == transaction
+    reports = run(engine, batches)
+    assert_run_matches(engine, reports, ref, ref_out)
+    clipped = [r.clip_coef < 1.0 for r in reports]
+    assert clipped == [o[1] > clip for o in ref_out]
+    assert {"every": all(clipped), "never": not any(clipped), "some": any(clipped) and not all(clipped)}[when]
+    if when == "never":
+        assert engine.rt.telemetry.seconds["correction"] == 0.0   # nothing to correct when it does not trigger
+
+
+@pytest.mark.parametrize("accum", [1, 2, 4])
+def test_gradient_accumulation_equals_summed_micro_batch_backwards(accum):
+    model = tiny_gpt()
+    batches = gpt_batches(3, accum=accum)
+    ref, _, ref_out = reference(model, batches, accum=accum)
+    engine = compile_gpt(model, grad_accum=accum)
+    reports = run(engine, batches)
+    assert_run_matches(engine, reports, ref, ref_out)
+    if accum > 1:
+        assert engine.plan.transaction == "accumulate"
+        assert "accumulators" in engine.explain()
+    if accum > 1:                                  # the step takes the whole batch, not one micro-batch
+        with pytest.raises(ValueError, match=rf"compiled for \({2 * accum}, 32\) \(grad_accum={accum} micro-batches"):
+            engine.step(*batch())
+
+
+def test_warmup_cosine_over_30_steps():
+    model = tiny_gpt()
+    batches = gpt_batches(30)
+    schedule = {"type": "cosine", "warmup_steps": 5, "total_steps": 25, "min_lr": 3e-4}
+    ref, _, ref_out = reference(model, batches, lr_lambda=hf_cosine(5, 25, 3e-4 / OPT["lr"]))
+    engine = compile_gpt(model, lr_schedule=schedule)
+    assert engine.lr == 0.0                                        # the first update uses multiplier 0
+    reports = run(engine, batches)
+    assert_run_matches(engine, reports, ref, ref_out)
+    assert reports[0].lr == 0.0 and reports[5].lr == pytest.approx(OPT["lr"])
+    assert reports[-1].lr == pytest.approx(3e-4) and engine.lr == pytest.approx(3e-4)   # past total_steps: min_lr
+
+
+def test_clipping_accumulation_and_schedule_together():
+    model = tiny_gpt()
+    batches = gpt_batches(8, accum=2)
+    _, _, free = reference(model, batches, accum=2)
+    clip = sorted(o[1] for o in free)[3]
+    ref, _, ref_out = reference(model, batches, grad_clip=clip, accum=2, lr_lambda=hf_cosine(2, 8))
+    engine = compile_gpt(model, grad_clip=clip, grad_accum=2,
+                         lr_schedule={"type": "cosine", "warmup_steps": 2, "total_steps": 8})
+    reports = run(engine, batches)
+    assert_run_matches(engine, reports, ref, ref_out)
+    assert any(r.clip_coef < 1 for r in reports) and any(r.clip_coef == 1 for r in reports)
+
+
+def test_a_user_schedule_function_is_lambda_lr():
+    model = tiny_gpt()
+    batches = gpt_batches(4)
+
+    def halving(step):
+        return 0.5 ** step
+
+    ref, _, ref_out = reference(model, batches, lr_lambda=halving)
+    engine = compile_gpt(model, lr_schedule=halving)
+    assert_run_matches(engine, run(engine, batches), ref, ref_out)
+
+
+# ---- loss scaling and skipped steps -------------------------------------------------------------------------
+
+class Regression(nn.Module):
+    """An inf in the input gives non-finite gradients on the step we choose."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+
+    def forward(self, x, y):
+        return F.mse_loss(self.net(x).squeeze(-1), y)
+
+
+def regression_batches(n, overflow_at=()):
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for s in range(n):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, generator=g)
+        if s in overflow_at:
+            x[0, 0] = float("inf")
+        out.append((x, y))
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_dynamic_loss_scale_follows_grad_scaler(dtype):
+    torch.manual_seed(0)
+    model = Regression()
+    overflows = (2, 3, 7)
+    batches = regression_batches(10, overflow_at=overflows)
+    rules = {"init_scale": 2.0**10, "growth_interval": 2}          # GradScaler's rules, made quick to see
+    ref, _, ref_out = reference(model, batches, scaler_kw=rules,
+                                autocast=torch.float16 if dtype == "fp16" else None, grad_clip=5.0)
+    engine = pstar_fx.compile(model, {"device": "cpu", "placement": "host", "chunk_size": 8192, "dtype": dtype,
+                                      "optimizer": OPT, "loss_scale": rules, "grad_clip": 5.0}, batches[0])
+    with pytest.warns(RuntimeWarning, match="non-finite gradients; the step was skipped"):
+        reports = run(engine, batches)
+    assert [r.skipped for r in reports] == [s in overflows for s in range(10)] == [o[2] for o in ref_out]
+    assert [r.loss_scale for r in reports] == [o[4] for o in ref_out]   # the same scale, step for step
+    assert engine.steps == 10 - len(overflows)
+    rel = 1e-5 if dtype == "fp32" else 2e-3                             # fp16 compute: autocast's rounding
+    assert_weights_close(engine.state_dict(), ref, rel, per_tensor=dtype == "fp32")
+
+
+def assert_state_equal(engine, weights, state):
+    after = engine.state_dict()
+    assert all(torch.equal(after[k], weights[k]) for k in weights)
+    assert all(torch.equal(a, b) for a, b in zip(optimizer_state(engine), state))
+
+
+def test_a_skipped_step_changes_nothing_whatever_the_dtype():
+    torch.manual_seed(0)
+    model = Regression()
+    batches = regression_batches(3, overflow_at=(1,))
+    engine = pstar_fx.compile(model, {"device": "cpu", "placement": "host", "chunk_size": 8192, "optimizer": OPT,
+                                      "lr_schedule": {"type": "linear", "warmup_steps": 1, "total_steps": 5}},
+                              batches[0])
+    engine.step(*batches[0])
+    before, state, lr = engine.state_dict(), optimizer_state(engine), engine.lr
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        engine.step(*batches[1])
+    assert engine.last_step.skipped and engine.steps == 1 and engine.lr == lr
+    assert_state_equal(engine, before, state)
+
+
+# ---- failure atomicity --------------------------------------------------------------------------------------
+
+def optimizer_state(engine):
+    store = engine.rt.store
+    return [t.clone() for c in range(len(store.master)) for t in (store.master[c], store.exp_avg[c], store.exp_avg_sq[c])]
+
+
+def record_undos(monkeypatch):
+    """What each undo started from (the state after the update it undoes), by the master's address."""
+    seen = {}
+    real = updater_module.chunk_undo
+
+    def chunk_undo(master, grad, exp_avg, exp_avg_sq, *a, **k):
+        seen[master.data_ptr()] = [t.clone() for t in (master, exp_avg, exp_avg_sq)]
+        return real(master, grad, exp_avg, exp_avg_sq, *a, **k)
+    monkeypatch.setattr(updater_module, "chunk_undo", chunk_undo)
+    return seen
+
+
+def assert_state_restored(engine, state, undone):
+    """Every chunk's master and moments as before the step: bit for bit where nothing was undone; where an
+    update was undone, within two ulps of the value before and of the value the undo started from (the
+    undo cannot recover what rounding took from the updated value, which a large gradient can make many
+    times the old one)."""
+    store = engine.rt.store
+    after = optimizer_state(engine)
+    for c in range(len(store.master)):
+        for j in range(3):
+            a, b = after[3 * c + j], state[3 * c + j]
+            start = undone.get(store.master[c].data_ptr())
+            if start is None:
+                assert torch.equal(a, b), (c, j)
+            else:
+                bound = 2.0**-22 * (start[j].abs() + b.abs()) + 1e-30
+                assert bool(((a - b).abs() <= bound).all()), (c, j, float(((a - b).abs() / bound).max()))
+
+
+class Boom(Exception):
+    pass
+
+
+def interrupt(monkeypatch, engine, where, at):
+    """Make the step raise Boom at the `at`-th event of kind `where`."""
+    calls = []
+
+    def fail_on_call(fn):
+        def wrapped(*a, **k):
+            calls.append(1)
+            if len(calls) == at:
+                raise Boom(where)
+            return fn(*a, **k)
+        return wrapped
+
+    if where == "forward":                    # a chunk fetch: the first ones are forward's
+        monkeypatch.setattr(engine.rt, "fetch", fail_on_call(engine.rt.fetch))
+    elif where == "backward":                 # after `at - 1` chunks were updated
+        monkeypatch.setattr(engine.rt, "adam", fail_on_call(engine.rt.adam))
+    else:                                     # inside the host Adam, on a host chunk's master
+        store = engine.rt.store
+        host = [(m.data_ptr(), m.data_ptr() + m.nbytes) for c, m in enumerate(store.master) if store.tier(c) == "host"]
+        real = adam_module.adam_step
+
+        def adam_step(param, *a, **k):
+            if any(lo <= param.data_ptr() < hi for lo, hi in host):
+                calls.append(1)
+                if len(calls) == at:
+                    raise Boom(where)
+            return real(param, *a, **k)
+        monkeypatch.setattr(adam_module, "adam_step", adam_step)
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+@pytest.mark.parametrize("where", ["forward", "backward", "host_adam"])
+def test_an_interrupted_step_leaves_the_state_as_before(monkeypatch, where, clip):
+    model = tiny_gpt()
+    batches = gpt_batches(5)
+    schedule = {"type": "linear", "warmup_steps": 1, "total_steps": 10}
+    ref, _, ref_out = reference(model, batches, grad_clip=clip, lr_lambda=LrSchedule(schedule, OPT["lr"]).multiplier)
+    engine = compile_gpt(model, grad_clip=clip, lr_schedule=schedule)
+    reports = run(engine, batches[:2])
+    state, steps, lr = optimizer_state(engine), engine.steps, engine.lr
+    with monkeypatch.context() as m:
+        undone = record_undos(m)
+        interrupt(m, engine, where, at=3)
+        with pytest.raises(Boom):
+            engine.step(*batches[2])
+    assert engine.steps == steps and engine.lr == lr and (where != "forward" or not undone)
+    assert_state_restored(engine, state, undone)
+    reports += run(engine, batches[2:])               # and the next steps equal an uninterrupted run
+    assert_run_matches(engine, reports, ref, ref_out)
+
+
+def test_a_host_adam_failure_after_the_step_returned_rolls_that_step_back(monkeypatch):
+    monkeypatch.setattr(runtime_module, "HOST_WORKER_ON_CPU", True)   # host Adam on its worker thread, as on CUDA
+    model = tiny_gpt()
+    batches = gpt_batches(5)
+    ref, _, ref_out = reference(model, batches)
+    engine = compile_gpt(model)
+    assert engine.rt.updater.worker is not None
+    reports = run(engine, batches[:2])
+    engine.drain()
+    state, steps = optimizer_state(engine), engine.steps
+    with monkeypatch.context() as m:
+        undone = record_undos(m)
+        interrupt(m, engine, "host_adam", at=2)
+        with pytest.raises((Boom, runtime_module.StepRolledBack)):
+            engine.step(*batches[2])          # the failure surfaces here, or once the next step waits for it
+            engine.step(*batches[3])
+    assert engine.steps == steps and undone
+    assert_state_restored(engine, state, undone)
+    reports += run(engine, batches[2:])
+    assert_run_matches(engine, reports, ref, ref_out)
+
+
+# ---- configuration and what the plan says --------------------------------------------------------------------
+
+def test_config_checks_the_new_fields():
+    with pytest.raises(ValueError, match="grad_clip"):
+        pstar_fx.Config(grad_clip=0)
+    with pytest.raises(ValueError, match="grad_accum"):
+        pstar_fx.Config(grad_accum=0)
+    with pytest.raises(ValueError, match="lr_schedule.type.*'step'"):
+        pstar_fx.Config(lr_schedule={"type": "step"})
+    with pytest.raises(ValueError, match="lr_schedule: unknown key.*warmup"):
+        pstar_fx.Config(lr_schedule={"type": "cosine", "total_steps": 5, "warmup": 1})
+    with pytest.raises(ValueError, match="lr_schedule.total_steps: required"):
+        pstar_fx.Config(lr_schedule={"type": "linear"})
+    with pytest.raises(ValueError, match="loss_scale: unknown key.*growth"):
+        pstar_fx.Config(loss_scale={"growth": 2})
+    with pytest.raises(ValueError, match="loss_scale"):
+        pstar_fx.Config(loss_scale=-1.0)
+    with pytest.raises(ValueError, match="transaction: 'none' cannot clip"):
+        pstar_fx.Config(grad_clip=1.0, transaction="none")
+    assert pstar_fx.Config(dtype="fp16").loss_scaler_spec["init_scale"] == 2.0**16
+    assert pstar_fx.Config(dtype="bf16").loss_scaler_spec is None
+    assert pstar_fx.Config.from_dict({"grad_clip": 1, "lr_schedule": {"type": "constant", "warmup_steps": 3}}).grad_clip == 1.0
+
+
+def test_schedule_formulas():
+    s = LrSchedule({"type": "linear", "warmup_steps": 2, "total_steps": 6}, 1.0)
+    assert [s.multiplier(k) for k in range(8)] == [0.0, 0.5, 1.0, 0.75, 0.5, 0.25, 0.0, 0.0]
+    c = LrSchedule({"type": "constant", "warmup_steps": 4}, 2.0)
+    assert [c.lr(k) for k in (0, 2, 4, 100)] == [0.0, 1.0, 2.0, 2.0]
+    m = LrSchedule({"type": "cosine", "warmup_steps": 0, "total_steps": 10, "min_lr": 0.1}, 1.0)
+    assert m.lr(0) == 1.0 and m.lr(5) == pytest.approx(0.55) and m.lr(10) == m.lr(50) == pytest.approx(0.1)
+
+
+def test_explain_says_what_the_transaction_costs():
+    model = tiny_gpt()
+    roomy = pstar_fx.plan(model, {"device": "cpu", "placement": "host", "grad_clip": 1.0}, batch())
+    assert roomy.transaction == "kept_grads" and "smaller" in roomy.transaction_cost
+    assert "step transaction: kept_grads" in roomy.summary()
+    state = roomy.host_breakdown["chunk state"] + roomy.host_breakdown["16-bit shadows"]
+    tight = pstar_fx.plan(model, {"device": "cpu", "placement": "host", "grad_clip": 1.0,
+                                  "host_memory": state + 4 * 2**20 // 16}, batch())
+    assert tight.transaction == "two_pass" and tight.estimated_step_seconds > roomy.estimated_step_seconds
+    accum = pstar_fx.plan(model, {"device": "cpu", "placement": "host", "grad_accum": 2}, batch())
+    assert accum.host_breakdown["gradient accumulators"] == 4 * len(accum.placement) * accum_chunk(accum, model)
+
+
+def accum_chunk(plan, model):
+    return plan.host_breakdown["chunk state"] // (12 * len(plan.placement))
