@@ -18,6 +18,7 @@ import torch.fx as fx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import pstar_fx  # noqa: E402
+from pstar_fx.fxutil import role_nodes  # noqa: E402
 from pstar_fx.models import GPT, gpt_config  # noqa: E402
 from pstar_fx.plan import CUDA_BLOCK_BYTES, activation_profile, last_uses  # noqa: E402
 
@@ -39,40 +40,44 @@ def main():
     torch.cuda.synchronize()
     gm = engine.graph
     g = gm.graph
-    placeholders = list(g.find_nodes(op="placeholder"))
-    n_buf = len(engine._buffers)
-    skip = set(placeholders[: 1 + n_buf]) | {n for n in g.nodes if n.op == "call_method"}
+    skip = set(role_nodes(g, "rt")) | set(role_nodes(g, "buffer")) | {n for n in g.nodes if n.op == "call_method"}
     predicted, _ = activation_profile(g, skip, round_to=CUDA_BLOCK_BYTES)
 
     rt = engine.rt
-    rt.step_count += 1
-    rt.begin()
-    args_ = [rt, *engine._buffers, idx, idx, engine._tangent]
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    env: dict[fx.Node, object] = {}
-    frees = last_uses(g)
-    it = iter(args_)
     measured, names = [], []
-    for n in g.nodes:
-        load = lambda a: fx.node.map_arg(a, lambda x: env[x])  # noqa: E731
-        if n.op == "placeholder":
-            env[n] = next(it)
-        elif n.op == "call_function":
-            env[n] = n.target(*load(n.args), **load(n.kwargs))
-        elif n.op == "call_method":
-            obj, *rest = load(n.args)
-            env[n] = getattr(obj, n.target)(*rest, **load(n.kwargs))
-        else:
-            break
-        measured.append(torch.cuda.memory_allocated() - base)
-        names.append(n)
-        for v in frees.get(n, []):
-            env.pop(v, None)
-        if n.op != "placeholder" and not n.users:
-            env.pop(n, None)
-    env.clear()
-    rt.check_idle()
+
+    def run_measured(inputs, tangent):
+        """The step's graph run node by node (the engine's own step drives it: the transaction is real)."""
+        args_ = [rt, *engine._buffers, *inputs, tangent.to("cuda")]
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        env: dict[fx.Node, object] = {}
+        frees = last_uses(g)
+        it = iter(args_)
+        loss = None
+        for n in g.nodes:
+            load = lambda a: fx.node.map_arg(a, lambda x: env[x])  # noqa: E731
+            if n.op == "placeholder":
+                env[n] = next(it)
+            elif n.op == "call_function":
+                env[n] = n.target(*load(n.args), **load(n.kwargs))
+            elif n.op == "call_method":
+                obj, *rest = load(n.args)
+                env[n] = getattr(obj, n.target)(*rest, **load(n.kwargs))
+            else:
+                loss = load(n.args[0])[0].detach()
+                break
+            measured.append(torch.cuda.memory_allocated() - base)
+            names.append(n)
+            for v in frees.get(n, []):
+                env.pop(v, None)
+            if n.op != "placeholder" and not n.users:
+                env.pop(n, None)
+        env.clear()
+        return loss
+
+    engine.stepper._run = run_measured
+    engine.step(idx, idx)
     pred = predicted[: len(measured)]
     i_m = max(range(len(measured)), key=measured.__getitem__)
     i_p = max(range(len(pred)), key=pred.__getitem__)

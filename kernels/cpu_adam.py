@@ -1,7 +1,7 @@
 """Thin Python side of the C++ CPU kernels (kernels/csrc/cpu_adam.cpp, built at install time into
 pstar_fx.kernels._cpu_adam). Hands the extension data pointers, element counts and dtype names.
 
-Bytes per element (see cpu_adam.cpp): Adam 28 B + the 4 B (fp32) / 2 B (16-bit) grad re-read of the
+Bytes per element (see cpu_adam.cpp): Adam undo 26-28 B; Adam 28 B + the 4 B (fp32) / 2 B (16-bit) grad re-read of the
 non-finite pre-pass + 2 B for the optional 16-bit param copy; cast 6 B; sq_norm 4 B / 2 B.
 """
 from __future__ import annotations
@@ -46,6 +46,15 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
         "" if param_out is None else _DTYPE_NAMES[param_out.dtype],
         param.numel(), int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
         float(grad_scale), bool(decoupled_weight_decay) or weight_decay == 0.0, bool(check_finite), simd, num_threads,
+    )
+
+
+def adam_undo(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, grad_scale,
+              decoupled_weight_decay, num_threads=0) -> None:
+    _ext().adam_undo(
+        param.data_ptr(), grad.data_ptr(), _DTYPE_NAMES[grad.dtype], exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+        param.numel(), int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+        float(grad_scale), bool(decoupled_weight_decay) or weight_decay == 0.0, num_threads,
     )
 
 

@@ -1,4 +1,4 @@
-"""The kernel contract: adam_step, cast_, sq_norm on flat chunks, with one validation and one
+"""The kernel contract: adam_step, adam_undo, cast_, sq_norm on flat chunks, with one validation and one
 backend choice for all of them.
 
 backend:
@@ -157,6 +157,33 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
             found_inf.fill_(1.0)
         return None
     return ok
+
+
+def adam_undo(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, grad_scale=1.0,
+              decoupled_weight_decay=True, backend="auto") -> None:
+    """The inverse of `adam_step` (without `param_out`, `found_inf`): given param, exp_avg and exp_avg_sq after
+    a step and the grad that step consumed, restore them to what they were before it, in place. The
+    master comes back to within an ulp or two; a moment loses only what rounding took from its updated
+    value (after step 1, the moments come back as exact zeros). CPU: the C++ kernel; elsewhere plain torch
+    (float64 temporaries in blocks)."""
+    _check_tensor("param", param, None, None, (torch.float32,))
+    n, dev = param.numel(), param.device
+    _check_tensor("grad", grad, n, dev, _GRAD_DTYPES)
+    _check_tensor("exp_avg", exp_avg, n, dev, (torch.float32,))
+    _check_tensor("exp_avg_sq", exp_avg_sq, n, dev, (torch.float32,))
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
+        raise ValueError(f"step must be an int >= 1 (1-based, after increment), got {step!r}")
+    which = _resolve(backend, dev)
+    hyper = dict(step=int(step), lr=_as_float("lr", lr), beta1=_as_float("beta1", beta1),
+                 beta2=_as_float("beta2", beta2), eps=_as_float("eps", eps),
+                 weight_decay=_as_float("weight_decay", weight_decay), grad_scale=_as_float("grad_scale", grad_scale),
+                 decoupled_weight_decay=bool(decoupled_weight_decay))
+    if n == 0:
+        return
+    if which == "cpp":
+        cpu_adam.adam_undo(param, grad, exp_avg, exp_avg_sq, **hyper)
+    else:
+        torch_adam.adam_undo(param, grad, exp_avg, exp_avg_sq, **hyper)
 
 
 def cast_(dst, src, *, backend="auto") -> None:

@@ -38,6 +38,42 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
     return True
 
 
+def adam_undo(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, grad_scale,
+              decoupled_weight_decay, block_elems: int = 1 << 21) -> None:
+    """The inverse of adam_step given the grad it consumed, as the C++ kernel computes it: each fp32 op of
+    the update term redone in float64 and rounded (exact for + - * / sqrt; torch's own fp32 CPU ops may
+    differ from IEEE in the last bit), the subtractions undone in float64. In blocks, so the float64
+    temporaries stay small on any device."""
+    f32 = lambda x: float(torch.tensor(x, dtype=torch.float32))  # noqa: E731 - the kernels' fp32 coefficients
+    r = lambda x: x.float().double()  # noqa: E731 - round to fp32, go on in float64
+    step_size = f32(lr / (1.0 - beta1 ** step))
+    inv_bc2_sqrt = f32(1.0 / (1.0 - beta2 ** step) ** 0.5)
+    decay, eps32, b1, b2 = f32(1.0 - lr * weight_decay), f32(eps), f32(beta1), f32(beta2)
+    omb1, omb2, wd = f32(1.0 - beta1), f32(1.0 - beta2), f32(weight_decay)
+    scale = f32(grad_scale)
+    decoupled = decoupled_weight_decay or weight_decay == 0.0
+    with torch.no_grad():
+        for start in range(0, param.numel(), block_elems):
+            sl = slice(start, start + block_elems)
+            p, m, v = param[sl], exp_avg[sl], exp_avg_sq[sl]
+            denom = r(r(r(v.double().sqrt()) * inv_bc2_sqrt) + eps32)
+            u = r(step_size * r(m.double() / denom))
+            p0 = p.double() + u
+            p0 = r(p0 / decay) if decoupled else r(p0)
+            g = grad[sl].double()
+            g = g if scale == 1.0 else r(g / scale)
+            if not decoupled:
+                g = r(g + r(wd * p0))
+            if step == 1:                        # the first update starts from zero moments
+                m0, v0 = torch.zeros_like(g), torch.zeros_like(g)
+            else:
+                m0 = (m.double() - r(omb1 * g)) / b1 if b1 > 0 else torch.zeros_like(g)
+                v0 = ((v.double() - r(r(omb2 * g) * g)) / b2).clamp_min(0.0) if b2 > 0 else torch.zeros_like(g)
+            p.copy_(p0)
+            m.copy_(m0)
+            v.copy_(v0)
+
+
 def cast_(dst, src) -> None:
     with torch.no_grad():
         dst.copy_(src)  # torch rounds fp32 -> bf16/fp16 to nearest even

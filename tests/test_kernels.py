@@ -451,3 +451,60 @@ def test_hyperparameters_may_be_numpy_scalars_or_0d_tensors():
                      beta2=0.999, eps=1e-8, weight_decay=np.float64(0.1))
     rp, _, _ = _torch_reference(p0, grads, wd=0.1, decoupled=True, grad_scale=1.0)
     torch.testing.assert_close(p, rp, rtol=1e-6, atol=1e-6)
+
+
+# ---- adam_undo: the inverse the step transaction rolls back and corrects with ------------------------------
+
+UNDO_BACKENDS = [pytest.param("cpp", "cpu", marks=needs_ext, id="cpp"), pytest.param("torch", "cpu", id="torch"),
+                 pytest.param("torch", "cuda", id="torch-cuda", marks=[pytest.mark.gpu, needs_cuda])]
+
+
+@pytest.mark.parametrize("backend,device", UNDO_BACKENDS)
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["g32", "gbf16", "gf16"])
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam-l2"])
+@pytest.mark.parametrize("grad_scale", [1.0, 1024.0, 3.0])
+def test_adam_undo_restores_the_state_before_the_step(backend, device, grad_dtype, decoupled, grad_scale):
+    """undo(step(x)) = x within two ulps of x and of step(x) (what rounding took from the updated value
+    cannot come back); after step 1 the moments return as exact zeros. With L2 weight decay the moments
+    are undone from grad + wd * param, recomputed from the restored param: its error (two ulps, scaled by wd)
+    and the new roundings of that sum enter them too."""
+    n = 65537
+    p, grads = _state(n, grad_dtype, device, seed=4, steps=4)
+    m, v = torch.zeros(n, device=device), torch.zeros(n, device=device)
+    hyper = dict(HYPER, weight_decay=0.1, decoupled_weight_decay=decoupled, grad_scale=grad_scale)
+    for step, g in enumerate(grads, start=1):
+        g = (g.float() * grad_scale).to(grad_dtype)
+        before = [t.clone() for t in (p, m, v)]
+        adam_step(p, g, m, v, step=step, backend="cpp" if device == "cpu" else "auto", **hyper)
+        after = [t.clone() for t in (p, m, v)]
+        K.adam_undo(p, g, m, v, step=step, backend=backend, **hyper)
+        for name, got, want, start in zip(("param", "exp_avg", "exp_avg_sq"), (p, m, v), before, after):
+            if step == 1 and name != "param":
+                assert torch.equal(got, torch.zeros_like(got)), name
+                continue
+            bound = 2.0**-22 * (start.abs() + want.abs()) + 1e-38
+            if not decoupled and name != "param":
+                dp = 2.0**-22 * (after[0].abs() + before[0].abs())           # the restored param's error
+                g_eff = (g.float() / grad_scale).abs() + 0.1 * before[0].abs()
+                dg = 0.1 * dp + 2.0**-22 * g_eff          # and g + wd * p is rounded anew (twice)
+                b1, b2 = HYPER["beta1"], HYPER["beta2"]
+                bound = bound + dg * ((1 - b1) / b1 if name == "exp_avg" else 2 * (1 - b2) / b2 * g_eff)
+            worst = float(((got - want).abs() / bound).max())
+            assert worst <= 1.0, f"step {step} {name}: {worst:.2f} x the two-ulp bound"
+        p.copy_(after[0]), m.copy_(after[1]), v.copy_(after[2])       # go on from the stepped state
+
+
+@needs_ext
+def test_adam_undo_cpp_and_torch_agree_bit_for_bit():
+    n = 40000
+    p, grads = _state(n, torch.bfloat16, "cpu", seed=5, steps=3)
+    m, v = torch.zeros(n), torch.zeros(n)
+    hyper = dict(HYPER, weight_decay=0.05, decoupled_weight_decay=True, grad_scale=1.0)
+    for step, g in enumerate(grads, start=1):
+        adam_step(p, g, m, v, step=step, **hyper)
+    results = {}
+    for backend in ("cpp", "torch"):
+        state = [t.clone() for t in (p, m, v)]
+        K.adam_undo(*state[:1], grads[-1], *state[1:], step=3, backend=backend, **hyper)
+        results[backend] = state
+    assert all(torch.equal(a, b) for a, b in zip(results["cpp"], results["torch"]))

@@ -260,6 +260,63 @@ bool adam_step(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, u
     return all_finite(mx);
 }
 
+// The inverse of adam_step: given the state after a step and the grad that step consumed, the state
+// before it. The step's update term is recomputed from the updated moments in the same fp32 operations
+// adam_step used (so it is the same bits), and the subtractions are undone in double: the master comes
+// back to within an ulp or two; a moment loses only what rounding took from its updated value (after
+// step 1 the moments are restored to their exact zeros). Reads p, m, v, grad; writes p, m, v: 26-28 B.
+void adam_undo(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, uintptr_t exp_avg,
+               uintptr_t exp_avg_sq, int64_t n, int64_t step, double lr, double beta1, double beta2, double eps,
+               double weight_decay, double grad_scale, bool decoupled, int num_threads) {
+    if (n < 0) throw py::value_error("adam_undo: negative element count");
+    if (step < 1) throw py::value_error("adam_undo: step must be >= 1 (1-based, after increment)");
+    const int gcode = dtype_code(grad_dtype, true, "adam_undo grad");
+    check_ptr(param, 4, n, "param");
+    check_ptr(exp_avg, 4, n, "exp_avg");
+    check_ptr(exp_avg_sq, 4, n, "exp_avg_sq");
+    check_ptr(grad, element_size(gcode), n, "grad");
+    const float decay = (float)(1.0 - lr * weight_decay), l2_wd = (float)weight_decay;
+    const float b1 = (float)beta1, omb1 = (float)(1.0 - beta1), b2 = (float)beta2, omb2 = (float)(1.0 - beta2);
+    const float inv_bc2_sqrt = (float)(1.0 / std::sqrt(1.0 - std::pow(beta2, (double)step)));
+    const float step_size = (float)(lr / (1.0 - std::pow(beta1, (double)step)));
+    const float epsf = (float)eps, scale = (float)grad_scale, inv_scale = 1.0f / scale;
+    int exponent;
+    const bool pow2 = std::frexp((double)scale, &exponent) == 0.5 && std::isnormal(inv_scale);
+    const int scale_mode = scale == 1.0f ? 0 : pow2 ? 1 : 2;
+    float* p = reinterpret_cast<float*>(param);
+    float* m = reinterpret_cast<float*>(exp_avg);
+    float* v = reinterpret_cast<float*>(exp_avg_sq);
+    const Blocks blocks(n);
+    const int nt = threads_for(n, num_threads);
+    py::gil_scoped_release no_gil;
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(dynamic, 1)
+    for (int64_t b = 0; b < blocks.count; ++b) {
+        const int64_t lo = blocks.begin(b), hi = lo + blocks.size(b);
+        for (int64_t i = lo; i < hi; ++i) {
+            const float m1 = m[i], v1 = v[i];
+            const float denom = std::sqrt(v1) * inv_bc2_sqrt + epsf;
+            const float u = step_size * (m1 / denom);
+            const double pd = (double)p[i] + (double)u;
+            const float p0 = decoupled ? (float)(pd / (double)decay) : (float)pd;
+            float g = gcode == 0 ? reinterpret_cast<const float*>(grad)[i]
+                    : gcode == 1 ? simd_scalar::bf16_to_f32(reinterpret_cast<const uint16_t*>(grad)[i])
+                                 : simd_scalar::f16_to_f32_soft(reinterpret_cast<const uint16_t*>(grad)[i]);
+            g = scale_mode == 0 ? g : scale_mode == 1 ? g * inv_scale : g / scale;
+            if (!decoupled) g = g + l2_wd * p0;
+            float m0 = 0.0f, v0 = 0.0f;
+            if (step > 1) {
+                if (b1 > 0.0f) m0 = (float)(((double)m1 - (double)(omb1 * g)) / (double)b1);
+                const float t = (omb2 * g) * g;
+                const double vv = b2 > 0.0f ? ((double)v1 - (double)t) / (double)b2 : 0.0;
+                v0 = vv > 0.0 ? (float)vv : 0.0f;
+            }
+            p[i] = p0;
+            m[i] = m0;
+            v[i] = v0;
+        }
+    }
+}
+
 void cast(uintptr_t dst, const std::string& dst_dtype, uintptr_t src, int64_t n, const std::string& simd,
           int num_threads) {
     if (n < 0) throw py::value_error("cast: negative element count");
@@ -327,6 +384,10 @@ PYBIND11_MODULE(_cpu_adam, m) {
           py::arg("grad_scale"), py::arg("decoupled"), py::arg("check_finite") = true, py::arg("simd") = "auto", py::arg("num_threads") = 0,
           "In-place Adam/AdamW step on fp32 param/exp_avg/exp_avg_sq; returns False (nothing written) "
           "if any grad / grad_scale is not finite.");
+    m.def("adam_undo", &adam_undo, py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"),
+          py::arg("exp_avg_sq"), py::arg("n"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
+          py::arg("eps"), py::arg("weight_decay"), py::arg("grad_scale"), py::arg("decoupled"),
+          py::arg("num_threads") = 0, "Undo one adam_step given the grad it consumed (see cpu_adam.cpp).");
     m.def("cast", &cast, py::arg("dst"), py::arg("dst_dtype"), py::arg("src"), py::arg("n"),
           py::arg("simd") = "auto", py::arg("num_threads") = 0,
           "fp32 -> bfloat16/float16, round to nearest even.");

@@ -14,14 +14,11 @@ its float64 temporaries stay small on any tier.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
 
-from pstar_fx.kernels import adam_step
-
-_UNDO_BLOCK_ELEMS = 1 << 21
+from pstar_fx.kernels import adam_step, adam_undo, cast_
 
 
 @dataclass(frozen=True)
@@ -71,51 +68,14 @@ def chunk_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
     return ok
 
 
-def _r(x: torch.Tensor) -> torch.Tensor:
-    return x.float()
-
-
-def _unscaled(grad: torch.Tensor, grad_scale: float) -> torch.Tensor:
-    """grad / grad_scale as the kernels compute it: a multiplication by the reciprocal when that is exact."""
-    g = grad.double()
-    if grad_scale != 1.0:
-        g = g / float(torch.tensor(grad_scale, dtype=torch.float32))
-    return _r(g).double()
-
-
 def chunk_undo(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                spans: list[tuple[int, int]], hyper: Hyper, *, param_out: torch.Tensor | None = None) -> None:
     """Invert `chunk_update(master, grad, exp_avg, exp_avg_sq, spans, hyper)`, in place (see the module doc)."""
     beta1, beta2 = hyper.betas
-    f32 = lambda x: float(torch.tensor(x, dtype=torch.float32))  # noqa: E731 - the kernels' fp32 coefficients
-    step_size = f32(hyper.lr / (1.0 - beta1 ** hyper.step))
-    inv_bc2_sqrt = f32(1.0 / math.sqrt(1.0 - beta2 ** hyper.step))
-    decay = f32(1.0 - hyper.lr * hyper.weight_decay)
-    eps = f32(hyper.eps)
-    with torch.no_grad():
-        for off, n in spans:
-            for start in range(off, off + n, _UNDO_BLOCK_ELEMS):
-                sl = slice(start, min(off + n, start + _UNDO_BLOCK_ELEMS))
-                p, m, v = master[sl], exp_avg[sl], exp_avg_sq[sl]
-                # the update term exactly as the kernel rounded it: each fp32 op done in float64 and rounded
-                # (exact for + - * / sqrt), since torch's own fp32 CPU ops may differ from IEEE in the last bit
-                denom = _r(_r(_r(v.double().sqrt()).double() * inv_bc2_sqrt).double() + eps)
-                step = _r(step_size * _r(m.double() / denom.double()).double())
-                p_prev = p.double() + step.double()
-                if hyper.decoupled and hyper.weight_decay != 0.0:
-                    p_prev = p_prev / decay
-                g = _unscaled(grad[sl], hyper.grad_scale)
-                if not hyper.decoupled and hyper.weight_decay != 0.0:
-                    g = _r(g + _r(f32(hyper.weight_decay) * p_prev.float().double()).double()).double()
-                if hyper.step == 1:          # the first update starts from zero moments: restore them exactly
-                    m_prev, v_prev = torch.zeros_like(g), torch.zeros_like(g)
-                else:                        # m' = b1 m + (1-b1) g, each product rounded as the kernel did
-                    m_prev = (m.double() - _r(f32(1.0 - beta1) * g).double()) / beta1 if beta1 > 0 \
-                        else torch.zeros_like(g)
-                    v_prev = ((v.double() - _r(_r(f32(1.0 - beta2) * g).double() * g).double()) / beta2
-                              ).clamp_min(0.0) if beta2 > 0 else torch.zeros_like(g)
-                p.copy_(p_prev)
-                m.copy_(m_prev)
-                v.copy_(v_prev)
-                if param_out is not None:
-                    param_out[sl].copy_(p)
+    for off, n in spans:
+        sl = slice(off, off + n)
+        adam_undo(master[sl], grad[sl], exp_avg[sl], exp_avg_sq[sl], step=hyper.step, lr=hyper.lr, beta1=beta1,
+                  beta2=beta2, eps=hyper.eps, weight_decay=hyper.weight_decay, grad_scale=hyper.grad_scale,
+                  decoupled_weight_decay=hyper.decoupled)
+        if param_out is not None:
+            cast_(param_out[sl], master[sl])
