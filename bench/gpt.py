@@ -1,12 +1,20 @@
 """Train the GPT from pstar_fx.models with random tokens and print one line: RESULT {json}.
 
     python bench/gpt.py --model NAME --system {pstar_fx,torch,deepspeed} --batch B --seq S --steps K [--json FILE]
+        [--grad-clip X] [--grad-accum K] [--lr-schedule cosine:WARMUP:TOTAL[:MIN_LR]] [--transaction T]
+        [--clip-sweep X,Y,...]
 
 pstar_fx   the model built on the meta device, compiled with dtype bf16 on one GPU; the planner decides
            placement and recompute.
 torch      the same model all on the GPU: bf16 autocast, fused AdamW, activation checkpointing per block.
 deepspeed  ZeRO-3 with parameters and optimizer offloaded to pinned CPU memory (when importable; the box
            lacks it: `bash bench/peer_wheels.sh` builds the wheels to carry).
+
+The training recipe is the same for every system: `--grad-clip` (global-norm clipping, torch's
+clip_grad_norm_), `--grad-accum K` (K micro-batches of `--batch` per update), `--lr-schedule` (warm-up then
+cosine or linear decay, Hugging Face's formulas; torch: LambdaLR). `--clip-sweep 1e9,1e-3` (pstar_fx) then
+runs `--steps` more steps on the same compiled engine at each clip threshold — one that never triggers and
+one that always does — and reports each phase's step time and breakdown under "sweep".
 
 Fields: params, tokens, step_s (median of the steps after the first two), tflops (6 * params * tokens /
 step_s), gpu_peak_bytes (torch.cuda.max_memory_allocated), host_rss_bytes (largest RSS seen after a
@@ -56,17 +64,39 @@ def checkpointed_gpt(cfg, device: str) -> GPT:
     return model
 
 
+def parse_schedule(text: str | None):
+    """cosine:WARMUP:TOTAL[:MIN_LR] or linear:... -> Config.lr_schedule dict (None stays None)."""
+    if not text:
+        return None
+    kind, warmup, total, *rest = text.split(":")
+    return {"type": kind, "warmup_steps": int(warmup), "total_steps": int(total),
+            "min_lr": float(rest[0]) if rest else 0.0}
+
+
 def torch_system(cfg, args):
     model = checkpointed_gpt(cfg, "cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=True)
+    spec = parse_schedule(args.lr_schedule)
+    sched = None
+    if spec:
+        from pstar_fx.optim import LrSchedule
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, LrSchedule(spec, args.lr).multiplier)
+    k = args.grad_accum
 
     def step(idx, tgt):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(idx, tgt)
-        loss.backward()
+        total = 0.0
+        for i, t in zip(idx.chunk(k), tgt.chunk(k)):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(i, t)
+            (loss / k).backward()
+            total = total + loss.detach() / k
+        if args.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss
+        if sched:
+            sched.step()
+        return total
 
     return step, {}
 
@@ -74,9 +104,12 @@ def torch_system(cfg, args):
 def pstar_system(cfg, args, example):
     with torch.device("meta"):
         model = GPT(cfg)
+    clip = args.grad_clip or (max(float(x) for x in args.clip_sweep.split(",")) if args.clip_sweep else None)
     config = pstar_fx.Config(device="cuda", dtype="bf16", host_memory=args.host_memory,
                              device_memory=args.device_memory,
-                             optimizer={"type": "adamw", "lr": args.lr, "weight_decay": 0.1})
+                             optimizer={"type": "adamw", "lr": args.lr, "weight_decay": 0.1},
+                             grad_clip=clip, grad_accum=args.grad_accum,
+                             lr_schedule=parse_schedule(args.lr_schedule), transaction=args.transaction)
     t0 = time.perf_counter()
     engine = pstar_fx.compile(model, config, example_inputs=example)
     compile_s = time.perf_counter() - t0
@@ -90,7 +123,8 @@ def pstar_system(cfg, args, example):
              "estimated_step_s": round(engine.plan.estimated_step_seconds, 3),
              "rates": dataclasses.asdict(engine.plan.rates) if engine.plan.rates else None,
              "placement_device_chunks": engine.plan.placement.count("device"),
-             "chunks": len(engine.plan.placement), "recompute": engine.plan.recompute}
+             "chunks": len(engine.plan.placement), "recompute": engine.plan.recompute,
+             "transaction": engine.plan.transaction, "transaction_cost": engine.plan.transaction_cost}
     return engine.step, extra, engine
 
 
@@ -137,6 +171,12 @@ def main(argv=None):
     ap.add_argument("--device-memory", default=None, help="pstar_fx device budget (default: free GPU memory)")
     ap.add_argument("--json", default=None, help="append the result to this file")
     ap.add_argument("--dump-after", type=float, default=0, help="print every thread's stack after this many s")
+    ap.add_argument("--grad-clip", type=float, default=None, help="max global gradient norm (clip_grad_norm_)")
+    ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches of --batch per update")
+    ap.add_argument("--lr-schedule", default=None, help="cosine:WARMUP:TOTAL[:MIN_LR] or linear:...")
+    ap.add_argument("--transaction", default="auto", help="pstar_fx Config.transaction")
+    ap.add_argument("--clip-sweep", default=None, help="pstar_fx: after the steps, --steps more at each of these "
+                    "clip thresholds on the same engine (e.g. 1e9,1e-3: never / always triggers)")
     args = ap.parse_args(argv)
     logging.basicConfig(stream=sys.stderr, format="%(relativeCreated)8.0f ms %(message)s")
     logging.getLogger("pstar_fx").setLevel(logging.INFO)     # compile phases as they happen
@@ -146,7 +186,7 @@ def main(argv=None):
     overrides = {"block_size": max(args.seq, 1)} | ({"n_layer": args.layers} if args.layers else {})
     cfg = gpt_config(args.model, **overrides)
     params = num_params(cfg)
-    tokens = args.batch * args.seq
+    tokens = args.batch * args.seq * args.grad_accum
     result = {"system": args.system, "model": args.model, "n_layer": cfg.n_layer, "params": params, "batch": args.batch,
               "seq": args.seq, "tokens": tokens, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
     proc = psutil.Process()
@@ -156,8 +196,9 @@ def main(argv=None):
             raise RuntimeError("no CUDA device")
         torch.cuda.reset_peak_memory_stats()
         g = torch.Generator(device="cuda").manual_seed(0)
-        batches = [(torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device="cuda", generator=g),
-                    torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device="cuda", generator=g))
+        rows = args.batch * args.grad_accum
+        batches = [(torch.randint(0, cfg.vocab_size, (rows, args.seq), device="cuda", generator=g),
+                    torch.randint(0, cfg.vocab_size, (rows, args.seq), device="cuda", generator=g))
                    for _ in range(2)]
         engine = None
         if args.system == "torch":
@@ -165,18 +206,28 @@ def main(argv=None):
         elif args.system == "deepspeed":
             step, extra = deepspeed_system(cfg, args)
         else:
-            step, extra, engine = pstar_system(cfg, args, batches[0])
+            step, extra, engine = pstar_system(cfg, args, tuple(x[:args.batch] for x in batches[0]))
         result.update(extra)
-        times, losses = [], []
-        for k in range(args.steps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            loss = step(*batches[k % 2])
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-            losses.append(float(loss))
-            rss = max(rss, proc.memory_info().rss)
-            print(f"step {k}: {times[-1]:.3f} s loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
+        def timed(n, label=""):
+            nonlocal rss
+            times, losses, extra = [], [], []
+            for k in range(n):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                loss = step(*batches[k % 2])
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+                losses.append(float(loss))
+                rss = max(rss, proc.memory_info().rss)
+                if engine is not None and engine.last_step is not None:
+                    r = engine.last_step
+                    extra.append({"grad_norm": r.grad_norm and round(r.grad_norm, 4), "clip_coef": round(r.clip_coef, 5),
+                                  "lr": r.lr, "skipped": r.skipped})
+                print(f"{label}step {k}: {times[-1]:.3f} s loss {losses[-1]:.4f} {extra[-1] if extra else ''}",
+                      file=sys.stderr, flush=True)
+            return times, losses, extra
+
+        times, losses, reports = timed(args.steps)
         steady = times[2:] if len(times) > 2 else times
         step_s = statistics.median(steady)
         result.update(step_s=round(step_s, 4), tflops=round(6 * params * tokens / step_s / 1e12, 1),
@@ -186,6 +237,22 @@ def main(argv=None):
         if engine is not None:
             result["phases"] = engine.rt.timing() if hasattr(engine.rt, "timing") else {}
             result["memory_stats"] = engine.memory_stats()
+            result["reports"] = reports
+            if args.clip_sweep:
+                result["sweep"] = []
+                for threshold in (float(x) for x in args.clip_sweep.split(",")):
+                    # the same compiled engine, another threshold: the plan depends on clipping being on, not its value
+                    engine.stepper.config = dataclasses.replace(engine.stepper.config, grad_clip=threshold)
+                    before = dict(engine.rt.telemetry.seconds)
+                    n0 = engine.rt.telemetry.steps
+                    t, _, rep = timed(args.steps, label=f"clip {threshold:g} ")
+                    engine.rt.timing()
+                    n = max(1, engine.rt.telemetry.steps - n0)
+                    phases = {k: round((v - before[k]) / n, 4) for k, v in engine.rt.telemetry.seconds.items()}
+                    med = statistics.median(t[1:] if len(t) > 1 else t)
+                    result["sweep"].append({"grad_clip": threshold, "step_s": round(med, 4),
+                                            "steps_s": [round(x, 3) for x in t], "phases": phases,
+                                            "clipped": sum(r["clip_coef"] < 1 for r in rep), "reports": rep})
     except Exception as e:  # noqa: BLE001 - a model that does not fit is a result, not a crash
         result["error"] = f"{type(e).__name__}: {str(e)[:1500]}"
         traceback.print_exc(file=sys.stderr)

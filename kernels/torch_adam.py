@@ -39,7 +39,7 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
 
 
 def adam_undo(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, grad_scale,
-              decoupled_weight_decay, block_elems: int = 1 << 21) -> None:
+              decoupled_weight_decay, block_elems: int = 1 << 20) -> None:
     """The inverse of adam_step given the grad it consumed, as the C++ kernel computes it: each fp32 op of
     the update term redone in float64 and rounded (exact for + - * / sqrt; torch's own fp32 CPU ops may
     differ from IEEE in the last bit), the subtractions undone in float64. In blocks, so the float64

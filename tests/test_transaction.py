@@ -344,12 +344,13 @@ def test_an_interrupted_step_leaves_the_state_as_before(monkeypatch, where, clip
     assert_run_matches(engine, reports, ref, ref_out)
 
 
-def test_a_host_adam_failure_after_the_step_returned_rolls_that_step_back(monkeypatch):
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_a_host_adam_failure_after_the_step_returned_rolls_that_step_back(monkeypatch, clip):
     monkeypatch.setattr(runtime_module, "HOST_WORKER_ON_CPU", True)   # host Adam on its worker thread, as on CUDA
     model = tiny_gpt()
     batches = gpt_batches(5)
-    ref, _, ref_out = reference(model, batches)
-    engine = compile_gpt(model)
+    ref, _, ref_out = reference(model, batches, grad_clip=clip)
+    engine = compile_gpt(model, grad_clip=clip)           # with clipping, corrections run on the worker too
     assert engine.rt.updater.worker is not None
     reports = run(engine, batches[:2])
     engine.drain()

@@ -54,6 +54,7 @@ class _Log:
     host: dict[int, Future | bool] = field(default_factory=dict)   # host chunk -> applied (or its future)
     host_sq: list[float] = field(default_factory=list)     # squared norms measured on the host
     undoable: bool = False
+    hyper_of: dict[int, Hyper | None] = field(default_factory=dict)   # a chunk corrected (or undone) since: its Hyper
 
     def pending_host(self) -> bool:
         return any(isinstance(f, Future) for f in self.host.values())
@@ -222,17 +223,33 @@ class Updater:
         return self._undo(self.log)
 
     def correct(self, hyper: Hyper) -> None:
-        """The speculative updates used the clip coefficient 1: undo each and apply it with `hyper`'s."""
+        """The speculative updates used a guessed clip coefficient: undo each and apply it with `hyper`'s.
+        Device chunks are corrected now, on the compute stream; host chunks on the worker, so their
+        corrections overlap the next step's forward like their updates do (a read waits for its chunk)."""
         t0 = time.perf_counter()
-        log = self.log
-        for c in self._undo(log):
-            grad = self._kept_on_tier(c)
-            chunk_update(self.store.master[c], grad, self.store.exp_avg[c], self.store.exp_avg_sq[c], self.spans[c],
-                         hyper, param_out=self.store.shadow.get(c), check_finite=False)
-            self._done_with(grad, c)
-        log.hyper = hyper
-        self.copies.sync()
+        log, speculated = self.log, self.log.hyper
+        for c in self._applied(log):
+            if self.store.tier(c) == "host" and self.worker is not None:
+                self.pending[c] = log.host[c] = self.worker.submit(self._correct_one, log, c, speculated, hyper)
+            else:
+                ok = self._correct_one(log, c, speculated, hyper)
+                if self.store.tier(c) == "host":
+                    log.host[c] = ok
         self.telemetry.add("correction", time.perf_counter() - t0)
+
+    def _correct_one(self, log: _Log, c: int, speculated: Hyper, hyper: Hyper) -> bool:
+        t0 = time.perf_counter()
+        log.hyper_of[c] = speculated                       # applied with the guess, until the undo below
+        grad = self._kept_on_tier(c)
+        master, m, v = self.store.master[c], self.store.exp_avg[c], self.store.exp_avg_sq[c]
+        chunk_undo(master, grad, m, v, self.spans[c], speculated)
+        log.hyper_of[c] = None                             # back to before the step, for now
+        chunk_update(master, grad, m, v, self.spans[c], hyper, param_out=self.store.shadow.get(c), check_finite=False)
+        log.hyper_of[c] = hyper
+        self._done_with(grad, c)
+        if self.store.tier(c) == "host":
+            self.telemetry.add("host_adam", time.perf_counter() - t0)
+        return True
 
     def commit(self) -> None:
         """The step stands. Host updates may still be running: the step settles as they finish."""
@@ -308,22 +325,34 @@ class Updater:
                 except BaseException:
                     if not swallow:
                         raise
-                    log.host[c] = False
+                    # a failed update changed nothing (the kernels are all-or-nothing); a failed correction
+                    # left its chunk as its hyper_of entry says
+                    log.host[c] = log.hyper_of.get(c) is not None
         if log.mode in ("measure", "accumulate"):
             return []
-        self.copies.sync()
-        flags = self._flag_after.tolist() if log.device else []
-        applied = [c for c in log.device if flags[c] == 0] + [c for c, ok in log.host.items() if ok is True]
+        applied = self._applied(log)
         if not log.undoable:
             self.not_undone = applied    # transaction "none" or a two-pass step's second pass: nothing kept
             return []
         for c in applied:
+            hyper = log.hyper_of.get(c, log.hyper)
+            if hyper is None:                              # a correction failed between its undo and redo
+                self.store.masters_changed([c])
+                continue
             grad = self._kept_on_tier(c)
             chunk_undo(self.store.master[c], grad, self.store.exp_avg[c], self.store.exp_avg_sq[c], self.spans[c],
-                       log.hyper, param_out=self.store.shadow.get(c))
+                       hyper, param_out=self.store.shadow.get(c))
+            log.hyper_of[c] = None
             self._done_with(grad, c)
         self.copies.sync()
         return applied
+
+    def _applied(self, log: _Log) -> list[int]:
+        """The chunks whose update `log`'s step applied (its host updates must have finished)."""
+        self._settle(log)
+        self.copies.sync()
+        flags = self._flag_after.tolist() if log.device else []
+        return [c for c in log.device if flags[c] == 0] + [c for c, ok in log.host.items() if ok is True]
 
     def _kept_on_tier(self, c: int) -> torch.Tensor:
         """Chunk c's kept gradient on the chunk's own tier (a device chunk's comes back from the host)."""
