@@ -104,7 +104,8 @@ def torch_system(cfg, args):
 def pstar_system(cfg, args, example):
     with torch.device("meta"):
         model = GPT(cfg)
-    clip = args.grad_clip or (max(float(x) for x in args.clip_sweep.split(",")) if args.clip_sweep else None)
+    sweep = [float(x) for x in (args.clip_sweep or "").split(",") if x and x != "none"]
+    clip = args.grad_clip or (max(sweep) if sweep else None)
     config = pstar_fx.Config(device="cuda", dtype="bf16", host_memory=args.host_memory,
                              device_memory=args.device_memory,
                              optimizer={"type": "adamw", "lr": args.lr, "weight_decay": 0.1},
@@ -240,12 +241,12 @@ def main(argv=None):
             result["reports"] = reports
             if args.clip_sweep:
                 result["sweep"] = []
-                for threshold in (float(x) for x in args.clip_sweep.split(",")):
+                for threshold in (None if x == "none" else float(x) for x in args.clip_sweep.split(",")):
                     # the same compiled engine, another threshold: the plan depends on clipping being on, not its value
                     engine.stepper.config = dataclasses.replace(engine.stepper.config, grad_clip=threshold)
                     before = dict(engine.rt.telemetry.seconds)
                     n0 = engine.rt.telemetry.steps
-                    t, _, rep = timed(args.steps, label=f"clip {threshold:g} ")
+                    t, _, rep = timed(args.steps, label=f"clip {threshold} ")
                     engine.rt.timing()
                     n = max(1, engine.rt.telemetry.steps - n0)
                     phases = {k: round((v - before[k]) / n, 4) for k, v in engine.rt.telemetry.seconds.items()}

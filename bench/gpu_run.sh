@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the H200 machine: build the C++ kernel there, then run the stages named as
-# arguments (kernels | tests | probe | gpt:MODEL:SYSTEM[:BATCH[:HOST_MEMORY[:LAYERS]]]). Output files land in $OUT.
+# arguments (kernels | tests | probe | gpt:MODEL:SYSTEM[:BATCH[:HOST_MEMORY[:LAYERS[:EXTRA ARGS]]]]). Output files land in $OUT.
+# EXTRA ARGS go to bench/gpt.py as they are, e.g. gpt:GPT3_10B:pstar_fx:16:108GiB::--clip-sweep=none,1e9,1e-3
 # STEPS (default 6) sets the training steps of each gpt stage.
 # Wheels in .whl/ (bench/peer_wheels.sh: DeepSpeed and what it needs) are installed first when carried:
 #   run(command="bash bench/gpu_run.sh gpt:GPT_h3072_L36:deepspeed", carry=[".whl"])
@@ -20,10 +21,11 @@ for stage in "$@"; do
   case "$stage" in
     probe) timeout 120 python3 bench/peak_probe.py 2>&1 | grep -v "^DEBUG" | tail -45 | tee -a "$OUT/probe.txt" ;;
     kernels) timeout 240 python3 bench/kernels_gpu.py 2>&1 | tee -a "$OUT/kernels.txt" ;;
-    tests) timeout 200 python3 -m pytest -q -rs -p no:logging --tb=short -o faulthandler_timeout=100 tests/test_gpu.py 2>&1 | tail -60 | tee -a "$OUT/tests.txt" ;;
-    gpt:*) IFS=: read -r _ model system batch host layers <<< "$stage"
+    tests) timeout 240 python3 -m pytest -q -rs -p no:logging --tb=short -o faulthandler_timeout=100 tests/test_gpu.py \
+             tests/test_kernels.py -k "gpu or cuda or undo" 2>&1 | tail -60 | tee -a "$OUT/tests.txt" ;;
+    gpt:*) IFS=: read -r _ model system batch host layers extra <<< "$stage"
        timeout 420 python3 bench/gpt.py --model "$model" --system "$system" --batch "${batch:-16}" --seq 1024 \
-         --steps "${STEPS:-6}" --host-memory "${host:-110GiB}" ${layers:+--layers "$layers"} --dump-after 300 \
+         --steps "${STEPS:-6}" --host-memory "${host:-110GiB}" ${layers:+--layers "$layers"} ${extra} --dump-after 300 \
          --json "$OUT/gpt.jsonl" \
          2> >(tee -a "$OUT/gpt.log" | tail -40 >&2) ;;
   esac
