@@ -160,17 +160,24 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
 
 
 def adam_undo(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, grad_scale=1.0,
-              decoupled_weight_decay=True, backend="auto") -> None:
-    """The inverse of `adam_step` (without `param_out`, `found_inf`): given param, exp_avg and exp_avg_sq after
-    a step and the grad that step consumed, restore them to what they were before it, in place. The
-    master comes back to within an ulp or two; a moment loses only what rounding took from its updated
-    value (after step 1, the moments come back as exact zeros). CPU: the C++ kernel; elsewhere plain torch
-    (float64 temporaries in blocks)."""
+              decoupled_weight_decay=True, redo_scale=None, param_out=None, backend="auto") -> None:
+    """The inverse of `adam_step` (without `found_inf`): given param, exp_avg and exp_avg_sq after a step and
+    the grad that step consumed, restore them to what they were before it, in place. The master comes back
+    to within an ulp or two; a moment loses only what rounding took from its updated value (after step 1,
+    the moments come back as exact zeros).
+
+    redo_scale: then apply the step again from the restored state with grad / redo_scale (a correction of
+    a step that used the wrong scale, e.g. a guessed clip coefficient), in the same pass, writing
+    `param_out` (16-bit) too. The result is what `adam_step(..., grad_scale=redo_scale)` gives from the
+    restored state. CPU: the C++ kernel; CUDA: Triton; otherwise plain torch (float64 temporaries in blocks).
+    """
     _check_tensor("param", param, None, None, (torch.float32,))
     n, dev = param.numel(), param.device
     _check_tensor("grad", grad, n, dev, _GRAD_DTYPES)
     _check_tensor("exp_avg", exp_avg, n, dev, (torch.float32,))
     _check_tensor("exp_avg_sq", exp_avg_sq, n, dev, (torch.float32,))
+    if param_out is not None:
+        _check_tensor("param_out", param_out, n, dev, _FLOAT16)
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
         raise ValueError(f"step must be an int >= 1 (1-based, after increment), got {step!r}")
     which = _resolve(backend, dev)
@@ -178,12 +185,19 @@ def adam_undo(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
                  beta2=_as_float("beta2", beta2), eps=_as_float("eps", eps),
                  weight_decay=_as_float("weight_decay", weight_decay), grad_scale=_as_float("grad_scale", grad_scale),
                  decoupled_weight_decay=bool(decoupled_weight_decay))
+    if redo_scale is not None and not _as_float("redo_scale", redo_scale) > 0:
+        raise ValueError(f"redo_scale must be positive, got {redo_scale}")
     if n == 0:
         return
     if which == "cpp":
-        cpu_adam.adam_undo(param, grad, exp_avg, exp_avg_sq, **hyper)
+        cpu_adam.adam_undo(param, grad, exp_avg, exp_avg_sq, redo_scale=redo_scale, param_out=param_out, **hyper)
+    elif which == "triton" and hyper["beta1"] > 0 and hyper["beta2"] > 0:
+        _triton().adam_undo(param, grad, exp_avg, exp_avg_sq, redo_scale=redo_scale, param_out=param_out, **hyper)
     else:
         torch_adam.adam_undo(param, grad, exp_avg, exp_avg_sq, **hyper)
+        if redo_scale is not None:
+            adam_step(param, grad, exp_avg, exp_avg_sq, **dict(hyper, grad_scale=redo_scale), param_out=param_out,
+                      check_finite=False, backend=backend)
 
 
 def cast_(dst, src, *, backend="auto") -> None:

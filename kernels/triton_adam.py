@@ -119,6 +119,55 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, flag_ptr, n,
 
 
 @triton.jit
+def _undo_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, n, grad_scale, redo_scale, l2_wd, decay, beta1, one_minus_beta1,
+                 beta2, one_minus_beta2, inv_bc2_sqrt, step_size, eps,
+                 BLOCK: tl.constexpr, GRAD_KIND: tl.constexpr, OUT_KIND: tl.constexpr, SCALE_MODE: tl.constexpr,
+                 REDO_MODE: tl.constexpr, DECOUPLED: tl.constexpr, FIRST: tl.constexpr, REDO: tl.constexpr):
+    # The inverse of _adam_kernel given the grad it consumed (see adam_undo below); with REDO, the step
+    # again with grad / redo_scale from the restored state, in _adam_kernel's arithmetic.
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g_raw = _load_f32(g_ptr, offs, mask, GRAD_KIND)
+    p1 = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    m1 = tl.load(m_ptr + offs, mask=mask, other=0.0)
+    v1 = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    denom = tl.sqrt_rn(v1) * inv_bc2_sqrt + eps
+    u = step_size * tl.div_rn(m1, denom)
+    pd = p1.to(tl.float64) + u.to(tl.float64)
+    if DECOUPLED:
+        p0 = (pd / decay).to(tl.float32)
+    else:
+        p0 = pd.to(tl.float32)
+    g = _unscale(g_raw, grad_scale, SCALE_MODE)
+    if not DECOUPLED:
+        g = g + l2_wd * p0
+    if FIRST:
+        m0 = tl.zeros_like(m1)
+        v0 = tl.zeros_like(v1)
+    else:
+        m0 = ((m1.to(tl.float64) - (one_minus_beta1 * g).to(tl.float64)) / beta1).to(tl.float32)
+        t = (one_minus_beta2 * g) * g
+        v0 = tl.maximum((v1.to(tl.float64) - t.to(tl.float64)) / beta2, 0.0).to(tl.float32)
+    if REDO:
+        gr = _unscale(g_raw, redo_scale, REDO_MODE)
+        if DECOUPLED:
+            p0 = p0 * decay
+        else:
+            gr = gr + l2_wd * p0
+        m0 = beta1 * m0 + one_minus_beta1 * gr
+        v0 = beta2 * v0 + (one_minus_beta2 * gr) * gr
+        den = tl.sqrt_rn(v0) * inv_bc2_sqrt + eps
+        p0 = p0 - step_size * tl.div_rn(m0, den)
+        if OUT_KIND == 1:
+            tl.store(out_ptr + offs, _f32_to_bf16_rne(p0), mask=mask)
+        elif OUT_KIND == 2:
+            tl.store(out_ptr + offs, p0.to(tl.float16), mask=mask)
+    tl.store(p_ptr + offs, p0, mask=mask)
+    tl.store(m_ptr + offs, m0, mask=mask)
+    tl.store(v_ptr + offs, v0, mask=mask)
+
+
+@triton.jit
 def _cast_kernel(dst_ptr, src_ptr, n, BLOCK: tl.constexpr, OUT_KIND: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -190,6 +239,28 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
     if found_inf is not None:
         return None
     return bool(flag.item() == 0)
+
+
+def adam_undo(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, grad_scale,
+              decoupled_weight_decay, redo_scale=None, param_out=None, block=None, num_warps=None) -> None:
+    """Undo one adam_step given the grad it consumed (28 B/elem); with `redo_scale`, apply it again with
+    grad / redo_scale in the same pass (30 B with a 16-bit copy). beta1, beta2 > 0."""
+    n = param.numel()
+    if n == 0:
+        return
+    f32 = lambda x: float(np.float32(x))  # noqa: E731 - the coefficients as the Adam kernel rounds them
+    scale_mode, scale_arg = _scale_mode(grad_scale)
+    redo_mode, redo_arg = _scale_mode(1.0 if redo_scale is None else redo_scale)
+    blk, warps = _launch_shape("adam", n, param.device, block, num_warps)
+    with _quiet(param.device):
+        _undo_kernel[(triton.cdiv(n, blk),)](
+            param, grad, exp_avg, exp_avg_sq, param if param_out is None else param_out, n, scale_arg, redo_arg,
+            f32(weight_decay), f32(1.0 - lr * weight_decay), f32(beta1), f32(1.0 - beta1), f32(beta2),
+            f32(1.0 - beta2), f32(1.0 / math.sqrt(1.0 - beta2**step)), f32(lr / (1.0 - beta1**step)), f32(eps),
+            BLOCK=blk, GRAD_KIND=_KIND[grad.dtype], OUT_KIND=0 if param_out is None else _KIND[param_out.dtype],
+            SCALE_MODE=scale_mode, REDO_MODE=redo_mode,
+            DECOUPLED=bool(decoupled_weight_decay) or weight_decay == 0.0, FIRST=step == 1,
+            REDO=redo_scale is not None, num_warps=warps)
 
 
 def cast_(dst, src, *, block=None, num_warps=None) -> None:

@@ -265,55 +265,110 @@ bool adam_step(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, u
 // adam_step used (so it is the same bits), and the subtractions are undone in double: the master comes
 // back to within an ulp or two; a moment loses only what rounding took from its updated value (after
 // step 1 the moments are restored to their exact zeros). Reads p, m, v, grad; writes p, m, v: 26-28 B.
+//
+// With redo_scale > 0 the same pass then applies the step again with grad / redo_scale instead of
+// grad / grad_scale (a correction: the speculative step used a guessed clip coefficient), in adam_step's
+// arithmetic, writing the 16-bit copy too: one pass instead of two, 28-30 B.
+struct UndoCoeffs {
+    float decay, l2_wd, b1, omb1, b2, omb2, inv_bc2_sqrt, step_size, eps;
+    bool decoupled, first;
+};
+
+static inline float unscale(float g, float scale, float inv, int mode) {
+    return mode == 0 ? g : mode == 1 ? g * inv : g / scale;
+}
+
+static inline int scale_mode_of(float scale, float inv) {
+    int exponent;
+    const bool pow2 = std::frexp((double)scale, &exponent) == 0.5 && std::isnormal(inv);
+    return scale == 1.0f ? 0 : pow2 ? 1 : 2;
+}
+
+template <int GK, bool REDO>
+static void undo_range(float* p, const void* grad, float* m, float* v, uint16_t* out, int ok, int64_t lo, int64_t hi,
+                       const UndoCoeffs& k, float scale, float inv, int mode, float rscale, float rinv, int rmode) {
+    for (int64_t i = lo; i < hi; ++i) {
+        const float m1 = m[i], v1 = v[i];
+        const float denom = std::sqrt(v1) * k.inv_bc2_sqrt + k.eps;
+        const float u = k.step_size * (m1 / denom);
+        const double pd = (double)p[i] + (double)u;
+        const float p0 = k.decoupled ? (float)(pd / (double)k.decay) : (float)pd;
+        const float graw = GK == 0 ? reinterpret_cast<const float*>(grad)[i]
+                         : GK == 1 ? simd_scalar::bf16_to_f32(reinterpret_cast<const uint16_t*>(grad)[i])
+                                   : simd_scalar::f16_to_f32_soft(reinterpret_cast<const uint16_t*>(grad)[i]);
+        float g = unscale(graw, scale, inv, mode);
+        if (!k.decoupled) g = g + k.l2_wd * p0;
+        float m0 = 0.0f, v0 = 0.0f;
+        if (!k.first) {
+            if (k.b1 > 0.0f) m0 = (float)(((double)m1 - (double)(k.omb1 * g)) / (double)k.b1);
+            const float t = (k.omb2 * g) * g;
+            const double vv = k.b2 > 0.0f ? ((double)v1 - (double)t) / (double)k.b2 : 0.0;
+            v0 = vv > 0.0 ? (float)vv : 0.0f;
+        }
+        if (!REDO) {
+            p[i] = p0;
+            m[i] = m0;
+            v[i] = v0;
+            continue;
+        }
+        // adam_step's order (cpu_adam_impl.h, adam_elems), from the restored state
+        float gr = unscale(graw, rscale, rinv, rmode);
+        float pi = p0;
+        if (k.decoupled) pi = pi * k.decay;
+        else gr = gr + k.l2_wd * pi;
+        const float mi = k.b1 * m0 + k.omb1 * gr;
+        const float vi = k.b2 * v0 + (k.omb2 * gr) * gr;
+        const float den = std::sqrt(vi) * k.inv_bc2_sqrt + k.eps;
+        pi = pi - k.step_size * (mi / den);
+        p[i] = pi;
+        m[i] = mi;
+        v[i] = vi;
+        if (ok == 1) out[i] = simd_scalar::f32_to_bf16(pi);
+        else if (ok == 2) out[i] = simd_scalar::f32_to_f16_soft(pi);
+    }
+}
+
 void adam_undo(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, uintptr_t exp_avg,
                uintptr_t exp_avg_sq, int64_t n, int64_t step, double lr, double beta1, double beta2, double eps,
-               double weight_decay, double grad_scale, bool decoupled, int num_threads) {
+               double weight_decay, double grad_scale, bool decoupled, double redo_scale, uintptr_t param_out,
+               const std::string& out_dtype, int num_threads) {
     if (n < 0) throw py::value_error("adam_undo: negative element count");
     if (step < 1) throw py::value_error("adam_undo: step must be >= 1 (1-based, after increment)");
     const int gcode = dtype_code(grad_dtype, true, "adam_undo grad");
+    const int ocode = param_out == 0 ? 0 : dtype_code(out_dtype, false, "adam_undo param_out");
     check_ptr(param, 4, n, "param");
     check_ptr(exp_avg, 4, n, "exp_avg");
     check_ptr(exp_avg_sq, 4, n, "exp_avg_sq");
     check_ptr(grad, element_size(gcode), n, "grad");
-    const float decay = (float)(1.0 - lr * weight_decay), l2_wd = (float)weight_decay;
-    const float b1 = (float)beta1, omb1 = (float)(1.0 - beta1), b2 = (float)beta2, omb2 = (float)(1.0 - beta2);
-    const float inv_bc2_sqrt = (float)(1.0 / std::sqrt(1.0 - std::pow(beta2, (double)step)));
-    const float step_size = (float)(lr / (1.0 - std::pow(beta1, (double)step)));
-    const float epsf = (float)eps, scale = (float)grad_scale, inv_scale = 1.0f / scale;
-    int exponent;
-    const bool pow2 = std::frexp((double)scale, &exponent) == 0.5 && std::isnormal(inv_scale);
-    const int scale_mode = scale == 1.0f ? 0 : pow2 ? 1 : 2;
+    if (param_out != 0) check_ptr(param_out, 2, n, "param_out");
+    UndoCoeffs k;
+    k.decay = (float)(1.0 - lr * weight_decay);
+    k.l2_wd = (float)weight_decay;
+    k.b1 = (float)beta1, k.omb1 = (float)(1.0 - beta1), k.b2 = (float)beta2, k.omb2 = (float)(1.0 - beta2);
+    k.inv_bc2_sqrt = (float)(1.0 / std::sqrt(1.0 - std::pow(beta2, (double)step)));
+    k.step_size = (float)(lr / (1.0 - std::pow(beta1, (double)step)));
+    k.eps = (float)eps;
+    k.decoupled = decoupled;
+    k.first = step == 1;
+    const float scale = (float)grad_scale, inv = 1.0f / scale;
+    const int mode = scale_mode_of(scale, inv);
+    const bool redo = redo_scale > 0.0;
+    const float rscale = redo ? (float)redo_scale : 1.0f, rinv = 1.0f / rscale;
+    const int rmode = scale_mode_of(rscale, rinv);
     float* p = reinterpret_cast<float*>(param);
     float* m = reinterpret_cast<float*>(exp_avg);
     float* v = reinterpret_cast<float*>(exp_avg_sq);
+    uint16_t* out = reinterpret_cast<uint16_t*>(param_out);
+    const void* g = reinterpret_cast<const void*>(grad);
     const Blocks blocks(n);
     const int nt = threads_for(n, num_threads);
     py::gil_scoped_release no_gil;
 #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(dynamic, 1)
     for (int64_t b = 0; b < blocks.count; ++b) {
         const int64_t lo = blocks.begin(b), hi = lo + blocks.size(b);
-        for (int64_t i = lo; i < hi; ++i) {
-            const float m1 = m[i], v1 = v[i];
-            const float denom = std::sqrt(v1) * inv_bc2_sqrt + epsf;
-            const float u = step_size * (m1 / denom);
-            const double pd = (double)p[i] + (double)u;
-            const float p0 = decoupled ? (float)(pd / (double)decay) : (float)pd;
-            float g = gcode == 0 ? reinterpret_cast<const float*>(grad)[i]
-                    : gcode == 1 ? simd_scalar::bf16_to_f32(reinterpret_cast<const uint16_t*>(grad)[i])
-                                 : simd_scalar::f16_to_f32_soft(reinterpret_cast<const uint16_t*>(grad)[i]);
-            g = scale_mode == 0 ? g : scale_mode == 1 ? g * inv_scale : g / scale;
-            if (!decoupled) g = g + l2_wd * p0;
-            float m0 = 0.0f, v0 = 0.0f;
-            if (step > 1) {
-                if (b1 > 0.0f) m0 = (float)(((double)m1 - (double)(omb1 * g)) / (double)b1);
-                const float t = (omb2 * g) * g;
-                const double vv = b2 > 0.0f ? ((double)v1 - (double)t) / (double)b2 : 0.0;
-                v0 = vv > 0.0 ? (float)vv : 0.0f;
-            }
-            p[i] = p0;
-            m[i] = m0;
-            v[i] = v0;
-        }
+        const auto run = redo ? (gcode == 0 ? undo_range<0, true> : gcode == 1 ? undo_range<1, true> : undo_range<2, true>)
+                              : (gcode == 0 ? undo_range<0, false> : gcode == 1 ? undo_range<1, false> : undo_range<2, false>);
+        run(p, g, m, v, out, param_out == 0 ? 0 : ocode, lo, hi, k, scale, inv, mode, rscale, rinv, rmode);
     }
 }
 
@@ -387,7 +442,10 @@ PYBIND11_MODULE(_cpu_adam, m) {
     m.def("adam_undo", &adam_undo, py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"),
           py::arg("exp_avg_sq"), py::arg("n"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
           py::arg("eps"), py::arg("weight_decay"), py::arg("grad_scale"), py::arg("decoupled"),
-          py::arg("num_threads") = 0, "Undo one adam_step given the grad it consumed (see cpu_adam.cpp).");
+          py::arg("redo_scale") = 0.0, py::arg("param_out") = 0, py::arg("out_dtype") = "",
+          py::arg("num_threads") = 0,
+          "Undo one adam_step given the grad it consumed; with redo_scale > 0 apply it again with that "
+          "grad scale in the same pass (see cpu_adam.cpp).");
     m.def("cast", &cast, py::arg("dst"), py::arg("dst_dtype"), py::arg("src"), py::arg("n"),
           py::arg("simd") = "auto", py::arg("num_threads") = 0,
           "fp32 -> bfloat16/float16, round to nearest even.");

@@ -242,9 +242,7 @@ class Updater:
         log.hyper_of[c] = speculated                       # applied with the guess, until the undo below
         grad = self._kept_on_tier(c)
         master, m, v = self.store.master[c], self.store.exp_avg[c], self.store.exp_avg_sq[c]
-        chunk_undo(master, grad, m, v, self.spans[c], speculated)
-        log.hyper_of[c] = None                             # back to before the step, for now
-        chunk_update(master, grad, m, v, self.spans[c], hyper, param_out=self.store.shadow.get(c), check_finite=False)
+        chunk_undo(master, grad, m, v, self.spans[c], speculated, redo=hyper, param_out=self.store.shadow.get(c))
         log.hyper_of[c] = hyper
         self._done_with(grad, c)
         if self.store.tier(c) == "host":
