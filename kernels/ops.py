@@ -160,7 +160,7 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
 
 
 def adam_undo(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, grad_scale=1.0,
-              decoupled_weight_decay=True, redo_scale=None, param_out=None, backend="auto") -> None:
+              decoupled_weight_decay=True, redo_scale=None, param_out=None, part="all", backend="auto") -> None:
     """The inverse of `adam_step` (without `found_inf`): given param, exp_avg and exp_avg_sq after a step and
     the grad that step consumed, restore them to what they were before it, in place. The master comes back
     to within an ulp or two; a moment loses only what rounding took from its updated value (after step 1,
@@ -170,10 +170,20 @@ def adam_undo(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
     a step that used the wrong scale, e.g. a guessed clip coefficient), in the same pass, writing
     `param_out` (16-bit) too. The result is what `adam_step(..., grad_scale=redo_scale)` gives from the
     restored state. CPU: the C++ kernel; CUDA: Triton; otherwise plain torch (float64 temporaries in blocks).
+
+    part: "all"; "param" (the master only, from the updated moments: `grad` may be None); "moments" (the
+    master is already restored: the moments, from the grad, and the redo if asked) — a replayed step's
+    two halves, when no gradient was kept.
     """
+    parts = {"all": 0, "param": 1, "moments": 2}
+    if part not in parts:
+        raise ValueError(f"part must be one of {list(parts)}, got {part!r}")
+    if part == "param" and (redo_scale is not None or param_out is not None):
+        raise ValueError("part='param' restores the master only: no redo_scale, no param_out")
     _check_tensor("param", param, None, None, (torch.float32,))
     n, dev = param.numel(), param.device
-    _check_tensor("grad", grad, n, dev, _GRAD_DTYPES)
+    if part != "param" or grad is not None:
+        _check_tensor("grad", grad, n, dev, _GRAD_DTYPES)
     _check_tensor("exp_avg", exp_avg, n, dev, (torch.float32,))
     _check_tensor("exp_avg_sq", exp_avg_sq, n, dev, (torch.float32,))
     if param_out is not None:
@@ -181,6 +191,7 @@ def adam_undo(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
         raise ValueError(f"step must be an int >= 1 (1-based, after increment), got {step!r}")
     which = _resolve(backend, dev)
+    code = parts[part]
     hyper = dict(step=int(step), lr=_as_float("lr", lr), beta1=_as_float("beta1", beta1),
                  beta2=_as_float("beta2", beta2), eps=_as_float("eps", eps),
                  weight_decay=_as_float("weight_decay", weight_decay), grad_scale=_as_float("grad_scale", grad_scale),
@@ -190,11 +201,13 @@ def adam_undo(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
     if n == 0:
         return
     if which == "cpp":
-        cpu_adam.adam_undo(param, grad, exp_avg, exp_avg_sq, redo_scale=redo_scale, param_out=param_out, **hyper)
+        cpu_adam.adam_undo(param, grad, exp_avg, exp_avg_sq, redo_scale=redo_scale, param_out=param_out, part=code,
+                           **hyper)
     elif which == "triton" and hyper["beta1"] > 0 and hyper["beta2"] > 0:
-        _triton().adam_undo(param, grad, exp_avg, exp_avg_sq, redo_scale=redo_scale, param_out=param_out, **hyper)
+        _triton().adam_undo(param, grad, exp_avg, exp_avg_sq, redo_scale=redo_scale, param_out=param_out, part=code,
+                            **hyper)
     else:
-        torch_adam.adam_undo(param, grad, exp_avg, exp_avg_sq, **hyper)
+        torch_adam.adam_undo(param, grad, exp_avg, exp_avg_sq, part=code, **hyper)
         if redo_scale is not None:
             adam_step(param, grad, exp_avg, exp_avg_sq, **dict(hyper, grad_scale=redo_scale), param_out=param_out,
                       check_finite=False, backend=backend)

@@ -39,7 +39,7 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
 
 
 def adam_undo(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, grad_scale,
-              decoupled_weight_decay, block_elems: int = 1 << 20) -> None:
+              decoupled_weight_decay, part: int = 0, block_elems: int = 1 << 20) -> None:
     """The inverse of adam_step given the grad it consumed, as the C++ kernel computes it: each fp32 op of
     the update term redone in float64 and rounded (exact for + - * / sqrt; torch's own fp32 CPU ops may
     differ from IEEE in the last bit), the subtractions undone in float64. In blocks, so the float64
@@ -56,10 +56,16 @@ def adam_undo(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
         for start in range(0, param.numel(), block_elems):
             sl = slice(start, start + block_elems)
             p, m, v = param[sl], exp_avg[sl], exp_avg_sq[sl]
-            denom = r(r(r(v.double().sqrt()) * inv_bc2_sqrt) + eps32)
-            u = r(step_size * r(m.double() / denom))
-            p0 = p.double() + u
-            p0 = r(p0 / decay) if decoupled else r(p0)
+            if part == 2:                            # the master is already restored
+                p0 = p.double()
+            else:
+                denom = r(r(r(v.double().sqrt()) * inv_bc2_sqrt) + eps32)
+                u = r(step_size * r(m.double() / denom))
+                p0 = p.double() + u
+                p0 = r(p0 / decay) if decoupled else r(p0)
+            if part == 1:
+                p.copy_(p0)
+                continue
             g = grad[sl].double()
             g = g if scale == 1.0 else r(g / scale)
             if not decoupled:

@@ -122,22 +122,27 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, flag_ptr, n,
 def _undo_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, n, grad_scale, redo_scale, l2_wd, decay, beta1, one_minus_beta1,
                  beta2, one_minus_beta2, inv_bc2_sqrt, step_size, eps,
                  BLOCK: tl.constexpr, GRAD_KIND: tl.constexpr, OUT_KIND: tl.constexpr, SCALE_MODE: tl.constexpr,
-                 REDO_MODE: tl.constexpr, DECOUPLED: tl.constexpr, FIRST: tl.constexpr, REDO: tl.constexpr):
+                 REDO_MODE: tl.constexpr, DECOUPLED: tl.constexpr, FIRST: tl.constexpr, REDO: tl.constexpr,
+                 PART: tl.constexpr):
     # The inverse of _adam_kernel given the grad it consumed (see adam_undo below); with REDO, the step
     # again with grad / redo_scale from the restored state, in _adam_kernel's arithmetic.
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    g_raw = _load_f32(g_ptr, offs, mask, GRAD_KIND)
-    p1 = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    p0 = tl.load(p_ptr + offs, mask=mask, other=0.0)
     m1 = tl.load(m_ptr + offs, mask=mask, other=0.0)
     v1 = tl.load(v_ptr + offs, mask=mask, other=0.0)
-    denom = tl.sqrt_rn(v1) * inv_bc2_sqrt + eps
-    u = step_size * tl.div_rn(m1, denom)
-    pd = p1.to(tl.float64) + u.to(tl.float64)
-    if DECOUPLED:
-        p0 = (pd / decay).to(tl.float32)
-    else:
-        p0 = pd.to(tl.float32)
+    if PART != 2:          # the master, from the updated moments (PART 2: it is already restored)
+        denom = tl.sqrt_rn(v1) * inv_bc2_sqrt + eps
+        u = step_size * tl.div_rn(m1, denom)
+        pd = p0.to(tl.float64) + u.to(tl.float64)
+        if DECOUPLED:
+            p0 = (pd / decay).to(tl.float32)
+        else:
+            p0 = pd.to(tl.float32)
+    if PART == 1:
+        tl.store(p_ptr + offs, p0, mask=mask)
+        return
+    g_raw = _load_f32(g_ptr, offs, mask, GRAD_KIND)
     g = _unscale(g_raw, grad_scale, SCALE_MODE)
     if not DECOUPLED:
         g = g + l2_wd * p0
@@ -242,7 +247,7 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
 
 
 def adam_undo(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, grad_scale,
-              decoupled_weight_decay, redo_scale=None, param_out=None, block=None, num_warps=None) -> None:
+              decoupled_weight_decay, redo_scale=None, param_out=None, part=0, block=None, num_warps=None) -> None:
     """Undo one adam_step given the grad it consumed (28 B/elem); with `redo_scale`, apply it again with
     grad / redo_scale in the same pass (30 B with a 16-bit copy). beta1, beta2 > 0."""
     n = param.numel()
@@ -254,13 +259,14 @@ def adam_undo(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
     blk, warps = _launch_shape("adam", n, param.device, block, num_warps)
     with _quiet(param.device):
         _undo_kernel[(triton.cdiv(n, blk),)](
-            param, grad, exp_avg, exp_avg_sq, param if param_out is None else param_out, n, scale_arg, redo_arg,
+            param, param if grad is None else grad, exp_avg, exp_avg_sq, param if param_out is None else param_out, n,
+            scale_arg, redo_arg,
             f32(weight_decay), f32(1.0 - lr * weight_decay), f32(beta1), f32(1.0 - beta1), f32(beta2),
             f32(1.0 - beta2), f32(1.0 / math.sqrt(1.0 - beta2**step)), f32(lr / (1.0 - beta1**step)), f32(eps),
-            BLOCK=blk, GRAD_KIND=_KIND[grad.dtype], OUT_KIND=0 if param_out is None else _KIND[param_out.dtype],
-            SCALE_MODE=scale_mode, REDO_MODE=redo_mode,
+            BLOCK=blk, GRAD_KIND=0 if grad is None else _KIND[grad.dtype],
+            OUT_KIND=0 if param_out is None else _KIND[param_out.dtype], SCALE_MODE=scale_mode, REDO_MODE=redo_mode,
             DECOUPLED=bool(decoupled_weight_decay) or weight_decay == 0.0, FIRST=step == 1,
-            REDO=redo_scale is not None, num_warps=warps)
+            REDO=redo_scale is not None, PART=part, num_warps=warps)
 
 
 def cast_(dst, src, *, block=None, num_warps=None) -> None:

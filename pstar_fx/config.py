@@ -114,15 +114,17 @@ class Config:
     or None. "auto": dynamic for fp16, None for bf16/fp32. Whatever the scale, a step with a non-finite
     gradient is skipped whole: no chunk changes, the step count and schedule do not advance."""
 
-    transaction: Literal["auto", "kept_grads", "two_pass", "none"] = "auto"
+    transaction: Literal["auto", "kept_grads", "replay", "two_pass", "none"] = "auto"
     """How a step's updates stay provisional until it commits. "kept_grads": updates run speculatively
     inside backward and each chunk's gradient is kept on the host until the verdict (compute-dtype bytes
     per parameter of host memory); clipping that triggers, a skip or an exception undoes them from it
-    (within fp32 rounding). "two_pass": a first forward+backward measures the norm and updates nothing,
+    (within fp32 rounding). "replay": the same speculation with nothing kept; a step that must be corrected
+    or rolled back restores the masters from the moments and runs forward+backward again (free unless it
+    triggers, then about 2x that step; needs a deterministic step: no dropout). "two_pass": a first forward+backward measures the norm and updates nothing,
     the second applies exactly (2x the step's compute when clipping or loss scaling is on; no memory; an
     exception in the second pass leaves the chunks it updated). "none": no protection (an exception or a
     non-finite gradient leaves the chunks already updated; not allowed with grad_clip). "auto": the
-    planner picks kept_grads when the host budget holds it, else two_pass when needed, else none."""
+    planner picks kept_grads when the host budget holds it, else replay."""
 
     def __post_init__(self):
         self.device = self._check_device(self.device)
@@ -150,7 +152,7 @@ class Config:
             raise ValueError(f"grad_accum: must be >= 1, got {self.grad_accum}")
         self.lr_schedule = check_schedule(self.lr_schedule)
         self.loss_scale = self._check_loss_scale(self.loss_scale)
-        _choice("transaction", self.transaction, ("auto", "kept_grads", "two_pass", "none"))
+        _choice("transaction", self.transaction, ("auto", "kept_grads", "replay", "two_pass", "none"))
         if self.transaction == "none" and self.grad_clip is not None:
             raise ValueError("transaction: 'none' cannot clip (the norm is known only after the updates); "
                              "use 'auto', 'kept_grads' or 'two_pass' with grad_clip")

@@ -451,10 +451,7 @@ def _choose_transaction(config: Config, kept_total: int, host_free: int | None) 
     choice = config.transaction
     if choice == "auto":
         needed = config.grad_clip is not None or config.loss_scaler_spec is not None
-        if host_free is None or kept_total <= host_free:
-            choice = "kept_grads"
-        else:
-            choice = "two_pass" if needed else "none"
+        choice = "kept_grads" if host_free is None or kept_total <= host_free else "replay"
     return choice, kept_total if choice == "kept_grads" else 0
 
 
@@ -479,6 +476,13 @@ def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_byte
                 f"costs an undo + redo pass over every chunk; rollback within fp32 rounding. Host bytes per "
                 f"parameter of a host-bound model {host_base} -> {host_base + itemsize}: the largest model is "
                 f"about {100 * itemsize / (host_base + itemsize):.0f}% smaller")
+    if transaction == "replay":
+        return ("speculative updates inside backward, nothing kept (the host budget does not hold "
+                f"{format_bytes(kept_bytes or 0)} of gradients); a step that must be corrected (clipping that "
+                "triggers) or rolled back (a skip, an exception) restores the masters from the moments and runs "
+                "forward and backward again: free when it does not trigger, about one more step when it does; "
+                "needs a deterministic step (no dropout); a host Adam failure after the step returned cannot be "
+                "undone")
     if transaction == "two_pass":
         return ("a first forward+backward measures the norm and updates nothing, the second applies exactly: "
                 f"+{second_pass_s:.3g} s/step of compute when clipping or loss scaling is on; no memory; "

@@ -105,6 +105,14 @@ def assert_run_matches(engine, reports, ref, ref_out, rel=1e-5):
     assert_weights_close(engine.state_dict(), ref, rel)
 
 
+# A replay recomputes the step's gradients at the restored masters, an ulp or two from the originals, so the
+# moments it restores carry that gradient's difference (relative 1e-6..1e-5 where a gradient is a sum that
+# cancels): fp32 results then hold to 1e-4, not 1e-5. (In bf16 the restored masters round to the same
+# compute copy almost always.) kept_grads, the planner's choice whenever the host holds the gradients,
+# restores from the kept gradient itself.
+REPLAY_REL = 1e-4
+
+
 def tiny_gpt():
     torch.manual_seed(0)
     return GPT(gpt_config("tiny"))
@@ -112,7 +120,7 @@ def tiny_gpt():
 
 # ---- clipping ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("transaction", ["kept_grads", "two_pass"])
+@pytest.mark.parametrize("transaction", ["kept_grads", "replay", "two_pass"])
 @pytest.mark.parametrize("when", ["every", "some", "never"])
 def test_clipping_equals_clip_grad_norm(when, transaction):
     model = tiny_gpt()
@@ -125,12 +133,14 @@ def test_clipping_equals_clip_grad_norm(when, transaction):
     engine = compile_gpt(model, grad_clip=clip, transaction=transaction)
     assert engine.plan.transaction == transaction
     reports = run(engine, batches)
-    assert_run_matches(engine, reports, ref, ref_out)
+    assert_run_matches(engine, reports, ref, ref_out, rel=REPLAY_REL if transaction == "replay" else 1e-5)
     clipped = [r.clip_coef < 1.0 for r in reports]
     assert clipped == [o[1] > clip for o in ref_out]
     assert {"every": all(clipped), "never": not any(clipped), "some": any(clipped) and not all(clipped)}[when]
     if when == "never":
         assert engine.rt.telemetry.seconds["correction"] == 0.0   # nothing to correct when it does not trigger
+    if transaction == "replay":
+        assert engine.plan.host_breakdown["kept gradients"] == 0
 
 
 @pytest.mark.parametrize("accum", [1, 2, 4])
@@ -265,13 +275,14 @@ def record_undos(monkeypatch):
     real = updater_module.chunk_undo
 
     def chunk_undo(master, grad, exp_avg, exp_avg_sq, *a, **k):
-        seen[master.data_ptr()] = [t.clone() for t in (master, exp_avg, exp_avg_sq)]
+        if master.data_ptr() not in seen:         # the first undo of a chunk starts from its updated state
+            seen[master.data_ptr()] = [t.clone() for t in (master, exp_avg, exp_avg_sq)]
         return real(master, grad, exp_avg, exp_avg_sq, *a, **k)
     monkeypatch.setattr(updater_module, "chunk_undo", chunk_undo)
     return seen
 
 
-def assert_state_restored(engine, state, undone):
+def assert_state_restored(engine, state, undone, replayed=False):
     """Every chunk's master and moments as before the step: bit for bit where nothing was undone; where an
     update was undone, within two ulps of the value before and of the value the undo started from (the
     undo cannot recover what rounding took from the updated value, which a large gradient can make many
@@ -284,6 +295,8 @@ def assert_state_restored(engine, state, undone):
             start = undone.get(store.master[c].data_ptr())
             if start is None:
                 assert torch.equal(a, b), (c, j)
+            elif replayed and j > 0:    # moments from a recomputed gradient (see REPLAY_REL)
+                torch.testing.assert_close(a, b, rtol=REPLAY_REL, atol=REPLAY_REL * float(b.abs().max()))
             else:
                 bound = 2.0**-22 * (start[j].abs() + b.abs()) + 1e-30
                 assert bool(((a - b).abs() <= bound).all()), (c, j, float(((a - b).abs() / bound).max()))
@@ -323,14 +336,15 @@ def interrupt(monkeypatch, engine, where, at):
         monkeypatch.setattr(adam_module, "adam_step", adam_step)
 
 
+@pytest.mark.parametrize("transaction", ["kept_grads", "replay"])
 @pytest.mark.parametrize("clip", [None, 0.05])
 @pytest.mark.parametrize("where", ["forward", "backward", "host_adam"])
-def test_an_interrupted_step_leaves_the_state_as_before(monkeypatch, where, clip):
+def test_an_interrupted_step_leaves_the_state_as_before(monkeypatch, where, clip, transaction):
     model = tiny_gpt()
     batches = gpt_batches(5)
     schedule = {"type": "linear", "warmup_steps": 1, "total_steps": 10}
     ref, _, ref_out = reference(model, batches, grad_clip=clip, lr_lambda=LrSchedule(schedule, OPT["lr"]).multiplier)
-    engine = compile_gpt(model, grad_clip=clip, lr_schedule=schedule)
+    engine = compile_gpt(model, grad_clip=clip, lr_schedule=schedule, transaction=transaction)
     reports = run(engine, batches[:2])
     state, steps, lr = optimizer_state(engine), engine.steps, engine.lr
     with monkeypatch.context() as m:
@@ -339,9 +353,9 @@ def test_an_interrupted_step_leaves_the_state_as_before(monkeypatch, where, clip
         with pytest.raises(Boom):
             engine.step(*batches[2])
     assert engine.steps == steps and engine.lr == lr and (where != "forward" or not undone)
-    assert_state_restored(engine, state, undone)
+    assert_state_restored(engine, state, undone, replayed=transaction == "replay")
     reports += run(engine, batches[2:])               # and the next steps equal an uninterrupted run
-    assert_run_matches(engine, reports, ref, ref_out)
+    assert_run_matches(engine, reports, ref, ref_out, rel=REPLAY_REL if transaction == "replay" else 1e-5)
 
 
 @pytest.mark.parametrize("clip", [None, 0.05])
@@ -408,7 +422,11 @@ def test_explain_says_what_the_transaction_costs():
     state = roomy.host_breakdown["chunk state"] + roomy.host_breakdown["16-bit shadows"]
     tight = pstar_fx.plan(model, {"device": "cpu", "placement": "host", "grad_clip": 1.0,
                                   "host_memory": state + 4 * 2**20 // 16}, batch())
-    assert tight.transaction == "two_pass" and tight.estimated_step_seconds > roomy.estimated_step_seconds
+    assert tight.transaction == "replay" and tight.host_breakdown["kept gradients"] == 0
+    assert "runs forward and backward again" in tight.transaction_cost
+    two = pstar_fx.plan(model, {"device": "cpu", "placement": "host", "grad_clip": 1.0, "transaction": "two_pass"},
+                        batch())
+    assert two.estimated_step_seconds > roomy.estimated_step_seconds
     accum = pstar_fx.plan(model, {"device": "cpu", "placement": "host", "grad_accum": 2}, batch())
     assert accum.host_breakdown["gradient accumulators"] == 4 * len(accum.placement) * accum_chunk(accum, model)
 

@@ -266,6 +266,10 @@ bool adam_step(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, u
 // back to within an ulp or two; a moment loses only what rounding took from its updated value (after
 // step 1 the moments are restored to their exact zeros). Reads p, m, v, grad; writes p, m, v: 26-28 B.
 //
+// part: 0 everything; 1 the master only, from the updated moments (no grad is read: the first half of a
+// replay, before the step runs again); 2 the moments only, the master being already restored (the second
+// half: the grad comes again from the replayed backward).
+//
 // With redo_scale > 0 the same pass then applies the step again with grad / redo_scale instead of
 // grad / grad_scale (a correction: the speculative step used a guessed clip coefficient), in adam_step's
 // arithmetic, writing the 16-bit copy too: one pass instead of two, 28-30 B.
@@ -284,15 +288,22 @@ static inline int scale_mode_of(float scale, float inv) {
     return scale == 1.0f ? 0 : pow2 ? 1 : 2;
 }
 
-template <int GK, bool REDO>
+template <int GK, bool REDO, int PART>
 static void undo_range(float* p, const void* grad, float* m, float* v, uint16_t* out, int ok, int64_t lo, int64_t hi,
                        const UndoCoeffs& k, float scale, float inv, int mode, float rscale, float rinv, int rmode) {
     for (int64_t i = lo; i < hi; ++i) {
         const float m1 = m[i], v1 = v[i];
-        const float denom = std::sqrt(v1) * k.inv_bc2_sqrt + k.eps;
-        const float u = k.step_size * (m1 / denom);
-        const double pd = (double)p[i] + (double)u;
-        const float p0 = k.decoupled ? (float)(pd / (double)k.decay) : (float)pd;
+        float p0 = p[i];
+        if (PART != 2) {
+            const float denom = std::sqrt(v1) * k.inv_bc2_sqrt + k.eps;
+            const float u = k.step_size * (m1 / denom);
+            const double pd = (double)p0 + (double)u;
+            p0 = k.decoupled ? (float)(pd / (double)k.decay) : (float)pd;
+        }
+        if (PART == 1) {
+            p[i] = p0;
+            continue;
+        }
         const float graw = GK == 0 ? reinterpret_cast<const float*>(grad)[i]
                          : GK == 1 ? simd_scalar::bf16_to_f32(reinterpret_cast<const uint16_t*>(grad)[i])
                                    : simd_scalar::f16_to_f32_soft(reinterpret_cast<const uint16_t*>(grad)[i]);
@@ -331,7 +342,8 @@ static void undo_range(float* p, const void* grad, float* m, float* v, uint16_t*
 void adam_undo(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, uintptr_t exp_avg,
                uintptr_t exp_avg_sq, int64_t n, int64_t step, double lr, double beta1, double beta2, double eps,
                double weight_decay, double grad_scale, bool decoupled, double redo_scale, uintptr_t param_out,
-               const std::string& out_dtype, int num_threads) {
+               const std::string& out_dtype, int part, int num_threads) {
+    if (part < 0 || part > 2) throw py::value_error("adam_undo: part must be 0, 1 or 2");
     if (n < 0) throw py::value_error("adam_undo: negative element count");
     if (step < 1) throw py::value_error("adam_undo: step must be >= 1 (1-based, after increment)");
     const int gcode = dtype_code(grad_dtype, true, "adam_undo grad");
@@ -339,7 +351,7 @@ void adam_undo(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, u
     check_ptr(param, 4, n, "param");
     check_ptr(exp_avg, 4, n, "exp_avg");
     check_ptr(exp_avg_sq, 4, n, "exp_avg_sq");
-    check_ptr(grad, element_size(gcode), n, "grad");
+    if (part != 1) check_ptr(grad, element_size(gcode), n, "grad");
     if (param_out != 0) check_ptr(param_out, 2, n, "param_out");
     UndoCoeffs k;
     k.decay = (float)(1.0 - lr * weight_decay);
@@ -366,8 +378,11 @@ void adam_undo(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, u
 #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(dynamic, 1)
     for (int64_t b = 0; b < blocks.count; ++b) {
         const int64_t lo = blocks.begin(b), hi = lo + blocks.size(b);
-        const auto run = redo ? (gcode == 0 ? undo_range<0, true> : gcode == 1 ? undo_range<1, true> : undo_range<2, true>)
-                              : (gcode == 0 ? undo_range<0, false> : gcode == 1 ? undo_range<1, false> : undo_range<2, false>);
+        const auto run = part == 1 ? undo_range<0, false, 1>
+            : part == 2 ? (redo ? (gcode == 0 ? undo_range<0, true, 2> : gcode == 1 ? undo_range<1, true, 2> : undo_range<2, true, 2>)
+                                : (gcode == 0 ? undo_range<0, false, 2> : gcode == 1 ? undo_range<1, false, 2> : undo_range<2, false, 2>))
+                        : (redo ? (gcode == 0 ? undo_range<0, true, 0> : gcode == 1 ? undo_range<1, true, 0> : undo_range<2, true, 0>)
+                                : (gcode == 0 ? undo_range<0, false, 0> : gcode == 1 ? undo_range<1, false, 0> : undo_range<2, false, 0>));
         run(p, g, m, v, out, param_out == 0 ? 0 : ocode, lo, hi, k, scale, inv, mode, rscale, rinv, rmode);
     }
 }
@@ -442,7 +457,7 @@ PYBIND11_MODULE(_cpu_adam, m) {
     m.def("adam_undo", &adam_undo, py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"),
           py::arg("exp_avg_sq"), py::arg("n"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
           py::arg("eps"), py::arg("weight_decay"), py::arg("grad_scale"), py::arg("decoupled"),
-          py::arg("redo_scale") = 0.0, py::arg("param_out") = 0, py::arg("out_dtype") = "",
+          py::arg("redo_scale") = 0.0, py::arg("param_out") = 0, py::arg("out_dtype") = "", py::arg("part") = 0,
           py::arg("num_threads") = 0,
           "Undo one adam_step given the grad it consumed; with redo_scale > 0 apply it again with that "
           "grad scale in the same pass (see cpu_adam.cpp).");

@@ -70,17 +70,19 @@ def chunk_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
 
 def chunk_undo(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                spans: list[tuple[int, int]], hyper: Hyper, *, redo: Hyper | None = None,
-               param_out: torch.Tensor | None = None) -> None:
+               param_out: torch.Tensor | None = None, part: str = "all") -> None:
     """Invert `chunk_update(master, grad, exp_avg, exp_avg_sq, spans, hyper)`, in place (see the module doc).
-    With `redo` (the same step with another grad_scale), apply that update in the same pass: a correction."""
+    With `redo` (the same step with another grad_scale), apply that update in the same pass: a correction.
+    `part` "param" restores only the master (no grad needed), "moments" only the moments (the master was
+    restored): the two halves of a replayed step."""
     beta1, beta2 = hyper.betas
     if redo is not None and replace(redo, grad_scale=hyper.grad_scale) != hyper:
         raise ValueError("a redo may change only grad_scale")
     for off, n in spans:
         sl = slice(off, off + n)
-        adam_undo(master[sl], grad[sl], exp_avg[sl], exp_avg_sq[sl], step=hyper.step, lr=hyper.lr, beta1=beta1,
+        adam_undo(master[sl], None if grad is None else grad[sl], exp_avg[sl], exp_avg_sq[sl], step=hyper.step, lr=hyper.lr, beta1=beta1,
                   beta2=beta2, eps=hyper.eps, weight_decay=hyper.weight_decay, grad_scale=hyper.grad_scale,
                   decoupled_weight_decay=hyper.decoupled, redo_scale=None if redo is None else redo.grad_scale,
-                  param_out=None if (param_out is None or redo is None) else param_out[sl])
+                  param_out=None if (param_out is None or redo is None) else param_out[sl], part=part)
         if param_out is not None and redo is None:
             cast_(param_out[sl], master[sl])

@@ -5,6 +5,9 @@ A step's updates are provisional until it commits. The plan chose how (`plan.tra
   kept_grads  each chunk is updated inside backward with clip coefficient 1 (speculation) and its gradient
               kept; the verdict (global norm, finiteness) then commits, corrects the updates by the clip
               coefficient (undo + redo per chunk) or rolls them back (a skipped step);
+  replay      like kept_grads, but nothing is kept: a step that must be corrected or rolled back restores
+              the masters from the moments and runs forward and backward again, whose gradients restore the
+              moments (and apply the corrected update). Free unless it triggers; then about one more step;
   two_pass    a first pass measures the verdict and updates nothing; a second pass applies exactly;
   none        updates are applied as they come; a non-finite gradient or an exception leaves the chunks
               already updated (the engine warns);
@@ -18,6 +21,7 @@ they were. Hyperparameters (step, lr, loss scale, clip coefficient) are frozen i
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -64,6 +68,7 @@ class Stepper:
         k = len(micro_batches)
         tangent = torch.tensor(scale / k, dtype=torch.float32)
         before = (self.applied, self.scaler.state_dict())
+        saved = None                                     # buffers as the step found them (a replay restores them)
         rt.copies.start_step()
         try:
             if k > 1:
@@ -86,6 +91,14 @@ class Stepper:
                         b.copy_(s)
                     up.open(hyper.scaled(scale / coef), "apply")
                     loss = self._run(micro_batches[0], tangent)
+            elif self.transaction == "replay":
+                saved = [b.clone() for b in self.buffers]
+                guess = self._last_coef if cfg.grad_clip is not None else 1.0
+                up.open(hyper.scaled(scale / guess), "speculate")
+                loss = self._run(micro_batches[0], tangent)
+                norm, coef, finite = self._verdict(scale)
+                if not finite or coef != guess:
+                    self._replay(micro_batches[0], tangent, saved, hyper.scaled(scale / coef) if finite else None)
             else:
                 # Speculate with the last step's clip coefficient: norms change slowly, so a correction then
                 # moves each update a little, and its undo loses nothing to cancellation (undoing a step
@@ -111,7 +124,7 @@ class Stepper:
             self.rolled_back()
             raise
         except BaseException:
-            self._abandon()
+            self._abandon(micro_batches, tangent, saved)
             raise
         self._before_settling = before if up.settling is not None else None
         self.scaler.update(found_inf=not finite)
@@ -127,10 +140,38 @@ class Stepper:
         norm, coef = clip_coefficient(sq, self.config.grad_clip)
         return norm, coef, math.isfinite(norm)
 
-    def _abandon(self) -> None:
+    def _replay(self, inputs, tangent, saved_buffers, hyper: Hyper | None) -> None:
+        """Restore the masters, then run the step again: its gradients restore the moments and, with
+        `hyper`, apply the right update (the guess was wrong) — without it, only restore (a skipped step)."""
+        t0 = time.perf_counter()
+        up = self.rt.updater
+        up.restore_masters()
+        for b, s in zip(self.buffers, saved_buffers):
+            b.copy_(s)
+        up.open_replay(hyper)
+        self._run(inputs, tangent)
+        self.rt.mover.check_idle()
+        self.rt.telemetry.add("correction", time.perf_counter() - t0)
+
+    def _abandon(self, micro_batches=None, tangent=None, before_buffers=None) -> None:
         self.rt.clear()
-        self.rt.updater.abandon()
-        if self.rt.updater.not_undone:
+        up = self.rt.updater
+        log = up.log
+        if self.transaction == "replay" and log is not None and log.mode == "speculate" and micro_batches:
+            # nothing was kept: roll the applied updates back by replaying the step (only restoring)
+            try:
+                if up._applied(log):
+                    self._replay(micro_batches[0], tangent, before_buffers or [b.clone() for b in self.buffers], None)
+                up.commit()
+                return
+            except BaseException as e:
+                self.rt.clear()
+                up.log = None
+                raise RuntimeError("a failed step could not be rolled back by replaying it (transaction 'replay' "
+                                   f"keeps no gradients): {type(e).__name__}: {e}; the weights are partly "
+                                   "updated") from e
+        up.abandon()
+        if up.not_undone:
             warnings.warn(f"the failed step had updated {len(self.rt.updater.not_undone)} chunk(s) that transaction "
                           f"{self.transaction!r} cannot undo; they stay updated", RuntimeWarning, stacklevel=4)
 

@@ -8,7 +8,10 @@ for a host chunk). What it does with it depends on the step's mode, set by the s
   apply       update now, keep nothing (the verdict is already known, or nothing can undo it);
   measure     only add the gradient's squared norm to the verdict (the first pass of a two-pass step);
   accumulate  add the gradient into the chunk's fp32 accumulator (a micro-batch of an accumulating step);
-              the last micro-batch measures the accumulated gradient; the update is applied after the verdict.
+              the last micro-batch measures the accumulated gradient; the update is applied after the verdict;
+  replay      the step runs again after a speculation that kept no gradient had to be corrected or rolled
+              back: the masters were restored from the moments first (`restore_masters`); each chunk's
+              recomputed gradient now restores its moments and, when correcting, applies the right update.
 
 The verdict is the global squared norm of the step's gradient, summed on the device as gradients are
 produced (device and host chunks alike, before a host chunk's gradient leaves the device), so it costs one
@@ -38,7 +41,7 @@ from .movers import Mover
 from .store import ChunkStore, Pool
 from .telemetry import Telemetry
 
-MODES = ("speculate", "apply", "measure", "accumulate")
+MODES = ("speculate", "apply", "measure", "accumulate", "replay")
 
 
 class StepRolledBack(RuntimeError):
@@ -54,6 +57,7 @@ class _Log:
     host: dict[int, Future | bool] = field(default_factory=dict)   # host chunk -> applied (or its future)
     host_sq: list[float] = field(default_factory=list)     # squared norms measured on the host
     undoable: bool = False
+    redo: bool = False                                     # a replay that applies the corrected update
     hyper_of: dict[int, Hyper | None] = field(default_factory=dict)   # a chunk corrected (or undone) since: its Hyper
 
     def pending_host(self) -> bool:
@@ -87,12 +91,13 @@ class Updater:
         self.log: _Log | None = None               # the step running now
         self.settling: _Log | None = None          # the step before, while some of its host updates run
         self._first_micro = self._last_micro = True
+        self._replaying: dict[int, Hyper] = {}     # a replay: chunk -> the Hyper of the update it undoes
         self.not_undone: list[int] = []            # chunks a failed step updated and nothing could undo
 
     # ---- the step's frame ----------------------------------------------------------------------------
     def open(self, hyper: Hyper, mode: str) -> None:
         assert mode in MODES, mode
-        self.log = _Log(hyper, mode, undoable=mode in ("speculate", "accumulate"))
+        self.log = _Log(hyper, mode, undoable=mode == "accumulate" or (mode == "speculate" and bool(self.kept)))
         self.not_undone = []
         self.found_inf.zero_()
         self._sq.zero_()
@@ -128,7 +133,11 @@ class Updater:
             return
         log, spans = self.log, self.spans[c]
         master, m, v = self.store.master[c], self.store.exp_avg[c], self.store.exp_avg_sq[c]
-        if log.mode == "accumulate":
+        if log.mode == "replay":
+            if c in self._replaying:
+                chunk_undo(master, grad, m, v, spans, self._replaying[c], redo=log.hyper if log.redo else None,
+                           part="moments")
+        elif log.mode == "accumulate":
             self._accumulate(c, grad)
             if self._last_micro:
                 self._add_sq(self.acc[c], c)
@@ -137,7 +146,7 @@ class Updater:
         else:
             sq = self._add_sq(grad, c)
             self.found_inf.add_((~torch.isfinite(sq)).float())   # gates this update and every later one
-            if log.mode == "speculate":                        # kept before it is used
+            if log.mode == "speculate" and self.kept:          # kept before it is used
                 n = self.layout.chunks[c].used_elems
                 if self.kept[c].device == grad.device:
                     self.kept[c][:n].copy_(grad[:n])
@@ -154,7 +163,13 @@ class Updater:
             self.copies.host_waits(ready)
             t0 = time.perf_counter()
             applied = False
-            if log.mode == "accumulate":
+            if log.mode == "replay":
+                if c in self._replaying:
+                    chunk_undo(self.store.master[c], grad, self.store.exp_avg[c], self.store.exp_avg_sq[c],
+                               self.spans[c], self._replaying[c], redo=log.hyper if log.redo else None,
+                               part="moments", param_out=self.store.shadow.get(c))
+                    applied = log.redo
+            elif log.mode == "accumulate":
                 self._accumulate(c, grad, first)
                 if last:
                     log.host_sq.append(float(self._sq_spans(self.acc[c], c)))
@@ -249,6 +264,32 @@ class Updater:
             self.telemetry.add("host_adam", time.perf_counter() - t0)
         return True
 
+    def restore_masters(self, log: _Log | None = None) -> dict[int, Hyper]:
+        """The first half of a replay: every chunk the (speculative, nothing kept) step updated gets its master
+        back from its updated moments; host chunks on the worker, so the replay's forward waits for each
+        chunk alone. Returns chunk -> the Hyper its update used (what the replay's moment undo inverts)."""
+        log = self.log if log is None else log
+        applied = {c: log.hyper_of.get(c, log.hyper) for c in self._applied(log)}
+        for c, hyper in applied.items():
+            if self.store.tier(c) == "host" and self.worker is not None:
+                self.pending[c] = self.worker.submit(self._restore_master, c, hyper)
+            else:
+                self._restore_master(c, hyper)
+        self._replaying = applied
+        return applied
+
+    def _restore_master(self, c: int, hyper: Hyper) -> bool:
+        master = self.store.master[c]
+        chunk_undo(master, None, self.store.exp_avg[c], self.store.exp_avg_sq[c], self.spans[c], hyper, part="param")
+        self.store.masters_changed([c])
+        return True
+
+    def open_replay(self, hyper: Hyper | None) -> None:
+        """The second half: the step runs again; `hyper` is the corrected update (None: only restore)."""
+        self.open(self.log.hyper if hyper is None else hyper, "replay")
+        self.log.redo = hyper is not None
+        self.log.undoable = False
+
     def commit(self) -> None:
         """The step stands. Host updates may still be running: the step settles as they finish."""
         if self.settling is not None:           # every chunk's update waited for it: nothing is left to run
@@ -301,6 +342,10 @@ class Updater:
             raise e                                  # the running step's own update: its abandon undoes it
         self.settling = None
         self._undo(settling, swallow=True)
+        if not settling.undoable:
+            raise RuntimeError(f"the host Adam of an earlier step failed after that step returned ({type(e).__name__}: "
+                               f"{e}); with nothing kept ('replay') that step cannot be undone: its other chunks stay "
+                               "updated, the failed one does not") from e
         raise StepRolledBack(f"the host Adam of an earlier step failed after that step returned "
                              f"({type(e).__name__}: {e}); that step was rolled back") from e
 
