@@ -237,10 +237,6 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         elif node.op == "call_method" and node.target == "adam":
             adam_at[node.args[1]] = i
     grad_slots = _max_overlap([(grad_first[c], adam_at[c]) for c in grad_first if c in adam_at])
-    if config.device.startswith("cuda") and config.grad_accum == 1 and config.transaction in ("auto", "kept_grads"):
-        # a device chunk's kept gradient is copied to the host from its slot: a second slot lets backward
-        # go on meanwhile (GPT3_10B, one slot: the compute stream waited 0.14 s a step for those copies)
-        grad_slots = max(grad_slots, 2)
 
     buffer_nodes = role_nodes(g, "buffer")
     cuda = config.device.startswith("cuda")
@@ -272,18 +268,28 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         extra = staging if k < n_chunks else 0
         return budget is None or fixed + extra + k * state_bytes + need_slots * slot_bytes <= budget
 
-    if config.placement == "host":
-        n_device = 0
-    elif config.placement == "device" or budget is None:
-        n_device = n_chunks
-    else:
-        n_device = next((k for k in range(n_chunks, -1, -1) if device_fits(k)), 0)
-    if host_room is not None and n_chunks - n_device > host_room and config.placement != "host":
-        n_device = min(n_chunks, n_chunks - host_room)   # the host is full: more state must sit on the device
-    n_updated_device = sum(1 for ch in layout.chunks[:n_device] if ch.grad_spans())
+    def place() -> int:
+        if config.placement == "host":
+            n = 0
+        elif config.placement == "device" or budget is None:
+            n = n_chunks
+        else:
+            n = next((k for k in range(n_chunks, -1, -1) if device_fits(k)), 0)
+        if host_room is not None and n_chunks - n > host_room and config.placement != "host":
+            n = min(n_chunks, n_chunks - host_room)   # the host is full: more state must sit on the device
+        return n
+
+    n_device = place()
     transaction, kept_bytes = _choose_transaction(config, n_updated * cs * compute_itemsize,
                                                   host_free=None if config.host_memory is None else
                                                   config.host_memory - host_staging - (n_chunks - n_device) * state_bytes)
+    if transaction == "kept_grads" and cuda and n_device and grad_slots < 2:
+        # a device chunk's kept gradient is copied to the host from its slot: a second slot lets backward go
+        # on meanwhile (GPT3_10B with one slot: the compute stream waited 0.14 s a step for those copies)
+        grad_slots = 2
+        fixed += grad_slot_bytes
+        n_device = place()
+    n_updated_device = sum(1 for ch in layout.chunks[:n_device] if ch.grad_spans())
     placement = ["device"] * n_device + ["host"] * (n_chunks - n_device)
     needs_slot = [not (fp32 and placement[c] == "device") for c in range(n_chunks)]
     slot_chunks = sum(needs_slot)
