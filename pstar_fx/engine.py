@@ -158,6 +158,19 @@ class Lowered:
         fn(gm, *args)
 
 
+def _runner(graph: fx.GraphModule, rt: ChunkRuntime, buffers: list, device: torch.device, tangent_dtype):
+    """One forward + backward of the lowered graph on one micro-batch. A closure, not an Engine method: the
+    Stepper holds it, and a reference back to the Engine would keep its memory alive until a GC cycle."""
+    def run(inputs: list[torch.Tensor], tangent: torch.Tensor) -> torch.Tensor:
+        args = [rt, *buffers, *inputs, tangent.to(device, tangent_dtype)]
+        if device.type == "cpu":
+            outs = run_graph(graph, args, rt, skip_args=1 + len(buffers))
+        else:
+            outs = graph(*args)
+        return outs[0].detach()
+    return run
+
+
 def _copy_graph(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
     """A copy to try a plan on. Lazy: its Python code is generated only if this copy is the one kept
     (code generation was two thirds of planning time for an 18B model, over a dozen discarded tries)."""
@@ -210,7 +223,9 @@ class Engine:
         self._buffers = [self.rt.store.adopt(model.get_buffer(b).detach().to(self.device, copy=True))
                          for b in cap.buffers]
         self._tangent_dtype = role_nodes(cap.gm.graph, "tangent")[0].meta["val"].dtype
-        self.stepper = Stepper(self.rt, config, plan.transaction, self._run, self._buffers)
+        self.stepper = Stepper(self.rt, config, plan.transaction,
+                               _runner(self.lowered.graph, self.rt, self._buffers, self.device, self._tangent_dtype),
+                               self._buffers)
         self.last_step: StepReport | None = None
 
     def _materialize(self, model: nn.Module) -> None:
@@ -254,15 +269,6 @@ class Engine:
             warnings.warn(f"step {self.steps + 1}: non-finite gradients; {what} (no weight changed)",
                           RuntimeWarning, stacklevel=2)
         return torch.tensor(report.loss)
-
-    def _run(self, inputs: list[torch.Tensor], tangent: torch.Tensor) -> torch.Tensor:
-        """One forward + backward of the lowered graph on one micro-batch."""
-        args = [self.rt, *self._buffers, *inputs, tangent.to(self.device, self._tangent_dtype)]
-        if self.device.type == "cpu":
-            outs = run_graph(self.graph, args, self.rt, skip_args=1 + len(self._buffers))
-        else:
-            outs = self.graph(*args)
-        return outs[0].detach()
 
     @property
     def steps(self) -> int:

@@ -38,14 +38,16 @@ class ChunkRuntime:
         self.mover = Mover(self.store, plan, self.copies, self.telemetry)
         self.updater = Updater(self.store, plan, self.copies, self.telemetry, self.mover,
                                worker=cuda or HOST_WORKER_ON_CPU, grad_accum=config.grad_accum)
-        self.mover.before_read = self.updater.wait_for
         self._offloaded: dict[int, tuple] = {}
 
     # ---- what the lowered graph calls ----------------------------------------------------------------
     def prefetch(self, c: int) -> None:
+        self.updater.wait_for(c)                 # the copy reads the master (or shadow) the host Adam writes
         self.mover.prefetch(c)
 
     def fetch(self, c: int) -> None:
+        if c not in self.mover.compute:
+            self.updater.wait_for(c)
         self.mover.fetch(c)
 
     def release(self, c: int) -> None:

@@ -117,11 +117,10 @@ class Mover:
                        if plan.placement[c] == "device" and dtype == torch.float32}
         for c in self.pinned:
             self.compute[c] = store.master[c]        # fp32 on the device: the master is the compute copy
-        self.before_read = lambda c: None            # the runtime hooks in: wait for c's pending host update
 
     # ---- compute copies ------------------------------------------------------------------------------
     def prefetch(self, c: int) -> None:
-        self.before_read(c)
+        """(The runtime first waits for chunk c's pending host update: the copy reads its master.)"""
         buf = self.slots.take()
         n = self.layout.chunks[c].used_elems
         with self.copies.on("h2d"):
