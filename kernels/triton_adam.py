@@ -75,6 +75,21 @@ def _f32_to_bf16_rne(x):
 
 
 @triton.jit
+def _adam_update(p, g, m, v, l2_wd, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, step_size,
+                 eps, DECOUPLED: tl.constexpr):
+    """One Adam/AdamW step of (p, m, v) with the unscaled grad g, in torch.optim.AdamW's order."""
+    if DECOUPLED:
+        p = p * decay
+    else:
+        g = g + l2_wd * p
+    m = beta1 * m + one_minus_beta1 * g
+    v = beta2 * v + (one_minus_beta2 * g) * g
+    denom = tl.sqrt_rn(v) * inv_bc2_sqrt + eps
+    p = p - step_size * tl.div_rn(m, denom)
+    return p, m, v
+
+
+@triton.jit
 def _nonfinite_kernel(g_ptr, flag_ptr, n, grad_scale, BLOCK: tl.constexpr, GRAD_KIND: tl.constexpr,
                       SCALE_MODE: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -101,14 +116,8 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, flag_ptr, n,
     p = tl.load(p_ptr + offs, mask=mask, other=0.0)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-    if DECOUPLED:
-        p = p * decay
-    else:
-        g = g + l2_wd * p
-    m = beta1 * m + one_minus_beta1 * g
-    v = beta2 * v + (one_minus_beta2 * g) * g
-    denom = tl.sqrt_rn(v) * inv_bc2_sqrt + eps
-    p = p - step_size * tl.div_rn(m, denom)
+    p, m, v = _adam_update(p, g, m, v, l2_wd, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt,
+                           step_size, eps, DECOUPLED)
     tl.store(p_ptr + offs, p, mask=mask)
     tl.store(m_ptr + offs, m, mask=mask)
     tl.store(v_ptr + offs, v, mask=mask)
@@ -154,15 +163,8 @@ def _undo_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, n, grad_scale, redo_scale,
         t = (one_minus_beta2 * g) * g
         v0 = tl.maximum((v1.to(tl.float64) - t.to(tl.float64)) / beta2, 0.0).to(tl.float32)
     if REDO:
-        gr = _unscale(g_raw, redo_scale, REDO_MODE)
-        if DECOUPLED:
-            p0 = p0 * decay
-        else:
-            gr = gr + l2_wd * p0
-        m0 = beta1 * m0 + one_minus_beta1 * gr
-        v0 = beta2 * v0 + (one_minus_beta2 * gr) * gr
-        den = tl.sqrt_rn(v0) * inv_bc2_sqrt + eps
-        p0 = p0 - step_size * tl.div_rn(m0, den)
+        p0, m0, v0 = _adam_update(p0, _unscale(g_raw, redo_scale, REDO_MODE), m0, v0, l2_wd, decay, beta1,
+                                  one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, step_size, eps, DECOUPLED)
         if OUT_KIND == 1:
             tl.store(out_ptr + offs, _f32_to_bf16_rne(p0), mask=mask)
         elif OUT_KIND == 2:
