@@ -137,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=_positive_int, default=None,
                        help=f"training steps (default {DEFAULT_STEPS}, or ${STEPS_ENV})")
     train.add_argument("--lr", type=_positive_float, help="learning rate (default 1e-3)")
+    train.add_argument("--grad-clip", type=_positive_float, metavar="NORM", help="clip the global gradient norm")
+    train.add_argument("--grad-accum", type=_positive_int, metavar="K", help="micro-batches of --batch per update")
+    train.add_argument("--warmup", type=int, metavar="STEPS", help="linear warm-up, then cosine decay to 0 over "
+                       "--steps (Config.lr_schedule; --config takes any schedule)")
     train.add_argument("--seed", type=int, default=0, help="seed for weights and batches (default 0)")
     train.add_argument("--log-every", type=_positive_int, default=10, metavar="N", help="default 10")
     train.add_argument("--save", metavar="PATH", help="torch.save(engine.state_dict()) here at the end "
@@ -177,6 +181,13 @@ def _config_dict(args) -> dict:
         d["optimizer"] = {**d.get("optimizer", {}), "lr": args.lr}
     if getattr(args, "seed", None) is not None:
         d["seed"] = args.seed
+    if getattr(args, "grad_clip", None) is not None:
+        d["grad_clip"] = args.grad_clip
+    if getattr(args, "grad_accum", None) is not None:
+        d["grad_accum"] = args.grad_accum
+    if getattr(args, "warmup", None) is not None:
+        steps = args.steps if args.steps is not None else _default_steps()
+        d["lr_schedule"] = {"type": "cosine", "warmup_steps": args.warmup, "total_steps": max(steps, args.warmup)}
     return d
 
 
@@ -266,8 +277,9 @@ def cmd_train(args, parser) -> int:
     print(engine.explain())
     tokens = stdlib_tokens()
     print(f"data: {tokens.numel():,} bytes of Python stdlib source (vocab 256); {steps} steps")
-    data = batches(tokens, args.batch, seq, seed=args.seed)
-    tokens_per_step = args.batch * seq
+    k = engine.config.grad_accum
+    data = batches(tokens, args.batch * k, seq, seed=args.seed)     # a step takes grad_accum micro-batches
+    tokens_per_step = args.batch * k * seq
     first = last = None
     in_step = interrupted = False
     start = mark = time.perf_counter()
@@ -286,8 +298,10 @@ def cmd_train(args, parser) -> int:
                 mean = float(loss_sum) / since
                 first = mean if first is None else first
                 last = mean
-                print(f"step {step:5d}  loss {mean:.4f}  {since * tokens_per_step / (now - mark):,.0f} tok/s",
-                      flush=True)
+                r = engine.last_step
+                print(f"step {step:5d}  loss {mean:.4f}  {since * tokens_per_step / (now - mark):,.0f} tok/s  "
+                      f"lr {r.lr:.3g}  grad norm {r.grad_norm:.3g}" + (f" (clipped x{r.clip_coef:.3f})"
+                                                                         if r.clip_coef < 1 else ""), flush=True)
                 loss_sum, since, mark = 0.0, 0, now
     except KeyboardInterrupt:
         interrupted = True

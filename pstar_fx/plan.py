@@ -250,7 +250,10 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     min_slots = max((len(r) for r in reads), default=0)
     workspace = CUDA_WORKSPACE_BYTES if cuda else 0
     staging = cs * 4 if (cuda and not fp32) else 0      # (when any chunk is on the host)
-    fixed = act_peak + buffer_bytes + grad_slots * grad_slot_bytes + workspace
+    # an accumulating step holds its whole batch (grad_accum micro-batches) while the graph sees one
+    batch_rest = (config.grad_accum - 1) * sum(value_bytes(n.meta.get("val"), CUDA_BLOCK_BYTES if cuda else 1)
+                                               for n in role_nodes(g, "input"))
+    fixed = act_peak + buffer_bytes + grad_slots * grad_slot_bytes + workspace + batch_rest
     budget = config.device_memory
     notes: list[str] = []
     # with any chunk on the host: CUDA keeps at least 2 gradient buffers (it never casts on the host);
@@ -333,6 +336,8 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     }
     if workspace:
         device["workspace margin"] = workspace
+    if batch_rest:
+        device["other micro-batches"] = batch_rest
     n_host = n_chunks - n_device
     if not fp32 and "fp32" in ship:
         device["copy staging"] = cs * 4   # chunks shipped in fp32 are cast on the device

@@ -115,3 +115,11 @@ def test_train_on_cuda_without_cuda_is_a_clean_error(capsys):
     assert main(["train", "--model", "tiny", "--device", "cuda", "--steps", "1"]) == 1
     err = capsys.readouterr().err.strip()
     assert "no usable CUDA" in err and "\n" not in err
+
+
+def test_train_clips_accumulates_and_warms_up(capsys):
+    assert main(["train", "--model", "tiny", "--steps", "3", "--log-every", "1", "--grad-clip", "0.01",
+                 "--grad-accum", "2", "--warmup", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "step     1" in out and "lr 0 " in out and "clipped x" in out and "done: 3 steps" in out
+    assert "step transaction: accumulate" in out
