@@ -3,8 +3,9 @@
 Each `rt.adam(c)` hands the updater chunk c's gradient (in a device gradient slot, or already on the host
 for a host chunk). What it does with it depends on the step's mode, set by the step context:
 
-  speculate   update now with the clip coefficient 1 and keep the gradient (a copy on the host, or the host
-              buffer it landed in) until the step's verdict: the step may still be rolled back or corrected;
+  speculate   update now with a guessed clip coefficient (the last step's) and, with kept gradients, keep the
+              gradient (a copy on the GPU or the host, or the host buffer it landed in) until the step's
+              verdict: the step may still be corrected or rolled back;
   apply       update now, keep nothing (the verdict is already known, or nothing can undo it);
   measure     only add the gradient's squared norm to the verdict (the first pass of a two-pass step);
   accumulate  add the gradient into the chunk's fp32 accumulator (a micro-batch of an accumulating step);
@@ -23,11 +24,11 @@ Host chunks are updated by the C++ Adam on one worker thread while the GPU goes 
 may still run after the step returned, into the next step's forward (a read of chunk c waits for c's
 update, `wait_for`): that step is "settling". If one of its updates fails, the settling step is rolled
 back from the gradients it kept (still intact: the next step overwrites them only in its backward, after
-its forward waited for every one of these updates) and the error is raised as `StepRolledBack`.
+its forward waited for every one of these updates) and the error is raised as `StepRolledBack`; a step that
+kept nothing (replay) cannot be, and the error says so.
 """
 from __future__ import annotations
 
-import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -349,17 +350,11 @@ class Updater:
         raise StepRolledBack(f"the host Adam of an earlier step failed after that step returned "
                              f"({type(e).__name__}: {e}); that step was rolled back") from e
 
-    def _settle(self, log: _Log) -> None:
+    def _settle(self, log: _Log, swallow: bool = False) -> None:
+        """Wait for every host update of `log`'s step. With `swallow`, a failed one is recorded as the state it
+        left: a failed update changed nothing (the kernels are all-or-nothing), a failed correction left its
+        chunk as its `hyper_of` entry says."""
         for c, f in list(log.host.items()):
-            if isinstance(f, Future):
-                if self.pending.get(c) is f:
-                    del self.pending[c]
-                log.host[c] = f.result()
-
-    # ---- undo ----------------------------------------------------------------------------------------
-    def _undo(self, log: _Log, swallow: bool = False) -> list[int]:
-        """Restore the chunks `log`'s step updated. With `swallow`, failed host updates count as not applied."""
-        for c, f in list(log.host.items()):           # every host update of the step finished, one way or another
             if isinstance(f, Future):
                 if self.pending.get(c) is f:
                     del self.pending[c]
@@ -368,9 +363,12 @@ class Updater:
                 except BaseException:
                     if not swallow:
                         raise
-                    # a failed update changed nothing (the kernels are all-or-nothing); a failed correction
-                    # left its chunk as its hyper_of entry says
                     log.host[c] = log.hyper_of.get(c) is not None
+
+    # ---- undo ----------------------------------------------------------------------------------------
+    def _undo(self, log: _Log, swallow: bool = False) -> list[int]:
+        """Restore the chunks `log`'s step updated. With `swallow`, failed host updates count as what they left."""
+        self._settle(log, swallow)
         if log.mode in ("measure", "accumulate"):
             return []
         applied = self._applied(log)
