@@ -384,8 +384,9 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
                                               0.0 if plan.kept_on_device else n_updated_device * cs * compute_itemsize / rates.d2h_bw,
                                               plan.kept_on_device)
     if adam_exposed > 1e-3:
-        notes.append(f"host Adam the compute cannot hide: about {adam_exposed * 1e3:.0f} ms per step "
-                     f"({host_grad_buffers} host gradient buffers)")
+        notes.append(f"host Adam the compute cannot hide: about {adam_exposed * 1e3:.0f} ms per step ("
+                     + ("each host chunk's gradient in its own kept buffer" if kept_bytes or plan.kept_on_device
+                        else f"{host_grad_buffers} host gradient buffers") + ")")
     return plan
 
 
@@ -461,7 +462,6 @@ def _choose_transaction(config: Config, kept_total: int, host_free: int | None) 
         return "accumulate", 0        # the accumulators keep the step's gradients; updates run after the verdict
     choice = config.transaction
     if choice == "auto":
-        needed = config.grad_clip is not None or config.loss_scaler_spec is not None
         choice = "kept_grads" if host_free is None or kept_total <= host_free else "replay"
     return choice, kept_total if choice == "kept_grads" else 0
 
