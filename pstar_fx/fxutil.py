@@ -1,5 +1,5 @@
 """fxutil: what the passes and the memory model all need to know about a graph: each placeholder's role,
-whether a value aliases its input, and how many bytes it holds."""
+whether a value aliases its input, whether an op draws random numbers, and how many bytes a value holds."""
 from __future__ import annotations
 
 import operator
@@ -40,6 +40,16 @@ def aliases_input(node: fx.Node, *, in_place: bool = True) -> bool:
     schema = getattr(node.target, "_schema", None)
     return schema is not None and any(r.alias_info is not None and (in_place or not r.alias_info.is_write)
                                       for r in schema.returns)
+
+
+def is_random(node: fx.Node) -> bool:
+    """The op draws random numbers (dropout, rand): running the graph again draws others."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    # attention with dropout_p == 0 is tagged random but is not
+    args = dict(zip((a.name for a in schema.arguments), node.args)) | dict(node.kwargs)
+    return args.get("dropout_p", 1.0) != 0.0
 
 
 def value_bytes(val, round_to: int = 1) -> int:

@@ -27,7 +27,7 @@ import torch.fx as fx
 
 from .config import Config, format_bytes
 from .costs import Rates, calibrate, node_seconds
-from .fxutil import aliases_input, role_nodes, value_bytes
+from .fxutil import aliases_input, is_random, role_nodes, value_bytes
 from .layout import Layout
 from .schedule import Schedule, belady, place_prefetches
 
@@ -283,9 +283,11 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         return n
 
     n_device = place()
+    random_ops = [n.name for n in nodes if n.op == "call_function" and is_random(n)]
     transaction, kept_bytes = _choose_transaction(config, n_updated * cs * compute_itemsize,
                                                   host_free=None if config.host_memory is None else
-                                                  config.host_memory - host_staging - (n_chunks - n_device) * state_bytes)
+                                                  config.host_memory - host_staging - (n_chunks - n_device) * state_bytes,
+                                                  random_ops=random_ops)
     if transaction == "kept_grads" and cuda and n_device and grad_slots < 2:
         # a device chunk's kept gradient is copied to the host from its slot: a second slot lets backward go
         # on meanwhile (GPT3_10B with one slot: the compute stream waited 0.14 s a step for those copies)
@@ -456,13 +458,22 @@ def _choose_shipping(placement: list[str], config: Config, cs: int, itemsize: in
     return ship
 
 
-def _choose_transaction(config: Config, kept_total: int, host_free: int | None) -> tuple[str, int]:
-    """(transaction, host bytes of kept gradients). See Config.transaction for the choices."""
+def _choose_transaction(config: Config, kept_total: int, host_free: int | None,
+                        random_ops: list[str]) -> tuple[str, int]:
+    """(transaction, host bytes of kept gradients). See Config.transaction for the choices. A step with random
+    ops (dropout) cannot be replayed faithfully: it redraws them."""
     if config.grad_accum > 1:
         return "accumulate", 0        # the accumulators keep the step's gradients; updates run after the verdict
     choice = config.transaction
+    if choice == "replay" and random_ops:
+        raise ValueError(f"transaction 'replay' runs a step again, but this step draws random numbers "
+                         f"({', '.join(random_ops[:3])}{', ...' if len(random_ops) > 3 else ''}): a replay would "
+                         "draw others; use 'kept_grads' or 'two_pass'")
     if choice == "auto":
-        choice = "kept_grads" if host_free is None or kept_total <= host_free else "replay"
+        if host_free is None or kept_total <= host_free:
+            choice = "kept_grads"
+        else:
+            choice = "two_pass" if random_ops else "replay"
     return choice, kept_total if choice == "kept_grads" else 0
 
 

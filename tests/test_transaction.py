@@ -449,3 +449,43 @@ def test_an_engine_is_freed_without_a_gc_cycle():
         assert [r() is None for r in alive] == [True] * len(alive)
     finally:
         gc.enable()
+
+
+class Dropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 64), nn.Linear(64, 1)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.fc2(F.dropout(torch.tanh(self.fc1(x)), 0.1)).squeeze(-1), y)
+
+
+def test_a_step_with_dropout_is_never_replayed():
+    """A replay would redraw the masks: the planner falls back to two passes, and asking for it is an error."""
+    torch.manual_seed(0)
+    x, y = regression_batches(1)[0]
+    cfg = {"device": "cpu", "placement": "host", "chunk_size": 2048, "grad_clip": 1.0}
+    tight = pstar_fx.plan(Dropout(), dict(cfg, host_memory=45_000), (x, y))   # no room for kept gradients
+    assert tight.transaction == "two_pass", tight.transaction
+    with pytest.raises(ValueError, match="replay.*random numbers"):
+        pstar_fx.plan(Dropout(), dict(cfg, transaction="replay"), (x, y))
+
+
+@pytest.mark.parametrize("transaction", ["kept_grads", "replay", "two_pass"])
+def test_batchnorm_statistics_move_once_per_step_whatever_the_transaction(transaction):
+    """A replay and a two-pass step run forward twice; BatchNorm's running statistics must still move once."""
+    from test_engine import WithBuffers, regression_batches as bn_batches
+    torch.manual_seed(0)
+    model = WithBuffers()
+    batches = bn_batches(4)
+    _, _, free = reference(model, batches)
+    clip = sorted(o[1] for o in free)[0] / 2                      # triggers on every step
+    ref, _, ref_out = reference(model, batches, grad_clip=clip)
+    engine = pstar_fx.compile(model, {"device": "cpu", "placement": "host", "chunk_size": 1024, "optimizer": OPT,
+                                      "grad_clip": clip, "transaction": transaction}, batches[0])
+    reports = run(engine, batches)
+    assert all(r.clip_coef < 1 for r in reports)
+    rel = REPLAY_REL if transaction == "replay" else 1e-5
+    assert_run_matches(engine, reports, ref, ref_out, rel=rel)
+    running = engine._buffers[engine.lowered.capture.buffers.index("bn.running_mean")]
+    torch.testing.assert_close(running, ref.bn.running_mean, rtol=rel, atol=1e-7)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..fxutil import aliases_input, role_nodes, value_bytes
+from ..fxutil import aliases_input, is_random, role_nodes, value_bytes
 
 
 @dataclass
@@ -39,13 +39,7 @@ def _unsafe(node: fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     if schema is None:
         return False
-    if schema.is_mutable:
-        return True
-    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
-        return False
-    # attention with dropout_p == 0 is tagged random but is not
-    args = dict(zip((a.name for a in schema.arguments), node.args)) | dict(node.kwargs)
-    return args.get("dropout_p", 1.0) != 0.0
+    return schema.is_mutable or is_random(node)
 
 
 def find_segments(gm: fx.GraphModule) -> list[Segment]:
