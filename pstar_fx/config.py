@@ -120,11 +120,11 @@ class Config:
     per parameter of host memory); clipping that triggers, a skip or an exception undoes them from it
     (within fp32 rounding). "replay": the same speculation with nothing kept; a step that must be corrected
     or rolled back restores the masters from the moments and runs forward+backward again (free unless it
-    triggers, then about 2x that step; needs a deterministic step: no dropout). "two_pass": a first forward+backward measures the norm and updates nothing,
+    triggers, then about 2x that step; not for a step with random ops such as dropout). "two_pass": a first forward+backward measures the norm and updates nothing,
     the second applies exactly (2x the step's compute when clipping or loss scaling is on; no memory; an
     exception in the second pass leaves the chunks it updated). "none": no protection (an exception or a
     non-finite gradient leaves the chunks already updated; not allowed with grad_clip). "auto": the
-    planner picks kept_grads when the host budget holds it, else replay."""
+    planner picks kept_grads when the host budget holds it, else replay (two_pass for a step with random ops)."""
 
     def __post_init__(self):
         self.device = self._check_device(self.device)

@@ -499,12 +499,11 @@ def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_byte
                 f"parameter of a host-bound model {host_base} -> {host_base + itemsize}: the largest model is "
                 f"about {100 * itemsize / (host_base + itemsize):.0f}% smaller")
     if transaction == "replay":
-        return ("speculative updates inside backward, nothing kept (the host budget does not hold "
-                f"{format_bytes(kept_bytes or 0)} of gradients); a step that must be corrected (clipping that "
+        return ("speculative updates inside backward, nothing kept (the host budget does not hold the "
+                f"{itemsize} B/param of kept gradients); a step that must be corrected (clipping that "
                 "triggers) or rolled back (a skip, an exception) restores the masters from the moments and runs "
                 "forward and backward again: free when it does not trigger, about one more step when it does; "
-                "needs a deterministic step (no dropout); a host Adam failure after the step returned cannot be "
-                "undone")
+                "a host Adam failure after the step returned cannot be undone")
     if transaction == "two_pass":
         return ("a first forward+backward measures the norm and updates nothing, the second applies exactly: "
                 f"+{second_pass_s:.3g} s/step of compute when clipping or loss scaling is on; no memory; "
