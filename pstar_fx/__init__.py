@@ -3,6 +3,8 @@ from .capture import CaptureError
 from .config import Config
 from .engine import Engine, compile, plan
 from .plan import BudgetError, Plan
+from .runtime import StepRolledBack
+from .runtime.step import StepReport
 
 __version__ = "0.1.0"
-__all__ = ["Config", "Engine", "Plan", "compile", "plan", "BudgetError", "CaptureError"]
+__all__ = ["Config", "Engine", "Plan", "StepReport", "compile", "plan", "BudgetError", "CaptureError", "StepRolledBack"]
