@@ -20,6 +20,7 @@ import torch.fx as fx
 from torch import nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
+from . import checkpoint
 from .capture import Capture, capture
 from .config import Config, format_bytes
 from .fxutil import role_nodes, tag
@@ -189,7 +190,8 @@ def _buffer_nbytes(model: nn.Module, name: str) -> int:
 class Engine:
     """A compiled training step: `step(*inputs) -> loss` runs forward, backward and the optimizer."""
 
-    def __init__(self, model: nn.Module, config: Config | dict | str | None = None, example_inputs=None):
+    def __init__(self, model: nn.Module, config: Config | dict | str | None = None, example_inputs=None,
+                 resume: str | os.PathLike | None = None):
         config = Config.coerce(config)
         if example_inputs is None:
             raise TypeError("compile() needs example_inputs: a tuple of tensors shaped like one batch")
@@ -222,11 +224,15 @@ class Engine:
                 self.rt.store.load_params([named[p.name] for p in cap.params])
         self._buffers = [self.rt.store.adopt(model.get_buffer(b).detach().to(self.device, copy=True))
                          for b in cap.buffers]
+        persistent = set(model.state_dict(keep_vars=True))
+        self._persistent = [b in persistent for b in cap.buffers]
         self._tangent_dtype = role_nodes(cap.gm.graph, "tangent")[0].meta["val"].dtype
         self.stepper = Stepper(self.rt, config, plan.transaction,
                                _runner(self.lowered.graph, self.rt, self._buffers, self.device, self._tangent_dtype),
                                self._buffers)
         self.last_step: StepReport | None = None
+        if resume is not None:
+            self.load(resume)
 
     def _materialize(self, model: nn.Module) -> None:
         """A model built on the meta device gets its weights made directly in chunk memory: its parameters
@@ -347,6 +353,22 @@ class Engine:
                 out[name] = w
         return out
 
+    def persistent_buffers(self) -> dict[str, torch.Tensor]:
+        """The model's buffers that its state_dict holds (BatchNorm statistics; not non-persistent ones)."""
+        return {name: b for name, b, keep in zip(self.lowered.capture.buffers, self._buffers, self._persistent)
+                if keep}
+
+    def save(self, path: str | os.PathLike, *, dtype: str = "fp32") -> None:
+        """Write a checkpoint directory (safetensors weights `transformers` reads, optimizer state, loop state),
+        streamed tensor by tensor and renamed into place when whole; see pstar_fx.checkpoint."""
+        checkpoint.save(self, path, dtype=dtype)
+
+    def load(self, path: str | os.PathLike, *, strict: bool = True) -> None:
+        """Resume from a checkpoint `save` wrote, at any budget, chunk size or placement; or load a folder of
+        safetensors weights (zeroed moments, step 0). Names or shapes that differ are an error listing them,
+        raised before anything changes."""
+        checkpoint.load(self, path, strict=strict)
+
     def memory_stats(self) -> dict[str, int]:
         s = self.rt.stats
         peak = s.device_peak_bytes
@@ -384,9 +406,11 @@ class Engine:
         return "\n".join(lines)
 
 
-def compile(model: nn.Module, config: Config | dict | str | os.PathLike | None = None, example_inputs=None) -> Engine:
-    """Capture `model`'s training step as one graph, chunk and plan it, and return an Engine that trains it."""
-    return Engine(model, config, example_inputs)
+def compile(model: nn.Module, config: Config | dict | str | os.PathLike | None = None, example_inputs=None,
+            resume: str | os.PathLike | None = None) -> Engine:
+    """Capture `model`'s training step as one graph, chunk and plan it, and return an Engine that trains it.
+    `resume`: a checkpoint directory to load (see Engine.load)."""
+    return Engine(model, config, example_inputs, resume=resume)
 
 
 def plan(model: nn.Module, config: Config | dict | str | None = None, example_inputs=None) -> Plan:

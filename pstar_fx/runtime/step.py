@@ -60,6 +60,21 @@ class Stepper:
     def lr(self) -> float:
         return self.schedule.lr(self.applied)
 
+    def state_dict(self) -> dict:
+        """The loop state a resume needs (a checkpoint's JSON)."""
+        return {"step": self.applied, "loss_scale": self.scaler.state_dict(), "last_clip_coef": self._last_coef}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """`None`: a fresh start (step 0, the initial loss scale)."""
+        state = state or {}
+        self.applied = int(state.get("step", 0))
+        self._last_coef = float(state.get("last_clip_coef", 1.0))
+        fresh = LossScaler(self.config.loss_scaler_spec)
+        scale = state.get("loss_scale", {})
+        self.scaler.scale = float(scale.get("scale", fresh.scale))
+        self.scaler.growth_tracker = int(scale.get("growth_tracker", 0))
+        self._before_settling = None
+
     def step(self, micro_batches: list[list[torch.Tensor]]) -> StepReport:
         rt, up, cfg = self.rt, self.rt.updater, self.config
         scale = self.scaler.scale

@@ -1,0 +1,255 @@
+"""checkpoint: save and load an engine by parameter name, streamed, written beside the target and renamed.
+
+A checkpoint is a directory:
+
+  model.safetensors (or model-0000K-of-0000N.safetensors + model.safetensors.index.json, as save_pretrained
+                     shards them)  fp32 weights (or bf16 for export) under the model's own names; a tied weight
+                     once, under its first name; persistent buffers (BatchNorm statistics) under theirs
+  optimizer.safetensors           "<name>.exp_avg" and "<name>.exp_avg_sq" of every trained parameter
+  pstar_fx_state.json             step, loss scale, the last clip coefficient, the optimizer and schedule
+                                  config, the RNG state, the package version
+
+It speaks parameter names, never chunk ids, so it loads at another budget, chunk size or placement. Files are
+written one tensor at a time from whichever tier holds it (extra host memory: one tensor), in the safetensors
+format (an 8-byte header length, a JSON header of names, dtypes, shapes and offsets, then the bytes), into a
+directory beside the target that is renamed into place once every file is synced: a crash mid-save leaves
+the previous checkpoint whole. A folder of safetensors weights alone (e.g. from `save_pretrained`) loads too,
+with zeroed moments and step 0.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import torch
+
+WEIGHTS, INDEX, OPTIMIZER, STATE = "model.safetensors", "model.safetensors.index.json", "optimizer.safetensors", \
+    "pstar_fx_state.json"
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
+           torch.int32: "I32", torch.bool: "BOOL", torch.uint8: "U8"}
+SHARD_BYTES = 5 * 10**9          # save_pretrained's default max_shard_size
+
+
+class CheckpointError(ValueError):
+    """A path that is not a checkpoint, or one that does not match this engine; the engine is unchanged."""
+
+
+def write_safetensors(path: Path, entries: list[tuple[str, torch.dtype, tuple, object]], metadata: dict) -> None:
+    """Write tensors to `path` one at a time: `entries` are (name, dtype, shape, produce) with produce() giving
+    the tensor only when its bytes are due, so at most one tensor is copied to the host at once."""
+    header, offset = {}, 0
+    for name, dtype, shape, _ in entries:
+        n = dtype.itemsize * int(torch.Size(shape).numel())
+        header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)                  # the data section starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name, dtype, shape, produce in entries:
+            t = produce().detach().to("cpu", dtype).contiguous()
+            if tuple(t.shape) != tuple(shape):
+                raise RuntimeError(f"{name}: produced shape {tuple(t.shape)}, header says {tuple(shape)}")
+            f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _shards(entries, max_bytes: int) -> list[list]:
+    shards, size = [[]], 0
+    for e in entries:
+        n = e[1].itemsize * int(torch.Size(e[2]).numel())
+        if shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += n
+    return shards
+
+
+def save(engine, path, *, dtype: str = "fp32", max_shard_bytes: int = SHARD_BYTES) -> Path:
+    from . import __version__
+    if dtype not in ("fp32", "bf16"):
+        raise ValueError(f"dtype: {dtype!r} is not one of ['fp32', 'bf16']")
+    engine.drain()
+    path = Path(path)
+    store, cap = engine.rt.store, engine.lowered.capture
+    wdtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+    weights = [(p.name, wdtype, tuple(p.shape), lambda i=i: store.param_fp32(i)) for i, p in enumerate(cap.params)]
+    weights += [(name, b.dtype, tuple(b.shape), lambda b=b: b) for name, b in engine.persistent_buffers().items()]
+    moments = []
+    for i, p in enumerate(cap.params):
+        if p.has_grad:
+            for key, state in (("exp_avg", store.exp_avg), ("exp_avg_sq", store.exp_avg_sq)):
+                moments.append((f"{p.name}.{key}", torch.float32, tuple(p.shape),
+                                lambda i=i, state=state: _view(store, state, i)))
+    need = sum(e[1].itemsize * int(torch.Size(e[2]).numel()) for e in weights + moments) + 2**20
+    parent = path.absolute().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(parent).free
+    if need > free:
+        raise OSError(f"not enough disk for a checkpoint at {path}: it needs {need / 2**30:.2f} GiB, "
+                      f"{free / 2**30:.2f} GiB free; nothing was written")
+    tmp = parent / f".{path.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        meta = {"format": "pt", "pstar_fx": __version__}
+        shards = _shards(weights, max_shard_bytes)
+        if len(shards) == 1:
+            write_safetensors(tmp / WEIGHTS, shards[0], meta)
+        else:
+            index = {"metadata": {"total_size": sum(e[1].itemsize * int(torch.Size(e[2]).numel()) for e in weights)},
+                     "weight_map": {}}
+            for k, shard in enumerate(shards, start=1):
+                name = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+                write_safetensors(tmp / name, shard, meta)
+                index["weight_map"].update({e[0]: name for e in shard})
+            _write_json(tmp / INDEX, index)
+        write_safetensors(tmp / OPTIMIZER, moments, meta)
+        _write_json(tmp / STATE, engine.stepper.state_dict() | {
+            "pstar_fx": __version__, "weights_dtype": dtype,
+            "optimizer": {k: list(v) if isinstance(v, tuple) else v for k, v in engine.config.optimizer.items()},
+            "lr_schedule": engine.config.lr_schedule if not callable(engine.config.lr_schedule) else "callable",
+            "rng": torch.get_rng_state().tolist()})
+        _fsync_dir(tmp)
+        old = parent / f".{path.name}.old-{os.getpid()}"
+        if path.exists():
+            path.rename(old)                          # the previous checkpoint stays whole under this name ...
+        tmp.rename(path)                              # ... until the new one is in place
+        _fsync_dir(parent)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def _view(store, state, i):
+    slot = store.layout.slots[i]
+    return state[slot.chunk][slot.offset: slot.offset + slot.numel].view(slot.param.shape)
+
+
+def _write_json(path: Path, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _recover(path: Path) -> Path:
+    """A save that died between its two renames left the previous checkpoint beside the target."""
+    if path.exists():
+        return path
+    olds = sorted(path.absolute().parent.glob(f".{path.name}.old-*"))
+    if olds:
+        return olds[-1]
+    raise CheckpointError(f"{path}: no such checkpoint")
+
+
+def _weight_files(path: Path) -> list[Path]:
+    if (path / INDEX).exists():
+        with open(path / INDEX) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [name for name in files if not (path / name).exists()]
+        if missing:
+            raise CheckpointError(f"{path}: shard(s) {missing} named in {INDEX} are missing")
+        return [path / name for name in files]
+    if (path / WEIGHTS).exists():
+        return [path / WEIGHTS]
+    raise CheckpointError(f"{path} is not a checkpoint: it has neither {WEIGHTS} nor {INDEX}")
+
+
+def _open(files: list[Path]) -> dict[str, tuple]:
+    from safetensors import safe_open
+    out = {}
+    for file in files:
+        try:
+            f = safe_open(str(file), framework="pt")
+            for key in f.keys():
+                out[key] = (f, key)
+        except Exception as e:  # noqa: BLE001 - a truncated or foreign file: say which
+            raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from e
+    return out
+
+
+def load(engine, path, *, strict: bool = True) -> None:
+    """Weights (and, when present, optimizer and loop state) into the engine, by name. Everything is checked
+    before anything changes: names, shapes, the optimizer type."""
+    path = _recover(Path(path))
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a checkpoint directory")
+    engine.drain()
+    weights = _open(_weight_files(path))
+    moments = _open([path / OPTIMIZER]) if (path / OPTIMIZER).exists() else {}
+    state = None
+    if (path / STATE).exists():
+        with open(path / STATE) as f:
+            state = json.load(f)
+        kind = state.get("optimizer", {}).get("type")
+        if kind is not None and kind != engine.config.optimizer["type"]:
+            raise CheckpointError(f"{path}: saved with optimizer type {kind!r}, this engine uses "
+                                  f"{engine.config.optimizer['type']!r}")
+    cap, store = engine.lowered.capture, engine.rt.store
+    buffers = engine.persistent_buffers()
+    plan, problems = [], []
+    for i, p in enumerate(cap.params):
+        name = next((a for a in p.aliases if a in weights), None)
+        if name is None:
+            problems.append(f"missing {p.name}")
+            continue
+        plan.append(("param", i, weights[name], tuple(p.shape), name))
+    for name, b in buffers.items():
+        if name in weights:
+            plan.append(("buffer", b, weights[name], tuple(b.shape), name))
+        else:
+            problems.append(f"missing buffer {name}")
+    known = {a for p in cap.params for a in p.aliases} | set(buffers)
+    problems += [f"unexpected {k}" for k in weights if k not in known]
+    for kind, _, (f, key), shape, name in plan:
+        got = tuple(f.get_slice(key).get_shape())
+        if got != shape:
+            problems.append(f"{name}: shape {got} in the checkpoint, {shape} in the model")
+    if moments:
+        for i, p in enumerate(cap.params):
+            if p.has_grad:
+                for key in (f"{p.name}.exp_avg", f"{p.name}.exp_avg_sq"):
+                    if key not in moments:
+                        problems.append(f"missing optimizer state {key}")
+                    elif tuple(moments[key][0].get_slice(key).get_shape()) != tuple(p.shape):
+                        problems.append(f"{key}: wrong shape")
+    if problems and (strict or any(not p.startswith(("missing", "unexpected")) for p in problems)):
+        raise CheckpointError(f"{path} does not match this model ({len(problems)} problem(s)): "
+                              + "; ".join(problems[:20]) + ("; ..." if len(problems) > 20 else ""))
+    with torch.no_grad():
+        for kind, target, (f, key), _, _ in plan:
+            t = f.get_tensor(key)
+            if kind == "param":
+                store.param_fp32(target).copy_(t)
+            else:
+                target.copy_(t)
+        for i, p in enumerate(cap.params):
+            for key, st in (("exp_avg", store.exp_avg), ("exp_avg_sq", store.exp_avg_sq)):
+                view = _view(store, st, i)
+                name = f"{p.name}.{key}"
+                if name in moments:
+                    view.copy_(moments[name][0].get_tensor(name))
+                else:
+                    view.zero_()
+        store.masters_changed()
+    engine.stepper.load_state_dict(state if (state and moments) else None)
+    if state and "rng" in state:
+        torch.set_rng_state(torch.tensor(state["rng"], dtype=torch.uint8))

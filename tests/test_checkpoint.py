@@ -1,0 +1,155 @@
+"""Checkpoints: N steps, save, load into a fresh engine of another budget and chunk size, M more steps equal
+N + M uninterrupted steps bit for bit (CPU, fp32); the files are safetensors; a save that dies leaves the
+previous checkpoint whole; a checkpoint of another model is an error that changes nothing."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_engine import WithBuffers, batch, regression_batches, tight_budget
+
+import pstar_fx
+import pstar_fx.checkpoint as ckpt
+from pstar_fx.models import GPT, Llama, gpt_config, llama_config
+
+OPT = {"type": "adamw", "lr": 3e-3, "weight_decay": 0.1}
+
+
+def build(name):
+    torch.manual_seed(0)
+    if name == "gpt":
+        return GPT(gpt_config("tiny")), [batch(seed=s) for s in range(5)]
+    if name == "llama":
+        return Llama(llama_config("tiny")), [batch(seed=s) for s in range(5)]
+    return WithBuffers(), regression_batches(5)
+
+
+def engine_for(model, inputs, chunk_size, device_chunks, resume=None, **cfg):
+    budget, _ = tight_budget(model, inputs, device_chunks=device_chunks, chunk_size=chunk_size)
+    return pstar_fx.compile(model, dict({"device": "cpu", "device_memory": budget, "chunk_size": chunk_size,
+                                         "optimizer": OPT}, **cfg), inputs, resume=resume)
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "batchnorm"])
+def test_resume_elsewhere_is_bit_exact(tmp_path, name):
+    model, batches = build(name)
+    sizes = (16384, 32768) if name != "batchnorm" else (1024, 2048)
+    steady = engine_for(model, batches[0], sizes[0], 1, lr_schedule={"type": "linear", "warmup_steps": 1,
+                                                                       "total_steps": 6})
+    losses = [steady.step(*b).item() for b in batches]
+    first = engine_for(model, batches[0], sizes[0], 1, lr_schedule={"type": "linear", "warmup_steps": 1,
+                                                                      "total_steps": 6})
+    for b in batches[:2]:
+        first.step(*b)
+    first.save(tmp_path / "ck")
+    # another chunk size and another device budget: the checkpoint speaks names, not chunk ids
+    second = engine_for(model, batches[0], sizes[1], 2, lr_schedule={"type": "linear", "warmup_steps": 1,
+                                                                       "total_steps": 6}, resume=tmp_path / "ck")
+    assert second.lowered.layout.chunk_size != first.lowered.layout.chunk_size
+    assert second.steps == 2 and second.lr == first.lr
+    resumed = [second.step(*b).item() for b in batches[2:]]
+    assert resumed == losses[2:]
+    a, b = second.state_dict(), steady.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    for k, v in steady.persistent_buffers().items():
+        assert torch.equal(second.persistent_buffers()[k], v), k
+
+
+def test_the_files_are_safetensors_under_the_model_s_names(tmp_path):
+    model, batches = build("gpt")
+    engine = engine_for(model, batches[0], 16384, 1)
+    engine.step(*batches[0])
+    engine.save(tmp_path / "ck")
+    weights = load_file(str(tmp_path / "ck" / ckpt.WEIGHTS))
+    sd = engine.state_dict()
+    cap = engine.lowered.capture
+    assert any(len(p.aliases) > 1 for p in cap.params)                   # the GPT ties its embedding and head
+    assert set(weights) == {p.name for p in cap.params} | set(engine.persistent_buffers())   # a tied one once
+    for k, v in weights.items():
+        assert torch.equal(v, sd[k]), k
+    moments = load_file(str(tmp_path / "ck" / ckpt.OPTIMIZER))
+    assert {k.rsplit(".", 1)[0] for k in moments} <= set(sd) and any(k.endswith(".exp_avg_sq") for k in moments)
+    state = json.loads((tmp_path / "ck" / ckpt.STATE).read_text())
+    assert state["step"] == 1 and state["optimizer"]["type"] == "adamw"
+    engine.save(tmp_path / "bf", dtype="bf16")
+    assert all(t.dtype == torch.bfloat16 for t in load_file(str(tmp_path / "bf" / ckpt.WEIGHTS)).values())
+
+
+def test_sharded_weights_have_the_index_transformers_reads(tmp_path, monkeypatch):
+    model, batches = build("gpt")
+    engine = engine_for(model, batches[0], 16384, 1)
+    monkeypatch.setattr(ckpt, "SHARD_BYTES", 64 * 1024)
+    ckpt.save(engine, tmp_path / "ck", max_shard_bytes=64 * 1024)
+    index = json.loads((tmp_path / "ck" / ckpt.INDEX).read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 1 and all((tmp_path / "ck" / s).exists() for s in shards)
+    fresh = engine_for(model, batches[0], 32768, 2, resume=tmp_path / "ck")
+    a, b = fresh.state_dict(), engine.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    (tmp_path / "ck" / sorted(shards)[0]).unlink()
+    with pytest.raises(pstar_fx.checkpoint.CheckpointError, match="missing"):
+        fresh.load(tmp_path / "ck")
+
+
+def test_a_save_that_dies_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    model, batches = build("gpt")
+    engine = engine_for(model, batches[0], 16384, 1)
+    engine.step(*batches[0])
+    engine.save(tmp_path / "ck")
+    saved = engine.state_dict()
+    engine.step(*batches[1])
+    real, calls = ckpt.write_safetensors, []
+
+    def dies(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    monkeypatch.setattr(ckpt, "write_safetensors", dies)
+    with pytest.raises(KeyboardInterrupt):
+        engine.save(tmp_path / "ck")
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]             # nothing half-written left behind
+    fresh = engine_for(model, batches[0], 16384, 1, resume=tmp_path / "ck")
+    assert fresh.steps == 1 and all(torch.equal(fresh.state_dict()[k], v) for k, v in saved.items())
+
+
+def test_bad_checkpoints_raise_and_change_nothing(tmp_path):
+    model, batches = build("gpt")
+    engine = engine_for(model, batches[0], 16384, 1)
+    engine.step(*batches[0])
+    before = engine.state_dict()
+    other, other_batches = build("llama")
+    engine_for(other, other_batches[0], 16384, 1).save(tmp_path / "llama")
+    with pytest.raises(pstar_fx.checkpoint.CheckpointError, match="does not match.*missing"):
+        engine.load(tmp_path / "llama")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(pstar_fx.checkpoint.CheckpointError, match="not a checkpoint"):
+        engine.load(tmp_path / "empty")
+    with pytest.raises(pstar_fx.checkpoint.CheckpointError, match="no such checkpoint"):
+        engine.load(tmp_path / "nowhere")
+    engine.save(tmp_path / "mine")
+    (tmp_path / "mine" / ckpt.STATE).write_text(json.dumps({"optimizer": {"type": "adam"}}))
+    with pytest.raises(pstar_fx.checkpoint.CheckpointError, match="optimizer type 'adam'"):
+        engine.load(tmp_path / "mine")
+    with open(tmp_path / "mine" / ckpt.WEIGHTS, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(pstar_fx.checkpoint.CheckpointError):
+        engine.load(tmp_path / "mine")
+    after = engine.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before) and engine.steps == 1
+
+
+def test_weights_only_folder_loads_with_fresh_moments(tmp_path):
+    from safetensors.torch import save_file
+    model, batches = build("gpt")
+    engine = engine_for(model, batches[0], 16384, 1)
+    for b in batches[:2]:
+        engine.step(*b)
+    sd = {k: v for k, v in engine.state_dict().items() if k != "lm_head.weight"}   # tied: stored once
+    (tmp_path / "w").mkdir()
+    save_file(sd, str(tmp_path / "w" / ckpt.WEIGHTS))
+    fresh = engine_for(model, batches[0], 16384, 1, resume=tmp_path / "w")
+    assert fresh.steps == 0
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in sd.items())
+    assert all(float(t.abs().max()) == 0 for t in fresh.rt.store.exp_avg)
