@@ -186,6 +186,32 @@ def _open(files: list[Path]) -> dict[str, tuple]:
     return out
 
 
+class _File:
+    """A tensor in a safetensors file, read only when applied."""
+
+    def __init__(self, handle, key):
+        self.handle, self.key = handle, key
+
+    def shape(self) -> tuple:
+        return tuple(self.handle.get_slice(self.key).get_shape())
+
+    def get(self) -> torch.Tensor:
+        return self.handle.get_tensor(self.key)
+
+
+class _Mem:
+    """A tensor already in memory (load_state_dict)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+    def shape(self) -> tuple:
+        return tuple(self.t.shape)
+
+    def get(self) -> torch.Tensor:
+        return self.t
+
+
 def load(engine, path, *, strict: bool = True) -> None:
     """Weights (and, when present, optimizer and loop state) into the engine, by name. Everything is checked
     before anything changes: names, shapes, the optimizer type."""
@@ -193,8 +219,8 @@ def load(engine, path, *, strict: bool = True) -> None:
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a checkpoint directory")
     engine.drain()
-    weights = _open(_weight_files(path))
-    moments = _open([path / OPTIMIZER]) if (path / OPTIMIZER).exists() else {}
+    weights = {k: _File(*v) for k, v in _open(_weight_files(path)).items()}
+    moments = {k: _File(*v) for k, v in _open([path / OPTIMIZER]).items()} if (path / OPTIMIZER).exists() else {}
     state = None
     if (path / STATE).exists():
         with open(path / STATE) as f:
@@ -203,53 +229,56 @@ def load(engine, path, *, strict: bool = True) -> None:
         if kind is not None and kind != engine.config.optimizer["type"]:
             raise CheckpointError(f"{path}: saved with optimizer type {kind!r}, this engine uses "
                                   f"{engine.config.optimizer['type']!r}")
+    apply(engine, weights, moments, strict=strict, where=str(path))
+    engine.stepper.load_state_dict(state if (state and moments) else None)
+    if state and "rng" in state:
+        torch.set_rng_state(torch.tensor(state["rng"], dtype=torch.uint8))
+
+
+def load_state_dict(engine, sd: dict[str, torch.Tensor], *, strict: bool = True) -> None:
+    """fp32 weights and buffers by name into chunk memory, as nn.Module.load_state_dict (moments untouched)."""
+    engine.drain()
+    apply(engine, {k: _Mem(v) for k, v in sd.items()}, None, strict=strict, where="state_dict")
+
+
+def apply(engine, weights: dict, moments: dict | None, *, strict: bool, where: str) -> None:
+    """Check every name and shape, then write. `moments` None: leave the optimizer state; {}: zero it."""
     cap, store = engine.lowered.capture, engine.rt.store
     buffers = engine.persistent_buffers()
-    plan, problems = [], []
+    todo, problems = [], []
     for i, p in enumerate(cap.params):
         name = next((a for a in p.aliases if a in weights), None)
         if name is None:
             problems.append(f"missing {p.name}")
-            continue
-        plan.append(("param", i, weights[name], tuple(p.shape), name))
+        else:
+            todo.append((store.param_fp32(i), weights[name], tuple(p.shape), name))
     for name, b in buffers.items():
         if name in weights:
-            plan.append(("buffer", b, weights[name], tuple(b.shape), name))
+            todo.append((b, weights[name], tuple(b.shape), name))
         else:
             problems.append(f"missing buffer {name}")
     known = {a for p in cap.params for a in p.aliases} | set(buffers)
     problems += [f"unexpected {k}" for k in weights if k not in known]
-    for kind, _, (f, key), shape, name in plan:
-        got = tuple(f.get_slice(key).get_shape())
-        if got != shape:
-            problems.append(f"{name}: shape {got} in the checkpoint, {shape} in the model")
+    problems += [f"{name}: shape {src.shape()} given, {shape} in the model" for _, src, shape, name in todo
+                 if src.shape() != shape]
     if moments:
-        for i, p in enumerate(cap.params):
+        for p in cap.params:
             if p.has_grad:
                 for key in (f"{p.name}.exp_avg", f"{p.name}.exp_avg_sq"):
                     if key not in moments:
                         problems.append(f"missing optimizer state {key}")
-                    elif tuple(moments[key][0].get_slice(key).get_shape()) != tuple(p.shape):
-                        problems.append(f"{key}: wrong shape")
-    if problems and (strict or any(not p.startswith(("missing", "unexpected")) for p in problems)):
-        raise CheckpointError(f"{path} does not match this model ({len(problems)} problem(s)): "
-                              + "; ".join(problems[:20]) + ("; ..." if len(problems) > 20 else ""))
+                    elif moments[key].shape() != tuple(p.shape):
+                        problems.append(f"{key}: shape {moments[key].shape()}, {tuple(p.shape)} in the model")
+    fatal = [p for p in problems if strict or not p.startswith(("missing", "unexpected"))]
+    if fatal:
+        raise CheckpointError(f"{where} does not match this model ({len(fatal)} problem(s)): "
+                              + "; ".join(fatal[:20]) + ("; ..." if len(fatal) > 20 else ""))
     with torch.no_grad():
-        for kind, target, (f, key), _, _ in plan:
-            t = f.get_tensor(key)
-            if kind == "param":
-                store.param_fp32(target).copy_(t)
-            else:
-                target.copy_(t)
-        for i, p in enumerate(cap.params):
-            for key, st in (("exp_avg", store.exp_avg), ("exp_avg_sq", store.exp_avg_sq)):
-                view = _view(store, st, i)
-                name = f"{p.name}.{key}"
-                if name in moments:
-                    view.copy_(moments[name][0].get_tensor(name))
-                else:
-                    view.zero_()
+        for target, src, _, _ in todo:
+            target.copy_(src.get())
+        if moments is not None:
+            for i, p in enumerate(cap.params):
+                for key, st in (("exp_avg", store.exp_avg), ("exp_avg_sq", store.exp_avg_sq)):
+                    view, name = _view(store, st, i), f"{p.name}.{key}"
+                    view.copy_(moments[name].get()) if name in moments else view.zero_()
         store.masters_changed()
-    engine.stepper.load_state_dict(state if (state and moments) else None)
-    if state and "rng" in state:
-        torch.set_rng_state(torch.tensor(state["rng"], dtype=torch.uint8))

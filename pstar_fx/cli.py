@@ -143,8 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "--steps (Config.lr_schedule; --config takes any schedule)")
     train.add_argument("--seed", type=int, default=0, help="seed for weights and batches (default 0)")
     train.add_argument("--log-every", type=_positive_int, default=10, metavar="N", help="default 10")
-    train.add_argument("--save", metavar="PATH", help="torch.save(engine.state_dict()) here at the end "
-                                                      "(also when interrupted)")
+    train.add_argument("--save", metavar="DIR", help="a checkpoint directory (engine.save) written at the end, also "
+                       "when interrupted, and every --save-every steps; a path ending in .pt gets "
+                       "torch.save(engine.state_dict()) instead")
+    train.add_argument("--save-every", type=_positive_int, metavar="N", help="also save every N steps")
+    train.add_argument("--resume", metavar="DIR", help="start from this checkpoint (or folder of safetensors weights)")
 
     plan = sub.add_parser("plan", help="does a model fit? (built on the meta device, nothing allocated)",
                           description="Plan a model built on the meta device against device and host budgets "
@@ -271,14 +274,32 @@ def _mib(n: int) -> str:
 
 # ---- commands --------------------------------------------------------------------------------------------
 
+def _save(engine, path: str) -> None:
+    if path.endswith((".pt", ".pth")):
+        torch.save(engine.state_dict(), path)
+        print(f"saved: {path} (state_dict after {engine.steps} update(s); load with "
+              "model.load_state_dict(torch.load(path), strict=False))", flush=True)
+    else:
+        engine.save(path)
+        print(f"saved: {path} (checkpoint after {engine.steps} update(s); --resume {path} goes on from it)",
+              flush=True)
+
+
 def cmd_train(args, parser) -> int:
     steps = args.steps if args.steps is not None else _default_steps()
+    if args.save_every and not args.save:
+        parser.error("--save-every needs --save DIR")
     model, engine, seq = _compile(args, parser, TRAIN_SEQ_CAP)
+    if args.resume:
+        engine.load(args.resume)
+        print(f"resumed: {args.resume} at update {engine.steps}")
     print(engine.explain())
     tokens = stdlib_tokens()
     print(f"data: {tokens.numel():,} bytes of Python stdlib source (vocab 256); {steps} steps")
     k = engine.config.grad_accum
     data = batches(tokens, args.batch * k, seq, seed=args.seed)     # a step takes grad_accum micro-batches
+    for _ in range(engine.steps):                                   # resumed: the batches those updates saw
+        next(data)
     tokens_per_step = args.batch * k * seq
     first = last = None
     in_step = interrupted = False
@@ -303,6 +324,8 @@ def cmd_train(args, parser) -> int:
                       f"lr {r.lr:.3g}  grad norm {r.grad_norm:.3g}" + (f" (clipped x{r.clip_coef:.3f})"
                                                                          if r.clip_coef < 1 else ""), flush=True)
                 loss_sum, since, mark = 0.0, 0, now
+            if args.save_every and step % args.save_every == 0 and step != steps:
+                _save(engine, args.save)
     except KeyboardInterrupt:
         interrupted = True
         print(f"\ninterrupted after {ran} complete step(s)"
@@ -320,9 +343,7 @@ def cmd_train(args, parser) -> int:
     print(f"moved: host->device {_mib(s['h2d_bytes'])} ({_mib(s['h2d_bytes'] // per_step)}/step), "
           f"device->host {_mib(s['d2h_bytes'])} ({_mib(s['d2h_bytes'] // per_step)}/step)")
     if args.save:
-        torch.save(engine.state_dict(), args.save)
-        print(f"saved: {args.save} (state_dict after {engine.steps} update(s); load with "
-              "model.load_state_dict(torch.load(path), strict=False))")
+        _save(engine, args.save)
     return 130 if interrupted else 0
 
 

@@ -344,14 +344,38 @@ class Engine:
         return graphs[pass_name]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """fp32 master weights under the model's own parameter names (tied weights under each name)."""
+        """fp32 master weights under the model's own parameter names (tied weights under each name) and the
+        persistent buffers, as the model's own state_dict has them, on the CPU."""
         self.drain()                     # host Adam of the last step may still be running
         out = {}
         for i, p in enumerate(self.lowered.capture.params):
             w = self.rt.store.param_fp32(i).detach().to("cpu", copy=True)
             for name in p.aliases:
                 out[name] = w
+        out.update({k: b.detach().to("cpu", copy=True) for k, b in self.persistent_buffers().items()})
         return out
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Weights and buffers by name into chunk memory (the optimizer state is left as it is). Names or shapes
+        that differ are an error listing them, raised before anything changes; `strict=False` allows
+        missing and unexpected names, as in torch."""
+        checkpoint.load_state_dict(self, state_dict, strict=strict)
+
+    def export(self, model: nn.Module) -> nn.Module:
+        """Write the trained fp32 weights and buffers into `model` (on any device, not meta), for inference or
+        other tools. Returns `model`."""
+        sd = self.state_dict()
+        targets = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
+        missing = [k for k in sd if k not in targets]
+        if missing:
+            raise ValueError(f"export: the model has no {missing[:10]}: not the model this engine trains")
+        if any(targets[k].is_meta for k in sd):
+            raise ValueError("export: the model is on the meta device; give it memory first "
+                             "(model.to_empty(device=...))")
+        with torch.no_grad():
+            for k, t in sd.items():
+                targets[k].copy_(t)
+        return model
 
     def persistent_buffers(self) -> dict[str, torch.Tensor]:
         """The model's buffers that its state_dict holds (BatchNorm statistics; not non-persistent ones)."""

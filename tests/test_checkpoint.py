@@ -153,3 +153,73 @@ def test_weights_only_folder_loads_with_fresh_moments(tmp_path):
     assert fresh.steps == 0
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in sd.items())
     assert all(float(t.abs().max()) == 0 for t in fresh.rt.store.exp_avg)
+
+
+def test_load_state_dict_and_export():
+    model, batches = build("batchnorm")
+    engine = engine_for(model, batches[0], 1024, 1)
+    for b in batches[:3]:
+        engine.step(*b)
+    sd = engine.state_dict()
+    assert "bn.running_mean" in sd and "bn.num_batches_tracked" in sd      # buffers, as the model's state_dict
+    target = build("batchnorm")[0]
+    engine.export(target)
+    assert all(torch.equal(target.state_dict()[k], v) for k, v in sd.items())
+    fresh = engine_for(build("batchnorm")[0], batches[0], 2048, 2)
+    fresh.load_state_dict(sd)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in sd.items())
+    before = fresh.state_dict()
+    bad = dict(sd, **{"fc1.weight": torch.zeros(3, 3)})
+    bad.pop("fc2.bias")
+    with pytest.raises(pstar_fx.checkpoint.CheckpointError, match=r"missing fc2.bias.*fc1.weight: shape \(3, 3\)"):
+        fresh.load_state_dict(bad)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in before.items())
+    partial = {k: v for k, v in sd.items() if k != "fc2.bias"}
+    fresh.load_state_dict(partial, strict=False)                           # as torch: missing names allowed
+    with pytest.raises(pstar_fx.checkpoint.CheckpointError, match="missing fc2.bias"):
+        fresh.load_state_dict(partial)
+
+
+_CHILD = r"""
+import sys, time, torch, pstar_fx
+import pstar_fx.checkpoint as ckpt
+from pstar_fx.models import GPT, gpt_config
+real = ckpt.write_safetensors
+def slow(path, entries, meta):                      # slow writes, so a kill lands inside one
+    return real(path, [(n, d, s, (lambda p=p: (time.sleep(0.002), p())[1])) for n, d, s, p in entries], meta)
+ckpt.write_safetensors = slow
+torch.manual_seed(0)
+g = torch.Generator().manual_seed(0)
+idx = torch.randint(0, 256, (2, 32), generator=g)
+engine = pstar_fx.compile(GPT(gpt_config("tiny")), {"device": "cpu", "placement": "host"}, (idx, idx))
+engine.step(idx, idx)
+engine.save(sys.argv[1])
+print("saved", flush=True)
+while True:
+    engine.step(idx, idx)
+    engine.save(sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("delay", [0.05, 0.17, 0.4])
+def test_a_killed_save_leaves_a_loadable_checkpoint(tmp_path, delay):
+    import signal
+    import subprocess
+    import sys
+    import time
+    path = tmp_path / "ck"
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "saved"
+        time.sleep(delay)
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        child.kill()
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 256, (2, 32), generator=g)
+    engine = pstar_fx.compile(GPT(gpt_config("tiny")), {"device": "cpu", "placement": "host"}, (idx, idx),
+                              resume=path)                   # whole: the last save that finished, or the one before
+    assert engine.steps >= 1
+    engine.step(idx, idx)

@@ -123,3 +123,20 @@ def test_train_clips_accumulates_and_warms_up(capsys):
     out = capsys.readouterr().out
     assert "step     1" in out and "lr 0 " in out and "clipped x" in out and "done: 3 steps" in out
     assert "step transaction: accumulate" in out
+
+
+def test_train_saves_checkpoints_and_resumes_exactly(tmp_path, capsys):
+    whole = tmp_path / "whole"
+    assert main(["train", "--model", "tiny", "--steps", "4", "--log-every", "1", "--save", str(whole)]) == 0
+    capsys.readouterr()
+    half = tmp_path / "half"
+    assert main(["train", "--model", "tiny", "--steps", "2", "--save", str(half), "--save-every", "1"]) == 0
+    assert "saved: " in capsys.readouterr().out
+    # resume continues the step count, the schedule and the data where they were: 2 + 2 steps equal 4
+    from safetensors.torch import load_file
+    assert main(["train", "--model", "tiny", "--steps", "2", "--resume", str(half), "--save", str(half)]) == 0
+    assert "resumed: " in capsys.readouterr().out
+    state = __import__("json").loads((half / "pstar_fx_state.json").read_text())
+    assert state["step"] == 4
+    a, b = load_file(str(half / "model.safetensors")), load_file(str(whole / "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
