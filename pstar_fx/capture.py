@@ -71,7 +71,10 @@ class Capture:
         return role_nodes(self.gm.graph, "param")
 
 
-def capture(model: nn.Module, example_inputs: tuple, device: torch.device, dtype: torch.dtype) -> Capture:
+def capture(model: nn.Module, example_inputs: tuple, device: torch.device, dtype: torch.dtype,
+            forward_only: bool = False) -> Capture:
+    """The joint graph of the training step; `forward_only`: the loss alone, in the model's eval mode
+    (evaluation: no gradients, dropout off, BatchNorm on its running statistics)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(example_inputs, (tuple, list)) or not all(isinstance(x, torch.Tensor) for x in example_inputs):
@@ -81,6 +84,8 @@ def capture(model: nn.Module, example_inputs: tuple, device: torch.device, dtype
     traced_on = device if device.type != "cuda" or torch.cuda.is_available() else torch.device("cpu")
     fake_mode = FakeTensorMode()
     fake_model = _fake_copy(model, fake_mode, traced_on, dtype)
+    if forward_only:
+        fake_model.eval()
     named_params = dict(model.named_parameters())                 # unique; tied names resolved below
     param_names = list(named_params)
     buffer_names = [n for n, _ in model.named_buffers()]
@@ -99,6 +104,8 @@ def capture(model: nn.Module, example_inputs: tuple, device: torch.device, dtype
             raise CaptureError("forward() must return a scalar (0-d) floating-point loss tensor, got "
                                + (f"shape {tuple(loss.shape)} {loss.dtype}" if isinstance(loss, torch.Tensor)
                                   else type(loss).__name__))
+        if forward_only:
+            return loss, [None] * len(trainable)
         if not loss.requires_grad:
             raise CaptureError("the loss does not require grad: no trainable parameter contributes to it")
         grads = torch.autograd.grad(loss, [params[i] for i in trainable], grad_outputs=tangent.to(loss.dtype),
@@ -108,7 +115,7 @@ def capture(model: nn.Module, example_inputs: tuple, device: torch.device, dtype
     autocast = (torch.autocast(traced_on.type, dtype=dtype) if dtype != torch.float32
                 else contextlib.nullcontext())
     try:
-        with autocast:
+        with autocast, (torch.no_grad() if forward_only else contextlib.nullcontext()):
             gm = make_fx(step, tracing_mode="fake")(fake_params, fake_buffers, fake_inputs, tangent)
     except CaptureError:
         raise

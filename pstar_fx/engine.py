@@ -226,6 +226,8 @@ class Engine:
                          for b in cap.buffers]
         persistent = set(model.state_dict(keep_vars=True))
         self._persistent = [b in persistent for b in cap.buffers]
+        self._model = model                  # its structure, for capturing evaluation on first use
+        self._evaluator = None
         self._tangent_dtype = role_nodes(cap.gm.graph, "tangent")[0].meta["val"].dtype
         self.stepper = Stepper(self.rt, config, plan.transaction,
                                _runner(self.lowered.graph, self.rt, self._buffers, self.device, self._tangent_dtype),
@@ -275,6 +277,55 @@ class Engine:
             warnings.warn(f"step {self.steps + 1}: non-finite gradients; {what} (no weight changed)",
                           RuntimeWarning, stacklevel=2)
         return torch.tensor(report.loss)
+
+    def evaluate(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """The loss of a batch, forward only, in the model's eval mode: no gradient, no update, no state change.
+        Captured and planned on first use for these input shapes, on the training step's chunk memory."""
+        if self._evaluator is None or self._evaluator[0] != [(tuple(x.shape), x.dtype) for x in inputs]:
+            self._evaluator = ([(tuple(x.shape), x.dtype) for x in inputs], self._lower_evaluation(inputs))
+        graph, specs = self._evaluator[1]
+        if len(inputs) != len(specs) or not all(isinstance(x, torch.Tensor) for x in inputs):
+            raise TypeError(f"evaluate() takes {len(specs)} tensor input(s)")
+        self.rt.copies.start_step()
+        tangent = torch.ones((), dtype=self._tangent_dtype)
+        loss = _runner(graph, self.rt, self._buffers, self.device, self._tangent_dtype)(
+            [x.to(self.device) for x in inputs], tangent)
+        self.rt.mover.check_idle()
+        return loss.float().cpu()
+
+    def _lower_evaluation(self, inputs):
+        """capture (forward only, eval mode) -> localize views -> the loss's in-place forward -> a schedule on
+        the training plan's placement and compute slots -> chunk ops."""
+        lo = self.lowered
+        with self.phases("evaluation", "forward-only step captured and planned"):
+            cap = capture(self._model, tuple(inputs), self.device, self.dtype, forward_only=True)
+            gm = cap.gm
+            g = gm.graph
+            with g.inserting_before(next(iter(g.nodes))):
+                tag(g.placeholder("rt"), "rt", 0)
+            out = g.output_node()
+            out.args = ((out.args[0][0],),)          # the loss alone: no gradient leaves the graph
+            g.eliminate_dead_code()
+            gm.recompile()
+            localize_param_views(gm)
+            lean_cross_entropy(gm)
+            plan = make_plan(gm, lo.layout, self.config, compute_itemsize=self.dtype.itemsize,
+                             buffer_bytes=lo._buffer_bytes, on=lo.plan)
+            # what the runtime already holds (chunk state, pools, kept gradients) plus this graph's values
+            need = self.rt.stats.device_bytes + plan.activation_peak_bytes + plan.device_breakdown.get(
+                "workspace margin", 0)
+            budget = self.config.device_memory
+            if budget is not None and need > budget:
+                raise BudgetError(f"evaluation at input shapes {[tuple(x.shape) for x in inputs]} needs "
+                                  f"{format_bytes(need)} of device memory ({format_bytes(plan.activation_peak_bytes)} "
+                                  f"of activations on {format_bytes(self.rt.stats.device_bytes)} the engine holds) "
+                                  f"but device_memory is {format_bytes(budget)}; evaluate a smaller batch")
+            insert_chunk_ops(gm, lo.layout, plan)
+        return gm, cap.inputs
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lowered.dtype
 
     @property
     def steps(self) -> int:

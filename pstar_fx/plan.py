@@ -211,9 +211,11 @@ def activation_profile(graph: fx.Graph, skip: set[fx.Node], round_to: int = 1) -
 # placement and schedule
 
 def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_itemsize: int,
-              buffer_bytes: int) -> Plan:
+              buffer_bytes: int, on: Plan | None = None) -> Plan:
     """Placement and schedule for the fused graph under the config's budgets. Never raises for memory:
-    a plan that does not fit says so (`fits`, `why`); compile() turns that into a BudgetError."""
+    a plan that does not fit says so (`fits`, `why`); compile() turns that into a BudgetError.
+    `on`: schedule this graph on another plan's chunk memory (its placement, shipping and compute slots),
+    as evaluation does on the training step's."""
     g = gm.graph
     nodes = list(g.nodes)
     param_nodes = role_nodes(g, "param")
@@ -294,6 +296,8 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         grad_slots = 2
         fixed += grad_slot_bytes
         n_device = place()
+    if on is not None:
+        n_device = on.placement.count("device")
     n_updated_device = sum(1 for ch in layout.chunks[:n_device] if ch.grad_spans())
     placement = ["device"] * n_device + ["host"] * (n_chunks - n_device)
     needs_slot = [not (fp32 and placement[c] == "device") for c in range(n_chunks)]
@@ -307,6 +311,8 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
             notes.append(f"{slots} compute slots for {slot_chunks} chunks: Belady eviction refetches the rest")
     else:
         slots = 0
+    if on is not None:
+        slots = on.slots
 
     rates = calibrate(torch.device(config.device), config.torch_dtype)
     node_secs = [node_seconds(n, rates) for n in nodes]
@@ -318,6 +324,8 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         host_grad_buffers = 0
     host_used += max(0, host_grad_buffers - 2) * cs * compute_itemsize + kept_bytes
     ship = _choose_shipping(placement, config, cs, compute_itemsize, cuda, host_used=host_used)
+    if on is not None:
+        ship = list(on.ship)
     slot_reads = [{c for c in r if needs_slot[c]} for r in reads]
     crossing = {"-": 0, "shadow": compute_itemsize, "cast": compute_itemsize, "fp32": 4}
     copy_bytes = {c: cs * crossing[ship[c]] for c in range(n_chunks)}

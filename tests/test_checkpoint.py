@@ -223,3 +223,32 @@ def test_a_killed_save_leaves_a_loadable_checkpoint(tmp_path, delay):
                               resume=path)                   # whole: the last save that finished, or the one before
     assert engine.steps >= 1
     engine.step(idx, idx)
+
+
+@pytest.mark.parametrize("name", ["gpt", "batchnorm"])
+def test_evaluate_is_the_eager_loss_in_eval_mode_and_changes_nothing(name):
+    import copy
+    model, batches = build(name)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), **{k: v for k, v in OPT.items() if k != "type"})
+    engine = engine_for(model, batches[0], 16384 if name == "gpt" else 1024, 1)
+    for b in batches[:2]:
+        engine.step(*b)
+        opt.zero_grad()
+        ref(*b).backward()
+        opt.step()
+    weights, moments = engine.state_dict(), [t.clone() for t in engine.rt.store.exp_avg_sq]
+    ref.eval()
+    with torch.no_grad():
+        want = ref(*batches[3]).item()
+    got = engine.evaluate(*batches[3]).item()
+    assert got == pytest.approx(want, rel=1e-5)
+    after = engine.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in weights.items())       # buffers (BN statistics) too
+    assert all(torch.equal(a, b) for a, b in zip(engine.rt.store.exp_avg_sq, moments)) and engine.steps == 2
+    engine.step(*batches[2])                                               # training goes on
+    assert engine.steps == 3
+    if name == "gpt":
+        big = tuple(torch.cat([x] * 64) for x in batches[3])                 # far past the device budget
+        with pytest.raises(pstar_fx.BudgetError, match="evaluation at input shapes"):
+            engine.evaluate(*big)
