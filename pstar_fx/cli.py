@@ -148,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "torch.save(engine.state_dict()) instead")
     train.add_argument("--save-every", type=_positive_int, metavar="N", help="also save every N steps")
     train.add_argument("--resume", metavar="DIR", help="start from this checkpoint (or folder of safetensors weights)")
+    train.add_argument("--eval-every", type=_positive_int, metavar="N", help="every N steps, the loss of a held-out "
+                       "batch (the data's last 5%%, kept out of training), forward only (engine.evaluate)")
 
     plan = sub.add_parser("plan", help="does a model fit? (built on the meta device, nothing allocated)",
                           description="Plan a model built on the meta device against device and host budgets "
@@ -297,6 +299,11 @@ def cmd_train(args, parser) -> int:
     tokens = stdlib_tokens()
     print(f"data: {tokens.numel():,} bytes of Python stdlib source (vocab 256); {steps} steps")
     k = engine.config.grad_accum
+    held_out = None
+    if args.eval_every:
+        cut = tokens.numel() * 19 // 20
+        held_out = next(batches(tokens[cut:], args.batch, seq, seed=args.seed + 1))
+        tokens = tokens[:cut]
     data = batches(tokens, args.batch * k, seq, seed=args.seed)     # a step takes grad_accum micro-batches
     for _ in range(engine.steps):                                   # resumed: the batches those updates saw
         next(data)
@@ -326,6 +333,9 @@ def cmd_train(args, parser) -> int:
                 loss_sum, since, mark = 0.0, 0, now
             if args.save_every and step % args.save_every == 0 and step != steps:
                 _save(engine, args.save)
+            if held_out is not None and (step % args.eval_every == 0 or step == steps):
+                print(f"step {step:5d}  eval loss {engine.evaluate(*held_out).item():.4f} (held-out batch)",
+                      flush=True)
     except KeyboardInterrupt:
         interrupted = True
         print(f"\ninterrupted after {ran} complete step(s)"

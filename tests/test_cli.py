@@ -140,3 +140,10 @@ def test_train_saves_checkpoints_and_resumes_exactly(tmp_path, capsys):
     assert state["step"] == 4
     a, b = load_file(str(half / "model.safetensors")), load_file(str(whole / "model.safetensors"))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_train_evaluates_a_held_out_batch(capsys):
+    assert main(["train", "--model", "tiny", "--steps", "4", "--log-every", "2", "--eval-every", "2"]) == 0
+    out = capsys.readouterr().out
+    evals = [float(line.split("eval loss")[1].split()[0]) for line in out.splitlines() if "eval loss" in line]
+    assert len(evals) == 2 and all(0 < x < 10 for x in evals)
