@@ -252,3 +252,14 @@ def test_evaluate_is_the_eager_loss_in_eval_mode_and_changes_nothing(name):
         big = tuple(torch.cat([x] * 64) for x in batches[3])                 # far past the device budget
         with pytest.raises(pstar_fx.BudgetError, match="evaluation at input shapes"):
             engine.evaluate(*big)
+
+
+def test_not_enough_disk_is_said_before_writing(tmp_path, monkeypatch):
+    import collections
+    model, batches = build("gpt")
+    engine = engine_for(model, batches[0], 16384, 1)
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
+    with pytest.raises(OSError, match="not enough disk.*nothing was written"):
+        engine.save(tmp_path / "ck")
+    assert list(tmp_path.iterdir()) == []
