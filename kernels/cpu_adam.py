@@ -52,7 +52,8 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
 def adam_undo(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, grad_scale,
               decoupled_weight_decay, redo_scale=None, param_out=None, part=0, num_threads=0) -> None:
     _ext().adam_undo(
-        param.data_ptr(), 0 if grad is None else grad.data_ptr(), "float32" if grad is None else _DTYPE_NAMES[grad.dtype], exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+        param.data_ptr(), 0 if grad is None else grad.data_ptr(),
+        "float32" if grad is None else _DTYPE_NAMES[grad.dtype], exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
         param.numel(), int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
         float(grad_scale), bool(decoupled_weight_decay) or weight_decay == 0.0,
         0.0 if redo_scale is None else float(redo_scale), 0 if param_out is None else param_out.data_ptr(),

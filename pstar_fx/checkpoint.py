@@ -37,12 +37,18 @@ class CheckpointError(ValueError):
     """A path that is not a checkpoint, or one that does not match this engine; the engine is unchanged."""
 
 
+def _nbytes(entry) -> int:
+    """Bytes of an entry (name, dtype, shape, produce)."""
+    return entry[1].itemsize * int(torch.Size(entry[2]).numel())
+
+
 def write_safetensors(path: Path, entries: list[tuple[str, torch.dtype, tuple, object]], metadata: dict) -> None:
     """Write tensors to `path` one at a time: `entries` are (name, dtype, shape, produce) with produce() giving
     the tensor only when its bytes are due, so at most one tensor is copied to the host at once."""
     header, offset = {}, 0
-    for name, dtype, shape, _ in entries:
-        n = dtype.itemsize * int(torch.Size(shape).numel())
+    for entry in entries:
+        name, dtype, shape, _ = entry
+        n = _nbytes(entry)
         header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
@@ -63,7 +69,7 @@ def write_safetensors(path: Path, entries: list[tuple[str, torch.dtype, tuple, o
 def _shards(entries, max_bytes: int) -> list[list]:
     shards, size = [[]], 0
     for e in entries:
-        n = e[1].itemsize * int(torch.Size(e[2]).numel())
+        n = _nbytes(e)
         if shards[-1] and size + n > max_bytes:
             shards.append([])
             size = 0
@@ -88,7 +94,7 @@ def save(engine, path, *, dtype: str = "fp32", max_shard_bytes: int = SHARD_BYTE
             for key, state in (("exp_avg", store.exp_avg), ("exp_avg_sq", store.exp_avg_sq)):
                 moments.append((f"{p.name}.{key}", torch.float32, tuple(p.shape),
                                 lambda i=i, state=state: _view(store, state, i)))
-    need = sum(e[1].itemsize * int(torch.Size(e[2]).numel()) for e in weights + moments) + 2**20
+    need = sum(_nbytes(e) for e in weights + moments) + 2**20
     parent = path.absolute().parent
     parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(parent).free
@@ -104,8 +110,7 @@ def save(engine, path, *, dtype: str = "fp32", max_shard_bytes: int = SHARD_BYTE
         if len(shards) == 1:
             write_safetensors(tmp / WEIGHTS, shards[0], meta)
         else:
-            index = {"metadata": {"total_size": sum(e[1].itemsize * int(torch.Size(e[2]).numel()) for e in weights)},
-                     "weight_map": {}}
+            index = {"metadata": {"total_size": sum(_nbytes(e) for e in weights)}, "weight_map": {}}
             for k, shard in enumerate(shards, start=1):
                 name = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
                 write_safetensors(tmp / name, shard, meta)

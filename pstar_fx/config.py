@@ -116,15 +116,16 @@ class Config:
 
     transaction: Literal["auto", "kept_grads", "replay", "two_pass", "none"] = "auto"
     """How a step's updates stay provisional until it commits. "kept_grads": updates run speculatively
-    inside backward and each chunk's gradient is kept on the host until the verdict (compute-dtype bytes
-    per parameter of host memory); clipping that triggers, a skip or an exception undoes them from it
-    (within fp32 rounding). "replay": the same speculation with nothing kept; a step that must be corrected
-    or rolled back restores the masters from the moments and runs forward+backward again (free unless it
-    triggers, then about 2x that step; not for a step with random ops such as dropout). "two_pass": a first forward+backward measures the norm and updates nothing,
-    the second applies exactly (2x the step's compute when clipping or loss scaling is on; no memory; an
-    exception in the second pass leaves the chunks it updated). "none": no protection (an exception or a
-    non-finite gradient leaves the chunks already updated; not allowed with grad_clip). "auto": the
-    planner picks kept_grads when the host budget holds it, else replay (two_pass for a step with random ops)."""
+    inside backward and each chunk's gradient is kept until the verdict (compute-dtype bytes per parameter,
+    on the device when it has room, else on the host); clipping that triggers, a skip or an exception
+    undoes them from it (within fp32 rounding). "replay": the same speculation with nothing kept; a step
+    that must be corrected or rolled back restores the masters from the moments and runs forward+backward
+    again (free unless it triggers, then about 2x that step; not for a step with random ops such as
+    dropout). "two_pass": a first forward+backward measures the norm and updates nothing, the second
+    applies exactly (2x the step's compute when clipping or loss scaling is on; no memory; an exception in
+    the second pass leaves the chunks it updated). "none": no protection (an exception or a non-finite
+    gradient leaves the chunks already updated; not allowed with grad_clip). "auto": the planner picks
+    kept_grads when the host budget holds it, else replay (two_pass for a step with random ops)."""
 
     def __post_init__(self):
         self.device = self._check_device(self.device)
@@ -164,7 +165,8 @@ class Config:
         if isinstance(spec, dict):
             unknown = set(spec) - set(DYNAMIC_DEFAULTS)
             if unknown:
-                raise ValueError(f"loss_scale: unknown key(s) {sorted(unknown)}; valid keys: {sorted(DYNAMIC_DEFAULTS)}")
+                raise ValueError(f"loss_scale: unknown key(s) {sorted(unknown)}; "
+                                 f"valid keys: {sorted(DYNAMIC_DEFAULTS)}")
             for k, v in spec.items():
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                     raise ValueError(f"loss_scale.{k}: expected a positive number, got {v!r}")

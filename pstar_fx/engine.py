@@ -8,6 +8,7 @@ recompute + fuse_optimizer + plan, searched for the fewest recomputed segments t
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 import os
@@ -69,9 +70,7 @@ class Lowered:
         log.info("%s parameters in %d chunks of %s elements", f"{self.layout.param_elems:,}",
                  len(self.layout.chunks), f"{self.layout.chunk_size:,}")
         gm = self.capture.gm
-        g = gm.graph
-        with g.inserting_before(next(iter(g.nodes))):
-            tag(g.placeholder("rt"), "rt", 0)
+        _add_rt(gm.graph)
         self.graphs_before: dict[str, str] = {}
         self._buffer_bytes = sum(_buffer_nbytes(model, b) for b in self.capture.buffers)
         with phases("plan", "placement, recompute and schedule against the budgets"):
@@ -159,6 +158,23 @@ class Lowered:
         fn(gm, *args)
 
 
+def _add_rt(g: fx.Graph) -> None:
+    """The chunk runtime becomes the step's first argument: the chunk ops the passes insert call it."""
+    with g.inserting_before(next(iter(g.nodes))):
+        tag(g.placeholder("rt"), "rt", 0)
+
+
+def _skeleton(model: nn.Module) -> nn.Module:
+    """The model's structure with meta tensors for its parameters and buffers (ties kept): enough to capture
+    another graph of it later, without keeping its weights alive beside the chunks."""
+    memo: dict[int, object] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+    return copy.deepcopy(model, memo)
+
+
 def _runner(graph: fx.GraphModule, rt: ChunkRuntime, buffers: list, device: torch.device, tangent_dtype):
     """One forward + backward of the lowered graph on one micro-batch. A closure, not an Engine method: the
     Stepper holds it, and a reference back to the Engine would keep its memory alive until a GC cycle."""
@@ -226,7 +242,7 @@ class Engine:
                          for b in cap.buffers]
         persistent = set(model.state_dict(keep_vars=True))
         self._persistent = [b in persistent for b in cap.buffers]
-        self._model = model                  # its structure, for capturing evaluation on first use
+        self._skeleton = _skeleton(model)    # its structure, for capturing evaluation on first use
         self._evaluator = None
         self._tangent_dtype = role_nodes(cap.gm.graph, "tangent")[0].meta["val"].dtype
         self.stepper = Stepper(self.rt, config, plan.transaction,
@@ -281,15 +297,15 @@ class Engine:
     def evaluate(self, *inputs: torch.Tensor) -> torch.Tensor:
         """The loss of a batch, forward only, in the model's eval mode: no gradient, no update, no state change.
         Captured and planned on first use for these input shapes, on the training step's chunk memory."""
-        if self._evaluator is None or self._evaluator[0] != [(tuple(x.shape), x.dtype) for x in inputs]:
-            self._evaluator = ([(tuple(x.shape), x.dtype) for x in inputs], self._lower_evaluation(inputs))
-        graph, specs = self._evaluator[1]
-        if len(inputs) != len(specs) or not all(isinstance(x, torch.Tensor) for x in inputs):
-            raise TypeError(f"evaluate() takes {len(specs)} tensor input(s)")
+        n = len(self.lowered.capture.inputs)
+        if len(inputs) != n or not all(isinstance(x, torch.Tensor) for x in inputs):
+            raise TypeError(f"evaluate() takes {n} tensor input(s), like step()")
+        shapes = [(tuple(x.shape), x.dtype) for x in inputs]
+        if self._evaluator is None or self._evaluator[0] != shapes:
+            self._evaluator = (shapes, _runner(self._lower_evaluation(inputs), self.rt, self._buffers, self.device,
+                                               self._tangent_dtype))
         self.rt.copies.start_step()
-        tangent = torch.ones((), dtype=self._tangent_dtype)
-        loss = _runner(graph, self.rt, self._buffers, self.device, self._tangent_dtype)(
-            [x.to(self.device) for x in inputs], tangent)
+        loss = self._evaluator[1]([x.to(self.device) for x in inputs], torch.ones(()))
         self.rt.mover.check_idle()
         return loss.float().cpu()
 
@@ -298,11 +314,10 @@ class Engine:
         the training plan's placement and compute slots -> chunk ops."""
         lo = self.lowered
         with self.phases("evaluation", "forward-only step captured and planned"):
-            cap = capture(self._model, tuple(inputs), self.device, self.dtype, forward_only=True)
+            cap = capture(self._skeleton, tuple(inputs), self.device, self.dtype, forward_only=True)
             gm = cap.gm
             g = gm.graph
-            with g.inserting_before(next(iter(g.nodes))):
-                tag(g.placeholder("rt"), "rt", 0)
+            _add_rt(g)
             out = g.output_node()
             out.args = ((out.args[0][0],),)          # the loss alone: no gradient leaves the graph
             g.eliminate_dead_code()
@@ -321,11 +336,7 @@ class Engine:
                                   f"of activations on {format_bytes(self.rt.stats.device_bytes)} the engine holds) "
                                   f"but device_memory is {format_bytes(budget)}; evaluate a smaller batch")
             insert_chunk_ops(gm, lo.layout, plan)
-        return gm, cap.inputs
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.lowered.dtype
+        return gm
 
     @property
     def steps(self) -> int:
@@ -386,6 +397,10 @@ class Engine:
     @property
     def plan(self) -> Plan:
         return self.lowered.plan
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lowered.dtype
 
     def graph_before(self, pass_name: str) -> str:
         """The step's code as the named pass received it (see pstar_fx.passes for the list)."""

@@ -286,11 +286,11 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
 
     n_device = place()
     random_ops = [n.name for n in nodes if n.op == "call_function" and is_random(n)]
-    transaction, kept_bytes = _choose_transaction(config, n_updated * cs * compute_itemsize,
-                                                  host_free=None if config.host_memory is None else
-                                                  config.host_memory - host_staging - (n_chunks - n_device) * state_bytes,
+    host_free = (None if config.host_memory is None
+                 else config.host_memory - host_staging - (n_chunks - n_device) * state_bytes)
+    transaction, kept_bytes = _choose_transaction(config, n_updated * cs * compute_itemsize, host_free=host_free,
                                                   random_ops=random_ops)
-    if transaction == "kept_grads" and cuda and n_device and grad_slots < 2:
+    if transaction == "kept_grads" and cuda and n_device and grad_slots < 2 and on is None:
         # a device chunk's kept gradient is copied to the host from its slot: a second slot lets backward go
         # on meanwhile (GPT3_10B with one slot: the compute stream waited 0.14 s a step for those copies)
         grad_slots = 2
@@ -389,10 +389,10 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     two_passes = transaction == "two_pass" and (config.grad_clip is not None or config.loss_scaler_spec is not None)
     if two_passes:
         plan.estimated_step_seconds += sum(node_secs)
-    plan.transaction_cost = _transaction_cost(transaction, config, compute_itemsize, kept_bytes, accum_bytes, cs,
-                                              n_device, n_chunks - n_device, ship, sum(node_secs) if two_passes else 0.0,
-                                              0.0 if plan.kept_on_device else n_updated_device * cs * compute_itemsize / rates.d2h_bw,
-                                              plan.kept_on_device)
+    kept_copy_s = 0.0 if plan.kept_on_device else n_updated_device * cs * compute_itemsize / rates.d2h_bw
+    plan.transaction_cost = _transaction_cost(transaction, config, compute_itemsize, kept_bytes, accum_bytes,
+                                              n_device, n_chunks - n_device, ship,
+                                              sum(node_secs) if two_passes else 0.0, kept_copy_s, plan.kept_on_device)
     if adam_exposed > 1e-3:
         notes.append(f"host Adam the compute cannot hide: about {adam_exposed * 1e3:.0f} ms per step ("
                      + ("each host chunk's gradient in its own kept buffer" if kept_bytes or plan.kept_on_device
@@ -485,7 +485,7 @@ def _choose_transaction(config: Config, kept_total: int, host_free: int | None,
     return choice, kept_total if choice == "kept_grads" else 0
 
 
-def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_bytes: int, accum_bytes: int, cs: int,
+def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_bytes: int, accum_bytes: int,
                       n_device: int, n_host: int, ship: list[str], second_pass_s: float, kept_copy_s: float,
                       kept_on_device: bool) -> str:
     """What the chosen transaction costs, and how much smaller the largest model is for it."""

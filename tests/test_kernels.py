@@ -496,22 +496,6 @@ def test_adam_undo_restores_the_state_before_the_step(backend, device, grad_dtyp
         p.copy_(after[0]), m.copy_(after[1]), v.copy_(after[2])       # go on from the stepped state
 
 
-@needs_ext
-def test_adam_undo_cpp_and_torch_agree_bit_for_bit():
-    n = 40000
-    p, grads = _state(n, torch.bfloat16, "cpu", seed=5, steps=3)
-    m, v = torch.zeros(n), torch.zeros(n)
-    hyper = dict(HYPER, weight_decay=0.05, decoupled_weight_decay=True, grad_scale=1.0)
-    for step, g in enumerate(grads, start=1):
-        adam_step(p, g, m, v, step=step, **hyper)
-    results = {}
-    for backend in ("cpp", "torch"):
-        state = [t.clone() for t in (p, m, v)]
-        K.adam_undo(*state[:1], grads[-1], *state[1:], step=3, backend=backend, **hyper)
-        results[backend] = state
-    assert all(torch.equal(a, b) for a, b in zip(results["cpp"], results["torch"]))
-
-
 CORRECT_BACKENDS = UNDO_BACKENDS + [
     pytest.param("triton", "cpu", id="triton-interp", marks=pytest.mark.skipif(
         not (HAS_TRITON and INTERPRET), reason="triton on CPU needs triton and TRITON_INTERPRET=1")),
@@ -548,17 +532,21 @@ def test_adam_undo_with_redo_is_undo_then_step(backend, device, decoupled):
 
 
 @needs_ext
-@pytest.mark.skipif(not (HAS_TRITON and INTERPRET), reason="needs triton under TRITON_INTERPRET=1")
-def test_adam_undo_cpp_and_interpreted_triton_agree_bit_for_bit():
+@pytest.mark.parametrize("other,grad_dtype,decoupled,grad_scale,redo_scale,seed", [
+    pytest.param("torch", torch.bfloat16, True, 1.0, None, 5, id="torch"),
+    pytest.param("triton", torch.float16, False, 3.0, 5.0, 7, id="triton-interp", marks=pytest.mark.skipif(
+        not (HAS_TRITON and INTERPRET), reason="needs triton under TRITON_INTERPRET=1")),
+])
+def test_adam_undo_backends_agree_with_cpp_bit_for_bit(other, grad_dtype, decoupled, grad_scale, redo_scale, seed):
     n = 40000
-    p, grads = _state(n, torch.float16, "cpu", seed=7, steps=3)
+    p, grads = _state(n, grad_dtype, "cpu", seed=seed, steps=3)
     m, v = torch.zeros(n), torch.zeros(n)
-    hyper = dict(HYPER, weight_decay=0.05, decoupled_weight_decay=False, grad_scale=3.0)
+    hyper = dict(HYPER, weight_decay=0.05, decoupled_weight_decay=decoupled, grad_scale=grad_scale)
     for step, g in enumerate(grads, start=1):
         adam_step(p, g, m, v, step=step, **hyper)
     results = {}
-    for backend in ("cpp", "triton"):
+    for backend in ("cpp", other):
         state = [t.clone() for t in (p, m, v)]
-        K.adam_undo(*state[:1], grads[-1], *state[1:], step=3, redo_scale=5.0, backend=backend, **hyper)
+        K.adam_undo(*state[:1], grads[-1], *state[1:], step=3, redo_scale=redo_scale, backend=backend, **hyper)
         results[backend] = state
-    assert all(torch.equal(a, b) for a, b in zip(results["cpp"], results["triton"]))
+    assert all(torch.equal(a, b) for a, b in zip(results["cpp"], results[other]))

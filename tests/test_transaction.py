@@ -266,7 +266,8 @@ def test_a_skipped_step_changes_nothing_whatever_the_dtype():
 
 def optimizer_state(engine):
     store = engine.rt.store
-    return [t.clone() for c in range(len(store.master)) for t in (store.master[c], store.exp_avg[c], store.exp_avg_sq[c])]
+    return [t.clone() for c in range(len(store.master))
+            for t in (store.master[c], store.exp_avg[c], store.exp_avg_sq[c])]
 
 
 def record_undos(monkeypatch):
@@ -402,7 +403,8 @@ def test_config_checks_the_new_fields():
         pstar_fx.Config(grad_clip=1.0, transaction="none")
     assert pstar_fx.Config(dtype="fp16").loss_scaler_spec["init_scale"] == 2.0**16
     assert pstar_fx.Config(dtype="bf16").loss_scaler_spec is None
-    assert pstar_fx.Config.from_dict({"grad_clip": 1, "lr_schedule": {"type": "constant", "warmup_steps": 3}}).grad_clip == 1.0
+    cfg = pstar_fx.Config.from_dict({"grad_clip": 1, "lr_schedule": {"type": "constant", "warmup_steps": 3}})
+    assert cfg.grad_clip == 1.0
 
 
 def test_schedule_formulas():

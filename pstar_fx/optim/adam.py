@@ -9,8 +9,9 @@ restores the state before it. The step's transaction uses it to roll back a spec
 that must be skipped or failed midway) and to correct one (undo, then update again with the clipped
 gradient). Undo is exact up to fp32 rounding, not bit for bit: the master is restored to within an ulp
 or two, and the moments lose what rounding took from them (exp_avg = (exp_avg' - (1 - b1) g) / b1 in
-float64 recovers exp_avg to within half an ulp of exp_avg'). Work runs in blocks of `_UNDO_BLOCK_ELEMS` so
-its float64 temporaries stay small on any tier.
+float64 recovers exp_avg to within half an ulp of exp_avg'; after the first update they come back as
+exact zeros). A correction undoes and redoes in one pass; a replay restores the master and the moments in
+two halves. The kernels (`pstar_fx.kernels.adam_undo`) do the arithmetic.
 """
 from __future__ import annotations
 
@@ -80,8 +81,9 @@ def chunk_undo(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
         raise ValueError("a redo may change only grad_scale")
     for off, n in spans:
         sl = slice(off, off + n)
-        adam_undo(master[sl], None if grad is None else grad[sl], exp_avg[sl], exp_avg_sq[sl], step=hyper.step, lr=hyper.lr, beta1=beta1,
-                  beta2=beta2, eps=hyper.eps, weight_decay=hyper.weight_decay, grad_scale=hyper.grad_scale,
+        adam_undo(master[sl], None if grad is None else grad[sl], exp_avg[sl], exp_avg_sq[sl], step=hyper.step,
+                  lr=hyper.lr, beta1=beta1, beta2=beta2, eps=hyper.eps, weight_decay=hyper.weight_decay,
+                  grad_scale=hyper.grad_scale,
                   decoupled_weight_decay=hyper.decoupled, redo_scale=None if redo is None else redo.grad_scale,
                   param_out=None if (param_out is None or redo is None) else param_out[sl], part=part)
         if param_out is not None and redo is None:

@@ -44,6 +44,11 @@ class LossScaler:
     def state_dict(self) -> dict:
         return {"scale": self.scale, "growth_tracker": self.growth_tracker}
 
+    def load_state_dict(self, state: dict) -> None:
+        """What `state_dict` gave; missing keys keep the current values."""
+        self.scale = float(state.get("scale", self.scale))
+        self.growth_tracker = int(state.get("growth_tracker", self.growth_tracker))
+
 
 def _f32(x: float) -> float:
     return float(torch.tensor(x, dtype=torch.float32))

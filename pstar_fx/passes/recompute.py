@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 import torch.fx as fx
 
 from ..fxutil import aliases_input, is_random, role_nodes, value_bytes

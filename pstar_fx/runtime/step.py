@@ -69,10 +69,8 @@ class Stepper:
         state = state or {}
         self.applied = int(state.get("step", 0))
         self._last_coef = float(state.get("last_clip_coef", 1.0))
-        fresh = LossScaler(self.config.loss_scaler_spec)
-        scale = state.get("loss_scale", {})
-        self.scaler.scale = float(scale.get("scale", fresh.scale))
-        self.scaler.growth_tracker = int(scale.get("growth_tracker", 0))
+        self.scaler = LossScaler(self.config.loss_scaler_spec)
+        self.scaler.load_state_dict(state.get("loss_scale", {}))
         self._before_settling = None
 
     def step(self, micro_batches: list[list[torch.Tensor]]) -> StepReport:
@@ -106,31 +104,29 @@ class Stepper:
                         b.copy_(s)
                     up.open(hyper.scaled(scale / coef), "apply")
                     loss = self._run(micro_batches[0], tangent)
-            elif self.transaction == "replay":
-                saved = [b.clone() for b in self.buffers]
-                guess = self._last_coef if cfg.grad_clip is not None else 1.0
-                up.open(hyper.scaled(scale / guess), "speculate")
-                loss = self._run(micro_batches[0], tangent)
-                norm, coef, finite = self._verdict(scale)
-                if not finite or coef != guess:
-                    self._replay(micro_batches[0], tangent, saved, hyper.scaled(scale / coef) if finite else None)
             else:
                 # Speculate with the last step's clip coefficient: norms change slowly, so a correction then
                 # moves each update a little, and its undo loses nothing to cancellation (undoing a step
                 # speculated at 1 that should have been 0.01 would subtract nearly equal numbers)
+                if self.transaction == "replay":
+                    saved = [b.clone() for b in self.buffers]
                 guess = self._last_coef if cfg.grad_clip is not None else 1.0
-                speculative = hyper.scaled(scale / guess)
-                up.open(speculative, "speculate" if self.transaction == "kept_grads" else "apply")
+                up.open(hyper.scaled(scale / guess),
+                        "speculate" if self.transaction in ("kept_grads", "replay") else "apply")
                 loss = self._run(micro_batches[0], tangent)
                 norm, coef, finite = self._verdict(scale)
-                if not finite:
+                right = hyper.scaled(scale / coef) if finite else None     # None: the step must not apply
+                if self.transaction == "replay":
+                    if right is None or coef != guess:
+                        self._replay(micro_batches[0], tangent, saved, right)
+                elif right is None:
                     if self.transaction == "kept_grads":
                         up.rollback()
                     else:
                         warnings.warn("non-finite gradients with transaction 'none': the chunks updated before "
                                       "they were found stay updated", RuntimeWarning, stacklevel=3)
                 elif coef != guess:
-                    up.correct(hyper.scaled(scale / coef))
+                    up.correct(right)
             rt.mover.check_idle()
             loss_value = float(loss)
             up.commit()
@@ -173,10 +169,11 @@ class Stepper:
         up = self.rt.updater
         log = up.log
         if self.transaction == "replay" and log is not None and log.mode == "speculate" and micro_batches:
-            # nothing was kept: roll the applied updates back by replaying the step (only restoring)
+            # nothing was kept: roll the applied updates back by replaying the step (only restoring); the
+            # buffers were saved before the speculative pass opened this log
             try:
-                if up._applied(log):
-                    self._replay(micro_batches[0], tangent, before_buffers or [b.clone() for b in self.buffers], None)
+                if up.applied_chunks(log):
+                    self._replay(micro_batches[0], tangent, before_buffers, None)
                 up.commit()
                 return
             except BaseException as e:
@@ -194,5 +191,5 @@ class Stepper:
         """The step before, still settling, was rolled back: it did not happen (counts and scale as before it)."""
         if self._before_settling is not None:
             self.applied, state = self._before_settling
-            self.scaler.scale, self.scaler.growth_tracker = state["scale"], state["growth_tracker"]
+            self.scaler.load_state_dict(state)
             self._before_settling = None

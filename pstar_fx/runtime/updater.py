@@ -126,18 +126,12 @@ class Updater:
         """Chunk c's gradient is complete (its last contribution in backward has been written)."""
         self.wait_for(c)
         if self.store.tier(c) == "host":
-            job = (self._host_job, c, grad, ready, self.log, self._first_micro, self._last_micro)
-            if self.worker is None:
-                self.log.host[c] = job[0](*job[1:])
-            else:
-                self.pending[c] = self.log.host[c] = self.worker.submit(*job)
+            self._on_host(c, self.log, self._host_job, c, grad, ready, self.log, self._first_micro, self._last_micro)
             return
         log, spans = self.log, self.spans[c]
         master, m, v = self.store.master[c], self.store.exp_avg[c], self.store.exp_avg_sq[c]
         if log.mode == "replay":
-            if c in self._replaying:
-                chunk_undo(master, grad, m, v, spans, self._replaying[c], redo=log.hyper if log.redo else None,
-                           part="moments")
+            self._replay_moments(c, grad, log)
         elif log.mode == "accumulate":
             self._accumulate(c, grad)
             if self._last_micro:
@@ -165,11 +159,7 @@ class Updater:
             t0 = time.perf_counter()
             applied = False
             if log.mode == "replay":
-                if c in self._replaying:
-                    chunk_undo(self.store.master[c], grad, self.store.exp_avg[c], self.store.exp_avg_sq[c],
-                               self.spans[c], self._replaying[c], redo=log.hyper if log.redo else None,
-                               part="moments", param_out=self.store.shadow.get(c))
-                    applied = log.redo
+                applied = self._replay_moments(c, grad, log)
             elif log.mode == "accumulate":
                 self._accumulate(c, grad, first)
                 if last:
@@ -182,6 +172,25 @@ class Updater:
         finally:
             if c not in self.kept:
                 self.host_grads.give(grad)
+
+    def _on_host(self, c: int, log: _Log | None, fn, *args) -> None:
+        """Run a host chunk's job inline (the CPU runtime) or on the worker, where a read of chunk c waits for
+        it; `log` records its outcome (True: an update applied)."""
+        result = fn(*args) if self.worker is None else self.worker.submit(fn, *args)
+        if self.worker is not None:
+            self.pending[c] = result
+        if log is not None:
+            log.host[c] = result
+
+    def _replay_moments(self, c: int, grad: torch.Tensor, log: _Log) -> bool:
+        """A replayed step's chunk c: its recomputed gradient restores the moments (the master was restored
+        first) and, when correcting, applies the right update. Returns whether an update is applied."""
+        if c not in self._replaying:
+            return False
+        chunk_undo(self.store.master[c], grad, self.store.exp_avg[c], self.store.exp_avg_sq[c], self.spans[c],
+                   self._replaying[c], redo=log.hyper if log.redo else None, part="moments",
+                   param_out=self.store.shadow.get(c))
+        return log.redo
 
     def _accumulate(self, c: int, grad: torch.Tensor, first: bool | None = None) -> None:
         acc = self.acc[c]
@@ -216,11 +225,7 @@ class Updater:
         self.log.hyper, self.log.mode = hyper, "apply_accumulated"
         for c in sorted(self.acc):
             if self.store.tier(c) == "host":
-                job = (self._apply_host, c, self.log)
-                if self.worker is None:
-                    self.log.host[c] = job[0](*job[1:])
-                else:
-                    self.pending[c] = self.log.host[c] = self.worker.submit(*job)
+                self._on_host(c, self.log, self._apply_host, c, self.log)
             else:
                 chunk_update(self.store.master[c], self.acc[c], self.store.exp_avg[c], self.store.exp_avg_sq[c],
                              self.spans[c], hyper, found_inf=self.found_inf, check_finite=False)
@@ -244,13 +249,11 @@ class Updater:
         corrections overlap the next step's forward like their updates do (a read waits for its chunk)."""
         t0 = time.perf_counter()
         log, speculated = self.log, self.log.hyper
-        for c in self._applied(log):
-            if self.store.tier(c) == "host" and self.worker is not None:
-                self.pending[c] = log.host[c] = self.worker.submit(self._correct_one, log, c, speculated, hyper)
+        for c in self.applied_chunks(log):
+            if self.store.tier(c) == "host":
+                self._on_host(c, log, self._correct_one, log, c, speculated, hyper)
             else:
-                ok = self._correct_one(log, c, speculated, hyper)
-                if self.store.tier(c) == "host":
-                    log.host[c] = ok
+                self._correct_one(log, c, speculated, hyper)
         self.telemetry.add("correction", time.perf_counter() - t0)
 
     def _correct_one(self, log: _Log, c: int, speculated: Hyper, hyper: Hyper) -> bool:
@@ -270,10 +273,10 @@ class Updater:
         back from its updated moments; host chunks on the worker, so the replay's forward waits for each
         chunk alone. Returns chunk -> the Hyper its update used (what the replay's moment undo inverts)."""
         log = self.log if log is None else log
-        applied = {c: log.hyper_of.get(c, log.hyper) for c in self._applied(log)}
+        applied = {c: log.hyper_of.get(c, log.hyper) for c in self.applied_chunks(log)}
         for c, hyper in applied.items():
-            if self.store.tier(c) == "host" and self.worker is not None:
-                self.pending[c] = self.worker.submit(self._restore_master, c, hyper)
+            if self.store.tier(c) == "host":
+                self._on_host(c, None, self._restore_master, c, hyper)
             else:
                 self._restore_master(c, hyper)
         self._replaying = applied
@@ -371,7 +374,7 @@ class Updater:
         self._settle(log, swallow)
         if log.mode in ("measure", "accumulate"):
             return []
-        applied = self._applied(log)
+        applied = self.applied_chunks(log)
         if not log.undoable:
             self.not_undone = applied    # transaction "none" or a two-pass step's second pass: nothing kept
             return []
@@ -388,7 +391,7 @@ class Updater:
         self.copies.sync()
         return applied
 
-    def _applied(self, log: _Log) -> list[int]:
+    def applied_chunks(self, log: _Log) -> list[int]:
         """The chunks whose update `log`'s step applied (its host updates must have finished)."""
         self._settle(log)
         self.copies.sync()
