@@ -8,20 +8,27 @@ price is that in-place ops stay in place, which the runtime executes in graph or
 allocated, so a 10B model captures in seconds.
 
 Graph contract (what later passes may rely on):
-  placeholders, in order: one per unique parameter (`Capture.params`), one per buffer, one per user input,
-  then `tangent` (the loss gradient fed to backward: 1.0, or loss scale / micro-batches); each carries its
+  placeholders, in order: one per unique parameter (`Capture.params`), one per buffer, one per tensor input
+  (positional ones first, then keyword ones in the example's order: `Capture.signature`), then `tangent` (the loss gradient fed to backward: 1.0, or loss scale / micro-batches); each carries its
   role ("param", "buffer", "input", "tangent") and index in `node.meta` (`fxutil.role_nodes` finds them);
   output: a flat tuple (loss, one gradient or None per parameter in `Capture.params` order);
   a tied parameter is one placeholder, and its gradient is already the sum of its uses;
-  buffers the model updates (BatchNorm statistics) are updated in place, by ops in the graph.
+  buffers the model updates (BatchNorm statistics) are updated in place, by ops in the graph;
+  constants the model's forward makes (`torch.tensor(...)`) are `get_attr` nodes of the graph module.
+
+What forward may return: the loss (a 0-d float tensor), an object with a `.loss` (a Hugging Face
+`ModelOutput`), or a tuple or list whose first element is the loss. Inference-only paths are switched off: a
+forward that takes `use_cache` gets `use_cache=False` unless the example inputs say otherwise.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import os
 import traceback
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -51,10 +58,103 @@ class ParamInfo:
 
 @dataclass
 class InputInfo:
+    name: str                        # "input 0" for a positional input, else the keyword
     shape: torch.Size
     dtype: torch.dtype
     index_bound: int | None = None   # integer input used as indices: valid values are [0, bound)
     ignore_index: int | None = None  # a value allowed besides [0, bound) (cross_entropy's ignore_index)
+
+
+@dataclass(frozen=True)
+class Signature:
+    """How a batch maps to forward()'s arguments: `n_args` positional tensors, then keyword tensors by name,
+    and keyword constants (not tensors: `use_cache=False`) fixed at capture."""
+    n_args: int
+    keywords: tuple[str, ...]
+    constants: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, example_inputs, model: nn.Module) -> tuple[Signature, list[torch.Tensor]]:
+        """The signature of `example_inputs` (a tensor, a tuple of tensors, or a dict of keyword arguments)
+        and its tensors in placeholder order."""
+        if isinstance(example_inputs, torch.Tensor):
+            example_inputs = (example_inputs,)
+        if isinstance(example_inputs, Mapping):
+            args, kwargs = (), dict(example_inputs)
+        elif isinstance(example_inputs, (tuple, list)):
+            args, kwargs = tuple(example_inputs), {}
+        else:
+            raise TypeError("example_inputs: expected a tuple of tensors (forward's positional arguments) or a dict "
+                            f"(its keyword arguments), got {type(example_inputs).__name__}")
+        for i, x in enumerate(args):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"example_inputs[{i}]: expected a tensor, got {type(x).__name__}; pass "
+                                "non-tensor arguments by keyword in a dict")
+        bad = [k for k in kwargs if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"example_inputs: dict keys must be forward()'s argument names, got {bad[:5]}")
+        tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        constants = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+        for k, v in constants.items():
+            if not (v is None or isinstance(v, (bool, int, float, str))):
+                raise TypeError(f"example_inputs[{k!r}]: a {type(v).__name__}; keyword arguments must be tensors "
+                                "or constants (None, bool, int, float, str)")
+        if "use_cache" not in kwargs and _takes(model, "use_cache"):
+            constants["use_cache"] = False       # training never reads a KV cache; building one adds constants
+        return cls(len(args), tuple(tensors), constants), [*args, *tensors.values()]
+
+    def names(self) -> list[str]:
+        return [f"input {i}" for i in range(self.n_args)] + list(self.keywords)
+
+    def call_args(self, tensors) -> tuple[tuple, dict]:
+        """forward()'s (args, kwargs) for the tensors in placeholder order."""
+        tensors = list(tensors)
+        return tuple(tensors[:self.n_args]), {**dict(zip(self.keywords, tensors[self.n_args:])), **self.constants}
+
+    def bind(self, args: tuple, kwargs: dict) -> list:
+        """A batch given as step()'s arguments -> its tensors in placeholder order. A single dict argument is
+        the keyword arguments (a batch dict). Names missing or not compiled are an error naming them."""
+        if len(args) == 1 and isinstance(args[0], Mapping) and not kwargs:
+            args, kwargs = (), dict(args[0])
+        if len(args) != self.n_args:
+            raise TypeError(f"expected {self.n_args} positional input(s), like the example_inputs the step was "
+                            f"compiled with; got {len(args)}")
+        kwargs = {k: v for k, v in kwargs.items() if not (k in self.constants and _same(v, self.constants[k]))}
+        missing = [k for k in self.keywords if k not in kwargs]
+        extra = [k for k in kwargs if k not in self.keywords]
+        if missing or extra:
+            raise TypeError("the batch's keyword inputs differ from the compiled ones: "
+                            + "; ".join(f"{what} {names}" for what, names in (("missing", missing), ("not compiled", extra))
+                                        if names)
+                            + f" (compiled with {list(self.keywords)}" + (f", constants {self.constants}" if self.constants
+                                                                          else "") + ")")
+        return [*args, *(kwargs[k] for k in self.keywords)]
+
+
+def _same(a, b) -> bool:
+    return type(a) is type(b) and a == b
+
+
+def _takes(model: nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def loss_of(out):
+    """The loss in what forward returned: the tensor itself, `.loss` (a ModelOutput), or a sequence's first."""
+    if isinstance(out, torch.Tensor):
+        return out
+    loss = getattr(out, "loss", None) if not isinstance(out, (tuple, list)) else None
+    if loss is None and isinstance(out, Mapping):
+        loss = out.get("loss")
+    if loss is None and isinstance(out, (tuple, list)) and out:
+        loss = out[0]
+    if loss is None:
+        raise CaptureError(f"forward() returned a {type(out).__name__} without a loss: return the loss, an object "
+                           "with .loss (a Hugging Face model given labels=...), or a tuple whose first element is it")
+    return loss
 
 
 @dataclass
@@ -66,19 +166,23 @@ class Capture:
     device: torch.device
     dtype: torch.dtype
     traced_on: torch.device          # differs from `device` when planning for CUDA on a machine without it
+    signature: Signature
 
     def param_nodes(self) -> list[fx.Node]:
         return role_nodes(self.gm.graph, "param")
 
 
-def capture(model: nn.Module, example_inputs: tuple, device: torch.device, dtype: torch.dtype,
-            forward_only: bool = False) -> Capture:
-    """The joint graph of the training step; `forward_only`: the loss alone, in the model's eval mode
-    (evaluation: no gradients, dropout off, BatchNorm on its running statistics)."""
+def capture(model: nn.Module, example_inputs, device: torch.device, dtype: torch.dtype,
+            forward_only: bool = False, signature: Signature | None = None) -> Capture:
+    """The joint graph of the training step, in the mode the model is in (its training mode);
+    `forward_only`: the loss alone, in the model's eval mode (evaluation: no gradients, dropout off,
+    BatchNorm on its running statistics). `example_inputs`: see `Signature.of`; with `signature` (another
+    capture's), its tensors in placeholder order."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(example_inputs, (tuple, list)) or not all(isinstance(x, torch.Tensor) for x in example_inputs):
-        raise TypeError("example_inputs: expected a tuple of tensors, one per positional argument of forward()")
+    if signature is None:
+        signature, example_inputs = Signature.of(example_inputs, model)
+    example_inputs = list(example_inputs)
     # A CPU-only torch cannot even fake a CUDA tensor (it aborts), so a plan for CUDA made on such a
     # machine traces on the CPU: same shapes, but CPU attention kernels and CPU autocast rules.
     traced_on = device if device.type != "cuda" or torch.cuda.is_available() else torch.device("cpu")
@@ -99,7 +203,8 @@ def capture(model: nn.Module, example_inputs: tuple, device: torch.device, dtype
 
     def step(params, buffers, inputs, tangent):
         state = {**dict(zip(param_names, params)), **dict(zip(buffer_names, buffers))}
-        loss = torch.func.functional_call(fake_model, state, tuple(inputs))
+        args, kwargs = signature.call_args(inputs)
+        loss = loss_of(torch.func.functional_call(fake_model, state, args, kwargs))
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
             raise CaptureError("forward() must return a scalar (0-d) floating-point loss tensor, got "
                                + (f"shape {tuple(loss.shape)} {loss.dtype}" if isinstance(loss, torch.Tensor)
@@ -121,7 +226,8 @@ def capture(model: nn.Module, example_inputs: tuple, device: torch.device, dtype
         raise
     except Exception as e:  # noqa: BLE001 - re-raised with the user's source line
         raise CaptureError(_explain_capture_failure(model, e)) from e
-    return _normalize(gm, model, param_names, buffer_names, trainable, example_inputs, device, traced_on, dtype)
+    return _normalize(gm, model, param_names, buffer_names, trainable, example_inputs, device, traced_on, dtype,
+                      signature)
 
 
 def _fake_copy(model: nn.Module, mode: FakeTensorMode, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -138,7 +244,7 @@ def _fake_copy(model: nn.Module, mode: FakeTensorMode, device: torch.device, dty
 
 
 def _normalize(gm, model, param_names, buffer_names, trainable, example_inputs, device, traced_on,
-               dtype) -> Capture:
+               dtype, signature: Signature) -> Capture:
     g = gm.graph
     g._codegen = fx.graph.CodeGen()  # plain positional signature instead of pytree flattening
     placeholders = list(g.find_nodes(op="placeholder"))
@@ -155,10 +261,11 @@ def _normalize(gm, model, param_names, buffer_names, trainable, example_inputs, 
         _rename(node, "b_" + _ident(name))
         tag(node, "buffer", k)
     inputs = []
-    for k, (node, x) in enumerate(zip(placeholders[n_p + n_b: n_p + n_b + n_i], example_inputs)):
-        _rename(node, f"input_{k}")
+    for k, (node, x, name) in enumerate(zip(placeholders[n_p + n_b: n_p + n_b + n_i], example_inputs,
+                                            signature.names())):
+        _rename(node, f"input_{k}" if k < signature.n_args else "in_" + _ident(name))
         tag(node, "input", k)
-        inputs.append(InputInfo(x.shape, x.dtype))
+        inputs.append(InputInfo(name, x.shape, x.dtype))
         _find_index_bound(node, inputs[-1])
     _rename(placeholders[-1], "tangent")
     tag(placeholders[-1], "tangent", 0)
@@ -173,7 +280,7 @@ def _normalize(gm, model, param_names, buffer_names, trainable, example_inputs, 
     g.eliminate_dead_code(is_impure_node=_keeps_mutations)
     g.lint()
     gm.recompile()
-    return Capture(gm, params, buffer_names, inputs, device, dtype, traced_on)
+    return Capture(gm, params, buffer_names, inputs, device, dtype, traced_on, signature)
 
 
 def _keeps_mutations(node: fx.Node) -> bool:

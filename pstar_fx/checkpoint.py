@@ -8,6 +8,7 @@ A checkpoint is a directory:
   optimizer.safetensors           "<name>.exp_avg" and "<name>.exp_avg_sq" of every trained parameter
   pstar_fx_state.json             step, loss scale, the last clip coefficient, the optimizer and schedule
                                   config, the RNG state, the package version
+  config.json                     a Hugging Face model's config, so `from_pretrained(path)` loads the weights
 
 It speaks parameter names, never chunk ids, so it loads at another budget, chunk size or placement. Files are
 written one tensor at a time from whichever tier holds it (extra host memory: one tensor), in the safetensors
@@ -117,6 +118,9 @@ def save(engine, path, *, dtype: str = "fp32", max_shard_bytes: int = SHARD_BYTE
                 index["weight_map"].update({e[0]: name for e in shard})
             _write_json(tmp / INDEX, index)
         write_safetensors(tmp / OPTIMIZER, moments, meta)
+        hf_config = getattr(engine._skeleton, "config", None)
+        if hasattr(hf_config, "to_json_file"):        # a Hugging Face model: from_pretrained(path) reads it back
+            hf_config.to_json_file(tmp / "config.json")
         _write_json(tmp / STATE, engine.stepper.state_dict() | {
             "pstar_fx": __version__, "weights_dtype": dtype,
             "optimizer": {k: list(v) if isinstance(v, tuple) else v for k, v in engine.config.optimizer.items()},

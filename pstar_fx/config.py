@@ -89,7 +89,9 @@ class Config:
     the device as the budget allows; "device" requires all of them there; "host" keeps all on the host."""
 
     seed: int = 0
-    """Seed used when the engine must initialize weights itself (a model built on the meta device)."""
+    """Seed of the weights the engine initializes itself (a model built on the meta device), and of every
+    random op in the step (dropout): each draws from a seed made of (seed, step, micro-batch, op), so two runs
+    with one seed are identical and recompute or a replayed step redraws the same masks."""
 
     grad_clip: float | None = None
     """Max global L2 norm of the gradient over all trainable parameters: exactly
@@ -120,12 +122,12 @@ class Config:
     on the device when it has room, else on the host); clipping that triggers, a skip or an exception
     undoes them from it (within fp32 rounding). "replay": the same speculation with nothing kept; a step
     that must be corrected or rolled back restores the masters from the moments and runs forward+backward
-    again (free unless it triggers, then about 2x that step; not for a step with random ops such as
-    dropout). "two_pass": a first forward+backward measures the norm and updates nothing, the second
+    again (free unless it triggers, then about 2x that step; dropout redraws the same masks, its ops being
+    seeded per step). "two_pass": a first forward+backward measures the norm and updates nothing, the second
     applies exactly (2x the step's compute when clipping or loss scaling is on; no memory; an exception in
     the second pass leaves the chunks it updated). "none": no protection (an exception or a non-finite
     gradient leaves the chunks already updated; not allowed with grad_clip). "auto": the planner picks
-    kept_grads when the host budget holds it, else replay (two_pass for a step with random ops)."""
+    kept_grads when the host budget holds it, else replay."""
 
     def __post_init__(self):
         self.device = self._check_device(self.device)

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.fx as fx
 
-from .fxutil import aliases_input
+from .fxutil import aliases_input, op_of
 
 aten = torch.ops.aten
 
@@ -127,7 +127,7 @@ def node_seconds(node: fx.Node, rates: Rates) -> float:
     """Estimated time of one graph node on the device: FLOPs for matmuls and attention, bytes otherwise."""
     if node.op != "call_function":
         return 0.0
-    target = node.target
+    target = op_of(node)
     if aliases_input(node) or getattr(target, "_schema", None) is None:
         return 0.0  # views, getitem and in-place bookkeeping move nothing new
     if target in _MATMUL:

@@ -27,7 +27,7 @@ from .config import Config, format_bytes
 from .fxutil import role_nodes, tag
 from .layout import Layout, build_layout
 from .passes import (find_segments, fuse_optimizer, insert_chunk_ops, lean_cross_entropy, localize_param_views,
-                     recompute)
+                     recompute, seed_random_ops)
 from .passes.recompute import Segment, group_segments
 from .plan import BudgetError, Plan, make_plan
 from .runtime import ChunkRuntime, StepRolledBack, run_graph
@@ -59,13 +59,13 @@ class Phases:
 class Lowered:
     """Everything short of memory: the captured step, its chunk layout, the plan and the lowered graph."""
 
-    def __init__(self, model: nn.Module, config: Config, example_inputs: tuple, phases: Phases | None = None):
+    def __init__(self, model: nn.Module, config: Config, example_inputs, phases: Phases | None = None):
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.phases = phases = phases or Phases()
         with phases("capture", "forward + backward traced with fake tensors"):
-            self.capture: Capture = capture(model, tuple(example_inputs), self.device, self.dtype)
+            self.capture: Capture = capture(model, example_inputs, self.device, self.dtype)
             self.layout: Layout = build_layout(self.capture, config.chunk_size)
         log.info("%s parameters in %d chunks of %s elements", f"{self.layout.param_elems:,}",
                  len(self.layout.chunks), f"{self.layout.chunk_size:,}")
@@ -74,6 +74,7 @@ class Lowered:
         self.graphs_before: dict[str, str] = {}
         self._buffer_bytes = sum(_buffer_nbytes(model, b) for b in self.capture.buffers)
         with phases("plan", "placement, recompute and schedule against the budgets"):
+            self._run_pass("seed_random_ops", seed_random_ops, gm)
             self._run_pass("localize_param_views", localize_param_views, gm)
             self._run_pass("lean_cross_entropy", lean_cross_entropy, gm)
             self.graph, self.plan = self._plan_with_recompute(gm)
@@ -180,10 +181,11 @@ def _runner(graph: fx.GraphModule, rt: ChunkRuntime, buffers: list, device: torc
     Stepper holds it, and a reference back to the Engine would keep its memory alive until a GC cycle."""
     def run(inputs: list[torch.Tensor], tangent: torch.Tensor) -> torch.Tensor:
         args = [rt, *buffers, *inputs, tangent.to(device, tangent_dtype)]
-        if device.type == "cpu":
-            outs = run_graph(graph, args, rt, skip_args=1 + len(buffers))
-        else:
-            outs = graph(*args)
+        with rt.rng:
+            if device.type == "cpu":
+                outs = run_graph(graph, args, rt, skip_args=1 + len(buffers))
+            else:
+                outs = graph(*args)
         return outs[0].detach()
     return run
 
@@ -210,9 +212,8 @@ class Engine:
                  resume: str | os.PathLike | None = None):
         config = Config.coerce(config)
         if example_inputs is None:
-            raise TypeError("compile() needs example_inputs: a tuple of tensors shaped like one batch")
-        if isinstance(example_inputs, torch.Tensor):
-            example_inputs = (example_inputs,)
+            raise TypeError("compile() needs example_inputs: a tuple of tensors shaped like one batch (forward's "
+                            "positional arguments), or a dict of them (its keyword arguments)")
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if config.device.startswith("cuda") and not torch.cuda.is_available():
@@ -223,7 +224,12 @@ class Engine:
             config = dataclasses.replace(config, device_memory=free)
         self.config = config
         self.phases = phases = Phases()
-        self.lowered = Lowered(model, config, tuple(example_inputs), phases)
+        if not model.training:
+            warnings.warn(f"{type(model).__name__} is in eval mode: the step is captured in the mode the model is in, "
+                          "so it trains with dropout off and BatchNorm on its running statistics; call model.train() "
+                          "before compile() for training behaviour (engine.evaluate runs eval mode either way)",
+                          UserWarning, stacklevel=3)
+        self.lowered = Lowered(model, config, example_inputs, phases)
         if not self.lowered.plan.fits:
             raise BudgetError(self.lowered.plan.why)
         self.device = self.lowered.device
@@ -279,12 +285,13 @@ class Engine:
         self.rt.store.masters_changed()
 
     # ---- the step ----------------------------------------------------------------------------------
-    def step(self, *inputs: torch.Tensor) -> torch.Tensor:
+    def step(self, *inputs, **kw_inputs) -> torch.Tensor:
         """One optimizer step on a batch: forward, backward and the update, as one transaction (a step that
-        fails or must be skipped changes no weight). With `grad_accum` k the batch's leading dimension is k
-        times the compiled one: k micro-batches, one update. Returns the loss (the micro-batches' mean);
-        `engine.last_step` says what the step did."""
-        micro = self._check_inputs(inputs)
+        fails or must be skipped changes no weight). The batch is given as the example inputs were: tensors
+        positionally, or by keyword (`step(input_ids=x, labels=y)`, or a batch dict `step(batch)`). With
+        `grad_accum` k the batch's leading dimension is k times the compiled one: k micro-batches, one update.
+        Returns the loss (the micro-batches' mean); `engine.last_step` says what the step did."""
+        micro = self._check_inputs(inputs, kw_inputs)
         report = self.stepper.step(micro)
         self.last_step = report
         if report.skipped:
@@ -294,12 +301,14 @@ class Engine:
                           RuntimeWarning, stacklevel=2)
         return torch.tensor(report.loss)
 
-    def evaluate(self, *inputs: torch.Tensor) -> torch.Tensor:
+    def evaluate(self, *inputs, **kw_inputs) -> torch.Tensor:
         """The loss of a batch, forward only, in the model's eval mode: no gradient, no update, no state change.
-        Captured and planned on first use for these input shapes, on the training step's chunk memory."""
-        n = len(self.lowered.capture.inputs)
-        if len(inputs) != n or not all(isinstance(x, torch.Tensor) for x in inputs):
-            raise TypeError(f"evaluate() takes {n} tensor input(s), like step()")
+        The batch is given as to step(), of any shape. Captured and planned on first use for these input shapes,
+        on the training step's chunk memory."""
+        inputs = self.lowered.capture.signature.bind(inputs, kw_inputs)
+        for x, spec in zip(inputs, self.lowered.capture.inputs):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{spec.name}: expected a tensor, got {type(x).__name__}")
         shapes = [(tuple(x.shape), x.dtype) for x in inputs]
         if self._evaluator is None or self._evaluator[0] != shapes:
             self._evaluator = (shapes, _runner(self._lower_evaluation(inputs), self.rt, self._buffers, self.device,
@@ -314,7 +323,8 @@ class Engine:
         the training plan's placement and compute slots -> chunk ops."""
         lo = self.lowered
         with self.phases("evaluation", "forward-only step captured and planned"):
-            cap = capture(self._skeleton, tuple(inputs), self.device, self.dtype, forward_only=True)
+            cap = capture(self._skeleton, inputs, self.device, self.dtype, forward_only=True,
+                          signature=lo.capture.signature)
             gm = cap.gm
             g = gm.graph
             _add_rt(g)
@@ -322,6 +332,7 @@ class Engine:
             out.args = ((out.args[0][0],),)          # the loss alone: no gradient leaves the graph
             g.eliminate_dead_code()
             gm.recompile()
+            seed_random_ops(gm)
             localize_param_views(gm)
             lean_cross_entropy(gm)
             plan = make_plan(gm, lo.layout, self.config, compute_itemsize=self.dtype.itemsize,
@@ -356,24 +367,23 @@ class Engine:
             self.stepper.rolled_back()
             raise
 
-    def _check_inputs(self, inputs) -> list[list[torch.Tensor]]:
+    def _check_inputs(self, args: tuple, kwargs: dict) -> list[list[torch.Tensor]]:
         """The batch, checked against the compiled shapes, split into `grad_accum` micro-batches."""
         specs = self.lowered.capture.inputs
         k = self.config.grad_accum
-        if len(inputs) != len(specs):
-            raise TypeError(f"step() takes {len(specs)} input(s), like the example_inputs it was compiled with; "
-                            f"got {len(inputs)}")
+        inputs = self.lowered.capture.signature.bind(args, kwargs)
         out = []
-        for i, (x, spec) in enumerate(zip(inputs, specs)):
+        for x, spec in zip(inputs, specs):
+            i = spec.name
             if not isinstance(x, torch.Tensor):
-                raise TypeError(f"input {i}: expected a tensor, got {type(x).__name__}")
+                raise TypeError(f"{i}: expected a tensor, got {type(x).__name__}")
             if x.dtype != spec.dtype:
-                raise TypeError(f"input {i}: dtype {x.dtype}, but the step was compiled for {spec.dtype}")
+                raise TypeError(f"{i}: dtype {x.dtype}, but the step was compiled for {spec.dtype}")
             want = spec.shape if k == 1 else torch.Size((spec.shape[0] * k, *spec.shape[1:])) if spec.shape else None
             if want is None:
-                raise ValueError(f"input {i}: a 0-d input cannot be split into grad_accum={k} micro-batches")
+                raise ValueError(f"{i}: a 0-d input cannot be split into grad_accum={k} micro-batches")
             if x.shape != want:
-                raise ValueError(f"input {i}: shape {tuple(x.shape)}, but the step was compiled for "
+                raise ValueError(f"{i}: shape {tuple(x.shape)}, but the step was compiled for "
                                  f"{tuple(want)}" + (f" (grad_accum={k} micro-batches of {tuple(spec.shape)})"
                                                      if k > 1 else "") + "; compile again for another shape")
             if spec.index_bound is not None and x.numel():
@@ -382,7 +392,7 @@ class Engine:
                     ok |= x == spec.ignore_index
                 if not bool(ok.all()):
                     bad = x[~ok].flatten()[0].item()
-                    raise ValueError(f"input {i}: value {bad} is out of range; the model uses this input as ids "
+                    raise ValueError(f"{i}: value {bad} is out of range; the model uses this input as ids "
                                      f"in [0, {spec.index_bound})")
             out.append(x.to(self.device, non_blocking=True))
         if k == 1:
@@ -476,6 +486,13 @@ class Engine:
             "steps": self.steps,
         }
 
+    def plot_memory(self, path: str | os.PathLike, *, title: str | None = None):
+        """Draw the plan along the step to an image (.png/.svg/.pdf): device and host bytes per node against
+        the budgets, the measured peaks once a step ran, chunk moves and each chunk's tier (pstar_fx.plot).
+        Needs matplotlib: pip install pstar_fx[plot]. Returns the path."""
+        from .plot import plot_memory
+        return plot_memory(self, path, title=title or type(self._skeleton).__name__)
+
     def explain(self) -> str:
         lo = self.lowered
         layout, plan = lo.layout, lo.plan
@@ -505,4 +522,4 @@ def compile(model: nn.Module, config: Config | dict | str | os.PathLike | None =
 
 def plan(model: nn.Module, config: Config | dict | str | None = None, example_inputs=None) -> Plan:
     """Everything `compile` does short of allocating: the model may live on the meta device."""
-    return Lowered(model, Config.coerce(config), tuple(example_inputs)).plan
+    return Lowered(model, Config.coerce(config), example_inputs).plan

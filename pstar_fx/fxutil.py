@@ -27,29 +27,46 @@ def role_nodes(graph: fx.Graph, role: str) -> list[fx.Node]:
 _UNANNOTATED_VIEWS = {torch.ops.aten._unsafe_view.default}
 
 
+def op_of(node: fx.Node):
+    """The op a node runs: its target, or the op a wrapper calls (passes.seed_random's seeded ops)."""
+    return getattr(node.target, "seeded_op", node.target)
+
+
 def aliases_input(node: fx.Node, *, in_place: bool = True) -> bool:
     """The node's output shares memory with its first input: a view (`_unsafe_view` too: matmul's
     reshape of its result), `getitem` of a multi-output op, or (with `in_place`) an in-place op. Such a
     value costs no new bytes."""
     if node.op != "call_function":
         return False
-    if node.target is operator.getitem:
+    target = op_of(node)
+    if target is operator.getitem:
         return True
-    if node.target in _UNANNOTATED_VIEWS:
+    if target in _UNANNOTATED_VIEWS:
         return True
-    schema = getattr(node.target, "_schema", None)
+    schema = getattr(target, "_schema", None)
     return schema is not None and any(r.alias_info is not None and (in_place or not r.alias_info.is_write)
                                       for r in schema.returns)
 
 
 def is_random(node: fx.Node) -> bool:
-    """The op draws random numbers (dropout, rand): running the graph again draws others."""
+    """The op draws random numbers (dropout, rand) from the global generator: running the graph again draws
+    others. An op passes.seed_random wrapped is not: it draws the same numbers each time it runs."""
     schema = getattr(node.target, "_schema", None)
     if schema is None or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
         return False
     # attention with dropout_p == 0 is tagged random but is not
     args = dict(zip((a.name for a in schema.arguments), node.args)) | dict(node.kwargs)
     return args.get("dropout_p", 1.0) != 0.0
+
+
+def mutated_args(node: fx.Node) -> list:
+    """The arguments an in-place op writes (empty for a functional op)."""
+    schema = getattr(op_of(node), "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    given = dict(zip((a.name for a in schema.arguments), node.args)) | dict(node.kwargs)
+    return [given[a.name] for a in schema.arguments
+            if a.alias_info is not None and a.alias_info.is_write and a.name in given]
 
 
 def value_bytes(val, round_to: int = 1) -> int:

@@ -1,5 +1,7 @@
 """Graph passes. Each is `GraphModule -> GraphModule`, one file each, applied in this order:
 
+    seed_random_ops       needs: the captured joint graph.  provides: each random op draws from its own seed
+                          per step (Config.seed, step, micro-batch, op), so running it again redraws the same.
     localize_param_views  needs: the captured joint graph.  provides: every view of a parameter is computed
                           right before its one user, so a parameter is read only where an op reads it.
     lean_cross_entropy    needs: the joint graph.  provides: cross-entropy's log_softmax runs in place on its
@@ -20,6 +22,7 @@ from .insert_chunk_ops import insert_chunk_ops
 from .lean_loss import lean_cross_entropy
 from .localize_views import localize_param_views
 from .recompute import find_segments, recompute
+from .seed_random import seed_random_ops
 
-__all__ = ["localize_param_views", "lean_cross_entropy", "find_segments", "recompute", "fuse_optimizer",
+__all__ = ["seed_random_ops", "localize_param_views", "lean_cross_entropy", "find_segments", "recompute", "fuse_optimizer",
            "insert_chunk_ops"]

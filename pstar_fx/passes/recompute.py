@@ -7,8 +7,10 @@ input (kept) and the parameters (fetched again if the plan evicted them).
 
 A segment is the span of forward ops between two points where exactly one activation is alive: the
 residual stream between transformer sub-blocks, found from the graph alone, no module names needed.
-Activation checkpointing per block is the choice of every segment. Segments with random or in-place ops
-are never recomputed (their recomputation would not reproduce the same values).
+Activation checkpointing per block is the choice of every segment. Segments with unseeded random ops or
+in-place ops on values from outside are never recomputed (recomputing would not reproduce their values);
+seeded random ops (passes.seed_random) replay the same numbers and in-place ops on the segment's own
+values are recomputed with them.
 
 `group_segments` joins runs of adjacent segments into one: the boundaries inside a run are recomputed
 too instead of kept, which trades fewer kept activations (a transformer has two boundaries per block:
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from ..fxutil import aliases_input, is_random, role_nodes, value_bytes
+from ..fxutil import aliases_input, is_random, mutated_args, role_nodes, value_bytes
 
 
 @dataclass
@@ -33,12 +35,18 @@ class Segment:
     end: int = -1                                     # index of the boundary node after it
 
 
-def _unsafe(node: fx.Node) -> bool:
-    """In-place ops and random ops do not reproduce their values when run again."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return False
-    return schema.is_mutable or is_random(node)
+def _unsafe(node: fx.Node, interior: set[fx.Node]) -> bool:
+    """Ops that do not reproduce their values when run again: unseeded random ops, and in-place ops on a
+    tensor made outside the segment (a buffer: recomputing would update it twice). An in-place op on a
+    tensor the segment itself makes (dropout's mask, filled in place) is recomputed with it."""
+    if is_random(node):
+        return True
+    for x in mutated_args(node):
+        while isinstance(x, fx.Node) and aliases_input(x, in_place=False) and x.args:
+            x = x.args[0]              # the view's base: that is what is written
+        if not (isinstance(x, fx.Node) and x in interior):
+            return True
+    return False
 
 
 def find_segments(gm: fx.GraphModule) -> list[Segment]:
@@ -75,8 +83,9 @@ def find_segments(gm: fx.GraphModule) -> list[Segment]:
     for seg in segments:
         owner: dict[fx.Node, fx.Node] = {}
         saved: set[fx.Node] = set()
+        interior = set(seg.nodes)
         for n in seg.nodes:
-            if _unsafe(n):
+            if _unsafe(n, interior):
                 seg.recomputable = False
             base = n.args[0] if aliases_input(n) and n.args and isinstance(n.args[0], fx.Node) else None
             owner[n] = owner.get(base, base) if base is not None else n
@@ -110,7 +119,8 @@ def recompute(gm: fx.GraphModule, segments: list[Segment]) -> fx.GraphModule:
     backward = backward_nodes(g)
     for seg in segments:
         if not seg.recomputable:
-            raise ValueError("segment with random or in-place ops cannot be recomputed")
+            raise ValueError("segment with unseeded random ops or in-place ops on outside values cannot be "
+                             "recomputed")
         interior = set(seg.nodes)
         uses = [(u, n) for n in seg.nodes for u in n.users if u in backward]
         if not uses:

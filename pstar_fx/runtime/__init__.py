@@ -6,6 +6,7 @@
     updater    Updater: the only caller of the chunk update and its undo; the step's verdict; the host worker
     step       Stepper: one optimizer step (micro-batches, verdict, commit or roll back) and its StepReport
     runner     run_graph: the graph node by node with the CPU device tier's budget enforced
+    rng        StepRandom: the seeds of the step's random ops, from (seed, step, micro-batch, op)
     telemetry  MemoryStats and seconds per phase
 
 `ChunkRuntime` is the `rt` the lowered graph calls; each of its methods is one chunk node and hands the
@@ -19,6 +20,7 @@ from ..config import Config
 from ..layout import Layout
 from ..plan import Plan
 from .movers import CpuCopies, CudaCopies, Mover
+from .rng import StepRandom
 from .runner import run_graph
 from .store import ChunkStore
 from .telemetry import MemoryStats, Telemetry
@@ -39,6 +41,7 @@ class ChunkRuntime:
         self.updater = Updater(self.store, plan, self.copies, self.telemetry, self.mover,
                                worker=cuda or HOST_WORKER_ON_CPU, grad_accum=config.grad_accum)
         self._offloaded: dict[int, tuple] = {}
+        self.rng = StepRandom(device, config.seed)
 
     # ---- what the lowered graph calls ----------------------------------------------------------------
     def prefetch(self, c: int) -> None:
@@ -52,6 +55,10 @@ class ChunkRuntime:
 
     def release(self, c: int) -> None:
         self.mover.release(c)
+
+    def seed_random(self, k: int) -> None:
+        """The next random op (the k-th in the graph) draws from its own seed for this step."""
+        self.rng.seed_op(k)
 
     def param(self, index: int) -> torch.Tensor:
         return self.mover.param(index)

@@ -36,6 +36,8 @@ def run_graph(gm: fx.GraphModule, args: list, rt, skip_args: int) -> tuple:
         elif node.op == "call_method":
             obj, *rest = load(node.args)
             val = getattr(obj, node.target)(*rest, **load(node.kwargs))
+        elif node.op == "get_attr":         # a constant the model's forward made (torch.tensor(...))
+            val = fx.graph_module._get_attr(gm, node.target)
         elif node.op == "output":
             return load(node.args[0])
         else:
