@@ -1,13 +1,15 @@
 """cli: `pstar-fx train | plan | explain`, thin wrappers over `pstar_fx.compile` and `pstar_fx.plan`.
 
-    train    build a model, compile its step, train it on the stdlib's bytes (pstar_fx.data)
+    train    build a model, compile its step, train it on the stdlib's bytes or on --data (pstar_fx.data)
     plan     size a model built on the meta device against budgets: fits or not, and why; allocates nothing
     explain  compile like train, print engine.explain() (and engine.graph.code with --code)
 
-Without a GPU the CPU plays the device tier. train and explain then pick a device budget that the whole
-step would overflow, so that most chunks' fp32 state lives on the host and chunks really move each step.
-Exit codes: 0 done (for plan also "does not fit"), 1 a clear error on one line of stderr, 2 bad arguments,
-130 interrupted (train saves first when --save is given).
+Models: a GPT from pstar_fx.models (NAME), a LLaMA (llama:NAME) or a local Hugging Face causal LM (hf:DIR, a
+`save_pretrained` folder; its config alone builds fresh weights). Without a GPU the CPU plays the device tier:
+train and explain then pick a device budget that the whole step would overflow, so that most chunks' fp32 state
+lives on the host and chunks really move each step.
+Exit codes: 0 done, 1 a clear error on one line of stderr (for plan also "does not fit", after its summary),
+2 bad arguments, 130 interrupted (train saves first when --save is given).
 """
 from __future__ import annotations
 
@@ -17,15 +19,18 @@ import logging
 import os
 import re
 import sys
+import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 import pstar_fx
 from pstar_fx.config import Config, format_bytes, parse_bytes
-from pstar_fx.data import batches, stdlib_tokens
+from pstar_fx.data import (TEXT_SUFFIXES, TOKEN_DTYPES, batches, check_vocab, has_tokenizer, held_out,
+                           load_tokenizer, read_tokens, vocab_size)
 from pstar_fx.plan import MASTER_STATE_BYTES
 from pstar_fx.models import GPT_CONFIGS, LLAMA_CONFIGS, GPT, Llama
 
@@ -34,33 +39,98 @@ DEFAULT_STEPS = 200
 DEFAULT_BATCH = 8
 TRAIN_SEQ_CAP = 128                  # train/explain default --seq: the model's block_size, at most this
 MiB = 2**20
+HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 # ---- argument types: a bad value is an argparse error that says what is wanted ---------------------------
 
 @dataclass(frozen=True)
 class ModelSpec:
-    family: str        # "gpt" | "llama"
-    name: str
-    config: object     # GPTConfig | LlamaConfig
+    family: str        # "gpt" | "llama" | "hf"
+    name: str          # a size table's key, or the Hugging Face directory
+    config: object     # GPTConfig | LlamaConfig | transformers.PretrainedConfig
 
-    def build(self) -> nn.Module:
-        return (Llama if self.family == "llama" else GPT)(self.config)
+    def build(self, meta: bool = False) -> nn.Module:
+        """The model, in training mode; on the meta device (no memory) for plan."""
+        if self.family != "hf":
+            if meta:
+                with torch.device("meta"):
+                    return (Llama if self.family == "llama" else GPT)(self.config)
+            return (Llama if self.family == "llama" else GPT)(self.config)
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+        if not sys.stderr.isatty():
+            hf_logging.disable_progress_bar()      # its "Loading weights" bars: no bar spam in CI logs
+        if meta:
+            with torch.device("meta"):
+                return AutoModelForCausalLM.from_config(self.config).train()
+        if self.has_weights:
+            model = AutoModelForCausalLM.from_pretrained(self.name, dtype=torch.float32, local_files_only=True)
+        else:
+            model = AutoModelForCausalLM.from_config(self.config)
+        return model.train()       # from_pretrained returns eval mode; training means dropout as configured
+
+    def inputs(self, idx: torch.Tensor, tgt: torch.Tensor):
+        """One batch as the model's forward takes it: a Hugging Face model shifts its labels itself."""
+        return {"input_ids": idx, "labels": idx} if self.family == "hf" else (idx, tgt)
+
+    @property
+    def has_weights(self) -> bool:
+        return self.family == "hf" and any((Path(self.name) / f).exists() for f in HF_WEIGHTS)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def block_size(self) -> int | None:
+        if self.family != "hf":
+            return self.config.block_size
+        return getattr(self.config, "n_positions", None) or getattr(self.config, "max_position_embeddings", None)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(layers, hidden size), for the attention term of the FLOP count."""
+        if self.family != "hf":
+            return self.config.n_layer, self.config.n_embd
+        return self.config.num_hidden_layers, self.config.hidden_size
+
+    @property
+    def tokenizer_dir(self) -> str | None:
+        """A Hugging Face directory's own tokenizer, the default for text data."""
+        return self.name if self.family == "hf" and has_tokenizer(self.name) else None
 
     def __str__(self) -> str:
+        if self.family == "hf":
+            return f"Hugging Face {type(self.config).__name__.removesuffix('Config')} from {self.name}" + (
+                "" if self.has_weights else " (config only: fresh weights)")
         return f"{'LLaMA' if self.family == 'llama' else 'GPT'} {self.name!r}"
 
 
+def _hf_model(path: str) -> ModelSpec:
+    if not (Path(path) / "config.json").is_file():
+        raise argparse.ArgumentTypeError(f"hf:{path}: expected a Hugging Face model directory with a config.json "
+                                         "(model.save_pretrained(DIR) writes one)")
+    from transformers import AutoConfig
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise argparse.ArgumentTypeError(f"hf:{path}: cannot read its config: {' '.join(str(e).split())}") from None
+    return ModelSpec("hf", path, config)
+
+
 def _model(text: str) -> ModelSpec:
+    if text.startswith("hf:"):
+        return _hf_model(text[3:])
     family, _, name = text.rpartition(":")
     family = family or "gpt"
     tables = {"gpt": GPT_CONFIGS, "llama": LLAMA_CONFIGS}
     if family not in tables:
-        raise argparse.ArgumentTypeError(f"{text!r}: use NAME (a GPT) or llama:NAME")
+        raise argparse.ArgumentTypeError(f"{text!r}: use NAME (a GPT), llama:NAME or hf:DIR")
     table = tables[family]
     if name not in table:
         raise argparse.ArgumentTypeError(f"unknown {family} model {name!r}; choose from: {', '.join(table)}"
-                                         + ("" if family == "llama" else " (or llama:NAME)"))
+                                         + ("" if family == "llama" else " (or llama:NAME, hf:DIR)"))
     return ModelSpec(family, name, table[name])
 
 
@@ -116,22 +186,43 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="{train,plan,explain}")
 
-    def common(p: argparse.ArgumentParser, model_default: str | None) -> None:
+    def common(p: argparse.ArgumentParser, model_default: str | None, sizing: bool = False) -> None:
+        """The flags every command takes; `sizing` (plan) states plan's own defaults, cuda and bf16."""
         p.add_argument("--model", type=_model, default=model_default, required=model_default is None,
-                       help="a GPT from pstar_fx.models.GPT_CONFIGS (tiny, small, GPT3_10B, ...) or llama:NAME"
+                       help="a GPT from pstar_fx.models.GPT_CONFIGS (tiny, small, GPT3_10B, ...), llama:NAME, or "
+                            "hf:DIR, a local Hugging Face causal LM (save_pretrained folder: config.json, and "
+                            "weights unless they should be fresh)"
                             + (f" (default {model_default})" if model_default else ""))
         p.add_argument("--batch", type=_positive_int, default=DEFAULT_BATCH, help=f"default {DEFAULT_BATCH}")
-        p.add_argument("--device", type=_device, help="auto (default), cpu, cuda, cuda:N")
-        p.add_argument("--device-memory", type=_bytes, metavar="SIZE", help="device tier budget, e.g. 64MiB, 80GB")
+        p.add_argument("--device", type=_device,
+                       help="cuda (default: sizing for a GPU box needs no GPU), cuda:N, cpu, auto" if sizing else
+                            "auto (default: cuda if available, else cpu), cpu, cuda, cuda:N")
+        p.add_argument("--device-memory", type=_bytes, metavar="SIZE",
+                       help="device tier budget, e.g. 64MiB, 80GB (default unlimited)" if sizing else
+                            "device tier budget, e.g. 64MiB, 80GB (default: the GPU's free memory; with the CPU as "
+                            "the device tier, a budget chosen so that chunks move every step)")
         p.add_argument("--host-memory", type=_bytes, metavar="SIZE", help="host tier budget (default unlimited)")
-        p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="compute dtype (default fp32)")
-        p.add_argument("--chunk-size", type=_chunk_size, metavar="ELEMS", help="elements per chunk, or auto")
-        p.add_argument("--config", metavar="FILE.json", help="a pstar_fx.Config as JSON; flags override it")
+        p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
+                       help=f"compute dtype (default {'bf16' if sizing else 'fp32'})")
+        p.add_argument("--chunk-size", type=_chunk_size, metavar="ELEMS", help="elements per chunk, or auto (default)")
+        p.add_argument("--config", metavar="FILE.json", help="a pstar_fx.Config as JSON; flags override it"
+                       + (" and it overrides plan's defaults" if sizing else ""))
 
-    train = sub.add_parser("train", help="train a model on the Python stdlib's bytes",
-                           description="Compile a model's training step and train it on byte tokens read from "
-                                       "the Python standard library's source.")
+    train = sub.add_parser("train", help="train a model on the Python stdlib's bytes or on your --data",
+                           description="Compile a model's training step and train it on --data (a text file, a "
+                                       "folder of text files or a token file), or without it on the bytes of the "
+                                       "Python standard library's source.")
     common(train, "small")
+    train.add_argument("--data", metavar="PATH",
+                       help="a text file; a folder of text files (" + ", ".join("*" + x for x in TEXT_SUFFIXES)
+                            + ", recursively, in sorted path order); or a token file *.bin of raw token ids as "
+                            "nanoGPT writes them, memory-mapped (default: the Python stdlib's source)")
+    train.add_argument("--data-dtype", choices=list(TOKEN_DTYPES),
+                       help="a *.bin file's token type (default uint16, or uint32 when the model's vocabulary "
+                            "exceeds 65536)")
+    train.add_argument("--tokenizer", metavar="DIR",
+                       help="a local Hugging Face tokenizer directory for text data, or 'bytes' (vocabulary 256); "
+                            "default: an hf:DIR model's own tokenizer if it has one, else bytes")
     train.add_argument("--seq", type=_positive_int,
                        help=f"sequence length (default the model's block_size, at most {TRAIN_SEQ_CAP})")
     train.add_argument("--steps", type=_positive_int, default=None,
@@ -150,11 +241,18 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="DIR", help="start from this checkpoint (or folder of safetensors weights)")
     train.add_argument("--eval-every", type=_positive_int, metavar="N", help="every N steps, the loss of a held-out "
                        "batch (the data's last 5%%, kept out of training), forward only (engine.evaluate)")
+    train.add_argument("--metrics", metavar="FILE.jsonl", help="append one JSON object per step (step, loss, lr, "
+                       "grad_norm, clip_coef, skipped, tokens_per_s, tflops, seconds; eval_loss when evaluated), "
+                       "flushed as it is written")
+    train.add_argument("--progress", choices=["auto", "bar", "lines"], default="auto",
+                       help="auto (default): a progress bar on stderr when it is a terminal, else lines only; "
+                            "the step lines on stdout are printed either way")
 
     plan = sub.add_parser("plan", help="does a model fit? (built on the meta device, nothing allocated)",
-                          description="Plan a model built on the meta device against device and host budgets "
-                                      "(default --device cuda --dtype bf16: sizing for a GPU box).")
-    common(plan, None)
+                          description="Plan a model built on the meta device against device and host budgets. "
+                                      "Sizing for a GPU box by default (--device cuda --dtype bf16, no GPU needed). "
+                                      "Exits 0 when it fits, 1 when it does not.")
+    common(plan, None, sizing=True)
     plan.add_argument("--seq", type=_positive_int, help="sequence length (default the model's block_size)")
 
     explain = sub.add_parser("explain", help="compile like train and print the plan and schedule")
@@ -163,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help=f"sequence length (default the model's block_size, at most {TRAIN_SEQ_CAP})")
     explain.add_argument("--seed", type=int, default=0, help="seed for the weights (default 0)")
     explain.add_argument("--code", action="store_true", help="also print engine.graph.code")
+    explain.add_argument("--plot", metavar="OUT.png", help="also draw the plan along the step to this image: "
+                         "bytes per tier against the budgets, chunk moves, each chunk's tier (needs matplotlib: "
+                         "pip install pstar_fx[plot])")
     return parser
 
 
@@ -197,17 +298,34 @@ def _config_dict(args) -> dict:
 
 
 def _seq(args, parser, cap: int | None) -> int:
-    block = args.model.config.block_size
+    block = args.model.block_size
     if args.seq is None:
+        if block is None:
+            if cap is None:
+                parser.error(f"{args.model} does not say its longest sequence; give --seq")
+            return cap
         return block if cap is None else min(block, cap)
-    if args.seq > block:
+    if block is not None and args.seq > block:
         parser.error(f"--seq {args.seq} is longer than {args.model}'s block_size {block}")
     return args.seq
 
 
-def _example_inputs(args, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _example_inputs(args, seq: int):
     x = torch.zeros((args.batch, seq), dtype=torch.long)
-    return x, x.clone()
+    return args.model.inputs(x, x.clone())
+
+
+def _call(fn, inputs):
+    """engine.step / engine.evaluate on a batch of positional tensors or of keyword tensors (Hugging Face)."""
+    return fn(**inputs) if isinstance(inputs, dict) else fn(*inputs)
+
+
+def flops_per_token(n_params: int, n_layer: int, n_embd: int, seq: int) -> int:
+    """Training FLOPs per token of a causal LM, PaLM's count (Chowdhery et al. 2022, appendix B): 6 per parameter
+    (forward 2, backward 4; the embedding's parameters included) plus 12 * layers * width * seq for the attention
+    scores and their weighted sum over the whole (unmasked) seq x seq matrix. Recompute is not counted: these
+    are the model's FLOPs, not the hardware's."""
+    return 6 * n_params + 12 * n_layer * n_embd * seq
 
 
 def _check_cuda(config: Config) -> None:
@@ -238,8 +356,6 @@ def _auto_budgets(model, d: dict, inputs) -> tuple[int, list[int]]:
 def _compile(args, parser, cap: int | None):
     """Model, Engine and sequence length for train/explain; prints the device budget it chose, if it chose one."""
     seq = _seq(args, parser, cap)
-    if args.model.config.vocab_size < 256:
-        parser.error(f"{args.model} has vocab_size {args.model.config.vocab_size}; byte tokens need 256")
     d = _config_dict(args)
     config = Config.from_dict(d)
     _check_cuda(config)
@@ -287,63 +403,144 @@ def _save(engine, path: str) -> None:
               flush=True)
 
 
+def _train_tokens(args, seq: int):
+    """The training tokens and, with --eval-every, a held-out batch, checked against the model's vocabulary
+    before anything compiles; prints what they are."""
+    model_vocab = args.model.vocab_size
+    tok_dir = args.tokenizer if args.tokenizer is not None else args.model.tokenizer_dir
+    is_ids = args.data is not None and Path(args.data).suffix == ".bin" and not Path(args.data).is_dir()
+    if tok_dir == "bytes" or is_ids and args.tokenizer is None:
+        tok_dir = None                        # a token file holds ids already; an hf:DIR tokenizer does not apply
+    tokenizer = load_tokenizer(tok_dir) if tok_dir else None
+    vocab = vocab_size(tokenizer)
+    if not is_ids and vocab > model_vocab:
+        raise ValueError(f"{'tokenizer ' + tok_dir if tokenizer else 'byte data'} has a vocabulary of {vocab}, "
+                         f"but {args.model} has vocab_size {model_vocab}; use a model with at least {vocab} "
+                         "(or a smaller tokenizer)")
+    dtype = args.data_dtype or ("uint16" if model_vocab <= 2**16 else "uint32")
+    tokens = read_tokens(args.data, tokenizer, dtype)
+    source = args.data or "Python stdlib source"
+    check_vocab(tokens, model_vocab, f"data {source}")
+    unit = (f"{dtype} ids" if is_ids else f"tokenizer {tok_dir}, vocab {vocab:,}" if tokenizer
+            else "bytes, vocab 256")
+    print(f"data: {len(tokens):,} tokens ({unit}) of {source}" + (", memory-mapped" if is_ids else ""))
+    held = None
+    if args.eval_every:
+        tokens, rest = held_out(tokens)
+        if len(rest) < seq + 1:
+            raise ValueError(f"data {source}: the held-out last 5% is {len(rest):,} tokens, fewer than one window "
+                             f"of --seq {seq} + 1; give more data or a shorter --seq (or no --eval-every)")
+        held = next(batches(rest, args.batch, seq, seed=args.seed + 1))
+    if len(tokens) < seq + 1:
+        raise ValueError(f"data {source}: {len(tokens):,} training tokens, fewer than one window of --seq {seq} + 1; "
+                         "give more data or a shorter --seq")
+    return tokens, held
+
+
+class _Bar:
+    """The training progress bar (tqdm on stderr; its ETA is tqdm's), or nothing when stderr is not a terminal:
+    CI logs get the step lines alone. Lines go to stdout through tqdm.write so that they never break the bar."""
+
+    def __init__(self, mode: str, total: int, initial: int):
+        from tqdm import tqdm
+        on = mode == "bar" or mode == "auto" and sys.stderr.isatty()
+        self.bar = tqdm(total=total, initial=initial, unit="step", file=sys.stderr, dynamic_ncols=True,
+                        leave=False) if on else None
+        self._write = tqdm.write
+
+    def update(self, **postfix) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            if postfix:               # a log step: always shown (update alone shows at most every 0.1 s)
+                self.bar.set_postfix_str("  ".join(f"{k} {v}" for k, v in postfix.items()))
+
+    def print(self, line: str) -> None:
+        self._write(line, file=sys.stdout)
+        sys.stdout.flush()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def cmd_train(args, parser) -> int:
     steps = args.steps if args.steps is not None else _default_steps()
     if args.save_every and not args.save:
         parser.error("--save-every needs --save DIR")
+    tokens, held = _train_tokens(args, _seq(args, parser, TRAIN_SEQ_CAP))     # bad data fails before compiling
     model, engine, seq = _compile(args, parser, TRAIN_SEQ_CAP)
     if args.resume:
         engine.load(args.resume)
         print(f"resumed: {args.resume} at update {engine.steps}")
     print(engine.explain())
-    tokens = stdlib_tokens()
-    print(f"data: {tokens.numel():,} bytes of Python stdlib source (vocab 256); {steps} steps")
     k = engine.config.grad_accum
-    held_out = None
-    if args.eval_every:
-        cut = tokens.numel() * 19 // 20
-        held_out = next(batches(tokens[cut:], args.batch, seq, seed=args.seed + 1))
-        tokens = tokens[:cut]
+    n_layer, n_embd = args.model.shape
+    flops = flops_per_token(sum(p.numel() for p in model.parameters()), n_layer, n_embd, seq)
+    print(f"training: {steps} steps of {args.batch * k * seq:,} tokens; {flops:,} FLOPs per token "
+          f"(6 * parameters + 12 * layers * width * seq)")
     data = batches(tokens, args.batch * k, seq, seed=args.seed)     # a step takes grad_accum micro-batches
-    for _ in range(engine.steps):                                   # resumed: the batches those updates saw
+    first_step = engine.steps
+    for _ in range(first_step):                                     # resumed: the batches those updates saw
         next(data)
     tokens_per_step = args.batch * k * seq
+    metrics = open(args.metrics, "a") if args.metrics else None
+    bar = _Bar(args.progress, first_step + steps, first_step)
     first = last = None
     in_step = interrupted = False
     start = mark = time.perf_counter()
     loss_sum, since = 0.0, 0
     ran = 0
     try:
-        for step in range(1, steps + 1):
+        for step in range(first_step + 1, first_step + steps + 1):   # numbered on from a resumed checkpoint
             idx, tgt = next(data)
             in_step = True
-            loss = engine.step(idx, tgt)
+            t0 = time.perf_counter()
+            loss = _call(engine.step, args.model.inputs(idx, tgt))
+            seconds = time.perf_counter() - t0
             in_step = False
-            ran = step
+            ran += 1
             loss_sum, since = loss_sum + loss, since + 1    # a tensor sum: no device sync until printed
-            if step == 1 or step % args.log_every == 0 or step == steps:
+            r = engine.last_step
+            record = None if metrics is None else {
+                "step": step, "loss": float(loss), "lr": r.lr, "grad_norm": r.grad_norm, "clip_coef": r.clip_coef,
+                "skipped": r.skipped, "tokens_per_s": tokens_per_step / seconds,
+                "tflops": tokens_per_step * flops / seconds / 1e12, "seconds": seconds}
+            postfix = {}
+            if ran == 1 or step % args.log_every == 0 or ran == steps:
                 now = time.perf_counter()
                 mean = float(loss_sum) / since
                 first = mean if first is None else first
                 last = mean
-                r = engine.last_step
-                print(f"step {step:5d}  loss {mean:.4f}  {since * tokens_per_step / (now - mark):,.0f} tok/s  "
-                      f"lr {r.lr:.3g}  grad norm {r.grad_norm:.3g}" + (f" (clipped x{r.clip_coef:.3f})"
-                                                                         if r.clip_coef < 1 else ""), flush=True)
+                rate = since * tokens_per_step / (now - mark)
+                bar.print(f"step {step:5d}  loss {mean:.4f}  {rate:,.0f} tok/s  {rate * flops / 1e12:.3g} TFLOPs  "
+                          f"lr {r.lr:.3g}  grad norm {r.grad_norm:.3g}" + (f" (clipped x{r.clip_coef:.3f})"
+                                                                             if r.clip_coef < 1 else ""))
+                postfix = {"loss": f"{mean:.4f}", "tok/s": f"{rate:,.0f}", "TFLOPs": f"{rate * flops / 1e12:.3g}"}
                 loss_sum, since, mark = 0.0, 0, now
-            if args.save_every and step % args.save_every == 0 and step != steps:
+            if args.save_every and step % args.save_every == 0 and ran != steps:
                 _save(engine, args.save)
-            if held_out is not None and (step % args.eval_every == 0 or step == steps):
-                print(f"step {step:5d}  eval loss {engine.evaluate(*held_out).item():.4f} (held-out batch)",
-                      flush=True)
+            if held is not None and (step % args.eval_every == 0 or ran == steps):
+                eval_loss = _call(engine.evaluate, args.model.inputs(*held)).item()
+                bar.print(f"step {step:5d}  eval loss {eval_loss:.4f} (held-out batch)")
+                if record is not None:
+                    record["eval_loss"] = eval_loss
+            if metrics is not None:
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+            bar.update(**postfix)
     except KeyboardInterrupt:
         interrupted = True
         print(f"\ninterrupted after {ran} complete step(s)"
               + ("; the step in flight was rolled back" if in_step else ""), file=sys.stderr)
+    finally:
+        bar.close()
+        if metrics is not None:
+            metrics.close()
     elapsed = time.perf_counter() - start
     if first is not None:
-        print(f"done: {ran} steps in {elapsed:.1f} s "
-              f"({ran * tokens_per_step / elapsed:,.0f} tok/s); loss {first:.4f} -> {last:.4f}")
+        rate = ran * tokens_per_step / elapsed
+        print(f"done: {ran} steps in {elapsed:.1f} s ({rate:,.0f} tok/s, {rate * flops / 1e12:.3g} TFLOPs); "
+              f"loss {first:.4f} -> {last:.4f}")
     s = engine.memory_stats()
     print(f"memory: device peak {_mib(s['device_peak_bytes'])} measured, "
           f"{_mib(s['predicted_device_peak_bytes'])} predicted"
@@ -362,6 +559,12 @@ def cmd_explain(args, parser) -> int:
     print(engine.explain())
     if args.code:
         print(engine.graph.code)
+    if args.plot:
+        try:
+            print(f"plot: {engine.plot_memory(args.plot, title=str(args.model))}")
+        except ImportError as e:          # matplotlib is an optional extra
+            print(f"pstar-fx explain: error: {e}", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -370,9 +573,8 @@ def cmd_plan(args, parser) -> int:
     # A plan sizes the model for a GPU box unless told otherwise: cuda and bf16 are the defaults here, and
     # planning for cuda needs no GPU (nothing is allocated).
     config = Config.from_dict({"device": "cuda", "dtype": "bf16", **_config_dict(args)})
-    with torch.device("meta"):
-        model = args.model.build()
-    n_params = args.model.config.num_params()
+    model = args.model.build(meta=True)
+    n_params = sum(p.numel() for p in model.parameters())
     print(f"{args.model}: {n_params:,} parameters; batch {args.batch} x seq {seq}; {config.dtype}; "
           f"device {config.device}; device_memory "
           f"{format_bytes(config.device_memory) if config.device_memory else 'unlimited'}, host_memory "
@@ -381,13 +583,13 @@ def cmd_plan(args, parser) -> int:
         plan = pstar_fx.plan(model, config, _example_inputs(args, seq))
     except pstar_fx.BudgetError as e:
         print(f"answer: does not fit: {_one_line(e)}")
-        return 0
+        return 1
     except Exception as e:  # planning on meta is young; a failure is an error line, not a traceback
         print(f"pstar-fx plan: error: planning failed: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
         return 1
     print(plan.summary())
     print("answer: fits" if plan.fits else "answer: does not fit (the plan above says why)")
-    return 0
+    return 0 if plan.fits else 1
 
 
 COMMANDS = {"train": cmd_train, "plan": cmd_plan, "explain": cmd_explain}
@@ -398,24 +600,81 @@ def _one_line(e: BaseException) -> str:
 
 
 class _Progress(logging.Handler):
-    """The library's progress lines (logger "pstar_fx", INFO) on standard output, as they happen."""
+    """The library's progress lines (logger "pstar_fx", INFO) on standard output, as they happen. With `live`
+    (stderr is a terminal) a status line on stderr also counts the seconds of the compile phase in flight
+    (engine.Phases logs "NAME ..." as a phase starts and "NAME done in ..." as it ends), so that a long
+    capture or plan is seen to be alive; logs and CI get the lines alone."""
+
+    def __init__(self, live: bool, stream=None, tick_s: float = 0.5):
+        super().__init__()
+        self.live, self.stream, self.tick_s = live, stream, tick_s
+        self._phase: tuple[str, float] | None = None       # (name, started) of the phase in flight
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
-        print(f"  [{record.relativeCreated / 1e3:7.1f} s] {record.getMessage()}", file=sys.stdout, flush=True)
+        from tqdm import tqdm
+        with self._lock:
+            self._clear()
+            tqdm.write(f"  [{record.relativeCreated / 1e3:7.1f} s] {record.getMessage()}", file=sys.stdout)
+            sys.stdout.flush()
+            if not self.live or not isinstance(record.msg, str):
+                return
+            if record.msg.endswith(" ...") and record.args:
+                self._phase = (str(record.args[0]), time.perf_counter())
+                self._show()
+                if self._ticker is None:
+                    self._ticker = threading.Thread(target=self._tick, daemon=True, name="pstar-fx progress")
+                    self._ticker.start()
+            elif record.msg.startswith("%s done in"):
+                self._phase = None
+
+    def _out(self):
+        return self.stream or sys.stderr
+
+    def _show(self) -> None:
+        if self._phase is not None:
+            name, t0 = self._phase
+            self._out().write(f"\r  {name} ... {time.perf_counter() - t0:.0f} s")
+            self._out().flush()
+
+    def _clear(self) -> None:
+        if self.live and self._phase is not None:
+            self._out().write("\r\033[K")
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.tick_s):
+            with self._lock:
+                self._show()
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self._clear()
+            self._phase = None
+        super().close()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logger = logging.getLogger("pstar_fx")
-    if not any(isinstance(h, _Progress) for h in logger.handlers):
-        logger.addHandler(_Progress())
+    for h in [h for h in logger.handlers if isinstance(h, _Progress)]:    # main() called again in one process
+        logger.removeHandler(h)
+        h.close()
+    progress = _Progress(live=getattr(args, "progress", "auto") != "lines" and sys.stderr.isatty())
+    logger.addHandler(progress)
     logger.setLevel(logging.INFO)
     try:
         return COMMANDS[args.command](args, parser)
     except (ValueError, TypeError, MemoryError, OSError, pstar_fx.CaptureError) as e:
+        progress.close()
         print(f"pstar-fx {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 1
+    finally:
+        progress.close()
+        logger.removeHandler(progress)
 
 
 if __name__ == "__main__":

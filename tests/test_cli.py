@@ -1,36 +1,21 @@
-"""pstar_fx.data and the `pstar-fx` command line: tokens, batches, train/plan/explain and their errors."""
+"""The `pstar-fx` command line: train (on the stdlib or --data), plan, explain, and their errors."""
 
+import io
+import json
+import logging
+import re
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 
+from pstar_fx import cli
 from pstar_fx.cli import STEPS_ENV, main
-from pstar_fx.data import batches, stdlib_tokens
 from pstar_fx.models import GPT, gpt_config
+from test_data import word_tokenizer
 
-
-def test_stdlib_tokens_are_bytes_and_deterministic():
-    a = stdlib_tokens(max_bytes=100_000)
-    assert a.dtype == torch.uint8 and a.numel() == 100_000
-    assert torch.equal(a, stdlib_tokens(max_bytes=100_000))
-    assert bytes(a[:2000].tolist()).isascii()  # Python source: mostly ASCII, certainly at the start
-    with pytest.raises(ValueError, match="max_bytes"):
-        stdlib_tokens(max_bytes=0)
-
-
-def test_batches_shift_by_one_and_follow_the_seed():
-    tokens = stdlib_tokens(max_bytes=50_000)
-    idx, tgt = next(batches(tokens, batch=4, seq=32, seed=1))
-    assert idx.shape == tgt.shape == (4, 32) and idx.dtype == tgt.dtype == torch.int64
-    assert torch.equal(idx[:, 1:], tgt[:, :-1])
-    windows = tokens.long().unfold(0, 33, 1)  # every 33 consecutive tokens
-    for row_idx, row_tgt in zip(idx, tgt):
-        assert (windows == torch.cat([row_idx, row_tgt[-1:]])).all(dim=1).any()
-    again = batches(tokens, batch=4, seq=32, seed=1)
-    first, second = next(again), next(again)
-    assert torch.equal(first[0], idx) and not torch.equal(second[0], idx)
-    assert not torch.equal(next(batches(tokens, batch=4, seq=32, seed=2))[0], idx)
-    with pytest.raises(ValueError, match="tokens"):
-        next(batches(tokens[:10], batch=2, seq=32))
+README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def test_train_runs_prints_loss_and_saves_a_loadable_state_dict(tmp_path, capsys):
@@ -94,11 +79,12 @@ def test_config_file_with_flags_over_it(tmp_path, capsys):
     assert "rt.fetch(" in out and "rt.adam(" in out  # --code printed the lowered step
 
 
-def test_plan_on_meta_answers_fits_or_not(capsys):
+def test_plan_on_meta_answers_fits_or_not_and_exits_1_when_not(capsys):
     assert main(["plan", "--model", "tiny", "--device", "cpu", "--device-memory", "64MiB"]) == 0
     assert "answer: fits" in capsys.readouterr().out
-    assert main(["plan", "--model", "tiny", "--device", "cpu", "--device-memory", "256KiB"]) == 0
-    assert "does not fit" in capsys.readouterr().out
+    assert main(["plan", "--model", "tiny", "--device", "cpu", "--device-memory", "256KiB"]) == 1
+    out = capsys.readouterr().out
+    assert "GPT 'tiny': " in out and "answer: does not fit" in out    # the summary still printed
 
 
 def test_plan_for_cuda_needs_no_gpu(capsys):
@@ -147,3 +133,255 @@ def test_train_evaluates_a_held_out_batch(capsys):
     out = capsys.readouterr().out
     evals = [float(line.split("eval loss")[1].split()[0]) for line in out.splitlines() if "eval loss" in line]
     assert len(evals) == 2 and all(0 < x < 10 for x in evals)
+
+
+# ---- train --data: the user's own text, folder, token file or tokenizer ----------------------------------
+
+TEXT = "".join(f"line {i}: the cat sat on the mat, a dog sat on the cat.\n" for i in range(120))
+
+
+def _steps(out: str, key: str = "loss") -> dict[int, float]:
+    """{step: value} of the printed step lines ("step N  loss X ..." or "step N  eval loss X ...")."""
+    pat = re.compile(rf"^step +(\d+)  {key} ([\d.]+)", re.M)
+    return {int(m[1]): float(m[2]) for m in pat.finditer(out)}
+
+
+def _metrics(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def test_train_on_a_text_file_evaluates_logs_metrics_and_resumes_exactly(tmp_path, capsys):
+    (tmp_path / "mine.txt").write_text(TEXT)
+    common = ["train", "--model", "tiny", "--data", str(tmp_path / "mine.txt"), "--batch", "4", "--seq", "32",
+              "--eval-every", "2", "--log-every", "1"]
+    assert main(common + ["--steps", "4", "--save", str(tmp_path / "whole"), "--metrics", str(tmp_path / "w.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert f"data: {len(TEXT.encode()):,} tokens (bytes, vocab 256) of {tmp_path / 'mine.txt'}" in out
+    assert "done: 4 steps" in out and "TFLOPs" in out
+    whole = _metrics(tmp_path / "w.jsonl")
+    assert [r["step"] for r in whole] == [1, 2, 3, 4]
+    assert [r["step"] for r in whole if "eval_loss" in r] == [2, 4]
+    printed, evals = _steps(out), _steps(out, "eval loss")
+    for r in whole:                                       # the file holds what the lines print, unrounded
+        assert round(r["loss"], 4) == printed[r["step"]] and r["tokens_per_s"] > 0 and r["seconds"] > 0
+        assert r["lr"] == 1e-3 and r["grad_norm"] > 0 and r["skipped"] is False
+    assert {s: round(r["eval_loss"], 4) for s, r in ((r["step"], r) for r in whole) if "eval_loss" in r} == evals
+    assert whole[-1]["loss"] < whole[0]["loss"]
+    # 2 steps, save; resume 2 more into the same metrics file: the same 4 losses, numbered on, and the same weights
+    half, m = tmp_path / "half", tmp_path / "m.jsonl"
+    assert main(common + ["--steps", "2", "--save", str(half), "--metrics", str(m)]) == 0
+    assert main(common + ["--steps", "2", "--resume", str(half), "--save", str(half), "--metrics", str(m)]) == 0
+    out = capsys.readouterr().out
+    assert "resumed: " in out and "step     3  loss" in out
+    resumed = _metrics(m)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in whole]
+    assert [r.get("eval_loss") for r in resumed] == [r.get("eval_loss") for r in whole]
+    from safetensors.torch import load_file
+    a, b = load_file(str(half / "model.safetensors")), load_file(str(tmp_path / "whole" / "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_train_on_a_uint16_token_file_and_a_uint32_one(tmp_path, capsys):
+    ids = np.tile(np.arange(0, 250, 5), 60)                        # a repeating pattern: the loss must fall
+    ids.astype(np.uint16).tofile(tmp_path / "train.bin")
+    argv = ["train", "--model", "tiny", "--batch", "4", "--seq", "32", "--steps", "6", "--log-every", "3",
+            "--lr", "0.01"]
+    assert main(argv + ["--data", str(tmp_path / "train.bin")]) == 0
+    out = capsys.readouterr().out
+    assert f"data: {ids.size:,} tokens (uint16 ids) of {tmp_path / 'train.bin'}, memory-mapped" in out
+    losses = _steps(out)
+    assert losses[6] < losses[1]
+    ids.astype(np.uint32).tofile(tmp_path / "train32.bin")
+    assert main(argv + ["--data", str(tmp_path / "train32.bin"), "--data-dtype", "uint32"]) == 0
+    out = capsys.readouterr().out
+    assert "(uint32 ids)" in out and _steps(out) == losses       # the same ids, the same run
+
+
+def test_train_on_a_folder_of_text_files(tmp_path, capsys):
+    (tmp_path / "docs" / "sub").mkdir(parents=True)
+    (tmp_path / "docs" / "a.md").write_text(TEXT[:3000])
+    (tmp_path / "docs" / "sub" / "b.py").write_text(TEXT[3000:])
+    (tmp_path / "docs" / "data.csv").write_text("1,2,3\n" * 100)  # not a text suffix: left out
+    assert main(["train", "--model", "tiny", "--data", str(tmp_path / "docs"), "--batch", "2", "--seq", "32",
+                 "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"data: {len(TEXT):,} tokens (bytes, vocab 256)" in out and "done: 1 steps" in out
+
+
+def test_train_with_a_local_tokenizer_directory(tmp_path, capsys):
+    tok = word_tokenizer(tmp_path / "tok")
+    (tmp_path / "mine.txt").write_text(TEXT)
+    n_words = len(TEXT.replace(":", " : ").replace(",", " , ").replace(".", " . ").split())
+    assert main(["train", "--model", "tiny", "--data", str(tmp_path / "mine.txt"), "--tokenizer", str(tok),
+                 "--batch", "4", "--seq", "32", "--steps", "4", "--log-every", "1", "--lr", "0.01"]) == 0
+    out = capsys.readouterr().out
+    assert f"data: {n_words:,} tokens (tokenizer {tok}, vocab 9)" in out   # one id a word (digits: [UNK])
+    losses = _steps(out)
+    assert losses[4] < losses[1] < 10
+
+
+@pytest.mark.parametrize("make, extra, message", [
+    (None, [], "data: {p} does not exist"),
+    ("empty.txt", [], "data: {p} is empty"),
+    ("big.bin", [], "token 300 at position 7 is outside the model's vocabulary (vocab_size 256)"),
+    ("short.txt", [], "6 training tokens, fewer than one window of --seq 64 + 1"),
+    ("mine.txt", ["--eval-every", "1"], "the held-out last 5% is 50 tokens, fewer than one window of --seq 64"),
+    ("mine.txt", ["--tokenizer", "bpe"], "has a vocabulary of 258, but GPT 'tiny' has vocab_size 256"),
+])
+def test_bad_data_is_a_clear_error_before_compiling(tmp_path, capsys, make, extra, message):
+    p = tmp_path / (make or "missing.txt")
+    if make == "empty.txt":
+        p.write_text("")
+    elif make == "big.bin":
+        ids = np.zeros(200, dtype=np.uint16)
+        ids[7] = 300
+        ids.tofile(p)
+    elif make == "short.txt":
+        p.write_text("abcdef")
+    elif make == "mine.txt":
+        p.write_text("x" * 1000)
+    if "bpe" in extra:
+        extra = ["--tokenizer", str(_byte_bpe(tmp_path / "bpe"))]
+    assert main(["train", "--model", "tiny", "--data", str(p), "--steps", "1", *extra]) == 1
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.startswith("pstar-fx train: error:") and message.format(p=p) in err and "\n" not in err
+    assert "parameters;" not in captured.out                          # failed before building or compiling
+
+
+def _byte_bpe(path):
+    """A byte-level BPE with two special tokens: 258 ids, two more than a byte model's vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["the cat sat"], trainers.BpeTrainer(
+        vocab_size=10, special_tokens=["[UNK]", "<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="<eos>").save_pretrained(str(path))
+    return path
+
+
+# ---- progress: the bar, the compile status line, the README's loop ---------------------------------------
+
+def test_progress_bar_on_request_shows_loss_rate_and_flops_on_stderr(tmp_path, capsys):
+    (tmp_path / "mine.txt").write_text(TEXT)
+    assert main(["train", "--model", "tiny", "--data", str(tmp_path / "mine.txt"), "--batch", "2", "--seq", "32",
+                 "--steps", "2", "--log-every", "1", "--progress", "bar"]) == 0
+    captured = capsys.readouterr()
+    assert "2/2" in captured.err and "loss " in captured.err and "TFLOPs" in captured.err
+    assert "step     2  loss" in captured.out and "done: 2 steps" in captured.out   # the lines still on stdout
+    assert "%|" not in captured.out
+
+
+def test_no_bar_when_stderr_is_not_a_terminal(tmp_path, capsys):
+    (tmp_path / "mine.txt").write_text(TEXT)
+    assert main(["train", "--model", "tiny", "--data", str(tmp_path / "mine.txt"), "--batch", "2", "--seq", "32",
+                 "--steps", "2"]) == 0
+    captured = capsys.readouterr()
+    assert "%|" not in captured.err and "\r" not in captured.err + captured.out
+
+
+def test_flops_per_token_is_palms_count():
+    # GPT-3 175B at seq 2048 (PaLM appendix B's example): 6N + 12 * 96 * 12288 * 2048
+    assert cli.flops_per_token(175_000_000_000, 96, 12288, 2048) == 6 * 175e9 + 12 * 96 * 12288 * 2048
+
+
+def test_compile_phases_get_a_live_status_line_on_a_terminal(capsys):
+    stream = io.StringIO()
+    handler = cli._Progress(live=True, stream=stream, tick_s=0.02)
+    log = logging.getLogger("pstar_fx.test_progress")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        log.info("%s%s ...", "capture", " (traced)")
+        import time
+        for _ in range(200):                               # until the ticker has rewritten the line once
+            if stream.getvalue().count("\r  capture ... ") >= 2:
+                break
+            time.sleep(0.01)
+        log.info("%s done in %.1f s", "capture", 0.15)
+    finally:
+        log.removeHandler(handler)
+        handler.close()
+    status = stream.getvalue()
+    assert status.count("\r  capture ... ") >= 2 and status.endswith("\r\033[K")   # ticked, then cleared
+    out = capsys.readouterr().out
+    assert "capture (traced) ..." in out and "capture done in 0.1 s" in out
+    quiet = io.StringIO()
+    handler = cli._Progress(live=False, stream=quiet)
+    log.addHandler(handler)
+    log.info("%s%s ...", "plan", "")
+    log.removeHandler(handler)
+    handler.close()
+    assert quiet.getvalue() == "" and "plan ..." in capsys.readouterr().out
+
+
+def test_readme_quick_start_prints_progress(tmp_path, monkeypatch, capsys):
+    block = README.read_text().split("## Quick start")[1].split("```python\n")[1].split("```")[0]
+    fast = block
+    for slow, quick in [('gpt_config("small")', 'gpt_config("tiny")'), ("seq=128", "seq=32"), ("range(1, 101)",
+                        "range(1, 21)"), ("stdlib_tokens()", "stdlib_tokens(max_bytes=100_000)"),
+                        ("batch=8", "batch=2")]:
+        assert slow in fast, f"the README's quick start changed: {slow!r} is gone"
+        fast = fast.replace(slow, quick)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(fast, "README quick start", "exec"), {})
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["10", "20"]
+    assert all(0 < float(line.split("loss")[1].split()[0]) < 10 for line in lines)
+
+
+def test_help_states_each_commands_real_defaults(capsys):
+    for command in ("plan", "train"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        if command == "plan":
+            assert "--device cuda --dtype bf16" in text and "cuda (default" in text and "(default bf16)" in text
+            assert "auto (default: cuda if available" not in text and "(default fp32)" not in text
+        else:
+            assert "auto (default: cuda if available" in text and "(default fp32)" in text and "bf16)" not in text
+    # and what plan's help says is what it does
+    assert main(["plan", "--model", "tiny"]) == 0
+    assert "tiny': " in (out := capsys.readouterr().out) and "bf16; device cuda; device_memory unlimited" in out
+
+
+# ---- hf:DIR, a local Hugging Face model ------------------------------------------------------------------
+
+def _hf_gpt2(path, weights: bool = True, tokenizer: bool = False):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64, bos_token_id=1,
+                        eos_token_id=1)
+    if weights:
+        torch.manual_seed(0)
+        GPT2LMHeadModel(config).save_pretrained(str(path))
+    else:
+        config.save_pretrained(str(path))
+    if tokenizer:
+        word_tokenizer(path)
+    return path
+
+
+def test_hf_model_directory_plans_and_trains(tmp_path, capsys):
+    hf = _hf_gpt2(tmp_path / "gpt2", tokenizer=True)
+    assert main(["plan", "--model", f"hf:{hf}", "--device-memory", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    assert f"Hugging Face GPT2 from {hf}" in out and "answer: fits" in out
+    (tmp_path / "mine.txt").write_text(TEXT)
+    assert main(["train", "--model", f"hf:{hf}", "--data", str(tmp_path / "mine.txt"), "--batch", "2",
+                 "--seq", "32", "--steps", "3", "--log-every", "1", "--lr", "0.01", "--eval-every", "3"]) == 0
+    out = capsys.readouterr().out
+    assert f"(tokenizer {hf}, vocab 9)" in out               # the directory's own tokenizer by default
+    losses = _steps(out)
+    assert len(losses) == 3 and losses[3] < losses[1] and 3 in _steps(out, "eval loss")
+
+
+def test_hf_config_only_directory_gets_fresh_weights_and_bytes(tmp_path, capsys):
+    hf = _hf_gpt2(tmp_path / "cfg", weights=False)
+    assert main(["train", "--model", f"hf:{hf}", "--batch", "2", "--seq", "32", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "(config only: fresh weights)" in out and "(bytes, vocab 256) of Python stdlib source" in out
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--model", f"hf:{tmp_path / 'nothing'}"])
+    assert e.value.code == 2 and "expected a Hugging Face model directory with a config.json" in capsys.readouterr().err
