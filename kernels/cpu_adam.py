@@ -68,3 +68,10 @@ def cast_(dst, src, *, simd="auto", num_threads=0) -> None:
 def sq_norm(x, *, simd="auto", num_threads=0) -> torch.Tensor:
     total = _ext().sq_sum(x.data_ptr(), _DTYPE_NAMES[x.dtype], x.numel(), simd, num_threads)
     return torch.tensor(total, dtype=torch.float32)
+
+
+def sq_norms(x, segments, *, simd="auto", num_threads=0) -> torch.Tensor:
+    # sq_sum's float64 total per segment, unrounded; its blocks start at the segment's first element
+    ext, name, base, es = _ext(), _DTYPE_NAMES[x.dtype], x.data_ptr(), x.element_size()
+    return torch.tensor([ext.sq_sum(base + off * es, name, n, simd, num_threads) for off, n in segments],
+                        dtype=torch.float64)

@@ -244,6 +244,27 @@ def sq_norm(x, *, backend="auto") -> torch.Tensor:
     return torch_adam.sq_norm(x)
 
 
+def sq_norms(x, segments, *, backend="auto") -> torch.Tensor:
+    """Sum of squares of each (offset, numel) segment of flat x, as a float64 vector on x's device (one
+    entry per segment, no host sync on CUDA).
+
+    Each entry is a function of its segment's elements alone: not of where the segment lies in x (its
+    alignment), nor of its neighbours — so a parameter's squared gradient norm has the same bits whatever
+    chunk, offset or tier holds it, for one backend. The C++ backend sums in float64 in fixed
+    64K-element blocks taken in order (the same bits at every thread count); Triton takes fp32 partials
+    per block, compiled without alignment specialization, summed in float64; torch sums float64 squares."""
+    _check_tensor("x", x, None, None, _GRAD_DTYPES)
+    which = _resolve(backend, x.device)
+    for off, n in segments:
+        if off < 0 or n < 0 or off + n > x.numel():
+            raise ValueError(f"segment ({off}, {n}) lies outside x ({x.numel()} elements)")
+    if which == "cpp":
+        return cpu_adam.sq_norms(x, segments)
+    if which == "triton":
+        return _triton().sq_norms(x, segments)
+    return torch_adam.sq_norms(x, segments)
+
+
 def build_info() -> dict:
     """Which kernels this install has: the C++ extension's SIMD level, OpenMP threads and flags
     (or why it is missing). Does not import triton."""

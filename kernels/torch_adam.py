@@ -85,6 +85,13 @@ def cast_(dst, src) -> None:
         dst.copy_(src)  # torch rounds fp32 -> bf16/fp16 to nearest even
 
 
+def sq_norms(x, segments) -> torch.Tensor:
+    with torch.no_grad():
+        flat = x.reshape(-1)
+        out = [torch.sum(flat[off:off + n].double().square(), dtype=torch.float64) for off, n in segments]
+        return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64, device=x.device)
+
+
 def sq_norm(x, block_elems: int = 1 << 20) -> torch.Tensor:
     # In blocks, to bound the temporary fp32 copy; each block's squares summed in float64.
     # (torch.linalg.vector_norm(x, dtype=torch.float32) on bf16 input was off by 2e-5 relative.)

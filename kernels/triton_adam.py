@@ -193,6 +193,12 @@ def _sq_sum_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr, KIND: tl.constexp
     tl.store(partial_ptr + pid, tl.sum(x * x, axis=0))
 
 
+# The same sum as _sq_sum_kernel, compiled without specializing on x's alignment: Triton would otherwise
+# pick wider loads (more elements per thread, hence another reduction order) for a 16-byte aligned x, and
+# a parameter's squared norm would change its last bits with its offset in the chunk.
+_sq_sum_any_alignment = triton.jit(_sq_sum_kernel.fn, do_not_specialize_on_alignment=["x_ptr"])
+
+
 def _scale_mode(grad_scale: float):
     """(SCALE_MODE, the float the kernel gets): as the C++ kernel, multiply by 1/grad_scale when
     that is exact in fp32 (grad_scale a power of two, as loss scalers use), else divide."""
@@ -289,6 +295,21 @@ def sq_norm_partials(x, *, block=None, num_warps=None) -> torch.Tensor:
         with _quiet(x.device):
             _sq_sum_kernel[(partials.numel(),)](x, partials, n, BLOCK=blk, KIND=_KIND[x.dtype], num_warps=warps)
     return partials
+
+
+def sq_norms(x, segments, *, block=None, num_warps=None) -> torch.Tensor:
+    """Per segment: fp32 partials per block (blocks start at the segment's first element) summed in float64."""
+    out = []
+    for off, n in segments:
+        seg = x[off:off + n]
+        blk, warps = _launch_shape("sq_sum", n, x.device, block, num_warps)
+        partials = torch.zeros(max(1, triton.cdiv(n, blk)), dtype=torch.float32, device=x.device)
+        if n > 0:
+            with _quiet(x.device):
+                _sq_sum_any_alignment[(triton.cdiv(n, blk),)](seg, partials, n, BLOCK=blk, KIND=_KIND[x.dtype],
+                                                              num_warps=warps)
+        out.append(partials.sum(dtype=torch.float64))
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64, device=x.device)
 
 
 def sq_norm(x, **launch) -> torch.Tensor:

@@ -35,8 +35,8 @@ def probe_chunk_size(model, inputs, **cfg):
     return Lowered(model, eng_cfg, inputs).layout.chunk_size
 
 
-def reference_run(model, batches, opt_cfg):
-    ref = copy.deepcopy(model)
+def reference_run(model, batches, opt_cfg, dtype=torch.float32):
+    ref = copy.deepcopy(model).to(dtype)
     kind = opt_cfg.get("type", "adamw")
     cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
     kwargs = {k: v for k, v in opt_cfg.items() if k != "type"}
@@ -44,44 +44,117 @@ def reference_run(model, batches, opt_cfg):
     losses = []
     for inputs in batches:
         opt.zero_grad()
-        loss = ref(*inputs)
+        loss = ref(*in_dtype(inputs, dtype))
         loss.backward()
         opt.step()
         losses.append(loss.item())
+    if dtype == torch.float32:
+        attach_truth(ref, *reference_run(model, batches, opt_cfg, torch.float64), steps=len(batches))
     return ref, losses
 
 
-def assert_weights_close(sd, ref, rel, per_tensor=True):
-    """Final weights equal the reference's within `rel`, over the whole model and (fp32) per tensor.
+# ---- how close an fp32 run can be to torch's: the rounding reach, measured against float64 -----------------
+#
+# A fixed 1e-5 held on one CPU and not another (issue 11: 1.59e-05 on h.0.mlp.c_fc.weight with torch's AVX-512
+# kernels). An fp32 run of T AdamW steps differs from exact arithmetic by the rounding of every sum it does: a
+# gradient entry is a reduction of K products (tokens for a weight gradient, features for an activation
+# gradient, chained over the layers), off by up to K·u of its summands' magnitudes, u = 2^-24; where the
+# summands cancel that is a large fraction of the entry itself. Adam then amplifies it: the update is
+# lr·m̂/(√v̂ + eps), so a gradient error δg moves the weight by about lr·δg/√v̂ — a sizeable part of lr, every
+# step, for an element whose gradient is small against its summands — and the error stays in m and v for
+# the later steps. How far this reaches depends on the order of the sums, i.e. on the CPU's kernels (AVX-512
+# adds 16 lanes, AVX2 8, the scalar build 1): torch's own fp32 AdamW on the tiny GPT lands 1.2e-5 from the
+# float64 result on that tensor under ATEN_CPU_CAPABILITY=default, so no fixed bound near 1e-5 holds everywhere,
+# and a worst-case bound from K, T and lr/√v̂ element by element comes out near 1e-2 (the worst element's
+# amplification counted for all), too loose to catch a wrong update.
+#
+# So the bound is measured, per tensor, on the machine that runs the test: the same recipe in float64 is the
+# truth, and reach = ‖torch_fp32 − truth‖ / ‖truth‖ is how far this recipe's rounding goes with this CPU's
+# kernels. Ours is another fp32 evaluation of the same arithmetic in another order (the same operations,
+# the same number of roundings per element); allowing its rounding to reach up to twice as far as torch's,
+#     ‖ours − torch‖ ≤ ‖ours − truth‖ + ‖torch − truth‖ ≤ 3 · reach,
+# plus 2·T·u: every step rounds each weight itself twice (the decay, the update), which ours and torch may do
+# differently even where the measured reach happens to be near zero. A wrong update (missing bias correction,
+# decay applied twice, a mis-scaled gradient) moves weights by a fraction of lr/|w| ≈ 1e-1 per step, far
+# beyond this. Elements whose true gradient is zero are still left out (see assert_weights_close).
+
+FP32_U = 2.0 ** -24          # fp32 unit roundoff
+REACH_FACTOR = 3.0           # ours may round up to 2x as far from the truth as torch: 1 + 2
+
+
+def in_dtype(inputs, dtype):
+    return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
+
+
+def attach_truth(ref: nn.Module, truth: nn.Module, outputs, steps: int) -> None:
+    """Keep the recipe's float64 run beside the fp32 reference (in __dict__: not a submodule, not a parameter)."""
+    ref.__dict__["float64_truth"] = (truth, steps, outputs)
+
+
+def rounding_tolerance(ref32: torch.Tensor | float, truth: torch.Tensor | float, steps: int) -> float:
+    """The relative tolerance between two fp32 evaluations of `steps` steps of one recipe (see above)."""
+    a, t = torch.as_tensor(ref32, dtype=torch.float64), torch.as_tensor(truth, dtype=torch.float64)
+    reach = ((a - t).norm() / t.norm().clamp_min(1e-300)).item()
+    return REACH_FACTOR * reach + 2 * steps * FP32_U
+
+
+def assert_weights_close(sd, ref, rel=None, per_tensor=True):
+    """Final weights equal the reference's within `rel`, over the whole model and (fp32) per tensor; without
+    `rel`, within the rounding reach measured against the reference's float64 twin (`rounding_tolerance`).
 
     An element whose true gradient is zero (the key bias under softmax attention, a bias before
     BatchNorm) gets only rounding noise as gradient, which Adam normalizes into lr-sized steps: any
     last-bit difference anywhere in the model then changes it completely. Those elements are left out.
     """
-    ours, theirs = [], []
+    ours, theirs, truths = [], [], []
     named = list(ref.named_parameters(remove_duplicate=False))
+    if rel is None:
+        truth, steps, _ = ref.__dict__["float64_truth"]
+        exact = dict(truth.named_parameters(remove_duplicate=False))
     grad_max = max(p.grad.abs().max() for _, p in named if p.grad is not None)
+    if rel is None:
+        # the float64 run tells a true zero (rounding noise ~1e-16 of the largest gradient) from a small
+        # gradient far better than fp32's noise floor does (the key bias of Qwen2's attention: fp32 noise
+        # there is 1e-6 of the largest gradient, float64's 1e-14)
+        grad64_max = max(q.grad.abs().max() for q in exact.values() if q.grad is not None)
     for name, p in named:
         assert sd[name].dtype == torch.float32
-        real = p.grad.abs() > 1e-6 * grad_max if p.grad is not None else torch.ones_like(p, dtype=bool)
+        if rel is None and exact[name].grad is not None:
+            real = exact[name].grad.abs() > 1e-9 * grad64_max
+        else:
+            real = p.grad.abs() > 1e-6 * grad_max if p.grad is not None else torch.ones_like(p, dtype=bool)
         w, r = sd[name][real], p.detach()[real]
         ours.append(w)
         theirs.append(r)
+        if rel is None:
+            truths.append(exact[name].detach()[real])
         if per_tensor:
+            tol = rel if rel is not None else rounding_tolerance(r, truths[-1], steps)
             err = ((w - r).norm() / r.norm().clamp_min(1e-12)).item()
-            assert err <= rel, f"{name}: relative error {err:.2e} > {rel:.0e}"
+            assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.2e}"
     ours, theirs = torch.cat(ours), torch.cat(theirs)
+    tol = rel if rel is not None else rounding_tolerance(theirs, torch.cat(truths), steps)
     err = ((ours - theirs).norm() / theirs.norm()).item()
-    assert err <= rel, f"whole model: relative error {err:.2e} > {rel:.0e}"
+    assert err <= tol, f"whole model: relative error {err:.2e} > {tol:.2e}"
 
 
-def assert_matches_torch(model, batches, config, rel=1e-5):
-    ref, ref_losses = reference_run(model, batches, config.get("optimizer", {"type": "adamw"}))
+def assert_matches_torch(model, batches, config, rel=None):
+    """Losses step by step and final weights equal torch's fp32 run within the rounding reach (or `rel`)."""
+    opt = config.get("optimizer", {"type": "adamw"})
+    ref, ref_losses = reference_run(model, batches, opt)
     engine = pstar_fx.compile(model, pstar_fx.Config(device="cpu", **config), example_inputs=batches[0])
     losses = [engine.step(*b).item() for b in batches]
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rel, atol=0)
+    assert_losses_close(losses, ref_losses, rel if rel is not None else ref.__dict__["float64_truth"][2])
     assert_weights_close(engine.state_dict(), ref, rel)
     return engine
+
+
+def assert_losses_close(losses, ref_losses, rel_or_truth):
+    """Step t's loss within rel, or within the rounding reach of t - 1 steps and its own forward (`truth`:
+    the float64 run's losses)."""
+    for t, (a, r) in enumerate(zip(losses, ref_losses)):
+        tol = rel_or_truth if isinstance(rel_or_truth, float) else rounding_tolerance(r, rel_or_truth[t], t + 1)
+        assert abs(a - r) <= tol * abs(r), f"step {t}: loss {a} vs torch {r} (relative {abs(a - r) / abs(r):.2e} > {tol:.2e})"
 
 
 # ---- models under test -----------------------------------------------------------------------------------
@@ -311,7 +384,7 @@ def test_bad_batches_raise_and_change_nothing():
         after = engine.state_dict()
         assert all(torch.equal(before[k], after[k]) for k in before)
     losses += [engine.step(*b).item() for b in batches[1:]]      # still usable, still exact
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    assert_losses_close(losses, ref_losses, ref.__dict__["float64_truth"][2])
     ignore = tgt.clone()
     ignore[0, 0] = -100                                          # cross_entropy's ignore_index is fine
     engine.step(idx, ignore)
@@ -387,9 +460,9 @@ def test_meta_model_materializes_in_chunk_memory_like_a_cpu_build():
     sd = engine.state_dict()
     for name, p in ref.named_parameters():
         assert torch.equal(sd[name], p.detach()), name
-    _, ref_losses = reference_run(ref, [inputs] * 3, {"lr": 1e-3})
+    trained, ref_losses = reference_run(ref, [inputs] * 3, {"lr": 1e-3})
     losses = [engine.step(*inputs).item() for _ in range(3)]
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    assert_losses_close(losses, ref_losses, trained.__dict__["float64_truth"][2])
 
 
 def test_a_step_interrupted_midway_leaves_the_engine_usable():

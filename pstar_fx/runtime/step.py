@@ -78,6 +78,7 @@ class Stepper:
         scale = self.scaler.scale
         lr = self.lr
         hyper = Hyper.from_config(cfg.optimizer, step=self.applied + 1, lr=lr, grad_scale=scale)
+        rt.rng.step, rt.rng.micro = self.applied + 1, 0   # random ops redraw alike whenever this step reruns
         k = len(micro_batches)
         tangent = torch.tensor(scale / k, dtype=torch.float32)
         before = (self.applied, self.scaler.state_dict())
@@ -89,6 +90,7 @@ class Stepper:
                 losses = []
                 for j, mb in enumerate(micro_batches):
                     up.micro(first=j == 0, last=j == k - 1)
+                    rt.rng.micro = j
                     losses.append(self._run(mb, tangent))
                 loss = torch.stack(losses).mean()
                 norm, coef, finite = self._verdict(scale)

@@ -14,9 +14,16 @@ for a host chunk). What it does with it depends on the step's mode, set by the s
               back: the masters were restored from the moments first (`restore_masters`); each chunk's
               recomputed gradient now restores its moments and, when correcting, applies the right update.
 
-The verdict is the global squared norm of the step's gradient, summed on the device as gradients are
+The verdict is the global squared norm of the step's gradient, measured on the device as gradients are
 produced (device and host chunks alike, before a host chunk's gradient leaves the device), so it costs one
 read of each gradient and one sync per step — never one per chunk, and never a wait for the host worker.
+It is kept per parameter, not per chunk: each parameter's squared norm is a function of its own gradient
+elements only (`kernels.sq_norms`: not of its offset, its neighbours or its chunk's tier), written into a
+float64 vector indexed like `Capture.params`, and the verdict adds that vector up exactly (`math.fsum`).
+So the norm, the clip coefficient and the weights have the same bits at any chunk size or placement, and a
+checkpoint resumed elsewhere goes on bit for bit (CPU). On CUDA the same holds except for an accumulating
+step: there a host chunk's accumulated gradient is measured on the host (C++), a device chunk's on the
+device (Triton), and the two round differently in the last bits.
 A non-finite norm skips the step. Updates are applied only with finite gradients (the device flag
 `found_inf` gates the Triton Adam; the C++ Adam checks its own input), so a rollback never meets a NaN.
 
@@ -29,13 +36,14 @@ kept nothing (replay) cannot be, and the error says so.
 """
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels import sq_norm
+from ..kernels import sq_norms
 from ..optim import Hyper, chunk_undo, chunk_update
 from ..plan import Plan
 from .movers import Mover
@@ -43,6 +51,15 @@ from .store import ChunkStore, Pool
 from .telemetry import Telemetry
 
 MODES = ("speculate", "apply", "measure", "accumulate", "replay")
+
+
+def exact_sum(squares: list[float]) -> float:
+    """The correctly rounded sum of nonnegative float64 terms: one value whatever their order (inf on overflow,
+    nan with a nan among them)."""
+    try:
+        return math.fsum(squares)
+    except OverflowError:
+        return math.inf
 
 
 class StepRolledBack(RuntimeError):
@@ -56,7 +73,7 @@ class _Log:
     mode: str
     device: list[int] = field(default_factory=list)        # device chunks whose update was launched
     host: dict[int, Future | bool] = field(default_factory=dict)   # host chunk -> applied (or its future)
-    host_sq: list[float] = field(default_factory=list)     # squared norms measured on the host
+    host_sq: dict[int, float] = field(default_factory=dict)   # parameter -> its squared norm, measured on the host
     undoable: bool = False
     redo: bool = False                                     # a replay that applies the corrected update
     hyper_of: dict[int, Hyper | None] = field(default_factory=dict)   # a chunk corrected (or undone) since: its Hyper
@@ -72,6 +89,11 @@ class Updater:
         layout, cs, dtype = store.layout, store.layout.chunk_size, store.compute_dtype
         self.layout, self.device = layout, store.device
         self.spans = [ch.grad_spans() for ch in layout.chunks]
+        # per chunk, the parameters it updates: where their gradients lie, and their index in Capture.params
+        graded = [[s for s in ch.slots if s.param.has_grad] for ch in layout.chunks]
+        self._segments = [[(s.offset, s.numel) for s in g] for g in graded]
+        self._params = [[s.index for s in g] for g in graded]
+        self._param_index = [torch.tensor(ix, dtype=torch.long, device=self.device) for ix in self._params]
         updated = [c for c, s in enumerate(self.spans) if s]
         host = [c for c in updated if store.tier(c) == "host"]
         self.accumulates = grad_accum > 1
@@ -85,7 +107,7 @@ class Updater:
         staging = 0 if (self.kept or not host) else max(1, plan.host_grad_buffers)
         self.host_grads = Pool([store.alloc("host", cs, dtype) for _ in range(staging)], blocking=worker)
         self.found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)
-        self._sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._sq = torch.zeros(len(layout.slots), dtype=torch.float64, device=self.device)   # per parameter
         self._flag_after = torch.zeros(len(layout.chunks), dtype=torch.float32, device=self.device)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pstar_fx-adam") if worker and host else None
         self.pending: dict[int, Future] = {}       # host chunk -> its update still on the worker
@@ -163,7 +185,7 @@ class Updater:
             elif log.mode == "accumulate":
                 self._accumulate(c, grad, first)
                 if last:
-                    log.host_sq.append(float(self._sq_spans(self.acc[c], c)))
+                    log.host_sq.update(zip(self._params[c], sq_norms(self.acc[c], self._segments[c]).tolist()))
             elif log.mode != "measure":
                 applied = chunk_update(self.store.master[c], grad, self.store.exp_avg[c], self.store.exp_avg_sq[c],
                                        self.spans[c], log.hyper, param_out=self.store.shadow.get(c))
@@ -201,16 +223,12 @@ class Updater:
             else:
                 acc[off: off + n].add_(grad[off: off + n])
 
-    def _sq_spans(self, t: torch.Tensor, c: int) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float64, device=t.device)
-        for off, n in self.spans[c]:
-            total += sq_norm(t[off: off + n]).double()
-        return total
-
     def _add_sq(self, t: torch.Tensor, c: int) -> torch.Tensor:
-        sq = self._sq_spans(t, c)
-        self._sq += sq
-        return sq
+        """Chunk c's parameters' squared norms (of `t`, chunk-shaped) into the verdict's vector; returns their
+        sum, for the finiteness gate only (its rounding depends on the chunk's make-up; the verdict's does not)."""
+        sq = sq_norms(t, self._segments[c])
+        self._sq.index_copy_(0, self._param_index[c], sq)
+        return sq.sum()
 
     # ---- the verdict and what follows it --------------------------------------------------------------
     def verdict(self) -> float:
@@ -218,7 +236,10 @@ class Updater:
         An accumulating step waits for its host chunks' sums here."""
         if self.log.mode in ("accumulate", "measure"):
             self._settle(self.log)
-        return float(self._sq) + sum(self.log.host_sq)
+        per_param = self._sq.tolist()                      # the step's one sync
+        for i, sq in self.log.host_sq.items():
+            per_param[i] = sq
+        return exact_sum(per_param)
 
     def apply_accumulated(self, hyper: Hyper) -> None:
         """An accumulating step's updates, from the accumulators, now that the verdict allows them."""
