@@ -1,6 +1,9 @@
 """Train the GPT from pstar_fx.models with random tokens and print one line: RESULT {json}.
 
     python bench/gpt.py --model NAME --system {pstar_fx,torch,deepspeed} --batch B --seq S --steps K [--json FILE]
+
+--model NAME: our GPT (pstar_fx.models.gpt_config); llama:NAME our LLaMA (llama_config); hf-llama:NAME the
+same shape as Hugging Face's LlamaForCausalLM, unmodified (pstar_fx only), stepped with a dict batch.
         [--grad-clip X] [--grad-accum K] [--lr-schedule cosine:WARMUP:TOTAL[:MIN_LR]] [--transaction T]
         [--clip-sweep X,Y,...]
 
@@ -41,7 +44,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import pstar_fx  # noqa: E402
-from pstar_fx.models import GPT, gpt_config, num_params  # noqa: E402
+from pstar_fx.models import GPT, Llama, gpt_config, llama_config  # noqa: E402
 
 
 class Checkpointed(torch.nn.Module):
@@ -56,12 +59,30 @@ class Checkpointed(torch.nn.Module):
 def checkpointed_gpt(cfg, device: str) -> GPT:
     """The peers' model: built on meta, initialized on `device`, activation checkpointing per block."""
     with torch.device("meta"):
-        model = GPT(cfg)
+        model = build(cfg)
     model.to_empty(device=device)
     torch.manual_seed(0)
     model.init_weights()
-    model.h = torch.nn.ModuleList(Checkpointed(b) for b in model.h)
+    blocks = "h" if hasattr(model, "h") else "layers"
+    setattr(model, blocks, torch.nn.ModuleList(Checkpointed(b) for b in getattr(model, blocks)))
     return model
+
+
+def hf_llama_config(cfg):
+    """transformers.LlamaConfig of our LlamaConfig's shape."""
+    import transformers
+    return transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.ffn_hidden,
+        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
+        max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
+        tie_word_embeddings=False, attention_bias=False, mlp_bias=False, bos_token_id=1, eos_token_id=2)
+
+
+def build(cfg, hf: bool = False):
+    if hf:
+        import transformers
+        return transformers.LlamaForCausalLM(hf_llama_config(cfg))
+    return Llama(cfg) if hasattr(cfg, "ffn_hidden") else GPT(cfg)
 
 
 def parse_schedule(text: str | None):
@@ -103,7 +124,9 @@ def torch_system(cfg, args):
 
 def pstar_system(cfg, args, example):
     with torch.device("meta"):
-        model = GPT(cfg)
+        model = build(cfg, hf=args.hf)
+    if args.hf:
+        example = {"input_ids": example[0], "labels": example[0]}   # HF shifts the labels itself
     sweep = [float(x) for x in (args.clip_sweep or "").split(",") if x and x != "none"]
     clip = args.grad_clip or (max(sweep) if sweep else None)
     config = pstar_fx.Config(device="cuda", dtype="bf16", host_memory=args.host_memory,
@@ -126,7 +149,8 @@ def pstar_system(cfg, args, example):
              "placement_device_chunks": engine.plan.placement.count("device"),
              "chunks": len(engine.plan.placement), "recompute": engine.plan.recompute,
              "transaction": engine.plan.transaction, "transaction_cost": engine.plan.transaction_cost}
-    return engine.step, extra, engine
+    step = (lambda idx, tgt: engine.step(input_ids=idx, labels=idx)) if args.hf else engine.step
+    return step, extra, engine
 
 
 def deepspeed_system(cfg, args):
@@ -185,8 +209,13 @@ def main(argv=None):
         faulthandler.dump_traceback_later(args.dump_after, repeat=True)
 
     overrides = {"block_size": max(args.seq, 1)} | ({"n_layer": args.layers} if args.layers else {})
-    cfg = gpt_config(args.model, **overrides)
-    params = num_params(cfg)
+    family, _, name = args.model.rpartition(":")
+    args.hf = family == "hf-llama"
+    if args.hf and args.system != "pstar_fx":
+        ap.error("hf-llama: models run with --system pstar_fx only")
+    cfg = (llama_config if family else gpt_config)(name, **overrides)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in build(cfg, hf=args.hf).parameters())
     tokens = args.batch * args.seq * args.grad_accum
     result = {"system": args.system, "model": args.model, "n_layer": cfg.n_layer, "params": params, "batch": args.batch,
               "seq": args.seq, "tokens": tokens, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}

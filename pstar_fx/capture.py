@@ -117,7 +117,7 @@ class Signature:
         if len(args) == 1 and isinstance(args[0], Mapping) and not kwargs:
             args, kwargs = (), dict(args[0])
         if len(args) != self.n_args:
-            raise TypeError(f"expected {self.n_args} positional input(s), like the example_inputs the step was "
+            raise TypeError(f"the step takes {self.n_args} input(s) by position, like the example_inputs it was "
                             f"compiled with; got {len(args)}")
         kwargs = {k: v for k, v in kwargs.items() if not (k in self.constants and _same(v, self.constants[k]))}
         missing = [k for k in self.keywords if k not in kwargs]

@@ -30,7 +30,9 @@ import torch
 WEIGHTS, INDEX, OPTIMIZER, STATE = "model.safetensors", "model.safetensors.index.json", "optimizer.safetensors", \
     "pstar_fx_state.json"
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
-           torch.int32: "I32", torch.bool: "BOOL", torch.uint8: "U8"}
+           torch.int32: "I32", torch.bool: "BOOL", torch.uint8: "U8", torch.float64: "F64", torch.int16: "I16",
+           torch.int8: "I8"}
+_FROM_NAME = {v: k for k, v in _DTYPES.items()}
 SHARD_BYTES = 5 * 10**9          # save_pretrained's default max_shard_size
 
 
@@ -62,7 +64,8 @@ def write_safetensors(path: Path, entries: list[tuple[str, torch.dtype, tuple, o
             t = produce().detach().to("cpu", dtype).contiguous()
             if tuple(t.shape) != tuple(shape):
                 raise RuntimeError(f"{name}: produced shape {tuple(t.shape)}, header says {tuple(shape)}")
-            f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            if t.numel():
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))   # no copy of the bytes
         f.flush()
         os.fsync(f.fileno())
 
@@ -183,29 +186,54 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def _open(files: list[Path]) -> dict[str, tuple]:
-    from safetensors import safe_open
+    """name -> (file, header entry) over the files, each header read and checked against the file's size."""
     out = {}
     for file in files:
         try:
-            f = safe_open(str(file), framework="pt")
-            for key in f.keys():
-                out[key] = (f, key)
-        except Exception as e:  # noqa: BLE001 - a truncated or foreign file: say which
+            with open(file, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                if n > 100 * 2**20:
+                    raise ValueError(f"header length {n}")
+                header = json.loads(f.read(n))
+            start = 8 + n
+            size = file.stat().st_size
+            for key, entry in header.items():
+                if key == "__metadata__":
+                    continue
+                a, b = entry["data_offsets"]
+                dtype = _FROM_NAME[entry["dtype"]]
+                numel = int(torch.Size(entry["shape"]).numel())
+                if b - a != numel * dtype.itemsize or start + b > size:
+                    raise ValueError(f"{key}: bytes [{a}, {b}) do not fit the file ({size - start} data bytes)")
+                out[key] = (file, start + a, dtype, tuple(entry["shape"]))
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as e:  # truncated or foreign: say which
             raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from e
     return out
 
 
 class _File:
-    """A tensor in a safetensors file, read only when applied."""
+    """A tensor in a safetensors file, read only when applied, straight into its target where it can be."""
 
-    def __init__(self, handle, key):
-        self.handle, self.key = handle, key
+    def __init__(self, file: Path, offset: int, dtype: torch.dtype, shape: tuple):
+        self.file, self.offset, self.dtype, self._shape = file, offset, dtype, shape
 
     def shape(self) -> tuple:
-        return tuple(self.handle.get_slice(self.key).get_shape())
+        return self._shape
 
-    def get(self) -> torch.Tensor:
-        return self.handle.get_tensor(self.key)
+    def read_into(self, target: torch.Tensor) -> None:
+        direct = target.device.type == "cpu" and target.dtype == self.dtype and target.is_contiguous()
+        buf = target if direct else torch.empty(self._shape, dtype=self.dtype)   # one tensor, no more
+        with open(self.file, "rb", buffering=0) as f:
+            f.seek(self.offset)
+            view = memoryview(buf.reshape(-1).view(torch.uint8).numpy())
+            done = 0
+            while done < len(view):
+                k = f.readinto(view[done:])
+                if not k:
+                    raise CheckpointError(f"{self.file}: ends inside a tensor")
+                done += k
+        if not direct:
+            target.copy_(buf)
 
 
 class _Mem:
@@ -217,8 +245,8 @@ class _Mem:
     def shape(self) -> tuple:
         return tuple(self.t.shape)
 
-    def get(self) -> torch.Tensor:
-        return self.t
+    def read_into(self, target: torch.Tensor) -> None:
+        target.copy_(self.t)
 
 
 def load(engine, path, *, strict: bool = True) -> None:
@@ -284,10 +312,10 @@ def apply(engine, weights: dict, moments: dict | None, *, strict: bool, where: s
                               + "; ".join(fatal[:20]) + ("; ..." if len(fatal) > 20 else ""))
     with torch.no_grad():
         for target, src, _, _ in todo:
-            target.copy_(src.get())
+            src.read_into(target)
         if moments is not None:
             for i, p in enumerate(cap.params):
                 for key, st in (("exp_avg", store.exp_avg), ("exp_avg_sq", store.exp_avg_sq)):
                     view, name = _view(store, st, i), f"{p.name}.{key}"
-                    view.copy_(moments[name].get()) if name in moments else view.zero_()
+                    moments[name].read_into(view) if name in moments else view.zero_()
         store.masters_changed()

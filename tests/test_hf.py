@@ -1,0 +1,264 @@
+"""Unmodified Hugging Face models through the engine, against the eager HF model + torch.optim.AdamW.
+
+Small configs built in the test (no network); keyword and dict batches; dropout seeded by Config.seed and
+replayed by recompute; checkpoints that `from_pretrained` reads and `save_pretrained` directories loaded.
+"""
+import copy
+
+import pytest
+import torch
+
+import pstar_fx
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
+from test_engine import assert_losses_close, assert_weights_close, attach_truth, tight_budget  # noqa: E402
+
+VOCAB, SEQ, BATCH, STEPS = 128, 16, 2, 3
+OPT = {"type": "adamw", "lr": 3e-3, "weight_decay": 0.1}
+NO_DROPOUT = dict(attention_dropout=0.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def hf_model(kind: str, dropout: bool = False):
+    """A small random-init HF model of `kind` (its own classes, default settings but size)."""
+    t = transformers
+    drop = ({} if dropout else NO_DROPOUT) | {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    if kind == "gpt2":
+        cfg = t.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, **drop)
+        cls = t.GPT2LMHeadModel
+    elif kind in ("llama", "mistral", "qwen2", "qwen3"):
+        conf = {"llama": t.LlamaConfig, "mistral": t.MistralConfig, "qwen2": t.Qwen2Config,
+                "qwen3": t.Qwen3Config}[kind]
+        cfg = conf(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, head_dim=16, **drop)
+        cls = {"llama": t.LlamaForCausalLM, "mistral": t.MistralForCausalLM, "qwen2": t.Qwen2ForCausalLM,
+               "qwen3": t.Qwen3ForCausalLM}[kind]
+    elif kind == "bert":
+        cfg = t.BertConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                           vocab_size=VOCAB, max_position_embeddings=64, **drop)
+        cls = t.BertForMaskedLM
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(0)
+    return cls(cfg)
+
+
+def batches(kind: str, n: int = STEPS, seed: int = 0):
+    """Keyword batches: causal LMs take labels = input_ids (they shift inside); BERT masks 15% of tokens
+    and scores only those (-100 elsewhere)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        if kind == "bert":
+            masked = torch.rand(BATCH, SEQ, generator=g) < 0.15
+            masked[:, 0] = True
+            labels = torch.where(masked, ids, torch.full_like(ids, -100))
+            ids = torch.where(masked, torch.full_like(ids, 3), ids)
+            out.append({"input_ids": ids, "labels": labels})
+        else:
+            out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def eager(model, data, opt=OPT, dtype=torch.float32):
+    """The eager HF model + torch.optim.AdamW; in fp32 with its float64 twin attached (the rounding reach
+    the comparisons allow is measured against it: test_engine.rounding_tolerance)."""
+    ref = copy.deepcopy(model).to(dtype)
+    o = torch.optim.AdamW(ref.parameters(), lr=opt["lr"], weight_decay=opt["weight_decay"])
+    losses = []
+    for b in data:
+        o.zero_grad()
+        loss = ref(**b).loss
+        loss.backward()
+        o.step()
+        losses.append(loss.item())
+    if dtype == torch.float32:
+        attach_truth(ref, *eager(model, data, opt, torch.float64), steps=len(data))
+    return ref, losses
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert", "qwen2", "qwen3", "mistral"])
+def test_hf_model_matches_eager_adamw_with_state_on_host(kind):
+    model = hf_model(kind)
+    data = batches(kind)
+    ref, ref_losses = eager(model, data)
+    cfg = {"chunk_size": 16384, "optimizer": OPT}
+    budget, n_chunks = tight_budget(model, data[0], device_chunks=1, **cfg)
+    engine = pstar_fx.compile(model, pstar_fx.Config(device="cpu", device_memory=budget, **cfg),
+                              example_inputs=data[0])
+    assert engine.plan.placement.count("host") > n_chunks // 2, engine.plan.placement
+    losses = [engine.step(**b).item() for b in data]
+    assert_losses_close(losses, ref_losses, ref.__dict__["float64_truth"][2])
+    assert_weights_close(engine.state_dict(), ref)
+    assert engine.memory_stats()["h2d_bytes"] > 0
+
+
+def test_dict_batch_positional_and_keyword_steps_agree():
+    model = hf_model("gpt2")
+    data = batches("gpt2")
+    a = pstar_fx.compile(copy.deepcopy(model), pstar_fx.Config(device="cpu", optimizer=OPT), example_inputs=data[0])
+    b = pstar_fx.compile(copy.deepcopy(model), pstar_fx.Config(device="cpu", optimizer=OPT), example_inputs=data[0])
+    for d in data:
+        assert torch.equal(a.step(d), b.step(input_ids=d["input_ids"], labels=d["labels"]))
+    sa, sb = a.state_dict(), b.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    # use_cache was switched off for training: no KV-cache constants in the step
+    assert a.lowered.capture.signature.constants == {"use_cache": False}
+    assert not [n for n in a.graph.graph.nodes if n.op == "get_attr"]
+    with pytest.raises(TypeError, match="missing \\['labels'\\]"):
+        a.step(input_ids=data[0]["input_ids"])
+    with pytest.raises(TypeError, match="not compiled \\['attention_mask'\\]"):
+        a.step(**data[0], attention_mask=torch.ones(BATCH, SEQ, dtype=torch.long))
+    with pytest.raises(ValueError, match="input_ids: shape"):
+        a.step(input_ids=data[0]["input_ids"][:, :8], labels=data[0]["labels"][:, :8])
+    assert a.evaluate(data[0]).item() == pytest.approx(b.evaluate(**data[0]).item(), abs=0)
+
+
+class Constants(torch.nn.Module):
+    """Makes a tensor constant inside forward (HF's caches do) and returns a tuple, loss first."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, *, scale):
+        c = torch.tensor([0.5, 2.0])                       # a constant of the graph (get_attr)
+        loss = (self.lin(x) * c.repeat(4)).pow(2).mean() * scale.mean()
+        return loss, "extra"
+
+
+def test_graph_constants_and_tuple_outputs():
+    torch.manual_seed(0)
+    model = Constants()
+    x, s = torch.randn(4, 8), torch.full((2,), 3.0)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    engine = pstar_fx.compile(model, pstar_fx.Config(device="cpu", optimizer={"lr": 1e-2}),
+                              example_inputs={"x": x, "scale": s})
+    assert [n for n in engine.graph.graph.nodes if n.op == "get_attr"]
+    for _ in range(3):
+        loss = engine.step(x=x, scale=s)
+        opt.zero_grad()
+        r = ref(x, scale=s)[0]
+        r.backward()
+        opt.step()
+        assert loss.item() == pytest.approx(r.item(), rel=1e-6)
+    sd = engine.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=1e-7)
+
+
+def test_logits_only_forward_is_a_clear_error():
+    model = hf_model("gpt2")
+    ids = batches("gpt2")[0]["input_ids"]
+    with pytest.raises(pstar_fx.capture.CaptureError, match="without a loss"):
+        pstar_fx.compile(model, pstar_fx.Config(device="cpu"), example_inputs={"input_ids": ids})
+
+
+def test_eval_mode_at_compile_warns():
+    model = hf_model("gpt2").eval()
+    with pytest.warns(UserWarning, match="eval mode"):
+        pstar_fx.compile(model, pstar_fx.Config(device="cpu"), example_inputs=batches("gpt2")[0])
+
+
+# ---- dropout -------------------------------------------------------------------------------------------
+
+def _dropout_run(seed=0, budget=None, transaction="auto", clip=None, steps=3, placement="auto"):
+    model = hf_model("gpt2", dropout=True)
+    data = batches("gpt2", steps)
+    engine = pstar_fx.compile(model, pstar_fx.Config(device="cpu", device_memory=budget, seed=seed, grad_clip=clip,
+                                                     transaction=transaction, optimizer=OPT, chunk_size=16384,
+                                                     placement=placement),
+                              example_inputs=data[0])
+    losses = [engine.step(**b).item() for b in data]
+    return engine, losses
+
+
+def _equal(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_dropout_is_seeded_by_config_seed():
+    torch.manual_seed(123)
+    before = torch.rand(3)
+    a, la = _dropout_run()
+    torch.manual_seed(123)
+    b, lb = _dropout_run()
+    after = torch.rand(3)
+    assert la == lb and _equal(a, b)                       # one seed: bit-identical runs
+    c, lc = _dropout_run(seed=1)
+    assert lc != la                                        # another seed: other masks
+    eager_loss = hf_model("gpt2", dropout=False)(**batches("gpt2")[0]).loss.item()
+    assert la[0] != pytest.approx(eager_loss, rel=1e-6)    # dropout really ran
+    # the step restores torch's global generator: the user's random stream is not disturbed
+    torch.manual_seed(123)
+    assert not torch.equal(before, after) and torch.equal(torch.rand(3), before)
+
+
+def test_dropout_recompute_replays_the_same_masks():
+    free, _ = _dropout_run(placement="device")
+    assert free.plan.recompute.startswith("none needed")
+    p = free.plan.device_breakdown
+    # every chunk on the device and room for two thirds of the activations: the planner must recompute
+    budget = free.plan.device_peak_bytes - p.get("kept gradients", 0) - p["activations"] // 3
+    tight, losses = _dropout_run(budget=budget, placement="device")
+    assert tight.plan.recompute and not tight.plan.recompute.startswith("none"), tight.plan.recompute
+    assert losses == _dropout_run()[1] and _equal(tight, free)
+
+
+@pytest.mark.parametrize("transaction", ["replay", "two_pass", "kept_grads"])
+def test_dropout_with_clipping_transactions_agree(transaction):
+    """Clipping that triggers every step: the replayed or second pass redraws the same masks, so every
+    transaction gives one result (replay was refused for dropout before masks were seeded)."""
+    ref, lr = _dropout_run(transaction="two_pass", clip=1e-3)
+    e, le = _dropout_run(transaction=transaction, clip=1e-3)
+    assert e.last_step.clip_coef < 1
+    torch.testing.assert_close(torch.tensor(le), torch.tensor(lr), rtol=1e-6, atol=0)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(e.state_dict()[k], v, rtol=1e-5, atol=1e-6)
+
+
+# ---- checkpoints in the ecosystem's formats ------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_saved_checkpoint_loads_with_from_pretrained(kind, tmp_path):
+    model = hf_model(kind)
+    data = batches(kind)
+    engine = pstar_fx.compile(model, pstar_fx.Config(device="cpu", optimizer=OPT, chunk_size=16384),
+                              example_inputs=data[0])
+    for b in data:
+        engine.step(**b)
+    engine.save(tmp_path / "ckpt")
+    cls = type(model)
+    back = cls.from_pretrained(tmp_path / "ckpt")           # config.json and the safetensors weights
+    back.eval()
+    trained = engine.export(copy.deepcopy(model)).eval()
+    with torch.no_grad():
+        want = trained(**data[0]).logits
+        got = back(**data[0]).logits
+    assert torch.equal(got, want)
+    assert engine.evaluate(data[0]).item() == pytest.approx(trained(**data[0]).loss.item(), rel=1e-6)
+
+
+def test_save_pretrained_directory_loads_into_chunk_memory(tmp_path):
+    pretrained = hf_model("llama")
+    with torch.no_grad():
+        for p in pretrained.parameters():
+            p.add_(0.01)                                    # weights that differ from the engine's init
+    pretrained.save_pretrained(tmp_path / "hf", max_shard_size="100KB")   # sharded, with an index
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    data = batches("llama")
+    with torch.device("meta"):
+        meta = type(pretrained)(pretrained.config)
+    engine = pstar_fx.compile(meta, pstar_fx.Config(device="cpu", optimizer=OPT, chunk_size=16384),
+                              example_inputs=data[0], resume=tmp_path / "hf")
+    sd = engine.state_dict()
+    for k, v in pretrained.state_dict().items():
+        if k in sd:
+            assert torch.equal(sd[k], v), k
+    assert engine.steps == 0
+    ref, ref_losses = eager(pretrained.train(), data)
+    losses = [engine.step(**b).item() for b in data]
+    assert_losses_close(losses, ref_losses, ref.__dict__["float64_truth"][2])
