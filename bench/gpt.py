@@ -209,7 +209,7 @@ def main(argv=None):
         faulthandler.dump_traceback_later(args.dump_after, repeat=True)
 
     overrides = {"block_size": max(args.seq, 1)} | ({"n_layer": args.layers} if args.layers else {})
-    family, _, name = args.model.rpartition(":")
+    family, _, name = args.model.replace("/", ":").rpartition(":")   # llama/NAME too (gpu_run.sh splits on :)
     args.hf = family == "hf-llama"
     if args.hf and args.system != "pstar_fx":
         ap.error("hf-llama: models run with --system pstar_fx only")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the H200 machine: build the C++ kernel there, then run the stages named as
-# arguments (kernels | tests | probe | gpt:MODEL:SYSTEM[:BATCH[:HOST_MEMORY[:LAYERS[:EXTRA ARGS]]]]). Output files land in $OUT.
+# arguments (kernels | tests | probe | small_peak | checkpoint | gpt:MODEL:SYSTEM[:BATCH[:HOST_MEMORY[:LAYERS[:EXTRA ARGS]]]]).
+# Output files land in $OUT. MODEL: a GPT name, llama/NAME or hf-llama/NAME (bench/gpt.py --model).
 # EXTRA ARGS go to bench/gpt.py as they are, e.g. gpt:GPT3_10B:pstar_fx:16:108GiB::--clip-sweep=none,1e9,1e-3
 # STEPS (default 6) sets the training steps of each gpt stage.
 # Wheels in .whl/ (bench/peer_wheels.sh: DeepSpeed and what it needs) are installed first when carried:
@@ -19,6 +20,8 @@ python3 -c "import pstar_fx.kernels as k; print(k.build_info())"
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case "$stage" in
+    small_peak*) timeout 200 python3 bench/small_peak.py --snapshot "$OUT" ${stage#small_peak} 2>&1 | grep -v "^DEBUG" | tail -30 | tee -a "$OUT/small_peak.txt" ;;
+    checkpoint) timeout 400 python3 bench/checkpoint_bench.py --json "$OUT/checkpoint.jsonl" 2>&1 | tail -30 | tee -a "$OUT/checkpoint.txt" ;;
     probe) timeout 120 python3 bench/peak_probe.py 2>&1 | grep -v "^DEBUG" | tail -45 | tee -a "$OUT/probe.txt" ;;
     kernels) timeout 240 python3 bench/kernels_gpu.py 2>&1 | tee -a "$OUT/kernels.txt" ;;
     tests) timeout 240 python3 -m pytest -q -rs -p no:logging --tb=short -o faulthandler_timeout=100 tests/test_gpu.py \

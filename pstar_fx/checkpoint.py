@@ -11,7 +11,8 @@ A checkpoint is a directory:
   config.json                     a Hugging Face model's config, so `from_pretrained(path)` loads the weights
 
 It speaks parameter names, never chunk ids, so it loads at another budget, chunk size or placement. Files are
-written one tensor at a time from whichever tier holds it (extra host memory: one tensor), in the safetensors
+written one tensor at a time from whichever tier holds it (a GPU tensor in 64 MiB blocks through two page-locked
+buffers, the copy of one overlapping the disk's write of the other: extra host memory 128 MiB), in the safetensors
 format (an 8-byte header length, a JSON header of names, dtypes, shapes and offsets, then the bytes), into a
 directory beside the target that is renamed into place once every file is synced: a crash mid-save leaves
 the previous checkpoint whole. A folder of safetensors weights alone (e.g. from `save_pretrained`) loads too,
@@ -45,9 +46,99 @@ def _nbytes(entry) -> int:
     return entry[1].itemsize * int(torch.Size(entry[2]).numel())
 
 
-def write_safetensors(path: Path, entries: list[tuple[str, torch.dtype, tuple, object]], metadata: dict) -> None:
+BLOCK_BYTES = 64 * 2**20        # a tensor crosses between the GPU and the disk in blocks of this size
+
+
+class _Blocks:
+    """Two page-locked host blocks and a copy stream: a GPU tensor's bytes move to or from the disk a block at
+    a time, the copy of one block overlapping the disk's work on the other. Host memory: 2 blocks, whatever
+    the tensor's size (a tensor on the host is read or written in place)."""
+
+    def __init__(self):
+        self.bufs: list[torch.Tensor] = []
+        self.done: list = [None, None]
+        self.stream = None
+
+    def _ready(self, device: torch.device) -> None:
+        if not self.bufs:
+            self.bufs = [torch.empty(BLOCK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            self.stream = torch.cuda.Stream(device)
+
+    def write(self, f, t: torch.Tensor, dtype: torch.dtype) -> None:
+        """t's elements as `dtype`, appended to file f."""
+        if t.device.type != "cuda":
+            t = t.detach().to(dtype).contiguous()            # no copy for an fp32 master on the host
+            _write_all(f, memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            return
+        self._ready(t.device)
+        flat = t.detach().reshape(-1)
+        per = BLOCK_BYTES // dtype.itemsize
+        self.stream.wait_stream(torch.cuda.current_stream(t.device))     # t's last writer has finished
+        pending = None
+        for k, start in enumerate(range(0, flat.numel(), per)):
+            part = flat[start:start + per]
+            buf = self.bufs[k % 2][: part.numel() * dtype.itemsize]
+            with torch.cuda.stream(self.stream):
+                buf.view(dtype).copy_(part.to(dtype), non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self.stream)
+            if pending is not None:                          # the disk writes block k-1 while block k copies
+                pending[1].synchronize()
+                _write_all(f, memoryview(pending[0].numpy()))
+            pending = (buf, ev)
+        if pending is not None:
+            pending[1].synchronize()
+            _write_all(f, memoryview(pending[0].numpy()))
+
+    def read(self, f, target: torch.Tensor, dtype: torch.dtype) -> None:
+        """target <- the next target.numel() elements of file f, stored as `dtype`."""
+        if target.device.type != "cuda":
+            direct = target.dtype == dtype and target.is_contiguous()
+            buf = target if direct else torch.empty(target.shape, dtype=dtype)   # one tensor, no more
+            _read_all(f, memoryview(buf.reshape(-1).view(torch.uint8).numpy()))
+            if not direct:
+                target.copy_(buf)
+            return
+        self._ready(target.device)
+        flat = target.view(-1) if target.is_contiguous() else torch.empty(target.numel(), dtype=target.dtype,
+                                                                           device=target.device)
+        per = BLOCK_BYTES // dtype.itemsize
+        self.stream.wait_stream(torch.cuda.current_stream(target.device))   # nobody reads target meanwhile
+        for k, start in enumerate(range(0, flat.numel(), per)):
+            part = flat[start:start + per]
+            buf = self.bufs[k % 2][: part.numel() * dtype.itemsize]
+            if self.done[k % 2] is not None:
+                self.done[k % 2].synchronize()               # the copy out of this block two steps ago
+            _read_all(f, memoryview(buf.numpy()))            # the disk reads block k while block k-1 copies
+            with torch.cuda.stream(self.stream):
+                part.copy_(buf.view(dtype), non_blocking=True)
+                self.done[k % 2] = torch.cuda.Event()
+                self.done[k % 2].record(self.stream)
+        torch.cuda.current_stream(target.device).wait_stream(self.stream)
+        self.stream.synchronize()
+        if flat.data_ptr() != target.data_ptr():
+            target.copy_(flat.view(target.shape))
+
+
+def _write_all(f, view: memoryview) -> None:
+    for start in range(0, len(view), BLOCK_BYTES):           # large single writes are slow on some kernels
+        f.write(view[start:start + BLOCK_BYTES])
+
+
+def _read_all(f, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        k = f.readinto(view[done:done + BLOCK_BYTES])
+        if not k:
+            raise CheckpointError(f"{f.name}: ends inside a tensor")
+        done += k
+
+
+def write_safetensors(path: Path, entries: list[tuple[str, torch.dtype, tuple, object]], metadata: dict,
+                      blocks: _Blocks | None = None) -> None:
     """Write tensors to `path` one at a time: `entries` are (name, dtype, shape, produce) with produce() giving
-    the tensor only when its bytes are due, so at most one tensor is copied to the host at once."""
+    the tensor (on any tier) only when its bytes are due; a GPU tensor crosses in blocks (`_Blocks`)."""
+    blocks = blocks or _Blocks()
     header, offset = {}, 0
     for entry in entries:
         name, dtype, shape, _ = entry
@@ -57,16 +148,15 @@ def write_safetensors(path: Path, entries: list[tuple[str, torch.dtype, tuple, o
     header["__metadata__"] = {k: str(v) for k, v in metadata.items()}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)                  # the data section starts 8-byte aligned
-    with open(path, "wb") as f:
+    with open(path, "wb", buffering=0) as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for name, dtype, shape, produce in entries:
-            t = produce().detach().to("cpu", dtype).contiguous()
+            t = produce()
             if tuple(t.shape) != tuple(shape):
                 raise RuntimeError(f"{name}: produced shape {tuple(t.shape)}, header says {tuple(shape)}")
             if t.numel():
-                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))   # no copy of the bytes
-        f.flush()
+                blocks.write(f, t, dtype)
         os.fsync(f.fileno())
 
 
@@ -110,17 +200,18 @@ def save(engine, path, *, dtype: str = "fp32", max_shard_bytes: int = SHARD_BYTE
     tmp.mkdir()
     try:
         meta = {"format": "pt", "pstar_fx": __version__}
+        blocks = _Blocks()
         shards = _shards(weights, max_shard_bytes)
         if len(shards) == 1:
-            write_safetensors(tmp / WEIGHTS, shards[0], meta)
+            write_safetensors(tmp / WEIGHTS, shards[0], meta, blocks)
         else:
             index = {"metadata": {"total_size": sum(_nbytes(e) for e in weights)}, "weight_map": {}}
             for k, shard in enumerate(shards, start=1):
                 name = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-                write_safetensors(tmp / name, shard, meta)
+                write_safetensors(tmp / name, shard, meta, blocks)
                 index["weight_map"].update({e[0]: name for e in shard})
             _write_json(tmp / INDEX, index)
-        write_safetensors(tmp / OPTIMIZER, moments, meta)
+        write_safetensors(tmp / OPTIMIZER, moments, meta, blocks)
         hf_config = getattr(engine._skeleton, "config", None)
         if hasattr(hf_config, "to_json_file"):        # a Hugging Face model: from_pretrained(path) reads it back
             hf_config.to_json_file(tmp / "config.json")
@@ -212,7 +303,7 @@ def _open(files: list[Path]) -> dict[str, tuple]:
 
 
 class _File:
-    """A tensor in a safetensors file, read only when applied, straight into its target where it can be."""
+    """A tensor in a safetensors file, read only when applied, straight into its target (`_Blocks.read`)."""
 
     def __init__(self, file: Path, offset: int, dtype: torch.dtype, shape: tuple):
         self.file, self.offset, self.dtype, self._shape = file, offset, dtype, shape
@@ -220,20 +311,10 @@ class _File:
     def shape(self) -> tuple:
         return self._shape
 
-    def read_into(self, target: torch.Tensor) -> None:
-        direct = target.device.type == "cpu" and target.dtype == self.dtype and target.is_contiguous()
-        buf = target if direct else torch.empty(self._shape, dtype=self.dtype)   # one tensor, no more
+    def read_into(self, target: torch.Tensor, blocks: _Blocks) -> None:
         with open(self.file, "rb", buffering=0) as f:
             f.seek(self.offset)
-            view = memoryview(buf.reshape(-1).view(torch.uint8).numpy())
-            done = 0
-            while done < len(view):
-                k = f.readinto(view[done:])
-                if not k:
-                    raise CheckpointError(f"{self.file}: ends inside a tensor")
-                done += k
-        if not direct:
-            target.copy_(buf)
+            blocks.read(f, target, self.dtype)
 
 
 class _Mem:
@@ -245,7 +326,7 @@ class _Mem:
     def shape(self) -> tuple:
         return tuple(self.t.shape)
 
-    def read_into(self, target: torch.Tensor) -> None:
+    def read_into(self, target: torch.Tensor, blocks=None) -> None:
         target.copy_(self.t)
 
 
@@ -310,12 +391,13 @@ def apply(engine, weights: dict, moments: dict | None, *, strict: bool, where: s
     if fatal:
         raise CheckpointError(f"{where} does not match this model ({len(fatal)} problem(s)): "
                               + "; ".join(fatal[:20]) + ("; ..." if len(fatal) > 20 else ""))
+    blocks = _Blocks()
     with torch.no_grad():
         for target, src, _, _ in todo:
-            src.read_into(target)
+            src.read_into(target, blocks)
         if moments is not None:
             for i, p in enumerate(cap.params):
                 for key, st in (("exp_avg", store.exp_avg), ("exp_avg_sq", store.exp_avg_sq)):
                     view, name = _view(store, st, i), f"{p.name}.{key}"
-                    moments[name].read_into(view) if name in moments else view.zero_()
+                    moments[name].read_into(view, blocks) if name in moments else view.zero_()
         store.masters_changed()

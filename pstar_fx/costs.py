@@ -30,17 +30,21 @@ class Rates:
     h2d_bw: float          # host -> device bytes/s
     d2h_bw: float          # device -> host bytes/s
     host_adam: float       # host Adam parameters/s (all cores)
+    workspace_bytes: int = 0   # device bytes the libraries keep once used (cuBLAS/cuBLASLt workspaces)
 
     @staticmethod
     def nominal(device: torch.device) -> "Rates":
         if device.type == "cuda":  # one H200 (shared/reference/h200.md): bf16 matmul, HBM copy, pinned PCIe
-            return Rates("cuda-nominal", 790e12, 4.2e12, 55e9, 55e9, 4.0e9)
+            return Rates("cuda-nominal", 790e12, 4.2e12, 55e9, 55e9, 4.0e9, 32 * 2**20)
         return Rates("cpu-nominal", 5e10, 1e10, 1e10, 1e10, 1.0e9)
+
+
+_MEASURED: dict[str, Rates] = {}     # this process's measurements, when the cache cannot be written
 
 
 def _cache_path(key: str) -> str:
     root = os.environ.get("PSTAR_FX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pstar_fx")
-    return os.path.join(root, f"rates-{key}.json")
+    return os.path.join(root, f"rates-v2-{key}.json")
 
 
 def _device_key(device: torch.device) -> str:
@@ -52,17 +56,22 @@ def _device_key(device: torch.device) -> str:
 
 
 def calibrate(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Rates:
-    """Measured rates for `device`, from the cache when present."""
+    """Measured rates for `device`, from the cache when present. A GPU is measured in a child process: its
+    benchmark tensors (hundreds of MiB) must not count in this process's memory or its peak statistics,
+    which the plan promises to stay under."""
     if device.type == "cuda" and not torch.cuda.is_available():
         return Rates.nominal(device)
     key = _device_key(device) + "-" + str(dtype).split(".")[-1]
+    if key in _MEASURED:
+        return _MEASURED[key]
     path = _cache_path(key)
     try:
         with open(path) as f:
             return Rates(**json.load(f))
     except (OSError, ValueError, TypeError):
         pass
-    rates = _measure(device, dtype, key)
+    rates = _measure_in_child(device, dtype, key) if device.type == "cuda" else _measure(device, dtype, key)
+    _MEASURED[key] = rates
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
@@ -85,7 +94,32 @@ def _timeit(fn, device: torch.device, reps: int = 3) -> float:
     return max(best, 1e-9)
 
 
+def _measure_in_child(device: torch.device, dtype: torch.dtype, key: str) -> Rates:
+    import subprocess
+    import sys
+    cmd = [sys.executable, "-m", "pstar_fx.costs", str(device), str(dtype).split(".")[-1], key]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout
+        return Rates(**json.loads(out.strip().splitlines()[-1]))
+    except (subprocess.SubprocessError, OSError, ValueError, TypeError, IndexError) as e:
+        raise RuntimeError(f"measuring {device}'s rates in a child process failed: {e}") from e
+
+
+def _workspace_bytes(device: torch.device, dtype: torch.dtype) -> int:
+    """What the first matmuls of a process leave allocated besides their results: cuBLAS and cuBLASLt
+    workspaces (per handle, kept for the process's life). Measured first thing in a fresh process."""
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    a = torch.ones(64, 64, device=device, dtype=dtype)
+    bias = torch.ones(64, device=device, dtype=dtype)
+    outs = [a @ a, torch.addmm(bias, a, a), torch.bmm(a[None], a[None]), a.float() @ a.float()]
+    torch.cuda.synchronize(device)
+    kept = torch.cuda.memory_allocated(device) - before
+    return max(0, kept - sum(-(-t.nbytes // 512) * 512 for t in [a, bias, *outs]))
+
+
 def _measure(device: torch.device, dtype: torch.dtype, key: str) -> Rates:
+    workspace = _workspace_bytes(device, dtype) if device.type == "cuda" else 0
     n = 4096 if device.type == "cuda" else 512
     a = torch.randn(n, n, device=device, dtype=dtype if device.type == "cuda" else torch.float32)
     flops = 2 * n**3 / _timeit(lambda: a @ a, device)
@@ -101,7 +135,13 @@ def _measure(device: torch.device, dtype: torch.dtype, key: str) -> Rates:
     from pstar_fx.kernels import adam_step
     adam = p.numel() / _timeit(lambda: adam_step(p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
                                                   weight_decay=0.0), torch.device("cpu"))
-    return Rates(key, flops, mem_bw, h2d, d2h, adam)
+    return Rates(key, flops, mem_bw, h2d, d2h, adam, workspace)
+
+
+if __name__ == "__main__":     # python -m pstar_fx.costs DEVICE DTYPE KEY: one measurement, as JSON
+    import sys
+    _dev, _dt, _key = sys.argv[1:4]
+    print(json.dumps(asdict(_measure(torch.device(_dev), getattr(torch, _dt), _key))))
 
 
 _MATMUL = {aten.mm.default: lambda a, b: 2 * a[0] * a[1] * b[1],

@@ -11,7 +11,8 @@ Layout and the Config. Output: a `Plan` with
               that backward never waits for it (simulated with the cost model), as host memory allows;
   schedule    per node: which chunks to prefetch / fetch before it and release after it (schedule.py:
               Belady eviction, prefetch timed by the cost model of costs.py);
-  peaks       predicted device and host bytes, from fake-tensor sizes of every value the graph holds.
+  peaks       predicted device and host bytes, from fake-tensor sizes of every value the graph holds;
+  timeline()  all of it node by node, as plain lists (what `pstar_fx.plot` draws).
 
 The memory model counts what the runtime counts: chunk memory allocated once at start, buffers, and the
 live values of the graph (inputs, activations kept for backward, temporaries), each from the moment it is
@@ -29,11 +30,12 @@ from .config import Config, format_bytes
 from .costs import Rates, calibrate, node_seconds
 from .fxutil import aliases_input, is_random, role_nodes, value_bytes
 from .layout import Layout
+from .passes.lean_loss import scratch_bytes
 from .schedule import Schedule, belady, place_prefetches
 
 MASTER_STATE_BYTES = 12   # fp32 master + exp_avg + exp_avg_sq, per element
 CUDA_BLOCK_BYTES = 512    # the CUDA caching allocator rounds every allocation up to this
-CUDA_WORKSPACE_BYTES = 256 * 2**20  # cuBLAS + attention workspaces and fragmentation, stated not guessed per op
+CUDA_STEP_SLACK_BYTES = 2 * 2**20   # a step's small allocations outside the graph: norm partials, flags, checks
 CUDA_HOST_OVERHEAD_BYTES = 4 * 2**30  # host memory of a CUDA process besides chunks: context, libraries, Python
 
 
@@ -69,6 +71,7 @@ class Plan:
     # "-" (state on the device), "shadow" (a 16-bit copy kept on the host, written by the host Adam in the
     # same pass: 2 B/param cross), "cast" (cast on the host at fetch: 2 B/param), "fp32" (4 B/param cross,
     # cast on the device)
+    profile: NodeProfile | None = field(default=None, repr=False)  # what the planner knew node by node
 
     @property
     def fits(self) -> bool:
@@ -98,6 +101,116 @@ class Plan:
         lines += [f"  note: {n}" for n in self.notes]
         lines.append("  fits" if self.fits else f"  DOES NOT FIT: {self.why}")
         return "\n".join(lines)
+
+    def timeline(self) -> Timeline:
+        """The plan along the step: bytes per tier, chunk moves and each chunk's tier, node by node."""
+        prof = self.profile
+        if prof is None:
+            raise ValueError("this Plan has no node profile (it was not made by make_plan)")
+        index = {name: i for i, name in enumerate(prof.node_names)}
+        events: dict[str, list[tuple[int, int]]] = {"prefetch": [], "fetch": [], "release": []}
+        for ops_at in (self.schedule_before, self.schedule_after):
+            for name, ops in ops_at.items():
+                for op, c in ops:
+                    events[op].append((index[name], c))
+        updates = sorted((i, c) for c, i in prof.update_at.items())
+        fixed = self.device_peak_bytes - self.activation_peak_bytes   # allocated once, before the step
+        return Timeline(
+            node_names=prof.node_names,
+            device_bytes=[fixed + a for a in prof.activation_bytes], device_fixed_bytes=fixed,
+            host_bytes=[self.host_peak_bytes] * len(prof.node_names),
+            device_budget_bytes=self.budget_bytes, host_budget_bytes=self.host_budget_bytes,
+            backward_start=prof.backward_start, placement=list(self.placement),
+            prefetch_at=sorted(events["prefetch"]), fetch_at=sorted(events["fetch"]),
+            release_at=sorted(events["release"]), update_at=updates,
+            offload_at=[(i, c) for i, c in updates if self.placement[c] == "host"],
+            chunk_elems=prof.chunk_elems, param_elems=prof.param_elems)
+
+
+@dataclass
+class NodeProfile:
+    """What make_plan knew node by node (one list of ints and the graph's names: cheap at 10k nodes)."""
+    node_names: list[str]           # the planned graph in order (engine.graph without its chunk moves)
+    activation_bytes: list[int]     # live graph values while each node runs (activation_profile)
+    backward_start: int             # first node reading the tangent; len(node_names) for a forward-only step
+    update_at: dict[int, int]       # chunk -> index of its rt.adam(c) node
+    chunk_elems: int
+    param_elems: int
+
+
+# Timeline.tiers() codes, in priority order: a downsampled cell shows the highest code among its nodes
+TIER_HOST, TIER_DEVICE, TIER_COPY_ON_DEVICE, TIER_MOVING = range(4)
+TIER_NAMES = ("host", "device", "host, compute copy on device", "moving")
+
+
+@dataclass
+class Timeline:
+    """The plan along the step as plain data. Index i is the i-th node of the planned graph: engine.graph in
+    order without its chunk moves (rt.prefetch/fetch/release/offload/param; a move scheduled around node i
+    is listed at i), with the parameter placeholders the rt.param views replaced. Events are (node, chunk)
+    pairs, sorted."""
+    node_names: list[str]
+    device_bytes: list[int]          # predicted device bytes while node i runs: device_fixed_bytes + live values
+    device_fixed_bytes: int          # chunk state, compute and gradient slots, buffers, margins: allocated once
+    host_bytes: list[int]            # predicted host bytes (all allocated once, so flat)
+    device_budget_bytes: int | None
+    host_budget_bytes: int | None
+    backward_start: int              # first backward node; == len(node_names) when there is no backward
+    placement: list[str]             # chunk -> tier of its fp32 state
+    prefetch_at: list[tuple[int, int]]   # a compute copy starts crossing to the device before node i
+    fetch_at: list[tuple[int, int]]      # the copy must be in its device slot before node i (one per plan.fetches)
+    release_at: list[tuple[int, int]]    # its slot is freed after node i
+    update_at: list[tuple[int, int]]     # node i is rt.adam(c)
+    offload_at: list[tuple[int, int]]    # a host chunk's gradients cross to the host, right before its update
+    chunk_elems: int
+    param_elems: int
+
+    @property
+    def nodes(self) -> int:
+        return len(self.node_names)
+
+    def tiers(self, columns: int | None = None, rows: int | None = None) -> list[bytearray]:
+        """Each chunk's tier along the step: one bytearray per chunk (or per run of chunks, when `rows` is
+        fewer), one TIER_* code per node (or per run of nodes, when `columns` is fewer). A cell covering
+        several nodes or chunks holds the highest code among them, so a short move still shows."""
+        n, n_chunks = self.nodes, len(self.placement)
+        columns = n if columns is None else max(1, min(columns, n))
+        rows = n_chunks if rows is None else max(1, min(rows, n_chunks))
+        col = [i * columns // n for i in range(n)] if columns < n else range(n)
+        row_of = [c * rows // n_chunks for c in range(n_chunks)]
+        base = [TIER_HOST] * rows
+        for c, where in enumerate(self.placement):
+            if where == "device":
+                base[row_of[c]] = TIER_DEVICE
+        strip = [bytearray([b]) * columns for b in base]
+
+        def paint(code: int, c: int, first: int, last: int) -> None:
+            if self.placement[c] == "host":          # a device chunk's compute copy never leaves the device
+                a, b = col[first], col[last] + 1
+                strip[row_of[c]][a:b] = bytes([code]) * (b - a)
+
+        per_chunk: dict[int, dict[str, list[int]]] = {}
+        for kind, events in (("prefetch", self.prefetch_at), ("fetch", self.fetch_at),
+                             ("release", self.release_at), ("offload", self.offload_at)):
+            for i, c in events:
+                per_chunk.setdefault(c, {"prefetch": [], "fetch": [], "release": [], "offload": []})[kind].append(i)
+        moving = []
+        for c, ev in per_chunk.items():
+            for start, end in zip(ev["fetch"], ev["release"]):    # a chunk's residencies do not overlap
+                paint(TIER_COPY_ON_DEVICE, c, start, end)
+            fetches, j, prefetched = ev["fetch"], 0, set()
+            for issued in ev["prefetch"]:                  # crossing from its prefetch to the fetch that waits
+                while j < len(fetches) and fetches[j] < issued:
+                    j += 1
+                if j < len(fetches):
+                    moving.append((c, issued, max(issued, fetches[j] - 1)))
+                    prefetched.add(j)
+                    j += 1
+            moving += [(c, i, i) for k, i in enumerate(fetches) if k not in prefetched]   # loaded at its fetch
+            moving += [(c, i, i) for i in ev["offload"]]
+        for c, first, last in moving:            # painted last: a move wins over residency in a shared cell
+            paint(TIER_MOVING, c, first, last)
+        return strip
 
 
 def _ranges(placement: list[str]) -> str:
@@ -154,7 +267,25 @@ def last_uses(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
     return out
 
 
-def activation_profile(graph: fx.Graph, skip: set[fx.Node], round_to: int = 1) -> tuple[list[int], int]:
+# CUDA's reduction kernels (a bias gradient: sum over the rows) stage partial sums in a global buffer when one
+# output's reduction is split across thread blocks: up to 4x the input's bytes, 16 MiB at most, seen for the
+# small GPT's bias gradients (bench/small_peak.py, a memory snapshot at the peak)
+_REDUCTIONS = {torch.ops.aten.sum.dim_IntList, torch.ops.aten.mean.dim}
+CUDA_REDUCE_STAGING_BYTES = 16 * 2**20
+
+
+def op_scratch_bytes(node: fx.Node, cuda: bool) -> int:
+    """Bytes an op allocates while it runs besides its graph values (the planner adds them at that node)."""
+    extra = scratch_bytes(node)
+    if cuda and node.op == "call_function" and node.target in _REDUCTIONS and node.args:
+        x = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        if isinstance(x, torch.Tensor):
+            extra += min(CUDA_REDUCE_STAGING_BYTES, 4 * x.numel() * x.element_size())
+    return extra
+
+
+def activation_profile(graph: fx.Graph, skip: set[fx.Node], round_to: int = 1,
+                       cuda: bool = False) -> tuple[list[int], int]:
     """Predicted live bytes of graph values after each node (excluding `skip`: chunk-backed values).
 
     Each output of a multi-output op is its own allocation: layer norm's normalized output dies after
@@ -165,6 +296,7 @@ def activation_profile(graph: fx.Graph, skip: set[fx.Node], round_to: int = 1) -
     owner: dict[fx.Node, list] = {}          # node -> the allocations it keeps alive
     frees = last_uses(graph)
     per_node = []
+    peak = 0
 
     def hold(node: fx.Node, keys: list) -> None:
         owner[node] = keys
@@ -197,14 +329,16 @@ def activation_profile(graph: fx.Graph, skip: set[fx.Node], round_to: int = 1) -
                 if nb:
                     live.add(node, nb)
                     owner[node] = [node]
-        per_node.append(live.bytes)
+        scratch = -(-op_scratch_bytes(node, cuda) // round_to) * round_to   # an op's temporaries while it runs
+        per_node.append(live.bytes + scratch)
+        peak = max(peak, live.bytes + scratch)
         for value in frees.get(node, []):
             for k in owner.pop(value, ()):
                 live.drop(k)
         if node.op != "placeholder" and not node.users:
             for k in owner.pop(node, ()):
                 live.drop(k)
-    return per_node, live.peak
+    return per_node, max(peak, live.peak)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -242,15 +376,17 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
 
     buffer_nodes = role_nodes(g, "buffer")
     cuda = config.device.startswith("cuda")
-    _, act_peak = activation_profile(g, skip=set(param_nodes) | set(buffer_nodes) | set(role_nodes(g, "rt")),
-                                     round_to=CUDA_BLOCK_BYTES if cuda else 1)
+    act_per_node, act_peak = activation_profile(g, skip=set(param_nodes) | set(buffer_nodes) | set(role_nodes(g, "rt")),
+                                                round_to=CUDA_BLOCK_BYTES if cuda else 1, cuda=cuda)
     slot_bytes = cs * compute_itemsize
     grad_slot_bytes = cs * compute_itemsize
     accum_bytes = cs * 4 if config.grad_accum > 1 else 0       # fp32 gradient accumulators, on each tier
     state_bytes = cs * MASTER_STATE_BYTES + accum_bytes
     n_updated = sum(1 for ch in layout.chunks if ch.grad_spans())
     min_slots = max((len(r) for r in reads), default=0)
-    workspace = CUDA_WORKSPACE_BYTES if cuda else 0
+    # the libraries' workspaces (cuBLAS keeps one per handle for the process's life), measured with the rates
+    rates = calibrate(torch.device(config.device), config.torch_dtype)
+    workspace = rates.workspace_bytes + CUDA_STEP_SLACK_BYTES if cuda else 0
     staging = cs * 4 if (cuda and not fp32) else 0      # (when any chunk is on the host)
     # an accumulating step holds its whole batch (grad_accum micro-batches) while the graph sees one
     batch_rest = (config.grad_accum - 1) * sum(value_bytes(n.meta.get("val"), CUDA_BLOCK_BYTES if cuda else 1)
@@ -314,7 +450,6 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     if on is not None:
         slots = on.slots
 
-    rates = calibrate(torch.device(config.device), config.torch_dtype)
     node_secs = [node_seconds(n, rates) for n in nodes]
     host_used = (n_chunks - n_device) * state_bytes + host_staging
     room = None if config.host_memory is None else (config.host_memory - host_used) // (cs * compute_itemsize)
@@ -370,10 +505,14 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
                 device_breakdown=device, host_breakdown=host, activation_peak_bytes=act_peak,
                 fetches=fetches, budget_bytes=budget, host_budget_bytes=config.host_memory, notes=notes,
                 ship=ship, rates=rates)
+    tangent_users = {u for t in role_nodes(g, "tangent") for u in t.users}    # backward's first ops
+    plan.profile = NodeProfile([n.name for n in nodes], act_per_node,
+                               next((i for i, n in enumerate(nodes) if n in tangent_users), len(nodes)),
+                               adam_at, chunk_elems=cs, param_elems=layout.param_elems)
     if cuda:
         notes.append(f"CUDA memory model: each value rounded up to {CUDA_BLOCK_BYTES} B (the caching allocator's "
-                     f"block), plus a {format_bytes(CUDA_WORKSPACE_BYTES)} margin for cuBLAS/attention workspaces "
-                     "and allocator fragmentation")
+                     f"block), plus {format_bytes(workspace)} for cuBLAS workspaces (measured) and the step's small "
+                     "allocations outside the graph")
     device_kept = n_updated_device * cs * compute_itemsize if transaction == "kept_grads" else 0
     if device_kept and (budget is None or plan.device_peak_bytes + device_kept <= budget):
         plan.kept_on_device = True       # spare device memory: no copies out, and an undo needs none back
@@ -469,7 +608,7 @@ def _choose_shipping(placement: list[str], config: Config, cs: int, itemsize: in
 def _choose_transaction(config: Config, kept_total: int, host_free: int | None,
                         random_ops: list[str]) -> tuple[str, int]:
     """(transaction, host bytes of kept gradients). See Config.transaction for the choices. A step with random
-    ops (dropout) cannot be replayed faithfully: it redraws them."""
+    ops the seed_random pass did not seed (`random_ops`; normally none) cannot be replayed faithfully."""
     if config.grad_accum > 1:
         return "accumulate", 0        # the accumulators keep the step's gradients; updates run after the verdict
     choice = config.transaction

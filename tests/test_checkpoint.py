@@ -185,8 +185,9 @@ import sys, time, torch, pstar_fx
 import pstar_fx.checkpoint as ckpt
 from pstar_fx.models import GPT, gpt_config
 real = ckpt.write_safetensors
-def slow(path, entries, meta):                      # slow writes, so a kill lands inside one
-    return real(path, [(n, d, s, (lambda p=p: (time.sleep(0.002), p())[1])) for n, d, s, p in entries], meta)
+def slow(path, entries, meta, blocks=None):         # slow writes, so a kill lands inside one
+    return real(path, [(n, d, s, (lambda p=p: (time.sleep(0.002), p())[1])) for n, d, s, p in entries], meta,
+                blocks)
 ckpt.write_safetensors = slow
 torch.manual_seed(0)
 g = torch.Generator().manual_seed(0)

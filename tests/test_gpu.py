@@ -7,7 +7,7 @@ import torch
 import pstar_fx
 from pstar_fx.models import GPT, gpt_config
 from pstar_fx.runtime import StepRolledBack
-from test_transaction import OPT, gpt_batches, hf_cosine, reference
+from test_transaction import OPT, gpt_batches, hf_cosine, optimizer_state, reference
 
 pytestmark = pytest.mark.gpu
 
@@ -170,3 +170,77 @@ def test_gpu_fp16_loss_scale_skips_like_grad_scaler():
         reports = _run_gpu(engine, batches)
     assert [r.skipped for r in reports] == [o[2] for o in ref_out]
     assert [r.loss_scale for r in reports] == [o[4] for o in ref_out]
+
+
+# ---- the plan's promise for small models, checkpoints through page-locked blocks, HF models on CUDA -----------
+
+_PEAK_CHILD = r"""
+import json, sys, torch, pstar_fx
+from pstar_fx.models import GPT, Llama, gpt_config, llama_config
+family, name, dtype, b, t = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+cfg = (gpt_config if family == "gpt" else llama_config)(name, block_size=t)
+torch.manual_seed(0)
+model = (GPT if family == "gpt" else Llama)(cfg)
+idx = torch.randint(0, cfg.vocab_size, (b, t), device="cuda")
+base = torch.cuda.memory_allocated()
+engine = pstar_fx.compile(model, {"device": "cuda", "dtype": dtype}, (idx, idx))
+for _ in range(3):
+    engine.step(idx, idx)
+torch.cuda.synchronize()
+print(json.dumps([torch.cuda.max_memory_allocated() - base, engine.plan.device_peak_bytes]))
+"""
+
+
+@pytest.mark.parametrize("case", ["gpt tiny fp32 8 64", "gpt small fp32 8 128", "gpt small bf16 8 256",
+                                  "llama small bf16 8 256", "gpt GPT2small bf16 8 128"])
+def test_plan_holds_the_gpu_peak_of_small_models(case):
+    """Measured within [0.85, 1.0] of the plan in a fresh process (its first matmul allocates cuBLAS's
+    workspace; the rates are measured in a child so their benchmark tensors never count). Before: 608 MiB
+    measured against 367 MiB predicted for the small GPT, from the calibration's tensors."""
+    import json
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _PEAK_CHILD, *case.split()], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    measured, predicted = json.loads(out.stdout.strip().splitlines()[-1])
+    assert 0.85 * predicted <= measured <= predicted, (measured, predicted, measured / predicted)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_gpu_checkpoint_round_trip_through_blocks(tmp_path, monkeypatch, dtype):
+    """Device and host chunks saved and loaded in blocks far smaller than a tensor: every bit comes back."""
+    import pstar_fx.checkpoint as ckpt
+    monkeypatch.setattr(ckpt, "BLOCK_BYTES", 4096)
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny"))
+    batches = _batches(3)
+    engine = _mixed(model, _on_gpu(batches[0]), dtype="bf16")
+    _run_gpu(engine, batches[:2])
+    engine.save(tmp_path / "c", dtype=dtype)
+    sd = engine.state_dict()
+    moments = [t for i, t in enumerate(optimizer_state(engine)) if i % 3]      # exp_avg, exp_avg_sq
+    fresh = _mixed(GPT(gpt_config("tiny")), _on_gpu(batches[0]), dtype="bf16")
+    fresh.load(tmp_path / "c")
+    got = fresh.state_dict()
+    for k, v in sd.items():
+        want = v if dtype == "fp32" else v.to(torch.bfloat16).float()
+        assert torch.equal(got[k], want), k
+    for a, b in zip([t for i, t in enumerate(optimizer_state(fresh)) if i % 3], moments):
+        assert torch.equal(a, b)
+
+
+def test_gpu_hf_model_with_dropout_is_seeded():
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64, bos_token_id=1,
+                                  eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 128, (2, 32), device="cuda")
+    runs = []
+    for _ in range(2):
+        engine = pstar_fx.compile(copy.deepcopy(model), {"device": "cuda", "optimizer": OPT},
+                                  {"input_ids": ids, "labels": ids})
+        runs.append(([engine.step(input_ids=ids, labels=ids).item() for _ in range(3)], engine.state_dict()))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])

@@ -45,7 +45,7 @@ def _(log_probs, grad_output, target, total_weight, reduction, ignore_index):
     return None
 
 
-_BLOCK_BYTES = 64 * 2**20     # the temporary of one block of rows: inside the plan's workspace margin
+_BLOCK_BYTES = 64 * 2**20     # the temporary of one block of rows (the planner counts it: scratch_bytes)
 
 
 @torch.library.custom_op("pstar_fx::log_softmax_", mutates_args=("x",))
@@ -60,6 +60,19 @@ def log_softmax_(x: torch.Tensor) -> None:
 @log_softmax_.register_fake
 def _(x):
     return None
+
+
+def scratch_bytes(node: fx.Node) -> int:
+    """Bytes an op this pass inserted allocates while it runs, besides its graph values (the planner adds
+    them at that node): log_softmax_'s one block of rows."""
+    if node.op != "call_function" or node.target is not torch.ops.pstar_fx.log_softmax_.default:
+        return 0
+    x = node.args[0].meta.get("val")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        return 0
+    row = x.shape[1] * x.element_size()
+    rows = max(1, _BLOCK_BYTES // max(1, row))
+    return min(rows, x.shape[0]) * row
 
 
 def _base(node: fx.Node) -> fx.Node:
