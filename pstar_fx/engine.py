@@ -29,7 +29,7 @@ from .layout import Layout, build_layout
 from .passes import (find_segments, fuse_optimizer, insert_chunk_ops, lean_cross_entropy, localize_param_views,
                      recompute, seed_random_ops)
 from .passes.recompute import Segment, group_segments
-from .plan import BudgetError, Plan, make_plan
+from .plan import BudgetError, Plan, make_plan, usable_budget
 from .runtime import ChunkRuntime, StepRolledBack, run_graph
 from .runtime.step import StepReport, Stepper
 
@@ -340,7 +340,7 @@ class Engine:
             # what the runtime already holds (chunk state, pools, kept gradients) plus this graph's values
             need = self.rt.stats.device_bytes + plan.activation_peak_bytes + plan.device_breakdown.get(
                 "workspace margin", 0)
-            budget = self.config.device_memory
+            budget = usable_budget(self.config.device_memory, self.device.type == "cuda")
             if budget is not None and need > budget:
                 raise BudgetError(f"evaluation at input shapes {[tuple(x.shape) for x in inputs]} needs "
                                   f"{format_bytes(need)} of device memory ({format_bytes(plan.activation_peak_bytes)} "

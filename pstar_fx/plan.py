@@ -36,6 +36,16 @@ from .schedule import Schedule, belady, place_prefetches
 MASTER_STATE_BYTES = 12   # fp32 master + exp_avg + exp_avg_sq, per element
 CUDA_BLOCK_BYTES = 512    # the CUDA caching allocator rounds every allocation up to this
 CUDA_STEP_SLACK_BYTES = 2 * 2**20   # a step's small allocations outside the graph: norm partials, flags, checks
+# Not counted in the peak (the allocator's allocated bytes) but kept free of the budget: what the caching
+# allocator's segments lose to fragmentation. An 18B plan within 0.3 GiB of the GPU's free memory ran out of it.
+CUDA_FRAGMENTATION_RESERVE_BYTES = 224 * 2**20
+
+
+def usable_budget(budget: int | None, cuda: bool) -> int | None:
+    """The device budget the plan may fill: on CUDA less a reserve for fragmentation (1/64 of a small one)."""
+    if budget is None or not cuda:
+        return budget
+    return budget - min(CUDA_FRAGMENTATION_RESERVE_BYTES, budget // 64)
 CUDA_HOST_OVERHEAD_BYTES = 4 * 2**30  # host memory of a CUDA process besides chunks: context, libraries, Python
 
 
@@ -392,7 +402,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     batch_rest = (config.grad_accum - 1) * sum(value_bytes(n.meta.get("val"), CUDA_BLOCK_BYTES if cuda else 1)
                                                for n in role_nodes(g, "input"))
     fixed = act_peak + buffer_bytes + grad_slots * grad_slot_bytes + workspace + batch_rest
-    budget = config.device_memory
+    budget = usable_budget(config.device_memory, cuda)
     notes: list[str] = []
     # with any chunk on the host: CUDA keeps at least 2 gradient buffers (it never casts on the host);
     # the CPU runtime 1 gradient buffer and 1 cast staging buffer
@@ -503,7 +513,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     plan = Plan(placement, slots, grad_slots, host_grad_buffers, before, after,
                 device_peak_bytes=sum(device.values()), host_peak_bytes=sum(host.values()),
                 device_breakdown=device, host_breakdown=host, activation_peak_bytes=act_peak,
-                fetches=fetches, budget_bytes=budget, host_budget_bytes=config.host_memory, notes=notes,
+                fetches=fetches, budget_bytes=config.device_memory, host_budget_bytes=config.host_memory, notes=notes,
                 ship=ship, rates=rates)
     tangent_users = {u for t in role_nodes(g, "tangent") for u in t.users}    # backward's first ops
     plan.profile = NodeProfile([n.name for n in nodes], act_per_node,
@@ -512,7 +522,9 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     if cuda:
         notes.append(f"CUDA memory model: each value rounded up to {CUDA_BLOCK_BYTES} B (the caching allocator's "
                      f"block), plus {format_bytes(workspace)} for cuBLAS workspaces (measured) and the step's small "
-                     "allocations outside the graph")
+                     "allocations outside the graph"
+                     + (f"; the peak is kept {format_bytes(config.device_memory - budget)} under the budget for the "
+                        "allocator's fragmentation" if budget is not None else ""))
     device_kept = n_updated_device * cs * compute_itemsize if transaction == "kept_grads" else 0
     if device_kept and (budget is None or plan.device_peak_bytes + device_kept <= budget):
         plan.kept_on_device = True       # spare device memory: no copies out, and an undo needs none back
@@ -521,7 +533,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         kept_bytes -= device_kept
         plan.device_peak_bytes += device_kept
         plan.host_peak_bytes -= device_kept
-    plan.why = _why(plan, config, min_slots)
+    plan.why = _why(plan, config, min_slots, budget)
     # step time = compute (recompute included) + copies not hidden + host Adam that compute can't hide
     plan.estimated_step_seconds = sum(node_secs) + sched.exposed_seconds + adam_exposed
     plan.transaction = transaction
@@ -668,17 +680,21 @@ def _max_overlap(intervals: list[tuple[int, int]]) -> int:
     return best
 
 
-def _why(plan: Plan, config: Config, min_slots: int) -> str:
-    """Empty when the plan fits; else what is missing, where the bytes go, and what was already tried."""
+def _why(plan: Plan, config: Config, min_slots: int, budget: int | None) -> str:
+    """Empty when the plan fits; else what is missing, where the bytes go, and what was already tried.
+    `budget`: the usable device budget (`usable_budget`)."""
     reasons = []
-    budget, host_budget = config.device_memory, config.host_memory
+    host_budget = config.host_memory
     if budget is not None and plan.device_peak_bytes > budget:
         tried = (f"{plan.placement.count('host')} of {len(plan.placement)} chunks' state on the host, "
                  f"the minimum of {min_slots} compute slot(s) (what one op reads at once)"
                  if config.placement != "device" else "placement='device' forces every chunk onto the device")
         reasons.append(
             f"the step needs {format_bytes(plan.device_peak_bytes)} of device memory but device_memory is "
-            f"{format_bytes(budget)} ({format_bytes(plan.device_peak_bytes - budget)} missing). Device bytes: "
+            f"{format_bytes(config.device_memory)}"
+            + (f" ({format_bytes(budget)} usable: the rest is kept for the allocator's fragmentation)"
+               if budget != config.device_memory else "")
+            + f" ({format_bytes(plan.device_peak_bytes - budget)} missing). Device bytes: "
             + ", ".join(f"{k} {format_bytes(v)}" for k, v in plan.device_breakdown.items())
             + f". Already tried: {tried}")
     if host_budget is not None and plan.host_peak_bytes > host_budget:
