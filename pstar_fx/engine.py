@@ -14,6 +14,7 @@ import logging
 import os
 import time
 import warnings
+import weakref
 from collections import Counter
 
 import torch
@@ -249,6 +250,8 @@ class Engine:
         persistent = set(model.state_dict(keep_vars=True))
         self._persistent = [b in persistent for b in cap.buffers]
         self._skeleton = _skeleton(model)    # its structure, for capturing evaluation on first use
+        self._model = weakref.ref(model)     # only to say so when its mode changes after compile
+        self._mode = model.training
         self._evaluator = None
         self._tangent_dtype = role_nodes(cap.gm.graph, "tangent")[0].meta["val"].dtype
         self.stepper = Stepper(self.rt, config, plan.transaction,
@@ -292,6 +295,13 @@ class Engine:
         `grad_accum` k the batch's leading dimension is k times the compiled one: k micro-batches, one update.
         Returns the loss (the micro-batches' mean); `engine.last_step` says what the step did."""
         micro = self._check_inputs(inputs, kw_inputs)
+        model = self._model()
+        if model is not None and model.training != self._mode:
+            self._mode = model.training                          # said once per change
+            warnings.warn(f"the model was switched to {'train' if model.training else 'eval'} mode after compile(); "
+                          f"that changes nothing: the step runs in the mode it was captured in "
+                          f"({'eval' if model.training else 'train'}); engine.evaluate() is the eval-mode loss",
+                          UserWarning, stacklevel=2)
         report = self.stepper.step(micro)
         self.last_step = report
         if report.skipped:

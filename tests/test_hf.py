@@ -162,6 +162,17 @@ def test_eval_mode_at_compile_warns():
         pstar_fx.compile(model, pstar_fx.Config(device="cpu"), example_inputs=batches("gpt2")[0])
 
 
+def test_mode_changed_after_compile_is_said_and_changes_nothing():
+    model = hf_model("gpt2", dropout=True)
+    data = batches("gpt2")
+    a = pstar_fx.compile(copy.deepcopy(model), pstar_fx.Config(device="cpu", optimizer=OPT), example_inputs=data[0])
+    engine = pstar_fx.compile(model, pstar_fx.Config(device="cpu", optimizer=OPT), example_inputs=data[0])
+    model.eval()
+    with pytest.warns(UserWarning, match="changes nothing"):
+        loss = engine.step(data[0])
+    assert loss.item() == a.step(data[0]).item()            # still the training step, dropout and all
+
+
 # ---- dropout -------------------------------------------------------------------------------------------
 
 def _dropout_run(seed=0, budget=None, transaction="auto", clip=None, steps=3, placement="auto"):
