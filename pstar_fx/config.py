@@ -116,6 +116,14 @@ class Config:
     or None. "auto": dynamic for fp16, None for bf16/fp32. Whatever the scale, a step with a non-finite
     gradient is skipped whole: no chunk changes, the step count and schedule do not advance."""
 
+    data_parallel: Literal["auto", "replicated", "chunked"] = "auto"
+    """With several ranks (torchrun): "replicated" (every rank holds the whole state; each chunk's gradient is
+    summed over the ranks right before its update), or "chunked" (each rank owning 1/N of the chunks: not
+    built yet, an error). "auto": replicated. Ignored in one process."""
+
+    dist_timeout: float = 300.0
+    """Seconds a collective may wait for the other ranks before the step fails (a dead or hung rank)."""
+
     transaction: Literal["auto", "kept_grads", "replay", "two_pass", "none"] = "auto"
     """How a step's updates stay provisional until it commits. "kept_grads": updates run speculatively
     inside backward and each chunk's gradient is kept until the verdict (compute-dtype bytes per parameter,
@@ -156,6 +164,10 @@ class Config:
         self.lr_schedule = check_schedule(self.lr_schedule)
         self.loss_scale = self._check_loss_scale(self.loss_scale)
         _choice("transaction", self.transaction, ("auto", "kept_grads", "replay", "two_pass", "none"))
+        _choice("data_parallel", self.data_parallel, ("auto", "replicated", "chunked"))
+        if isinstance(self.dist_timeout, bool) or not isinstance(self.dist_timeout, (int, float)) \
+                or self.dist_timeout <= 0:
+            raise ValueError(f"dist_timeout: expected a positive number of seconds, got {self.dist_timeout!r}")
         if self.transaction == "none" and self.grad_clip is not None:
             raise ValueError("transaction: 'none' cannot clip (the norm is known only after the updates); "
                              "use 'auto', 'kept_grads' or 'two_pass' with grad_clip")

@@ -32,6 +32,7 @@ from .passes import (find_segments, fuse_optimizer, insert_chunk_ops, lean_cross
 from .passes.recompute import Segment, group_segments
 from .plan import BudgetError, Plan, make_plan, usable_budget
 from .runtime import ChunkRuntime, StepRolledBack, run_graph
+from .runtime.dist import DataParallel, init as init_dist, world_from_env
 from .runtime.step import StepReport, Stepper
 
 
@@ -84,7 +85,8 @@ class Lowered:
                                    "has no CUDA): CPU attention kernels and autocast rules, so activation bytes "
                                    "are an estimate")
         with phases("lower", "chunk ops into the graph"):
-            self._run_pass("insert_chunk_ops", insert_chunk_ops, self.graph, self.layout, self.plan)
+            self._run_pass("insert_chunk_ops", insert_chunk_ops, self.graph, self.layout, self.plan,
+                           world_from_env()[1] > 1)
 
     def _plan_with_recompute(self, gm: fx.GraphModule) -> tuple[fx.GraphModule, Plan]:
         """The fewest recomputed forward segments (earliest first: their activations live longest) that fit.
@@ -220,6 +222,15 @@ class Engine:
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device: {config.device!r} requested but CUDA is not available here; "
                              "use device='cpu' (the CPU then plays the device tier)")
+        rank, world = init_dist(config.device, config.dist_timeout)
+        if world > 1:
+            if config.data_parallel == "chunked":
+                raise NotImplementedError("data_parallel='chunked' (each rank owning 1/N of the chunks) is not built "
+                                          "yet; use 'replicated' (every rank holds the whole state)")
+            if config.device in ("cuda", "auto") and torch.cuda.is_available():
+                config = dataclasses.replace(config, device=f"cuda:{world_from_env()[2]}")   # one GPU per rank
+            if config.device.startswith("cuda"):
+                torch.cuda.set_device(torch.device(config.device))
         if config.device.startswith("cuda") and config.device_memory is None:
             free, _ = torch.cuda.mem_get_info(torch.device(config.device))
             config = dataclasses.replace(config, device_memory=free)
@@ -247,6 +258,14 @@ class Engine:
                 self.rt.store.load_params([named[p.name] for p in cap.params])
         self._buffers = [self.rt.store.adopt(model.get_buffer(b).detach().to(self.device, copy=True))
                          for b in cap.buffers]
+        self.dp = DataParallel(rank, world) if world > 1 else None
+        if self.dp is not None:
+            self.rt.dp = self.dp
+            self.rt.rng.rank = rank               # each rank's dropout draws its own masks
+            with torch.no_grad():                 # every rank starts from rank 0's weights and buffers
+                for t in [*self.rt.store.master, *self._buffers]:
+                    self.dp.broadcast_(t)
+            self.rt.store.masters_changed()
         persistent = set(model.state_dict(keep_vars=True))
         self._persistent = [b in persistent for b in cap.buffers]
         self._skeleton = _skeleton(model)    # its structure, for capturing evaluation on first use
@@ -471,7 +490,10 @@ class Engine:
     def save(self, path: str | os.PathLike, *, dtype: str = "fp32") -> None:
         """Write a checkpoint directory (safetensors weights `transformers` reads, optimizer state, loop state),
         streamed tensor by tensor and renamed into place when whole; see pstar_fx.checkpoint."""
-        checkpoint.save(self, path, dtype=dtype)
+        if self.dp is None or self.dp.rank == 0:      # replicated: every rank holds the same state
+            checkpoint.save(self, path, dtype=dtype)
+        if self.dp is not None:
+            self.dp.barrier()
 
     def load(self, path: str | os.PathLike, *, strict: bool = True) -> None:
         """Resume from a checkpoint `save` wrote, at any budget, chunk size or placement; or load a folder of

@@ -4,7 +4,8 @@ Needs: the graph after `fuse_optimizer` and the Plan made from it. Provides: `rt
 `rt.fetch(c)` and `rt.release(c)` where the plan's schedule puts them, `rt.offload(c)` (gradients of a
 host-resident chunk go to the host) before `rt.adam(c)`, and `rt.param(i)` (a view of parameter i in its
 chunk's compute buffer) right before each op that reads it. Parameter placeholders are removed: the
-lowered step takes (rt, buffers..., inputs..., tangent).
+lowered step takes (rt, buffers..., inputs..., tangent). With `all_reduce` (data parallelism, replicated):
+`rt.all_reduce(c)` before each chunk's offload or update sums its gradient over the ranks.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from ..layout import Layout
 from ..plan import Plan
 
 
-def insert_chunk_ops(gm: fx.GraphModule, layout: Layout, plan: Plan) -> fx.GraphModule:
+def insert_chunk_ops(gm: fx.GraphModule, layout: Layout, plan: Plan, all_reduce: bool = False) -> fx.GraphModule:
     g = gm.graph
     rt = role_nodes(g, "rt")[0]
     params = role_nodes(g, "param")
@@ -36,9 +37,12 @@ def insert_chunk_ops(gm: fx.GraphModule, layout: Layout, plan: Plan) -> fx.Graph
                 continue
             with g.inserting_after(anchor):
                 anchor = emit(op, c)
-        if node.op == "call_method" and node.target == "adam" and plan.placement[node.args[1]] == "host":
+        if node.op == "call_method" and node.target == "adam":
             with g.inserting_before(node):
-                emit("offload", node.args[1])
+                if all_reduce:
+                    emit("all_reduce", node.args[1])
+                if plan.placement[node.args[1]] == "host":
+                    emit("offload", node.args[1])
 
     for slot, p in zip(layout.slots, params):
         for user in list(p.users):

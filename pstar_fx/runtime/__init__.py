@@ -5,6 +5,7 @@
                CudaCopies: copy streams and events)
     updater    Updater: the only caller of the chunk update and its undo; the step's verdict; the host worker
     step       Stepper: one optimizer step (micro-batches, verdict, commit or roll back) and its StepReport
+    dist       the process group and the collectives of data parallelism
     runner     run_graph: the graph node by node with the CPU device tier's budget enforced
     rng        StepRandom: the seeds of the step's random ops, from (seed, step, micro-batch, op)
     telemetry  MemoryStats and seconds per phase
@@ -42,6 +43,7 @@ class ChunkRuntime:
                                worker=cuda or HOST_WORKER_ON_CPU, grad_accum=config.grad_accum)
         self._offloaded: dict[int, tuple] = {}
         self.rng = StepRandom(device, config.seed)
+        self.dp = None                           # runtime.dist.DataParallel with several ranks
 
     # ---- what the lowered graph calls ----------------------------------------------------------------
     def prefetch(self, c: int) -> None:
@@ -55,6 +57,10 @@ class ChunkRuntime:
 
     def release(self, c: int) -> None:
         self.mover.release(c)
+
+    def all_reduce(self, c: int) -> None:
+        """Chunk c's gradient summed over the data-parallel ranks, before its update."""
+        self.dp.all_reduce_(self.mover.grads[c][: self.layout.chunks[c].used_elems])
 
     def seed_random(self, k: int) -> None:
         """The next random op (the k-th in the graph) draws from its own seed for this step."""

@@ -28,6 +28,7 @@ class StepRandom:
         self.seed = seed
         self.step = 0        # the optimizer step being run (1 for the first)
         self.micro = 0       # the micro-batch within it
+        self.rank = None     # the data-parallel rank, with several
         self._device = device
         self._saved = None
 
@@ -37,7 +38,8 @@ class StepRandom:
         return torch.default_generator
 
     def seed_op(self, k: int) -> None:
-        self._generator().manual_seed(_mix(self.seed, self.step, self.micro, k))
+        words = (self.seed, self.step, self.micro, k) + ((self.rank,) if self.rank is not None else ())
+        self._generator().manual_seed(_mix(*words))
 
     def __enter__(self):
         self._saved = self._generator().get_state()

@@ -80,7 +80,8 @@ class Stepper:
         hyper = Hyper.from_config(cfg.optimizer, step=self.applied + 1, lr=lr, grad_scale=scale)
         rt.rng.step, rt.rng.micro = self.applied + 1, 0   # random ops redraw alike whenever this step reruns
         k = len(micro_batches)
-        tangent = torch.tensor(scale / k, dtype=torch.float32)
+        world = rt.dp.world if rt.dp is not None else 1
+        tangent = torch.tensor(scale / (k * world), dtype=torch.float32)   # ranks' gradients are summed
         before = (self.applied, self.scaler.state_dict())
         saved = None                                     # buffers as the step found them (a replay restores them)
         rt.copies.start_step()
@@ -130,7 +131,7 @@ class Stepper:
                 elif coef != guess:
                     up.correct(right)
             rt.mover.check_idle()
-            loss_value = float(loss)
+            loss_value = float(loss if rt.dp is None else rt.dp.mean(loss))   # the whole batch's loss
             up.commit()
         except StepRolledBack:
             self._abandon()
