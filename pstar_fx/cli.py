@@ -239,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "torch.save(engine.state_dict()) instead")
     train.add_argument("--save-every", type=_positive_int, metavar="N", help="also save every N steps")
     train.add_argument("--resume", metavar="DIR", help="start from this checkpoint (or folder of safetensors weights)")
+    train.add_argument("--nproc", type=_positive_int, default=1, metavar="N",
+                       help="data-parallel ranks on this machine (runs torchrun; --batch is per rank; default 1)")
     train.add_argument("--eval-every", type=_positive_int, metavar="N", help="every N steps, the loss of a held-out "
                        "batch (the data's last 5%%, kept out of training), forward only (engine.evaluate)")
     train.add_argument("--metrics", metavar="FILE.jsonl", help="append one JSON object per step (step, loss, lr, "
@@ -463,10 +465,33 @@ class _Bar:
             self.bar.close()
 
 
+def _torchrun(args) -> int:
+    """`--nproc N`: this command again under torchrun, as N ranks on this machine (each drops --nproc)."""
+    import subprocess
+    argv, skip = [], False
+    for a in args.argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            argv.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+           "-m", "pstar_fx.cli", *argv]
+    print("launching: " + " ".join(cmd), flush=True)
+    return subprocess.run(cmd).returncode
+
+
 def cmd_train(args, parser) -> int:
     steps = args.steps if args.steps is not None else _default_steps()
     if args.save_every and not args.save:
         parser.error("--save-every needs --save DIR")
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return _torchrun(args)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if rank:                                   # one rank reports: the others' lines would repeat its own
+        sys.stdout = open(os.devnull, "w")
+        logging.getLogger("pstar_fx").setLevel(logging.WARNING)
     tokens, held = _train_tokens(args, _seq(args, parser, TRAIN_SEQ_CAP))     # bad data fails before compiling
     model, engine, seq = _compile(args, parser, TRAIN_SEQ_CAP)
     if args.resume:
@@ -476,13 +501,15 @@ def cmd_train(args, parser) -> int:
     k = engine.config.grad_accum
     n_layer, n_embd = args.model.shape
     flops = flops_per_token(sum(p.numel() for p in model.parameters()), n_layer, n_embd, seq)
-    print(f"training: {steps} steps of {args.batch * k * seq:,} tokens; {flops:,} FLOPs per token "
-          f"(6 * parameters + 12 * layers * width * seq)")
-    data = batches(tokens, args.batch * k, seq, seed=args.seed)     # a step takes grad_accum micro-batches
+    print(f"training: {steps} steps of {args.batch * k * seq * world:,} tokens"
+          + (f" ({world} ranks of {args.batch * k * seq:,})" if world > 1 else "")
+          + f"; {flops:,} FLOPs per token (6 * parameters + 12 * layers * width * seq)")
+    # a step takes grad_accum micro-batches on each rank; every rank draws the whole batch and keeps its part
+    data = _rank_part(batches(tokens, args.batch * k * world, seq, seed=args.seed), rank, world)
     first_step = engine.steps
     for _ in range(first_step):                                     # resumed: the batches those updates saw
         next(data)
-    tokens_per_step = args.batch * k * seq
+    tokens_per_step = args.batch * k * seq * world
     metrics = open(args.metrics, "a") if args.metrics else None
     bar = _Bar(args.progress, first_step + steps, first_step)
     first = last = None
@@ -552,6 +579,12 @@ def cmd_train(args, parser) -> int:
     if args.save:
         _save(engine, args.save)
     return 130 if interrupted else 0
+
+
+def _rank_part(data, rank: int, world: int):
+    """This rank's rows of each batch, as tensors of their own (a view would keep the whole batch alive)."""
+    for idx, tgt in data:
+        yield (idx, tgt) if world == 1 else (idx.chunk(world)[rank].clone(), tgt.chunk(world)[rank].clone())
 
 
 def cmd_explain(args, parser) -> int:
@@ -659,6 +692,7 @@ class _Progress(logging.Handler):
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     logger = logging.getLogger("pstar_fx")
     for h in [h for h in logger.handlers if isinstance(h, _Progress)]:    # main() called again in one process
         logger.removeHandler(h)

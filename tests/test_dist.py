@@ -135,3 +135,21 @@ def test_a_checkpoint_saved_at_two_ranks_loads_in_one_process(tmp_path):
         slot = store.layout.slots[i]
         got = store.exp_avg[slot.chunk][slot.offset: slot.offset + slot.numel].view(p.shape)
         assert torch.equal(got, moments[f"{p.name}.exp_avg"]), p.name
+
+
+def test_cli_nproc_trains_like_one_process_on_the_whole_batch(tmp_path):
+    """`pstar-fx train --nproc 2` (torchrun, gloo): 2 ranks of --batch 2 print what one process of --batch 4 does."""
+    import re
+
+    def run(*extra):
+        out = subprocess.run([sys.executable, "-m", "pstar_fx.cli", "train", "--model", "tiny", "--steps", "3",
+                              "--log-every", "1", "--device", "cpu", "--seq", "32", *extra], capture_output=True,
+                             text=True, timeout=240, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert out.returncode == 0, out.stderr[-3000:]
+        return [(float(a), float(b)) for a, b in re.findall(r"^step +\d+ +loss ([\d.]+) .* grad norm ([\d.]+)",
+                                                              out.stdout, re.M)], out.stdout
+    dp, text = run("--batch", "2", "--nproc", "2")
+    one, _ = run("--batch", "4")
+    assert "2 ranks of 64" in text and len(dp) == 3
+    assert text.count("done: 3 steps") == 1                  # one rank reports
+    torch.testing.assert_close(torch.tensor(dp), torch.tensor(one), rtol=2e-4, atol=0)   # 4 printed digits
