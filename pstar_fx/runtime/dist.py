@@ -52,8 +52,14 @@ class DataParallel:
         return (t / self.world).reshape(())
 
     def broadcast_(self, t: torch.Tensor) -> None:
-        """Rank 0's values everywhere (initial weights and buffers: every rank starts from one model)."""
-        dist.broadcast(t, 0)
+        """Rank 0's values everywhere (initial weights and buffers: every rank starts from one model). NCCL
+        moves GPU memory only: a host chunk crosses through a GPU copy."""
+        if t.device.type == "cpu" and dist.get_backend() == "nccl":
+            tmp = t.to(torch.device("cuda", torch.cuda.current_device()))
+            dist.broadcast(tmp, 0)
+            t.copy_(tmp)
+        else:
+            dist.broadcast(t, 0)
 
     def barrier(self) -> None:
         dist.barrier()
