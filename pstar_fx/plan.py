@@ -36,6 +36,9 @@ from .schedule import Schedule, belady, place_prefetches
 MASTER_STATE_BYTES = 12   # fp32 master + exp_avg + exp_avg_sq, per element
 CUDA_BLOCK_BYTES = 512    # the CUDA caching allocator rounds every allocation up to this
 CUDA_STEP_SLACK_BYTES = 2 * 2**20   # a step's small allocations outside the graph: norm partials, flags, checks
+# Kernels that allocate more than their output's shape says (CPU mse_loss returns its 0-d loss on a
+# batch-sized buffer: 28 bytes over the plan of a tiny BatchNorm model)
+CPU_STEP_SLACK_BYTES = 4096
 # Not counted in the peak (the allocator's allocated bytes) but kept free of the budget: what the caching
 # allocator's segments lose to fragmentation. An 18B plan within 0.3 GiB of the GPU's free memory ran out of it.
 CUDA_FRAGMENTATION_RESERVE_BYTES = 224 * 2**20
@@ -396,7 +399,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     min_slots = max((len(r) for r in reads), default=0)
     # the libraries' workspaces (cuBLAS keeps one per handle for the process's life), measured with the rates
     rates = calibrate(torch.device(config.device), config.torch_dtype)
-    workspace = rates.workspace_bytes + CUDA_STEP_SLACK_BYTES if cuda else 0
+    workspace = rates.workspace_bytes + CUDA_STEP_SLACK_BYTES if cuda else CPU_STEP_SLACK_BYTES
     staging = cs * 4 if (cuda and not fp32) else 0      # (when any chunk is on the host)
     # an accumulating step holds its whole batch (grad_accum micro-batches) while the graph sees one
     batch_rest = (config.grad_accum - 1) * sum(value_bytes(n.meta.get("val"), CUDA_BLOCK_BYTES if cuda else 1)

@@ -283,10 +283,9 @@ def build_clipped(name):
 
 
 def clipped_engine(model, inputs, chunk_size, device_chunks, resume=None, **cfg):
-    """engine_for with 1 KiB over the tight budget (far less than a chunk's 12 B/element state): the planner
-    underestimates the tiny BatchNorm model's backward by a few bytes at these budgets."""
+    """engine_for at the tight budget."""
     budget, _ = tight_budget(model, inputs, device_chunks=device_chunks, chunk_size=chunk_size)
-    return pstar_fx.compile(model, dict({"device": "cpu", "device_memory": budget + 1024, "chunk_size": chunk_size,
+    return pstar_fx.compile(model, dict({"device": "cpu", "device_memory": budget, "chunk_size": chunk_size,
                                          "optimizer": OPT}, **cfg), inputs, resume=resume)
 
 

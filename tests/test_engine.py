@@ -25,7 +25,8 @@ def tight_budget(model, inputs, device_chunks=1, **cfg):
     d = probe.device_breakdown
     cs = probe_chunk_size(model, inputs, **cfg)
     dtype_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[cfg.get("dtype", "fp32")]
-    working = d["activations"] + d["buffers"] + d["gradient slots"] + 3 * cs * dtype_bytes
+    working = (d["activations"] + d["buffers"] + d["gradient slots"] + d.get("workspace margin", 0)
+               + 3 * cs * dtype_bytes)
     return working + device_chunks * 12 * cs, len(probe.placement)
 
 
