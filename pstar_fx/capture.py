@@ -113,7 +113,8 @@ class Signature:
 
     def bind(self, args: tuple, kwargs: dict) -> list:
         """A batch given as step()'s arguments -> its tensors in placeholder order. A single dict argument is
-        the keyword arguments (a batch dict). Names missing or not compiled are an error naming them."""
+        the keyword arguments (a batch dict). Names missing or not compiled, or a value that is not a tensor,
+        are an error naming them."""
         if len(args) == 1 and isinstance(args[0], Mapping) and not kwargs:
             args, kwargs = (), dict(args[0])
         if len(args) != self.n_args:
@@ -128,7 +129,11 @@ class Signature:
                                         if names)
                             + f" (compiled with {list(self.keywords)}" + (f", constants {self.constants}" if self.constants
                                                                           else "") + ")")
-        return [*args, *(kwargs[k] for k in self.keywords)]
+        tensors = [*args, *(kwargs[k] for k in self.keywords)]
+        for name, x in zip(self.names(), tensors):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name}: expected a tensor, got {type(x).__name__}")
+        return tensors
 
 
 def _same(a, b) -> bool:

@@ -32,6 +32,7 @@ from pstar_fx.config import Config, format_bytes, parse_bytes
 from pstar_fx.data import (TEXT_SUFFIXES, TOKEN_DTYPES, batches, check_vocab, has_tokenizer, held_out,
                            load_tokenizer, read_tokens, vocab_size)
 from pstar_fx.plan import MASTER_STATE_BYTES
+from pstar_fx.runtime.dist import world_from_env
 from pstar_fx.models import GPT_CONFIGS, LLAMA_CONFIGS, GPT, Llama
 
 STEPS_ENV = "PSTAR_FX_TRAIN_STEPS"   # default for `train --steps`; CI sets it to keep the README's run short
@@ -488,7 +489,7 @@ def cmd_train(args, parser) -> int:
         parser.error("--save-every needs --save DIR")
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return _torchrun(args)
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank, world, _ = world_from_env()
     if rank:                                   # one rank reports: the others' lines would repeat its own
         sys.stdout = open(os.devnull, "w")
         logging.getLogger("pstar_fx").setLevel(logging.WARNING)

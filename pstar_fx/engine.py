@@ -335,9 +335,6 @@ class Engine:
         The batch is given as to step(), of any shape. Captured and planned on first use for these input shapes,
         on the training step's chunk memory."""
         inputs = self.lowered.capture.signature.bind(inputs, kw_inputs)
-        for x, spec in zip(inputs, self.lowered.capture.inputs):
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"{spec.name}: expected a tensor, got {type(x).__name__}")
         shapes = [(tuple(x.shape), x.dtype) for x in inputs]
         if self._evaluator is None or self._evaluator[0] != shapes:
             self._evaluator = (shapes, _runner(self._lower_evaluation(inputs), self.rt, self._buffers, self.device,
@@ -404,8 +401,6 @@ class Engine:
         out = []
         for x, spec in zip(inputs, specs):
             i = spec.name
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"{i}: expected a tensor, got {type(x).__name__}")
             if x.dtype != spec.dtype:
                 raise TypeError(f"{i}: dtype {x.dtype}, but the step was compiled for {spec.dtype}")
             want = spec.shape if k == 1 else torch.Size((spec.shape[0] * k, *spec.shape[1:])) if spec.shape else None

@@ -36,7 +36,9 @@ def probe_chunk_size(model, inputs, **cfg):
     return Lowered(model, eng_cfg, inputs).layout.chunk_size
 
 
-def reference_run(model, batches, opt_cfg, dtype=torch.float32):
+def reference_run(model, batches, opt_cfg, dtype=torch.float32, loss_of=lambda model, inputs: model(*inputs)):
+    """Eager `model` + torch.optim.AdamW (or Adam) over `batches`; `loss_of(model, batch)` calls it (a tuple of
+    positional inputs by default). The fp32 run keeps its float64 twin beside it (`attach_truth`)."""
     ref = copy.deepcopy(model).to(dtype)
     kind = opt_cfg.get("type", "adamw")
     cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
@@ -45,12 +47,12 @@ def reference_run(model, batches, opt_cfg, dtype=torch.float32):
     losses = []
     for inputs in batches:
         opt.zero_grad()
-        loss = ref(*in_dtype(inputs, dtype))
+        loss = loss_of(ref, in_dtype(inputs, dtype))
         loss.backward()
         opt.step()
         losses.append(loss.item())
     if dtype == torch.float32:
-        attach_truth(ref, *reference_run(model, batches, opt_cfg, torch.float64), steps=len(batches))
+        attach_truth(ref, *reference_run(model, batches, opt_cfg, torch.float64, loss_of), steps=len(batches))
     return ref, losses
 
 
@@ -84,7 +86,12 @@ REACH_FACTOR = 3.0           # ours may round up to 2x as far from the truth as 
 
 
 def in_dtype(inputs, dtype):
-    return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
+    """A batch (a tuple, or a dict of keyword inputs) with its floating-point tensors in `dtype`."""
+    def cast(x):
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+    if isinstance(inputs, dict):
+        return {k: cast(v) for k, v in inputs.items()}
+    return tuple(cast(x) for x in inputs)
 
 
 def attach_truth(ref: nn.Module, truth: nn.Module, outputs, steps: int) -> None:

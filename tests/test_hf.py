@@ -11,7 +11,7 @@ import torch
 import pstar_fx
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
-from test_engine import assert_losses_close, assert_weights_close, attach_truth, tight_budget  # noqa: E402
+from test_engine import assert_losses_close, assert_weights_close, reference_run, tight_budget  # noqa: E402
 
 VOCAB, SEQ, BATCH, STEPS = 128, 16, 2, 3
 OPT = {"type": "adamw", "lr": 3e-3, "weight_decay": 0.1}
@@ -61,21 +61,9 @@ def batches(kind: str, n: int = STEPS, seed: int = 0):
     return out
 
 
-def eager(model, data, opt=OPT, dtype=torch.float32):
-    """The eager HF model + torch.optim.AdamW; in fp32 with its float64 twin attached (the rounding reach
-    the comparisons allow is measured against it: test_engine.rounding_tolerance)."""
-    ref = copy.deepcopy(model).to(dtype)
-    o = torch.optim.AdamW(ref.parameters(), lr=opt["lr"], weight_decay=opt["weight_decay"])
-    losses = []
-    for b in data:
-        o.zero_grad()
-        loss = ref(**b).loss
-        loss.backward()
-        o.step()
-        losses.append(loss.item())
-    if dtype == torch.float32:
-        attach_truth(ref, *eager(model, data, opt, torch.float64), steps=len(data))
-    return ref, losses
+def eager(model, data, opt=OPT):
+    """The eager HF model + torch.optim.AdamW, its float64 twin attached (test_engine.reference_run)."""
+    return reference_run(model, data, opt, loss_of=lambda m, batch: m(**batch).loss)
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "bert", "qwen2", "qwen3", "mistral"])
