@@ -489,7 +489,10 @@ def test_a_step_with_dropout_replays_its_masks():
         runs[transaction] = ([engine.step(x, y).item() for _ in range(3)], engine.state_dict(), engine.last_step)
     (l1, sd1, r1), (l2, sd2, r2) = runs["replay"], runs["two_pass"]
     assert r1.clip_coef < 1 and r2.clip_coef < 1
-    assert l1 == l2
+    assert l1[0] == l2[0]             # the first step, before any replay: the same masks, the same loss
+    # later steps start from masters a replay restored from the moments: within REPLAY_REL (other masks
+    # would move the loss by far more)
+    torch.testing.assert_close(torch.tensor(l1), torch.tensor(l2), rtol=REPLAY_REL, atol=0)
     for k in sd2:   # the replay restores the masters from the moments: within REPLAY_REL of exact
         torch.testing.assert_close(sd1[k], sd2[k], rtol=REPLAY_REL, atol=1e-7)
 
