@@ -30,6 +30,7 @@ import torch
 
 WEIGHTS, INDEX, OPTIMIZER, STATE = "model.safetensors", "model.safetensors.index.json", "optimizer.safetensors", \
     "pstar_fx_state.json"
+OPTIMIZER_INDEX = "optimizer.safetensors.index.json"
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
            torch.int32: "I32", torch.bool: "BOOL", torch.uint8: "U8", torch.float64: "F64", torch.int16: "I16",
            torch.int8: "I8"}
@@ -172,65 +173,141 @@ def _shards(entries, max_bytes: int) -> list[list]:
     return shards
 
 
+def _entries(engine, rank: int | None, wdtype: torch.dtype) -> tuple[list, list]:
+    """(weights, moments) entries of the parameters whose chunks `rank` owns (None: all), the buffers with
+    rank 0's (or all) weights. Only the caller's own entries are ever produced."""
+    store, cap, plan = engine.rt.store, engine.lowered.capture, engine.lowered.plan
+    layout = engine.lowered.layout
+    mine = [i for i in range(len(cap.params)) if rank is None or plan.owner(layout.slots[i].chunk) == rank]
+    weights = [(cap.params[i].name, wdtype, tuple(cap.params[i].shape), lambda i=i: store.param_fp32(i))
+               for i in mine]
+    if rank in (None, 0):
+        weights += [(name, b.dtype, tuple(b.shape), lambda b=b: b) for name, b in engine.persistent_buffers().items()]
+    moments = []
+    for i in mine:
+        p = cap.params[i]
+        if p.has_grad:
+            for key, state in (("exp_avg", store.exp_avg), ("exp_avg_sq", store.exp_avg_sq)):
+                moments.append((f"{p.name}.{key}", torch.float32, tuple(p.shape),
+                                lambda i=i, state=state: _view(store, state, i)))
+    return weights, moments
+
+
+def _sharded(per_rank: list[list], max_bytes: int, stem: str) -> list[list[tuple[str, list]]]:
+    """Per rank, its (file name, entries) shards, numbered across every rank's as save_pretrained names them."""
+    shards = [_shards(entries, max_bytes) if entries else [] for entries in per_rank]
+    total = sum(len(x) for x in shards)
+    out, k = [], 0
+    for rank_shards in shards:
+        named = []
+        for shard in rank_shards:
+            k += 1
+            named.append((f"{stem}.safetensors" if total == 1 else f"{stem}-{k:05d}-of-{total:05d}.safetensors", shard))
+        out.append(named)
+    return out
+
+
 def save(engine, path, *, dtype: str = "fp32", max_shard_bytes: int = SHARD_BYTES) -> Path:
+    """Write a checkpoint. With chunks partitioned over data-parallel ranks every rank calls it and writes the
+    shards of the chunks it owns, in parallel, into one directory (on a file system the ranks share); rank 0
+    writes the indexes and the loop state and renames the directory into place once every rank has synced."""
     from . import __version__
     if dtype not in ("fp32", "bf16"):
         raise ValueError(f"dtype: {dtype!r} is not one of ['fp32', 'bf16']")
     engine.drain()
     path = Path(path)
-    store, cap = engine.rt.store, engine.lowered.capture
+    dp = engine.dp if engine.dp is not None and engine.dp.chunked else None
+    rank, world = (dp.rank, dp.world) if dp else (0, 1)
     wdtype = torch.float32 if dtype == "fp32" else torch.bfloat16
-    weights = [(p.name, wdtype, tuple(p.shape), lambda i=i: store.param_fp32(i)) for i, p in enumerate(cap.params)]
-    weights += [(name, b.dtype, tuple(b.shape), lambda b=b: b) for name, b in engine.persistent_buffers().items()]
-    moments = []
-    for i, p in enumerate(cap.params):
-        if p.has_grad:
-            for key, state in (("exp_avg", store.exp_avg), ("exp_avg_sq", store.exp_avg_sq)):
-                moments.append((f"{p.name}.{key}", torch.float32, tuple(p.shape),
-                                lambda i=i, state=state: _view(store, state, i)))
+    ranks = [_entries(engine, r if dp else None, wdtype) for r in range(world)]
+    weight_files = _sharded([w for w, _ in ranks], max_shard_bytes, "model")
+    moment_files = _sharded([m for _, m in ranks], max_shard_bytes, "optimizer")
+    if not dp:
+        moment_files = [[(OPTIMIZER, [e for _, shard in moment_files[0] for e in shard])]]
+    weights, moments = ranks[rank]
     need = sum(_nbytes(e) for e in weights + moments) + 2**20
     parent = path.absolute().parent
     parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(parent).free
-    if need > free:
-        raise OSError(f"not enough disk for a checkpoint at {path}: it needs {need / 2**30:.2f} GiB, "
-                      f"{free / 2**30:.2f} GiB free; nothing was written")
-    tmp = parent / f".{path.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    problem = (f"not enough disk for a checkpoint at {path}: it needs {need / 2**30:.2f} GiB"
+               + (f" on rank {rank}" if dp else "") + f", {free / 2**30:.2f} GiB free; nothing was written"
+               if need > free else "")
+    _agree(dp, problem, OSError)
+    tmp = parent / (f".{path.name}.tmp-{os.getpid()}" if not dp else f".{path.name}.tmp-{world}ranks")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    _agree(dp, "")
     try:
         meta = {"format": "pt", "pstar_fx": __version__}
         blocks = _Blocks()
-        shards = _shards(weights, max_shard_bytes)
-        if len(shards) == 1:
-            write_safetensors(tmp / WEIGHTS, shards[0], meta, blocks)
-        else:
-            index = {"metadata": {"total_size": sum(_nbytes(e) for e in weights)}, "weight_map": {}}
-            for k, shard in enumerate(shards, start=1):
-                name = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-                write_safetensors(tmp / name, shard, meta, blocks)
-                index["weight_map"].update({e[0]: name for e in shard})
-            _write_json(tmp / INDEX, index)
-        write_safetensors(tmp / OPTIMIZER, moments, meta, blocks)
-        hf_config = getattr(engine._skeleton, "config", None)
-        if hasattr(hf_config, "to_json_file"):        # a Hugging Face model: from_pretrained(path) reads it back
-            hf_config.to_json_file(tmp / "config.json")
-        _write_json(tmp / STATE, engine.stepper.state_dict() | {
-            "pstar_fx": __version__, "weights_dtype": dtype,
-            "optimizer": {k: list(v) if isinstance(v, tuple) else v for k, v in engine.config.optimizer.items()},
-            "lr_schedule": engine.config.lr_schedule if not callable(engine.config.lr_schedule) else "callable",
-            "rng": torch.get_rng_state().tolist()})
-        _fsync_dir(tmp)
-        old = parent / f".{path.name}.old-{os.getpid()}"
-        if path.exists():
-            path.rename(old)                          # the previous checkpoint stays whole under this name ...
-        tmp.rename(path)                              # ... until the new one is in place
-        _fsync_dir(parent)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for name, shard in weight_files[rank] + moment_files[rank]:
+            write_safetensors(tmp / name, shard, meta, blocks)
+        if rank == 0:
+            for files, index_name in ((weight_files, INDEX), (moment_files, OPTIMIZER_INDEX)):
+                every = [(name, shard) for per in files for name, shard in per]
+                if len(every) > 1:
+                    _write_json(tmp / index_name, {
+                        "metadata": {"total_size": sum(_nbytes(e) for _, shard in every for e in shard)},
+                        "weight_map": {e[0]: name for name, shard in every for e in shard}})
+            hf_config = getattr(engine._skeleton, "config", None)
+            if hasattr(hf_config, "to_json_file"):        # a Hugging Face model: from_pretrained(path) reads it back
+                hf_config.to_json_file(tmp / "config.json")
+            _write_json(tmp / STATE, engine.stepper.state_dict() | {
+                "pstar_fx": __version__, "weights_dtype": dtype, "world_size": world,
+                "optimizer": {k: list(v) if isinstance(v, tuple) else v for k, v in engine.config.optimizer.items()},
+                "lr_schedule": engine.config.lr_schedule if not callable(engine.config.lr_schedule) else "callable",
+                "rng": torch.get_rng_state().tolist()})
+    except BaseException as e:
+        _agree(dp, f"rank {rank}: {type(e).__name__}: {e}", fail_quietly=True)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
+    try:
+        _agree(dp, "")                                # every rank's shards are written and synced
+    except RuntimeError:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    problem, error = "", None
+    if rank == 0:
+        try:
+            _fsync_dir(tmp)
+            old = parent / f".{path.name}.old-{os.getpid()}"
+            if path.exists():
+                path.rename(old)                      # the previous checkpoint stays whole under this name ...
+            tmp.rename(path)                          # ... until the new one is in place
+            _fsync_dir(parent)
+            shutil.rmtree(old, ignore_errors=True)
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if dp is None:
+                raise
+            problem, error = f"rank 0 could not put the checkpoint in place: {type(e).__name__}: {e}", e
+    try:
+        _agree(dp, problem)
+    except RuntimeError as e:
+        raise e from error
     return path
+
+
+def _agree(dp, problem: str, error=RuntimeError, fail_quietly: bool = False) -> None:
+    """Every rank learns whether any rank has a problem (one all-reduce), and all raise together: a rank that
+    failed alone would leave the others waiting in the next collective. Without ranks: raise `problem`."""
+    if dp is None:
+        if problem and not fail_quietly:
+            raise error(problem)
+        return
+    import torch.distributed as dist
+    flag = torch.tensor([1.0 if problem else 0.0], device=dp.scratch_device(torch.device("cpu")))
+    dist.all_reduce(flag)
+    if fail_quietly:
+        return
+    if problem:
+        raise error(problem)
+    if flag.item():
+        raise RuntimeError("another rank could not save its part of the checkpoint (its error says why); the "
+                           "previous checkpoint, if any, is unchanged")
 
 
 def _view(store, state, i):
@@ -263,17 +340,21 @@ def _recover(path: Path) -> Path:
     raise CheckpointError(f"{path}: no such checkpoint")
 
 
-def _weight_files(path: Path) -> list[Path]:
-    if (path / INDEX).exists():
-        with open(path / INDEX) as f:
+def _weight_files(path: Path, index: str = INDEX, single: str = WEIGHTS, required: bool = True) -> list[Path]:
+    """The files of the weights (or, with OPTIMIZER_INDEX and OPTIMIZER, of the moments): an index's shards or
+    the single file."""
+    if (path / index).exists():
+        with open(path / index) as f:
             files = sorted(set(json.load(f)["weight_map"].values()))
         missing = [name for name in files if not (path / name).exists()]
         if missing:
-            raise CheckpointError(f"{path}: shard(s) {missing} named in {INDEX} are missing")
+            raise CheckpointError(f"{path}: shard(s) {missing} named in {index} are missing")
         return [path / name for name in files]
-    if (path / WEIGHTS).exists():
-        return [path / WEIGHTS]
-    raise CheckpointError(f"{path} is not a checkpoint: it has neither {WEIGHTS} nor {INDEX}")
+    if (path / single).exists():
+        return [path / single]
+    if not required:
+        return []
+    raise CheckpointError(f"{path} is not a checkpoint: it has neither {single} nor {index}")
 
 
 def _open(files: list[Path]) -> dict[str, tuple]:
@@ -338,7 +419,8 @@ def load(engine, path, *, strict: bool = True) -> None:
         raise CheckpointError(f"{path} is not a checkpoint directory")
     engine.drain()
     weights = {k: _File(*v) for k, v in _open(_weight_files(path)).items()}
-    moments = {k: _File(*v) for k, v in _open([path / OPTIMIZER]).items()} if (path / OPTIMIZER).exists() else {}
+    moment_files = _weight_files(path, OPTIMIZER_INDEX, OPTIMIZER, required=False)
+    moments = {k: _File(*v) for k, v in _open(moment_files).items()}
     state = None
     if (path / STATE).exists():
         with open(path / STATE) as f:
@@ -362,13 +444,14 @@ def load_state_dict(engine, sd: dict[str, torch.Tensor], *, strict: bool = True)
 def apply(engine, weights: dict, moments: dict | None, *, strict: bool, where: str) -> None:
     """Check every name and shape, then write. `moments` None: leave the optimizer state; {}: zero it."""
     cap, store = engine.lowered.capture, engine.rt.store
+    held = [store.holds(s.chunk) for s in engine.lowered.layout.slots]   # chunk-partitioned: this rank's own
     buffers = engine.persistent_buffers()
     todo, problems = [], []
     for i, p in enumerate(cap.params):
         name = next((a for a in p.aliases if a in weights), None)
         if name is None:
             problems.append(f"missing {p.name}")
-        else:
+        elif held[i]:
             todo.append((store.param_fp32(i), weights[name], tuple(p.shape), name))
     for name, b in buffers.items():
         if name in weights:
@@ -377,8 +460,11 @@ def apply(engine, weights: dict, moments: dict | None, *, strict: bool, where: s
             problems.append(f"missing buffer {name}")
     known = {a for p in cap.params for a in p.aliases} | set(buffers)
     problems += [f"unexpected {k}" for k in weights if k not in known]
-    problems += [f"{name}: shape {src.shape()} given, {shape} in the model" for _, src, shape, name in todo
-                 if src.shape() != shape]
+    problems += [f"{name}: shape {weights[name].shape()} given, {tuple(p.shape)} in the model"
+                 for p in cap.params for name in [next((a for a in p.aliases if a in weights), None)]
+                 if name is not None and weights[name].shape() != tuple(p.shape)]
+    problems += [f"{name}: shape {weights[name].shape()} given, {tuple(b.shape)} in the model"
+                 for name, b in buffers.items() if name in weights and weights[name].shape() != tuple(b.shape)]
     if moments:
         for p in cap.params:
             if p.has_grad:
@@ -397,6 +483,8 @@ def apply(engine, weights: dict, moments: dict | None, *, strict: bool, where: s
             src.read_into(target, blocks)
         if moments is not None:
             for i, p in enumerate(cap.params):
+                if not held[i]:
+                    continue
                 for key, st in (("exp_avg", store.exp_avg), ("exp_avg_sq", store.exp_avg_sq)):
                     view, name = _view(store, st, i), f"{p.name}.{key}"
                     moments[name].read_into(view, blocks) if name in moments else view.zero_()

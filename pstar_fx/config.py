@@ -117,9 +117,11 @@ class Config:
     gradient is skipped whole: no chunk changes, the step count and schedule do not advance."""
 
     data_parallel: Literal["auto", "replicated", "chunked"] = "auto"
-    """With several ranks (torchrun): "replicated" (every rank holds the whole state; each chunk's gradient is
-    summed over the ranks right before its update), or "chunked" (each rank owning 1/N of the chunks: not
-    built yet, an error). "auto": replicated. Ignored in one process."""
+    """With several ranks (torchrun): "chunked" (PatrickStar's: chunk c's fp32 master and moments live only on
+    rank c % N, on its device or host tier; its compute copy is broadcast from there when needed and its
+    gradient reduced there, where it is updated: each rank holds 1/N of the model's state), or "replicated"
+    (every rank holds the whole state; each chunk's gradient is summed over the ranks right before its
+    update). "auto": chunked. Ignored in one process."""
 
     dist_timeout: float = 300.0
     """Seconds a collective may wait for the other ranks before the step fails (a dead or hung rank)."""

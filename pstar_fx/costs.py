@@ -31,12 +31,24 @@ class Rates:
     d2h_bw: float          # device -> host bytes/s
     host_adam: float       # host Adam parameters/s (all cores)
     workspace_bytes: int = 0   # device bytes the libraries keep once used (cuBLAS/cuBLASLt workspaces)
+    # a collective's bus bandwidth between data-parallel ranks (bytes/s each rank moves in a ring broadcast or
+    # reduce); 0: not measured, the nominal figure for the device is used
+    coll_bw: float = 0.0
+
+    def __post_init__(self):
+        if not self.coll_bw:
+            self.coll_bw = NOMINAL_COLL_BW["cpu" if self.device.startswith("cpu") else "cuda"]
 
     @staticmethod
     def nominal(device: torch.device) -> "Rates":
         if device.type == "cuda":  # one H200 (shared/reference/h200.md): bf16 matmul, HBM copy, pinned PCIe
             return Rates("cuda-nominal", 790e12, 4.2e12, 55e9, 55e9, 4.0e9, 32 * 2**20)
         return Rates("cpu-nominal", 5e10, 1e10, 1e10, 1e10, 1.0e9)
+
+
+# Assumed, not measured here (no multi-GPU machine has been lent): NCCL's ring bus bandwidth between the H200s of
+# one NVLink host, well under NVLink 4's 450 GB/s each way; gloo between processes of one CPU host
+NOMINAL_COLL_BW = {"cuda": 300e9, "cpu": 2e9}
 
 
 _MEASURED: dict[str, Rates] = {}     # this process's measurements, when the cache cannot be written

@@ -18,6 +18,7 @@ import weakref
 from collections import Counter
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
@@ -30,6 +31,7 @@ from .layout import Layout, build_layout
 from .passes import (find_segments, fuse_optimizer, insert_chunk_ops, lean_cross_entropy, localize_param_views,
                      recompute, seed_random_ops)
 from .passes.recompute import Segment, group_segments
+from .costs import calibrate
 from .plan import BudgetError, Plan, make_plan, usable_budget
 from .runtime import ChunkRuntime, StepRolledBack, run_graph
 from .runtime.dist import DataParallel, init as init_dist, world_from_env
@@ -61,8 +63,15 @@ class Phases:
 class Lowered:
     """Everything short of memory: the captured step, its chunk layout, the plan and the lowered graph."""
 
-    def __init__(self, model: nn.Module, config: Config, example_inputs, phases: Phases | None = None):
+    def __init__(self, model: nn.Module, config: Config, example_inputs, phases: Phases | None = None,
+                 world: int | None = None, rank: int = 0):
+        """`world`: the data-parallel ranks to plan for (default: as launched); `rank`: whose plan (default: this
+        process's). Chunk partitioning applies when world > 1 and `config.data_parallel` is not "replicated"."""
         self.config = config
+        launched_rank, launched_world, _ = world_from_env()
+        self.world = launched_world if world is None else world
+        self.rank = launched_rank if world is None else rank
+        self.chunked = self.world > 1 and config.data_parallel != "replicated"
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.phases = phases = phases or Phases()
@@ -76,6 +85,7 @@ class Lowered:
         self.graphs_before: dict[str, str] = {}
         self._buffer_bytes = sum(_buffer_nbytes(model, b) for b in self.capture.buffers)
         with phases("plan", "placement, recompute and schedule against the budgets"):
+            self.rates = self._rates()
             self._run_pass("seed_random_ops", seed_random_ops, gm)
             self._run_pass("localize_param_views", localize_param_views, gm)
             self._run_pass("lean_cross_entropy", lean_cross_entropy, gm)
@@ -86,7 +96,7 @@ class Lowered:
                                    "are an estimate")
         with phases("lower", "chunk ops into the graph"):
             self._run_pass("insert_chunk_ops", insert_chunk_ops, self.graph, self.layout, self.plan,
-                           world_from_env()[1] > 1)
+                           "chunked" if self.chunked else "replicated" if self.world > 1 else None)
 
     def _plan_with_recompute(self, gm: fx.GraphModule) -> tuple[fx.GraphModule, Plan]:
         """The fewest recomputed forward segments (earliest first: their activations live longest) that fit.
@@ -112,7 +122,8 @@ class Lowered:
                 g_k = recomputed(m, k)
                 fuse_optimizer(g_k, self.layout)
                 tried[m, k] = (g_k, make_plan(g_k, self.layout, self.config, compute_itemsize=self.dtype.itemsize,
-                                              buffer_bytes=self._buffer_bytes))
+                                              buffer_bytes=self._buffer_bytes, rates=self.rates,
+                                              **self.partition))
                 p = tried[m, k][1]
                 log.info("  tried recomputing %d of %d %s: device peak %s, %s", k, len(runs[m]),
                          "segments" if m == 1 else f"runs of {m} segments", format_bytes(p.device_peak_bytes),
@@ -156,6 +167,21 @@ class Lowered:
         self.graphs_before["recompute"] = gm.code
         self.graphs_before["fuse_optimizer"] = recomputed(m, k).code
         return g_k, plan
+
+    @property
+    def partition(self) -> dict:
+        """make_plan's data-parallel arguments: chunks partitioned over the ranks, or every rank holding all."""
+        return {"world": self.world, "rank": self.rank} if self.chunked else {}
+
+    def _rates(self):
+        """The cost model's rates. Partitioned ranks plan one collective schedule, so they plan with one set of
+        rates: rank 0's."""
+        rates = calibrate(self.device, self.dtype)
+        if self.chunked and dist.is_available() and dist.is_initialized():
+            box = [rates]
+            dist.broadcast_object_list(box, 0)
+            rates = box[0]
+        return rates
 
     def _run_pass(self, name, fn, gm, *args):
         self.graphs_before[name] = gm.code
@@ -224,9 +250,6 @@ class Engine:
                              "use device='cpu' (the CPU then plays the device tier)")
         rank, world = init_dist(config.device, config.dist_timeout)
         if world > 1:
-            if config.data_parallel == "chunked":
-                raise NotImplementedError("data_parallel='chunked' (each rank owning 1/N of the chunks) is not built "
-                                          "yet; use 'replicated' (every rank holds the whole state)")
             if config.device in ("cuda", "auto") and torch.cuda.is_available():
                 config = dataclasses.replace(config, device=f"cuda:{world_from_env()[2]}")   # one GPU per rank
             if config.device.startswith("cuda"):
@@ -247,23 +270,27 @@ class Engine:
         self.device = self.lowered.device
         cap = self.lowered.capture
         plan = self.lowered.plan
+        self.dp = DataParallel(rank, world, chunked=self.lowered.chunked) if world > 1 else None
         with phases("allocate", f"chunk memory: {format_bytes(plan.device_peak_bytes - plan.activation_peak_bytes)} "
                                 f"on {self.lowered.device.type}, {format_bytes(plan.host_peak_bytes)} on the host"):
-            self.rt = ChunkRuntime(self.lowered.layout, plan, config, self.device, self.lowered.dtype)
+            self.rt = ChunkRuntime(self.lowered.layout, plan, config, self.device, self.lowered.dtype, self.dp)
         with phases("initialize", "weights written into the fp32 masters"):
-            if any(p.is_meta for p in model.parameters()):
+            meta = any(p.is_meta for p in model.parameters())
+            if meta:
                 self._materialize(model)
             else:
                 named = dict(model.named_parameters(remove_duplicate=False))
                 self.rt.store.load_params([named[p.name] for p in cap.params])
         self._buffers = [self.rt.store.adopt(model.get_buffer(b).detach().to(self.device, copy=True))
                          for b in cap.buffers]
-        self.dp = DataParallel(rank, world) if world > 1 else None
         if self.dp is not None:
-            self.rt.dp = self.dp
-            self.rt.rng.rank = rank               # each rank's dropout draws its own masks
             with torch.no_grad():                 # every rank starts from rank 0's weights and buffers
-                for t in [*self.rt.store.master, *self._buffers]:
+                if not self.dp.chunked:
+                    for t in self.rt.store.master:
+                        self.dp.broadcast_(t)
+                elif not meta:
+                    self._masters_from_rank0(named)
+                for t in self._buffers:
                     self.dp.broadcast_(t)
             self.rt.store.masters_changed()
         persistent = set(model.state_dict(keep_vars=True))
@@ -280,13 +307,45 @@ class Engine:
         if resume is not None:
             self.load(resume)
 
+    def _masters_from_rank0(self, named: dict) -> None:
+        """Chunk-partitioned: each chunk's master gets rank 0's weights of it (packed there from its model)."""
+        layout, store = self.lowered.layout, self.rt.store
+        cap = self.lowered.capture
+        where = self.dp.scratch_device(self.device)
+        for ch in layout.chunks:
+            tmp = torch.zeros(ch.used_elems, dtype=torch.float32, device=where)
+            if self.dp.rank == 0:
+                for s in ch.slots:
+                    tmp[s.offset: s.offset + s.numel].copy_(named[cap.params[s.index].name].detach().reshape(-1))
+            self.dp.broadcast_(tmp, 0)
+            if store.holds(ch.id):
+                store.master[ch.id][: ch.used_elems].copy_(tmp)
+
+    def _masters_by_chunk(self):
+        """(chunk, its fp32 master) for every chunk, on every rank: a chunk another rank holds is broadcast from
+        there into a temporary (a collective: every rank iterates to the end)."""
+        store = self.rt.store
+        for ch in self.lowered.layout.chunks:
+            if self.dp is None or not self.dp.chunked:
+                yield ch, store.master[ch.id][: ch.used_elems]
+                continue
+            tmp = torch.empty(ch.used_elems, dtype=torch.float32, device=self.dp.scratch_device(self.device))
+            if store.holds(ch.id):
+                tmp.copy_(store.master[ch.id][: ch.used_elems])
+            self.dp.broadcast_(tmp, self.dp.owner(ch.id))
+            yield ch, tmp
+
     def _materialize(self, model: nn.Module) -> None:
         """A model built on the meta device gets its weights made directly in chunk memory: its parameters
         become views of the fp32 masters (on their tier), then its own init runs on them. The model is
         never whole in memory anywhere else, which is what lets a model larger than either tier start."""
         cap = self.lowered.capture
         owner = {alias: i for i, p in enumerate(cap.params) for alias in p.aliases}
-        shared = [nn.Parameter(self.rt.store.param_fp32(i), requires_grad=p.requires_grad)
+        # a parameter whose chunk another rank holds (chunk-partitioned) is initialized in a temporary on the
+        # host and dropped: every rank runs the model's whole init alike, so the owners' values agree with it
+        store = self.rt.store
+        shared = [nn.Parameter(store.param_fp32(i) if store.holds(self.lowered.layout.slots[i].chunk)
+                               else torch.empty(p.shape), requires_grad=p.requires_grad)
                   for i, p in enumerate(cap.params)]
         for mod_name, mod in model.named_modules(remove_duplicate=False):
             for name, p in list(mod._parameters.items()):
@@ -362,7 +421,7 @@ class Engine:
             localize_param_views(gm)
             lean_cross_entropy(gm)
             plan = make_plan(gm, lo.layout, self.config, compute_itemsize=self.dtype.itemsize,
-                             buffer_bytes=lo._buffer_bytes, on=lo.plan)
+                             buffer_bytes=lo._buffer_bytes, on=lo.plan, rates=lo.rates, **lo.partition)
             # what the runtime already holds (chunk state, pools, kept gradients) plus this graph's values
             need = self.rt.stats.device_bytes + plan.activation_peak_bytes + plan.device_breakdown.get(
                 "workspace margin", 0)
@@ -372,7 +431,7 @@ class Engine:
                                   f"{format_bytes(need)} of device memory ({format_bytes(plan.activation_peak_bytes)} "
                                   f"of activations on {format_bytes(self.rt.stats.device_bytes)} the engine holds) "
                                   f"but device_memory is {format_bytes(budget)}; evaluate a smaller batch")
-            insert_chunk_ops(gm, lo.layout, plan)
+            insert_chunk_ops(gm, lo.layout, plan, "chunked" if lo.chunked else None)
         return gm
 
     @property
@@ -445,13 +504,16 @@ class Engine:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights under the model's own parameter names (tied weights under each name) and the
-        persistent buffers, as the model's own state_dict has them, on the CPU."""
+        persistent buffers, as the model's own state_dict has them, on the CPU. With chunks partitioned over
+        data-parallel ranks it is collective: every rank calls it, and every rank gets the whole model."""
         self.drain()                     # host Adam of the last step may still be running
         out = {}
-        for i, p in enumerate(self.lowered.capture.params):
-            w = self.rt.store.param_fp32(i).detach().to("cpu", copy=True)
-            for name in p.aliases:
-                out[name] = w
+        params = self.lowered.capture.params
+        for ch, master in self._masters_by_chunk():   # chunk-partitioned: collective, every rank gets all
+            for s in ch.slots:
+                w = master[s.offset: s.offset + s.numel].view(s.param.shape).detach().to("cpu", copy=True)
+                for name in params[s.index].aliases:
+                    out[name] = w
         out.update({k: b.detach().to("cpu", copy=True) for k, b in self.persistent_buffers().items()})
         return out
 
@@ -485,6 +547,9 @@ class Engine:
     def save(self, path: str | os.PathLike, *, dtype: str = "fp32") -> None:
         """Write a checkpoint directory (safetensors weights `transformers` reads, optimizer state, loop state),
         streamed tensor by tensor and renamed into place when whole; see pstar_fx.checkpoint."""
+        if self.dp is not None and self.dp.chunked:   # every rank writes the chunks it owns
+            checkpoint.save(self, path, dtype=dtype)
+            return
         if self.dp is None or self.dp.rank == 0:      # replicated: every rank holds the same state
             checkpoint.save(self, path, dtype=dtype)
         if self.dp is not None:
@@ -547,6 +612,9 @@ def compile(model: nn.Module, config: Config | dict | str | os.PathLike | None =
     return Engine(model, config, example_inputs, resume=resume)
 
 
-def plan(model: nn.Module, config: Config | dict | str | None = None, example_inputs=None) -> Plan:
-    """Everything `compile` does short of allocating: the model may live on the meta device."""
-    return Lowered(model, Config.coerce(config), example_inputs).plan
+def plan(model: nn.Module, config: Config | dict | str | None = None, example_inputs=None, *,
+         world: int | None = None, rank: int = 0) -> Plan:
+    """Everything `compile` does short of allocating: the model may live on the meta device. `world`: plan for
+    that many data-parallel ranks (default: as launched), as rank `rank` (rank 0 owns the most chunks);
+    `example_inputs` are then one rank's batch."""
+    return Lowered(model, Config.coerce(config), example_inputs, world=world, rank=rank).plan

@@ -85,6 +85,13 @@ class Plan:
     # same pass: 2 B/param cross), "cast" (cast on the host at fetch: 2 B/param), "fp32" (4 B/param cross,
     # cast on the device)
     profile: NodeProfile | None = field(default=None, repr=False)  # what the planner knew node by node
+    n_device: int = 0                  # chunks on the device among those a rank owns (all chunks on one rank)
+    world: int = 1                     # data-parallel ranks the chunks are partitioned over (1: none)
+    rank: int = 0                      # whose plan this is: chunks another rank owns are "remote"
+
+    def owner(self, c: int) -> int:
+        """The rank that holds chunk c's state and updates it."""
+        return c % self.world
 
     @property
     def fits(self) -> bool:
@@ -97,9 +104,11 @@ class Plan:
                      + ": " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.device_breakdown.items()))
         lines.append(f"  host peak {format_bytes(self.host_peak_bytes)}: "
                      + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.host_breakdown.items()))
-        n_dev = self.placement.count("device")
-        lines.append(f"  placement: {n_dev} chunk(s) on device, {len(self.placement) - n_dev} on host: "
-                     + _ranges(self.placement))
+        n_dev, n_host = self.placement.count("device"), self.placement.count("host")
+        lines.append(f"  placement: {n_dev} chunk(s) on device, {n_host} on host"
+                     + (f", {len(self.placement) - n_dev - n_host} owned by the other {self.world - 1} rank(s) "
+                        f"(rank {self.rank} of {self.world}; chunk c is owned by rank c % {self.world})"
+                        if self.world > 1 else "") + ": " + _ranges(self.placement))
         crossing = {k: self.ship.count(k) for k in ("shadow", "cast", "fp32") if k in self.ship}
         if crossing:
             lines.append("  host chunks reach the device as: " + ", ".join(f"{k} {v}" for k, v in crossing.items())
@@ -198,7 +207,7 @@ class Timeline:
         strip = [bytearray([b]) * columns for b in base]
 
         def paint(code: int, c: int, first: int, last: int) -> None:
-            if self.placement[c] == "host":          # a device chunk's compute copy never leaves the device
+            if self.placement[c] != "device":        # a device chunk's compute copy never leaves the device
                 a, b = col[first], col[last] + 1
                 strip[row_of[c]][a:b] = bytes([code]) * (b - a)
 
@@ -358,11 +367,19 @@ def activation_profile(graph: fx.Graph, skip: set[fx.Node], round_to: int = 1,
 # placement and schedule
 
 def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_itemsize: int,
-              buffer_bytes: int, on: Plan | None = None) -> Plan:
+              buffer_bytes: int, on: Plan | None = None, world: int = 1, rank: int = 0,
+              rates: Rates | None = None) -> Plan:
     """Placement and schedule for the fused graph under the config's budgets. Never raises for memory:
     a plan that does not fit says so (`fits`, `why`); compile() turns that into a BudgetError.
     `on`: schedule this graph on another plan's chunk memory (its placement, shipping and compute slots),
-    as evaluation does on the training step's."""
+    as evaluation does on the training step's.
+
+    `world` > 1: chunk-partitioned data parallelism. Chunk c is owned by rank c % world, which alone holds
+    its state; the others' chunks are "remote" in this rank's placement. The schedule is a collective
+    contract (every rank broadcasts and reduces the same chunks in the same order), so everything that
+    shapes it is planned for rank 0, which owns the most chunks (ceil(n / world)), and applied to every
+    rank by the chunk's index among its owner's chunks: the k-th chunk a rank owns sits on the same tier
+    on every rank. `rates` must then be the same on every rank (the engine broadcasts rank 0's)."""
     g = gm.graph
     nodes = list(g.nodes)
     param_nodes = role_nodes(g, "param")
@@ -370,6 +387,9 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     n_chunks = len(layout.chunks)
     cs = layout.chunk_size
     fp32 = compute_itemsize == 4
+    chunked = world > 1
+    owner = [c % world for c in range(n_chunks)]
+    n_own = len(range(0, n_chunks, world))   # rank 0's chunks: the most any rank owns
 
     # what each node needs resident, and where gradient buffers live
     reads: list[set[int]] = []
@@ -386,6 +406,8 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         elif node.op == "call_method" and node.target == "adam":
             adam_at[node.args[1]] = i
     grad_slots = _max_overlap([(grad_first[c], adam_at[c]) for c in grad_first if c in adam_at])
+    if chunked and grad_slots:
+        grad_slots += 1    # a chunk's update waits for its reduce until the next chunk's gradient is done
 
     buffer_nodes = role_nodes(g, "buffer")
     cuda = config.device.startswith("cuda")
@@ -395,10 +417,10 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     grad_slot_bytes = cs * compute_itemsize
     accum_bytes = cs * 4 if config.grad_accum > 1 else 0       # fp32 gradient accumulators, on each tier
     state_bytes = cs * MASTER_STATE_BYTES + accum_bytes
-    n_updated = sum(1 for ch in layout.chunks if ch.grad_spans())
+    n_updated = sum(1 for c, ch in enumerate(layout.chunks) if ch.grad_spans() and owner[c] == 0)
     min_slots = max((len(r) for r in reads), default=0)
     # the libraries' workspaces (cuBLAS keeps one per handle for the process's life), measured with the rates
-    rates = calibrate(torch.device(config.device), config.torch_dtype)
+    rates = rates or calibrate(torch.device(config.device), config.torch_dtype)
     workspace = rates.workspace_bytes + CUDA_STEP_SLACK_BYTES if cuda else CPU_STEP_SLACK_BYTES
     staging = cs * 4 if (cuda and not fp32) else 0      # (when any chunk is on the host)
     # an accumulating step holds its whole batch (grad_accum micro-batches) while the graph sees one
@@ -415,28 +437,30 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
                  else max(0, (config.host_memory - host_staging) // state_bytes))
 
     # placement: as many chunks' state on the device as the budget allows, keeping `min_slots` slots;
-    # the rest on the host, which must hold them
+    # the rest on the host, which must hold them. Counted in chunks this rank owns (all of them on one rank)
     def device_fits(k: int) -> bool:
-        # with chunks on the host, one slot more than an op reads lets the next copy overlap compute
-        need_slots = 0 if (fp32 and k == n_chunks) else min_slots + (k < n_chunks)
-        extra = staging if k < n_chunks else 0
+        # with chunks on the host (or owned by other ranks), one slot more than an op reads lets the next
+        # copy overlap compute
+        local = fp32 and k == n_own and not chunked
+        need_slots = 0 if local else min_slots + (k < n_own or chunked)
+        extra = staging if k < n_own else 0
         return budget is None or fixed + extra + k * state_bytes + need_slots * slot_bytes <= budget
 
     def place() -> int:
         if config.placement == "host":
             n = 0
         elif config.placement == "device" or budget is None:
-            n = n_chunks
+            n = n_own
         else:
-            n = next((k for k in range(n_chunks, -1, -1) if device_fits(k)), 0)
-        if host_room is not None and n_chunks - n > host_room and config.placement != "host":
-            n = min(n_chunks, n_chunks - host_room)   # the host is full: more state must sit on the device
+            n = next((k for k in range(n_own, -1, -1) if device_fits(k)), 0)
+        if host_room is not None and n_own - n > host_room and config.placement != "host":
+            n = min(n_own, n_own - host_room)   # the host is full: more state must sit on the device
         return n
 
     n_device = place()
     random_ops = [n.name for n in nodes if n.op == "call_function" and is_random(n)]
     host_free = (None if config.host_memory is None
-                 else config.host_memory - host_staging - (n_chunks - n_device) * state_bytes)
+                 else config.host_memory - host_staging - (n_own - n_device) * state_bytes)
     transaction, kept_bytes = _choose_transaction(config, n_updated * cs * compute_itemsize, host_free=host_free,
                                                   random_ops=random_ops)
     if transaction == "kept_grads" and cuda and n_device and grad_slots < 2 and on is None:
@@ -446,13 +470,16 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         fixed += grad_slot_bytes
         n_device = place()
     if on is not None:
-        n_device = on.placement.count("device")
-    n_updated_device = sum(1 for ch in layout.chunks[:n_device] if ch.grad_spans())
-    placement = ["device"] * n_device + ["host"] * (n_chunks - n_device)
-    needs_slot = [not (fp32 and placement[c] == "device") for c in range(n_chunks)]
+        n_device = on.n_device
+    # the tier of chunk c at its owner: the first n_device chunks an owner holds are on its device
+    tier_of = ["device" if c // world < n_device else "host" for c in range(n_chunks)]
+    placement = [tier_of[c] if owner[c] == rank else "remote" for c in range(n_chunks)]
+    planned = [tier_of[c] if owner[c] == 0 else "remote" for c in range(n_chunks)]   # rank 0's: the largest
+    n_updated_device = sum(1 for c, ch in enumerate(layout.chunks) if ch.grad_spans() and planned[c] == "device")
+    needs_slot = [chunked or not (fp32 and tier_of[c] == "device") for c in range(n_chunks)]
     slot_chunks = sum(needs_slot)
     if slot_chunks:
-        extra = staging if n_device < n_chunks else 0
+        extra = staging if n_device < n_own else 0
         spare = ((budget - fixed - extra - n_device * state_bytes) // slot_bytes
                  if budget is not None else slot_chunks)
         slots = max(min_slots, min(slot_chunks, spare))
@@ -464,20 +491,29 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         slots = on.slots
 
     node_secs = [node_seconds(n, rates) for n in nodes]
-    host_used = (n_chunks - n_device) * state_bytes + host_staging
+    host_used = (n_own - n_device) * state_bytes + host_staging
     room = None if config.host_memory is None else (config.host_memory - host_used) // (cs * compute_itemsize)
-    host_grad_buffers, adam_exposed = _host_adam_pipeline(placement, layout, node_secs, reads, adam_at, rates,
+    host_grad_buffers, adam_exposed = _host_adam_pipeline(planned, layout, node_secs, reads, adam_at, rates,
                                                           cuda, room)
     if kept_bytes:                     # every host chunk's gradient lands in its own kept buffer: no pool
         host_grad_buffers = 0
     host_used += max(0, host_grad_buffers - 2) * cs * compute_itemsize + kept_bytes
-    ship = _choose_shipping(placement, config, cs, compute_itemsize, cuda, host_used=host_used)
+    # how each chunk's compute copy reaches its owner's device (the k-th host chunk of every owner alike)
+    shipped = _choose_shipping(planned, config, cs, compute_itemsize, cuda, host_used=host_used)
+    shadows = shipped.count("shadow")
+    no_room = "fp32" if (cuda or fp32) else "cast"
+    ship_of = ["-" if tier_of[c] == "device" else "fp32" if fp32 else
+               "shadow" if c // world - n_device < shadows else no_room for c in range(n_chunks)]
+    ship = [ship_of[c] if owner[c] == rank else "remote" for c in range(n_chunks)]
     if on is not None:
         ship = list(on.ship)
     slot_reads = [{c for c in r if needs_slot[c]} for r in reads]
     crossing = {"-": 0, "shadow": compute_itemsize, "cast": compute_itemsize, "fp32": 4}
-    copy_bytes = {c: cs * crossing[ship[c]] for c in range(n_chunks)}
-    copy_seconds = {c: b / rates.h2d_bw + cs * (4 + compute_itemsize) / rates.mem_bw for c, b in copy_bytes.items()}
+    copy_bytes = {c: cs * crossing[ship_of[c]] for c in range(n_chunks)}
+    # a chunk's compute copy: onto its owner's device, then (chunked) broadcast from there to every rank
+    coll_seconds = cs * compute_itemsize * (world - 1) / world / rates.coll_bw if chunked else 0.0
+    copy_seconds = {c: b / rates.h2d_bw + cs * (4 + compute_itemsize) / rates.mem_bw + coll_seconds
+                    for c, b in copy_bytes.items()}
     sched = place_prefetches(belady(slot_reads, slots), slots, node_secs, copy_seconds) if slots else Schedule()
     before = {nodes[i].name: ops for i, ops in sched.before.items()}
     after = {nodes[i].name: ops for i, ops in sched.after.items()}
@@ -496,16 +532,16 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         device["workspace margin"] = workspace
     if batch_rest:
         device["other micro-batches"] = batch_rest
-    n_host = n_chunks - n_device
-    if not fp32 and "fp32" in ship:
+    n_host = n_own - n_device
+    if not fp32 and "fp32" in ship_of[::world]:
         device["copy staging"] = cs * 4   # chunks shipped in fp32 are cast on the device
     host = {
         "process overhead": CUDA_HOST_OVERHEAD_BYTES if cuda else 0,
         "chunk state": n_host * state_bytes,
-        "16-bit shadows": ship.count("shadow") * cs * compute_itemsize,
+        "16-bit shadows": shadows * cs * compute_itemsize,
         # gradients of host chunks queue here for the host Adam (CUDA: while backward goes on)
         "gradient staging": cs * compute_itemsize * host_grad_buffers,
-        "cast staging": (cs * compute_itemsize) if "cast" in ship else 0,
+        "cast staging": (cs * compute_itemsize) if "cast" in ship_of[::world] else 0,
         "kept gradients": kept_bytes,
     }
     if accum_bytes:
@@ -517,7 +553,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
                 device_peak_bytes=sum(device.values()), host_peak_bytes=sum(host.values()),
                 device_breakdown=device, host_breakdown=host, activation_peak_bytes=act_peak,
                 fetches=fetches, budget_bytes=config.device_memory, host_budget_bytes=config.host_memory, notes=notes,
-                ship=ship, rates=rates)
+                ship=ship, rates=rates, n_device=n_device, world=world, rank=rank)
     tangent_users = {u for t in role_nodes(g, "tangent") for u in t.users}    # backward's first ops
     plan.profile = NodeProfile([n.name for n in nodes], act_per_node,
                                next((i for i, n in enumerate(nodes) if n in tangent_users), len(nodes)),
@@ -545,7 +581,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         plan.estimated_step_seconds += sum(node_secs)
     kept_copy_s = 0.0 if plan.kept_on_device else n_updated_device * cs * compute_itemsize / rates.d2h_bw
     plan.transaction_cost = _transaction_cost(transaction, config, compute_itemsize, kept_bytes, accum_bytes,
-                                              n_device, n_chunks - n_device, ship,
+                                              n_device, n_own - n_device, ship_of,
                                               sum(node_secs) if two_passes else 0.0, kept_copy_s, plan.kept_on_device)
     if adam_exposed > 1e-3:
         notes.append(f"host Adam the compute cannot hide: about {adam_exposed * 1e3:.0f} ms per step ("
@@ -610,6 +646,8 @@ def _choose_shipping(placement: list[str], config: Config, cs: int, itemsize: in
     for where in placement:
         if where == "device":
             ship.append("-")
+        elif where == "remote":
+            ship.append("remote")
         elif itemsize == 4:
             ship.append("fp32")
         elif spare >= cs * itemsize:

@@ -1,5 +1,6 @@
 """Data parallelism on the CPU with gloo: N processes started by the test, each its share of the batch, equal one
-process (torch.optim.AdamW) training on the whole batch as N micro-batches of loss / N."""
+process (torch.optim.AdamW) training on the whole batch as N micro-batches of loss / N; chunk-partitioned
+(each rank holding 1/N of the chunks' state) and replicated."""
 import json
 import os
 import socket
@@ -8,6 +9,8 @@ import sys
 
 import pytest
 import torch
+
+import pstar_fx
 
 from test_engine import assert_losses_close, assert_weights_close
 from test_transaction import OPT, gpt_batches, reference, tiny_gpt
@@ -21,11 +24,21 @@ import pstar_fx
 from test_transaction import OPT, gpt_batches, tiny_gpt
 out, steps, clip, accum = sys.argv[2], int(sys.argv[3]), float(sys.argv[4]) or None, int(sys.argv[5])
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-mine = [tuple(x.chunk(world)[rank] for x in whole) for whole in gpt_batches(steps, accum=world * accum)]
-engine = pstar_fx.compile(tiny_gpt(), {"device": "cpu", "placement": "host", "chunk_size": 16384, "optimizer": OPT,
-                                       "grad_clip": clip, "grad_accum": accum, "dist_timeout": 60},
-                          tuple(x[: x.shape[0] // accum] for x in mine[0]))
-assert "all_reduce" in engine.graph.code
+mode, first = os.environ.get("DP", "chunked"), int(os.environ.get("FIRST_STEP", 0))
+whole_batches = gpt_batches(first + steps, accum=int(os.environ.get("WHOLE", world * accum)))
+mine = [tuple(x.chunk(world)[rank] for x in whole) for whole in whole_batches][first:]
+config = {"device": "cpu", "placement": "host", "chunk_size": 16384, "optimizer": OPT, "grad_clip": clip,
+          "grad_accum": accum, "dist_timeout": 60, "data_parallel": mode}
+if os.environ.get("DEVICE_MEMORY"):              # some chunks on the CPU playing the device tier, some on the host
+    config.update(placement="auto", device_memory=int(os.environ["DEVICE_MEMORY"]))
+engine = pstar_fx.compile(tiny_gpt(), config, tuple(x[: x.shape[0] // accum] for x in mine[0]),
+                          resume=os.environ.get("LOAD_FROM") or None)
+assert ("rt.reduce(" if mode == "chunked" else "all_reduce") in engine.graph.code
+placement = engine.plan.placement
+if mode == "chunked":                            # this rank holds its own chunks' state, and only those
+    assert all((p == "remote") == (c % world != rank) for c, p in enumerate(placement)), placement
+if os.environ.get("SAVE_FIRST"):
+    engine.save(os.environ["SAVE_FIRST"])            # what was loaded, written again at this world size
 if os.environ.get("DIE_AT_RANK") == str(rank):
     os._exit(3)                                      # a rank that dies before its first step
 reports = []
@@ -33,10 +46,11 @@ for b in mine:
     engine.step(*b)
     r = engine.last_step
     reports.append([r.loss, r.grad_norm])
-torch.save(engine.state_dict(), f"{out}.{rank}.pt")
-json.dump(reports, open(f"{out}.{rank}.json", "w"))
+torch.save(engine.state_dict(), f"{out}.{rank}.pt")   # collective when chunked: every rank gets the whole model
+json.dump({"reports": reports, "placement": placement, "steps": engine.steps,
+           "state_bytes": engine.rt.stats.host_bytes + engine.rt.stats.device_bytes}, open(f"{out}.{rank}.json", "w"))
 if os.environ.get("SAVE_TO"):
-    engine.save(os.environ["SAVE_TO"])             # collective: rank 0 writes, every rank waits for it
+    engine.save(os.environ["SAVE_TO"])               # collective: each rank writes its own chunks (replicated: rank 0)
 """
 
 
@@ -47,12 +61,12 @@ def _free_port() -> int:
 
 
 def _launch(world: int, out: str, steps: int, clip: float | None, accum: int, timeout: int = 240, extra_env=None,
-            check=True):
+            check=True, mode="chunked"):
     port = _free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", **(extra_env or {}))
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", DP=mode, **(extra_env or {}))
         procs.append(subprocess.Popen([sys.executable, "-c", _RANK, HERE, out, str(steps), str(clip or 0), str(accum)],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     errors, results = [], []
@@ -71,37 +85,45 @@ def _launch(world: int, out: str, steps: int, clip: float | None, accum: int, ti
     return results
 
 
-@pytest.mark.parametrize("world,clip,accum", [(2, None, 1), (2, 0.05, 1), (2, 0.05, 2), (4, 0.05, 1)])
-def test_replicated_ranks_equal_one_process_on_the_whole_batch(tmp_path, world, clip, accum):
+def _results(out: str, world: int):
+    return [torch.load(f"{out}.{r}.pt") for r in range(world)], [json.load(open(f"{out}.{r}.json")) for r in range(world)]
+
+
+CASES = [("chunked", 2, None, 1, None), ("chunked", 2, 0.05, 1, None), ("chunked", 2, 0.05, 2, None),
+         ("chunked", 4, 0.05, 1, None), ("chunked", 2, 0.05, 1, "mixed"), ("replicated", 2, 0.05, 1, None),
+         ("replicated", 4, 0.05, 1, None), ("replicated", 2, 0.05, 2, None)]
+
+
+@pytest.mark.parametrize("mode,world,clip,accum,tiers", CASES)
+def test_ranks_equal_one_process_on_the_whole_batch(tmp_path, mode, world, clip, accum, tiers):
     steps = 3
     out = str(tmp_path / "run")
-    _launch(world, out, steps, clip, accum)
+    env = {}
+    if tiers == "mixed":                    # a device budget that holds some of each rank's chunks
+        local = tuple(x.chunk(world)[0] for x in gpt_batches(1, accum=world * accum)[0])
+        on_host = pstar_fx.plan(tiny_gpt(), {"device": "cpu", "placement": "host", "chunk_size": 16384,
+                                             "optimizer": OPT, "grad_clip": clip}, local, world=world)
+        env["DEVICE_MEMORY"] = str(on_host.device_peak_bytes + 16384 * 12)
+    _launch(world, out, steps, clip, accum, mode=mode, extra_env=env)
     ref, _, ref_out = reference(tiny_gpt(), gpt_batches(steps, accum=world * accum), grad_clip=clip,
                                 accum=world * accum)
-    sds = [torch.load(f"{out}.{r}.pt") for r in range(world)]
-    reports = [json.load(open(f"{out}.{r}.json")) for r in range(world)]
-    for r in range(1, world):                        # every rank holds the same model, bit for bit
-        assert reports[r] == reports[0]
+    sds, runs = _results(out, world)
+    for r in range(1, world):                        # every rank holds (or gathers) the same model, bit for bit
+        assert runs[r]["reports"] == runs[0]["reports"]
         assert all(torch.equal(sds[r][k], sds[0][k]) for k in sds[0])
-    assert_losses_close([x[0] for x in reports[0]], [o[0] for o in ref_out], ref.__dict__["float64_truth"][2])
+    if tiers == "mixed":
+        assert all({"device", "host"} <= set(run["placement"]) for run in runs), [run["placement"] for run in runs]
+    if mode == "chunked":                            # rank r holds chunks r, r + world, ... and no other
+        n = len(runs[0]["placement"])
+        for r, run in enumerate(runs):
+            assert [c for c, p in enumerate(run["placement"]) if p != "remote"] == list(range(r, n, world))
+    reports = runs[0]["reports"]
+    assert_losses_close([x[0] for x in reports], [o[0] for o in ref_out], ref.__dict__["float64_truth"][2])
     if clip is not None:
         assert all(o[1] > clip for o in ref_out)     # clipping triggered on every step
-        torch.testing.assert_close(torch.tensor([x[1] for x in reports[0]]), torch.tensor([o[1] for o in ref_out]),
+        torch.testing.assert_close(torch.tensor([x[1] for x in reports]), torch.tensor([o[1] for o in ref_out]),
                                    rtol=1e-5, atol=0)
     assert_weights_close(sds[0], ref)
-
-
-def test_chunked_data_parallel_is_said_to_be_missing(tmp_path, monkeypatch):
-    """Not built yet: asking for it is an error that says so, not a silent fallback."""
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
-    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
-    idx = torch.zeros(2, 8, dtype=torch.long)
-    with pytest.raises(NotImplementedError, match="chunked"):
-        import pstar_fx
-        pstar_fx.compile(tiny_gpt(), {"device": "cpu", "data_parallel": "chunked"}, (idx, idx))
 
 
 def test_a_dead_rank_ends_the_others_with_an_error(tmp_path):
@@ -116,25 +138,52 @@ def test_a_dead_rank_ends_the_others_with_an_error(tmp_path):
     assert time.monotonic() - t0 < 110
 
 
-def test_a_checkpoint_saved_at_two_ranks_loads_in_one_process(tmp_path):
-    import pstar_fx
-    from pstar_fx.checkpoint import OPTIMIZER
+def _tensors(ckpt: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory by name (weights and moments, whatever its sharding)."""
     from safetensors.torch import load_file
+    out = {}
+    for f in sorted(os.listdir(ckpt)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(ckpt, f)))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["chunked", "replicated"])
+def test_a_checkpoint_saved_at_two_ranks_resumes_at_four_and_at_one(tmp_path, mode):
+    """Saved at 2 ranks (chunked: each writes its own chunks), loaded at 4 (re-partitioned) and at 1: the same
+    weights and moments bit for bit, and training goes on as one process would on the whole batch."""
+    import pstar_fx
     out, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
-    _launch(2, out, 2, 0.05, 1, extra_env={"SAVE_TO": ckpt})
-    saved = torch.load(f"{out}.0.pt")
-    x = gpt_batches(1)[0]
+    _launch(2, out, 2, 0.05, 1, mode=mode, extra_env={"SAVE_TO": ckpt, "WHOLE": "2"})
+    saved = _tensors(ckpt)
+    if mode == "chunked":
+        assert any(f.startswith("model-00002-of-") for f in os.listdir(ckpt))     # rank 1 wrote a shard
+        assert os.path.exists(os.path.join(ckpt, "optimizer.safetensors.index.json"))
+    ref, _, _ = reference(tiny_gpt(), gpt_batches(4, accum=2), grad_clip=0.05, accum=2)
+
+    again = str(tmp_path / "again4")
+    _launch(4, out + "4", 2, 0.05, 1, extra_env={"LOAD_FROM": ckpt, "SAVE_FIRST": again, "FIRST_STEP": "2",
+                                                 "WHOLE": "2"})
+    reloaded = _tensors(again)
+    assert set(reloaded) == set(saved) and all(torch.equal(reloaded[k], saved[k]) for k in saved)
+    sds, runs = _results(out + "4", 4)
+    assert runs[0]["steps"] == 4
+    assert_weights_close(sds[0], ref)
+
+    whole = gpt_batches(4, accum=2)
     one = pstar_fx.compile(tiny_gpt(), {"device": "cpu", "chunk_size": 32768, "optimizer": OPT, "grad_clip": 0.05},
-                           x, resume=ckpt)
+                           whole[0], resume=ckpt)
     assert one.steps == 2
     sd = one.state_dict()
-    assert all(torch.equal(sd[k], saved[k]) for k in saved)
-    moments = load_file(os.path.join(ckpt, OPTIMIZER))
     store = one.rt.store
     for i, p in enumerate(one.lowered.capture.params):
+        assert torch.equal(sd[p.name], saved[p.name]), p.name
         slot = store.layout.slots[i]
-        got = store.exp_avg[slot.chunk][slot.offset: slot.offset + slot.numel].view(p.shape)
-        assert torch.equal(got, moments[f"{p.name}.exp_avg"]), p.name
+        got = store.exp_avg_sq[slot.chunk][slot.offset: slot.offset + slot.numel].view(p.shape)
+        assert torch.equal(got, saved[f"{p.name}.exp_avg_sq"]), p.name
+    for b in whole[2:]:
+        one.step(*b)
+    assert_weights_close(one.state_dict(), ref)
 
 
 def test_cli_nproc_trains_like_one_process_on_the_whole_batch(tmp_path):

@@ -4,8 +4,13 @@ Needs: the graph after `fuse_optimizer` and the Plan made from it. Provides: `rt
 `rt.fetch(c)` and `rt.release(c)` where the plan's schedule puts them, `rt.offload(c)` (gradients of a
 host-resident chunk go to the host) before `rt.adam(c)`, and `rt.param(i)` (a view of parameter i in its
 chunk's compute buffer) right before each op that reads it. Parameter placeholders are removed: the
-lowered step takes (rt, buffers..., inputs..., tangent). With `all_reduce` (data parallelism, replicated):
-`rt.all_reduce(c)` before each chunk's offload or update sums its gradient over the ranks.
+lowered step takes (rt, buffers..., inputs..., tangent).
+
+Data parallelism (`dp`): "replicated": `rt.all_reduce(c)` before each chunk's offload or update sums its
+gradient over the ranks. "chunked" (each chunk's state on its owner, rank c % world): `rt.reduce(c)` takes
+the update's place, summing the gradient into the owner's slot, and the update (with its offload) moves
+after the next chunk's reduce, so the collective runs while backward goes on; `rt.fetch` of a chunk waits
+for its broadcast from the owner, which `rt.prefetch` started (the runtime does that part).
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ from ..layout import Layout
 from ..plan import Plan
 
 
-def insert_chunk_ops(gm: fx.GraphModule, layout: Layout, plan: Plan, all_reduce: bool = False) -> fx.GraphModule:
+def insert_chunk_ops(gm: fx.GraphModule, layout: Layout, plan: Plan, dp: str | None = None) -> fx.GraphModule:
     g = gm.graph
     rt = role_nodes(g, "rt")[0]
     params = role_nodes(g, "param")
@@ -37,11 +42,23 @@ def insert_chunk_ops(gm: fx.GraphModule, layout: Layout, plan: Plan, all_reduce:
                 continue
             with g.inserting_after(anchor):
                 anchor = emit(op, c)
-        if node.op == "call_method" and node.target == "adam":
+        if node.op == "call_method" and node.target == "adam" and dp != "chunked":
             with g.inserting_before(node):
-                if all_reduce:
+                if dp == "replicated":
                     emit("all_reduce", node.args[1])
                 if plan.placement[node.args[1]] == "host":
+                    emit("offload", node.args[1])
+    if dp == "chunked":
+        updates = [n for n in g.nodes if n.op == "call_method" and n.target == "adam"]
+        reduces = []
+        for node in updates:
+            with g.inserting_before(node):
+                reduces.append(emit("reduce", node.args[1]))
+        for node, later in zip(updates, reduces[1:]):
+            later.append(node)                 # the update waits one chunk: its reduce overlaps backward
+        for node in updates:
+            if plan.placement[node.args[1]] == "host":
+                with g.inserting_before(node):
                     emit("offload", node.args[1])
 
     for slot, p in zip(layout.slots, params):

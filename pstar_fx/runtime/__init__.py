@@ -31,19 +31,23 @@ HOST_WORKER_ON_CPU = False   # the CPU runtime updates host chunks inline; tests
 
 
 class ChunkRuntime:
-    def __init__(self, layout: Layout, plan: Plan, config: Config, device: torch.device, compute_dtype: torch.dtype):
+    def __init__(self, layout: Layout, plan: Plan, config: Config, device: torch.device, compute_dtype: torch.dtype,
+                 dp=None):
         self.layout, self.plan, self.config, self.device = layout, plan, config, device
         self.telemetry = Telemetry()
         self.stats: MemoryStats = self.telemetry.stats
         cuda = device.type == "cuda"
         self.copies = CudaCopies(device, self.telemetry) if cuda else CpuCopies()
         self.store = ChunkStore(layout, plan, config, device, compute_dtype, self.stats)
-        self.mover = Mover(self.store, plan, self.copies, self.telemetry)
+        self.dp = dp                             # runtime.dist.DataParallel with several ranks
+        self.mover = Mover(self.store, plan, self.copies, self.telemetry, dp)
         self.updater = Updater(self.store, plan, self.copies, self.telemetry, self.mover,
-                               worker=cuda or HOST_WORKER_ON_CPU, grad_accum=config.grad_accum)
+                               worker=cuda or HOST_WORKER_ON_CPU, grad_accum=config.grad_accum, dp=dp)
         self._offloaded: dict[int, tuple] = {}
+        self._reducing: dict[int, object] = {}   # chunk -> its gradient's reduce to the owner, in flight
         self.rng = StepRandom(device, config.seed)
-        self.dp = None                           # runtime.dist.DataParallel with several ranks
+        if dp is not None:
+            self.rng.rank = dp.rank              # each rank's dropout draws its own masks
 
     # ---- what the lowered graph calls ----------------------------------------------------------------
     def prefetch(self, c: int) -> None:
@@ -62,6 +66,16 @@ class ChunkRuntime:
         """Chunk c's gradient summed over the data-parallel ranks, before its update."""
         self.dp.all_reduce_(self.mover.grads[c][: self.layout.chunks[c].used_elems])
 
+    def reduce(self, c: int) -> None:
+        """Chunk c's gradient summed over the ranks into its owner's gradient slot (chunk-partitioned data
+        parallelism); started here, waited for by the chunk's update, which the graph runs one chunk later."""
+        buf = self.mover.grads[c][: self.layout.chunks[c].used_elems]
+        self._reducing[c] = self.dp.reduce_chunk(buf, c)
+        self.stats.coll_bytes += buf.numel() * buf.element_size()
+
+    def _reduced(self, c: int) -> None:
+        self.copies.compute_waits(self._reducing.pop(c, None))
+
     def seed_random(self, k: int) -> None:
         """The next random op (the k-th in the graph) draws from its own seed for this step."""
         self.rng.seed_op(k)
@@ -74,13 +88,18 @@ class ChunkRuntime:
 
     def offload(self, c: int) -> None:
         """A host chunk's gradients go to the host, where its state is updated."""
+        self._reduced(c)
         self.updater.measure_device(c, self.mover.grads[c])
         dst = self.updater.host_slot(c)
         self._offloaded[c] = (dst, self.mover.offload(c, dst))
 
     def adam(self, c: int) -> None:
-        """Chunk c's gradient is complete: the updater takes it (see updater.py for what it does)."""
-        if c in self._offloaded:
+        """Chunk c's gradient is complete: the updater takes it (see updater.py for what it does). A chunk another
+        rank owns: its gradient went there; the slot is free."""
+        self._reduced(c)
+        if not self.store.holds(c):
+            self.mover.give_back(self.mover.hand_over(c))
+        elif c in self._offloaded:
             dst, ready = self._offloaded.pop(c)
             self.updater.update(c, dst, ready)
         else:
@@ -97,6 +116,12 @@ class ChunkRuntime:
             if not any(dst is kept for kept in self.updater.kept.values()):
                 self.updater.host_grads.give(dst)
         self._offloaded.clear()
+        for pending in self._reducing.values():   # nothing may still write into a slot handed out again
+            try:
+                pending.wait()
+            except Exception:  # noqa: BLE001 - the group already failed; the step's own error is raised
+                pass
+        self._reducing.clear()
 
     def drain(self) -> None:
         self.updater.drain()

@@ -36,11 +36,48 @@ def init(device: str, timeout_s: float) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+class Pending:
+    """An asynchronous collective: `wait()` makes the current CUDA stream (or, on the CPU, the caller) wait."""
+
+    def __init__(self, work):
+        self.work = work
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+
 class DataParallel:
     """The collectives of one engine's step."""
 
-    def __init__(self, rank: int, world: int):
-        self.rank, self.world = rank, world
+    def __init__(self, rank: int, world: int, chunked: bool = False):
+        self.rank, self.world, self.chunked = rank, world, chunked
+
+    def owner(self, c: int) -> int:
+        """The rank that holds chunk c's state (chunked mode)."""
+        return c % self.world
+
+    def owns(self, c: int) -> bool:
+        return not self.chunked or c % self.world == self.rank
+
+    def broadcast_chunk(self, buf: torch.Tensor, c: int) -> Pending:
+        """Chunk c's compute copy, made in `buf` on its owner, into `buf` on every rank (started, not waited)."""
+        return Pending(dist.broadcast(buf, self.owner(c), async_op=True))
+
+    def reduce_chunk(self, grad: torch.Tensor, c: int) -> Pending:
+        """Every rank's gradient of chunk c summed into the owner's `grad` (started, not waited)."""
+        return Pending(dist.reduce(grad, self.owner(c), async_op=True))
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` summed over the ranks, in place (NCCL: through a GPU copy when `t` is on the host)."""
+        if t.device.type == "cpu" and dist.get_backend() == "nccl":
+            tmp = t.to(torch.device("cuda", torch.cuda.current_device()))
+            dist.all_reduce(tmp)
+            t.copy_(tmp)
+        else:
+            dist.all_reduce(t)
+        return t
 
     def all_reduce_(self, t: torch.Tensor) -> None:
         dist.all_reduce(t)
@@ -51,15 +88,19 @@ class DataParallel:
         dist.all_reduce(t)
         return (t / self.world).reshape(())
 
-    def broadcast_(self, t: torch.Tensor) -> None:
-        """Rank 0's values everywhere (initial weights and buffers: every rank starts from one model). NCCL
-        moves GPU memory only: a host chunk crosses through a GPU copy."""
+    def broadcast_(self, t: torch.Tensor, src: int = 0) -> None:
+        """Rank `src`'s values everywhere (initial weights and buffers: every rank starts from rank 0's model).
+        NCCL moves GPU memory only: a host tensor crosses through a GPU copy."""
         if t.device.type == "cpu" and dist.get_backend() == "nccl":
             tmp = t.to(torch.device("cuda", torch.cuda.current_device()))
-            dist.broadcast(tmp, 0)
+            dist.broadcast(tmp, src)
             t.copy_(tmp)
         else:
-            dist.broadcast(t, 0)
+            dist.broadcast(t, src)
+
+    def scratch_device(self, device: torch.device) -> torch.device:
+        """Where a temporary that crosses between ranks lives: NCCL needs GPU memory."""
+        return device if dist.get_backend() != "nccl" else torch.device("cuda", torch.cuda.current_device())
 
     def barrier(self) -> None:
         dist.barrier()

@@ -5,6 +5,7 @@
   prefetch(c)  take a compute slot and start bringing chunk c's compute copy into it: a cast on the device
                for a device chunk; for a host chunk its 16-bit shadow (2 B/param cross), a cast on the host
                into staging (2 B/param), or the fp32 master (4 B/param) cast on the device from staging;
+               with chunk-partitioned data parallelism only c's owner does that, then broadcasts the slot;
   fetch(c)     the compute waits until that copy has landed (prefetching first if the plan did not);
   release(c)   the slot is free once its last reader has run;
   param(i)     parameter i as a view of its chunk's compute copy;
@@ -42,7 +43,9 @@ class CpuCopies:
         """The current stream waits for `event`."""
 
     def compute_waits(self, event) -> None:
-        """The compute stream waits for `event` (a copy)."""
+        """The compute stream waits for `event` (a copy; a collective, which is waited for here)."""
+        if event is not None:
+            event.wait()
 
     def host_waits(self, event) -> None:
         """The calling host thread waits for `event`."""
@@ -81,7 +84,11 @@ class CudaCopies:
             return
         before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         before.record(self.compute)
-        self.compute.wait_event(event)
+        if isinstance(event, torch.cuda.Event):
+            self.compute.wait_event(event)
+        else:                                    # a collective (dist.Pending): the current stream waits for it
+            with torch.cuda.stream(self.compute):
+                event.wait()
         after.record(self.compute)
         self.telemetry.stall(before, after)
 
@@ -99,8 +106,9 @@ class CudaCopies:
 
 
 class Mover:
-    def __init__(self, store: ChunkStore, plan: Plan, copies, telemetry: Telemetry):
+    def __init__(self, store: ChunkStore, plan: Plan, copies, telemetry: Telemetry, dp=None):
         self.store, self.plan, self.copies, self.stats = store, plan, copies, telemetry.stats
+        self.dp = dp if dp is not None and dp.chunked else None   # runtime.dist.DataParallel, partitioned
         layout, dtype, cs = store.layout, store.compute_dtype, store.layout.chunk_size
         self.layout = layout
         self.slots = Pool([store.alloc("device", cs, dtype) for _ in range(plan.slots)])
@@ -114,7 +122,7 @@ class Mover:
         self._slot_done: dict[int, object] = {}      # slot data_ptr -> its last reader finished
         self._grad_done: dict[int, object] = {}      # gradient slot data_ptr -> its last copy out finished
         self.pinned = {c for c in range(len(layout.chunks))
-                       if plan.placement[c] == "device" and dtype == torch.float32}
+                       if plan.placement[c] == "device" and dtype == torch.float32 and self.dp is None}
         for c in self.pinned:
             self.compute[c] = store.master[c]        # fp32 on the device: the master is the compute copy
 
@@ -125,8 +133,13 @@ class Mover:
         n = self.layout.chunks[c].used_elems
         with self.copies.on("h2d"):
             self.copies.wait(self._slot_done.pop(buf.data_ptr(), None))
-            self._copy_in(c, buf[:n])
-            self._ready[c] = self.copies.record()
+            if self.store.holds(c):
+                self._copy_in(c, buf[:n])
+            if self.dp is None:
+                self._ready[c] = self.copies.record()
+            else:                                # from the owner's slot into every rank's (after the copy in)
+                self._ready[c] = self.dp.broadcast_chunk(buf[:n], c)
+                self.stats.coll_bytes += n * buf.element_size()
         self.compute[c] = buf
 
     def _copy_in(self, c: int, dst: torch.Tensor) -> None:
@@ -208,6 +221,12 @@ class Mover:
         for buf in self.grads.values():
             self.grad_slots.give(buf)
         self.grads.clear()
+        for ready in self._ready.values():
+            if ready is not None and not isinstance(ready, torch.cuda.Event):
+                try:
+                    ready.wait()                 # a broadcast still writing into a slot given back
+                except Exception:  # noqa: BLE001 - the group already failed; the step's own error is raised
+                    pass
         self._ready.clear()
 
     def check_idle(self) -> None:

@@ -1,7 +1,8 @@
 """store: the chunks' persistent state on its tier, and every allocation the runtime makes, accounted.
 
 Per chunk, on the tier the plan placed it: the fp32 master, exp_avg and exp_avg_sq (12 B/param), and for
-host chunks that ship 16 bits a 16-bit shadow the host Adam keeps current. Everything is allocated once,
+host chunks that ship 16 bits a 16-bit shadow the host Adam keeps current. A chunk another data-parallel
+rank owns ("remote") has no state here: its entries are None. Everything is allocated once,
 at start, through `alloc`, which charges the tier's budget; `Pool` hands out equal buffers allocated the
 same way (compute slots, gradient slots, host gradient buffers). Host memory is page-locked on CUDA.
 """
@@ -59,6 +60,11 @@ class ChunkStore:
         self.master, self.exp_avg, self.exp_avg_sq = [], [], []
         for c in range(n):
             tier = self.tier(c)
+            if tier == "remote":
+                self.master.append(None)
+                self.exp_avg.append(None)
+                self.exp_avg_sq.append(None)
+                continue
             self.master.append(self.alloc(tier, cs, torch.float32, zero=True))
             self.exp_avg.append(self.alloc(tier, cs, torch.float32, zero=True))
             self.exp_avg_sq.append(self.alloc(tier, cs, torch.float32, zero=True))
@@ -70,6 +76,10 @@ class ChunkStore:
 
     def tier(self, c: int) -> str:
         return self.plan.placement[c]
+
+    def holds(self, c: int) -> bool:
+        """Whether chunk c's state is on this rank (always, without chunk-partitioned data parallelism)."""
+        return self.plan.placement[c] != "remote"
 
     def alloc(self, tier: str, n: int, dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
         """A persistent buffer on `tier` ("device" or "host"), charged against that tier's budget."""
@@ -93,7 +103,8 @@ class ChunkStore:
     # ---- weights in and out --------------------------------------------------------------------------
     def load_params(self, tensors: list[torch.Tensor]) -> None:
         for slot, t in zip(self.layout.slots, tensors):
-            self.master[slot.chunk][slot.offset: slot.offset + slot.numel].copy_(t.detach().reshape(-1))
+            if self.holds(slot.chunk):
+                self.master[slot.chunk][slot.offset: slot.offset + slot.numel].copy_(t.detach().reshape(-1))
         self.masters_changed()
 
     def masters_changed(self, chunks=None) -> None:
@@ -104,6 +115,9 @@ class ChunkStore:
 
     def param_fp32(self, index: int) -> torch.Tensor:
         slot = self.layout.slots[index]
+        if not self.holds(slot.chunk):
+            raise RuntimeError(f"{slot.param.name} is in chunk {slot.chunk}, which rank {self.plan.owner(slot.chunk)} "
+                               f"holds, not this one (rank {self.plan.rank})")
         return self.master[slot.chunk][slot.offset: slot.offset + slot.numel].view(slot.param.shape)
 
 

@@ -14,6 +14,7 @@ class MemoryStats:
     host_peak_bytes: int = 0
     h2d_bytes: int = 0
     d2h_bytes: int = 0
+    coll_bytes: int = 0      # bytes this rank's collectives sent or received (chunk broadcasts and reduces)
 
     def charge(self, tier: str, nbytes: int, budget: int | None) -> None:
         """Count a persistent allocation on `tier` ("device" or "host"), refusing one over the budget."""

@@ -17,6 +17,8 @@ for a host chunk). What it does with it depends on the step's mode, set by the s
 The verdict is the global squared norm of the step's gradient, measured on the device as gradients are
 produced (device and host chunks alike, before a host chunk's gradient leaves the device), so it costs one
 read of each gradient and one sync per step — never one per chunk, and never a wait for the host worker.
+With chunk-partitioned data parallelism each rank measures the chunks it owns (their gradients summed there
+by `rt.reduce`) and the per-parameter vector is summed over the ranks, one all-reduce per step.
 It is kept per parameter, not per chunk: each parameter's squared norm is a function of its own gradient
 elements only (`kernels.sq_norms`: not of its offset, its neighbours or its chunk's tier), written into a
 float64 vector indexed like `Capture.params`, and the verdict adds that vector up exactly (`math.fsum`).
@@ -84,8 +86,9 @@ class _Log:
 
 class Updater:
     def __init__(self, store: ChunkStore, plan: Plan, copies, telemetry: Telemetry, mover: Mover, *,
-                 worker: bool, grad_accum: int):
+                 worker: bool, grad_accum: int, dp=None):
         self.store, self.plan, self.copies, self.telemetry, self.mover = store, plan, copies, telemetry, mover
+        self.dp = dp if dp is not None and dp.chunked else None   # partitioned: this rank updates its own chunks
         layout, cs, dtype = store.layout, store.layout.chunk_size, store.compute_dtype
         self.layout, self.device = layout, store.device
         self.spans = [ch.grad_spans() for ch in layout.chunks]
@@ -94,7 +97,7 @@ class Updater:
         self._segments = [[(s.offset, s.numel) for s in g] for g in graded]
         self._params = [[s.index for s in g] for g in graded]
         self._param_index = [torch.tensor(ix, dtype=torch.long, device=self.device) for ix in self._params]
-        updated = [c for c, s in enumerate(self.spans) if s]
+        updated = [c for c, s in enumerate(self.spans) if s and store.holds(c)]
         host = [c for c in updated if store.tier(c) == "host"]
         self.accumulates = grad_accum > 1
         # kept gradients: every chunk's, on the host, until the step's verdict (an accumulating step keeps
@@ -236,10 +239,19 @@ class Updater:
         An accumulating step waits for its host chunks' sums here."""
         if self.log.mode in ("accumulate", "measure"):
             self._settle(self.log)
-        per_param = self._sq.tolist()                      # the step's one sync
-        for i, sq in self.log.host_sq.items():
-            per_param[i] = sq
-        return exact_sum(per_param)
+        if self.dp is None:
+            per_param = self._sq.tolist()                  # the step's one sync
+            for i, sq in self.log.host_sq.items():
+                per_param[i] = sq
+            return exact_sum(per_param)
+        # partitioned: each parameter's square is measured by its chunk's owner alone (zero elsewhere), so the
+        # sum over ranks adds it to zeros: exact, and the same vector on every rank
+        sq = self._sq.clone()
+        if self.log.host_sq:
+            index = list(self.log.host_sq)
+            sq[torch.tensor(index, device=sq.device)] = torch.tensor([self.log.host_sq[i] for i in index],
+                                                                      dtype=torch.float64, device=sq.device)
+        return exact_sum(self.dp.sum_(sq).tolist())
 
     def apply_accumulated(self, hyper: Hyper) -> None:
         """An accumulating step's updates, from the accumulators, now that the verdict allows them."""
