@@ -3,6 +3,7 @@
 # arguments (kernels | tests | probe | small_peak | checkpoint | gpt:MODEL:SYSTEM[:BATCH[:HOST_MEMORY[:LAYERS[:EXTRA ARGS]]]]).
 # Output files land in $OUT. MODEL: a GPT name, llama/NAME or hf-llama/NAME (bench/gpt.py --model).
 # EXTRA ARGS go to bench/gpt.py as they are, e.g. gpt:GPT3_10B:pstar_fx:16:108GiB::--clip-sweep=none,1e9,1e-3
+# The strongest PyTorch peer: gpt:GPT_h3072_L36:torch-best:16 ({eager, compiled} x checkpoint {none, half, all}).
 # STEPS (default 6) sets the training steps of each gpt stage.
 # Wheels in .whl/ (bench/peer_wheels.sh: DeepSpeed and what it needs) are installed first when carried:
 #   run(command="bash bench/gpu_run.sh gpt:GPT_h3072_L36:deepspeed", carry=[".whl"])
@@ -24,10 +25,11 @@ for stage in "$@"; do
     checkpoint) timeout 400 python3 bench/checkpoint_bench.py --json "$OUT/checkpoint.jsonl" 2>&1 | tail -30 | tee -a "$OUT/checkpoint.txt" ;;
     probe) timeout 120 python3 bench/peak_probe.py 2>&1 | grep -v "^DEBUG" | tail -45 | tee -a "$OUT/probe.txt" ;;
     kernels) timeout 240 python3 bench/kernels_gpu.py 2>&1 | tee -a "$OUT/kernels.txt" ;;
-    tests) timeout 240 python3 -m pytest -q -rs -p no:logging --tb=short -o faulthandler_timeout=100 tests/test_gpu.py \
+    tests) timeout 330 python3 -m pytest -q -rs -p no:logging --tb=short -o faulthandler_timeout=100 tests/test_gpu.py \
              tests/test_kernels.py -k "gpu or cuda or undo" 2>&1 | tail -60 | tee -a "$OUT/tests.txt" ;;
     gpt:*) IFS=: read -r _ model system batch host layers extra <<< "$stage"
-       timeout 420 python3 bench/gpt.py --model "$model" --system "$system" --batch "${batch:-16}" --seq 1024 \
+       limit=420; [[ $system == torch-best ]] && limit=580   # six configurations; gpt.py stops itself at --sweep-timeout
+       timeout $limit python3 bench/gpt.py --model "$model" --system "$system" --batch "${batch:-16}" --seq 1024 \
          --steps "${STEPS:-6}" --host-memory "${host:-110GiB}" ${layers:+--layers "$layers"} ${extra} --dump-after 300 \
          --json "$OUT/gpt.jsonl" \
          2> >(tee -a "$OUT/gpt.log" | tail -40 >&2) ;;

@@ -299,7 +299,7 @@ def _agree(dp, problem: str, error=RuntimeError, fail_quietly: bool = False) -> 
             raise error(problem)
         return
     import torch.distributed as dist
-    flag = torch.tensor([1.0 if problem else 0.0], device=dp.scratch_device(torch.device("cpu")))
+    flag = torch.tensor([1.0 if problem else 0.0], device=dp.scratch_device())
     dist.all_reduce(flag)
     if fail_quietly:
         return

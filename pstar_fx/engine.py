@@ -34,7 +34,7 @@ from .passes.recompute import Segment, group_segments
 from .costs import calibrate
 from .plan import BudgetError, Plan, make_plan, usable_budget
 from .runtime import ChunkRuntime, StepRolledBack, run_graph
-from .runtime.dist import DataParallel, init as init_dist, world_from_env
+from .runtime.dist import DataParallel, init as init_dist, measure_bus_bandwidth, world_from_env
 from .runtime.step import StepReport, Stepper
 
 
@@ -175,12 +175,12 @@ class Lowered:
 
     def _rates(self):
         """The cost model's rates. Partitioned ranks plan one collective schedule, so they plan with one set of
-        rates: rank 0's."""
+        rates: rank 0's, with the bus bandwidth of a broadcast between them measured now."""
         rates = calibrate(self.device, self.dtype)
         if self.chunked and dist.is_available() and dist.is_initialized():
             box = [rates]
             dist.broadcast_object_list(box, 0)
-            rates = box[0]
+            rates = dataclasses.replace(box[0], coll_bw=measure_bus_bandwidth(self.device, self.dtype))
         return rates
 
     def _run_pass(self, name, fn, gm, *args):
@@ -311,7 +311,7 @@ class Engine:
         """Chunk-partitioned: each chunk's master gets rank 0's weights of it (packed there from its model)."""
         layout, store = self.lowered.layout, self.rt.store
         cap = self.lowered.capture
-        where = self.dp.scratch_device(self.device)
+        where = self.dp.scratch_device()
         for ch in layout.chunks:
             tmp = torch.zeros(ch.used_elems, dtype=torch.float32, device=where)
             if self.dp.rank == 0:
@@ -329,7 +329,7 @@ class Engine:
             if self.dp is None or not self.dp.chunked:
                 yield ch, store.master[ch.id][: ch.used_elems]
                 continue
-            tmp = torch.empty(ch.used_elems, dtype=torch.float32, device=self.dp.scratch_device(self.device))
+            tmp = torch.empty(ch.used_elems, dtype=torch.float32, device=self.dp.scratch_device())
             if store.holds(ch.id):
                 tmp.copy_(store.master[ch.id][: ch.used_elems])
             self.dp.broadcast_(tmp, self.dp.owner(ch.id))
@@ -600,8 +600,8 @@ class Engine:
         lines.append(f"compile: {self.phases.summary()}")
         ops = Counter(n.target for n in self.graph.graph.nodes if n.op == "call_method")
         lines.append("schedule (nodes in engine.graph): "
-                     + ", ".join(f"{k} {ops[k]}" for k in ("prefetch", "fetch", "release", "offload", "adam",
-                                                            "grad", "param") if ops[k]))
+                     + ", ".join(f"{k} {ops[k]}" for k in ("prefetch", "fetch", "release", "offload", "reduce",
+                                                            "all_reduce", "adam", "grad", "param") if ops[k]))
         return "\n".join(lines)
 
 

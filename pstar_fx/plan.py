@@ -575,6 +575,15 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     plan.why = _why(plan, config, min_slots, budget)
     # step time = compute (recompute included) + copies not hidden + host Adam that compute can't hide
     plan.estimated_step_seconds = sum(node_secs) + sched.exposed_seconds + adam_exposed
+    if chunked:
+        # every broadcast and reduce runs on one collective stream, in graph order: the step takes at least
+        # their sum. The broadcasts' wait is in the schedule's exposed time; the reduces overlap backward.
+        n_reduced = sum(1 for ch in layout.chunks if ch.grad_spans())
+        comm = (fetches + n_reduced) * coll_seconds * config.grad_accum
+        plan.estimated_step_seconds = max(plan.estimated_step_seconds, comm)
+        notes.append(f"data parallel over {world} ranks, chunks partitioned: {fetches} chunk broadcast(s) and "
+                     f"{n_reduced} reduce(s) per micro-batch, {format_bytes(cs * compute_itemsize)} each, about "
+                     f"{comm * 1e3:.1f} ms per step at a bus bandwidth of {rates.coll_bw / 1e9:.0f} GB/s")
     plan.transaction = transaction
     two_passes = transaction == "two_pass" and (config.grad_clip is not None or config.loss_scaler_spec is not None)
     if two_passes:

@@ -27,8 +27,10 @@ rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 mode, first = os.environ.get("DP", "chunked"), int(os.environ.get("FIRST_STEP", 0))
 whole_batches = gpt_batches(first + steps, accum=int(os.environ.get("WHOLE", world * accum)))
 mine = [tuple(x.chunk(world)[rank] for x in whole) for whole in whole_batches][first:]
-config = {"device": "cpu", "placement": "host", "chunk_size": 16384, "optimizer": OPT, "grad_clip": clip,
-          "grad_accum": accum, "dist_timeout": 60, "data_parallel": mode}
+config = {"device": os.environ.get("DEVICE", "cpu"), "placement": "host", "chunk_size": 16384, "optimizer": OPT,
+          "grad_clip": clip, "grad_accum": accum, "dist_timeout": 60, "data_parallel": mode}
+if os.environ.get("TRANSACTION"):
+    config["transaction"] = os.environ["TRANSACTION"]
 if os.environ.get("DEVICE_MEMORY"):              # some chunks on the CPU playing the device tier, some on the host
     config.update(placement="auto", device_memory=int(os.environ["DEVICE_MEMORY"]))
 engine = pstar_fx.compile(tiny_gpt(), config, tuple(x[: x.shape[0] // accum] for x in mine[0]),
@@ -66,7 +68,8 @@ def _launch(world: int, out: str, steps: int, clip: float | None, accum: int, ti
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", DP=mode, **(extra_env or {}))
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", DP=mode)
+        env.update(extra_env or {})
         procs.append(subprocess.Popen([sys.executable, "-c", _RANK, HERE, out, str(steps), str(clip or 0), str(accum)],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     errors, results = [], []
@@ -86,20 +89,22 @@ def _launch(world: int, out: str, steps: int, clip: float | None, accum: int, ti
 
 
 def _results(out: str, world: int):
-    return [torch.load(f"{out}.{r}.pt") for r in range(world)], [json.load(open(f"{out}.{r}.json")) for r in range(world)]
+    return ([torch.load(f"{out}.{r}.pt") for r in range(world)],
+            [json.load(open(f"{out}.{r}.json")) for r in range(world)])
 
 
 CASES = [("chunked", 2, None, 1, None), ("chunked", 2, 0.05, 1, None), ("chunked", 2, 0.05, 2, None),
          ("chunked", 4, 0.05, 1, None), ("chunked", 2, 0.05, 1, "mixed"), ("replicated", 2, 0.05, 1, None),
-         ("replicated", 4, 0.05, 1, None), ("replicated", 2, 0.05, 2, None)]
+         ("chunked", 2, 0.05, 1, "replay"), ("chunked", 2, 0.05, 1, "two_pass"), ("replicated", 2, 0.05, 2, None)]
 
 
-@pytest.mark.parametrize("mode,world,clip,accum,tiers", CASES)
-def test_ranks_equal_one_process_on_the_whole_batch(tmp_path, mode, world, clip, accum, tiers):
+@pytest.mark.parametrize("mode,world,clip,accum,variant", CASES)
+def test_ranks_equal_one_process_on_the_whole_batch(tmp_path, mode, world, clip, accum, variant):
+    """variant: "mixed" (each rank's chunks on both tiers), or the step's transaction (else the plan's choice)."""
     steps = 3
     out = str(tmp_path / "run")
-    env = {}
-    if tiers == "mixed":                    # a device budget that holds some of each rank's chunks
+    env = {"TRANSACTION": variant} if variant in ("replay", "two_pass") else {}
+    if variant == "mixed":                    # a device budget that holds some of each rank's chunks
         local = tuple(x.chunk(world)[0] for x in gpt_batches(1, accum=world * accum)[0])
         on_host = pstar_fx.plan(tiny_gpt(), {"device": "cpu", "placement": "host", "chunk_size": 16384,
                                              "optimizer": OPT, "grad_clip": clip}, local, world=world)
@@ -111,7 +116,7 @@ def test_ranks_equal_one_process_on_the_whole_batch(tmp_path, mode, world, clip,
     for r in range(1, world):                        # every rank holds (or gathers) the same model, bit for bit
         assert runs[r]["reports"] == runs[0]["reports"]
         assert all(torch.equal(sds[r][k], sds[0][k]) for k in sds[0])
-    if tiers == "mixed":
+    if variant == "mixed":
         assert all({"device", "host"} <= set(run["placement"]) for run in runs), [run["placement"] for run in runs]
     if mode == "chunked":                            # rank r holds chunks r, r + world, ... and no other
         n = len(runs[0]["placement"])
@@ -138,6 +143,56 @@ def test_a_dead_rank_ends_the_others_with_an_error(tmp_path):
     assert time.monotonic() - t0 < 110
 
 
+_SKIP_RANK = r"""
+import json, os, sys, warnings, torch
+sys.path.insert(0, sys.argv[1])
+import pstar_fx
+from test_transaction import OPT, Regression, regression_batches
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+torch.manual_seed(0)
+batches = [tuple(x.chunk(world)[rank] for x in b) for b in regression_batches(4, overflow_at=(2,))]
+engine = pstar_fx.compile(Regression(), {"device": "cpu", "placement": "host", "chunk_size": 4096, "optimizer": OPT,
+                                         "grad_clip": 5.0, "dist_timeout": 60}, batches[0])
+skipped = []
+for b in batches:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine.step(*b)
+    skipped.append(engine.last_step.skipped)
+torch.save(engine.state_dict(), f"{sys.argv[2]}.{rank}.pt")
+json.dump({"skipped": skipped, "steps": engine.steps}, open(f"{sys.argv[2]}.{rank}.json", "w"))
+"""
+
+
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    """Only rank 0's half of step 2's batch holds an inf: the verdict is global, so both ranks skip that step
+    (rolled back where speculated), and the run equals one process skipping it on the whole batch."""
+    from test_transaction import OPT, Regression, regression_batches
+    out = str(tmp_path / "skip")
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", _SKIP_RANK, HERE, out], stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1"))
+             for r in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err[-2000:]
+    runs = [json.load(open(f"{out}.{r}.json")) for r in range(2)]
+    sds = [torch.load(f"{out}.{r}.pt") for r in range(2)]
+    assert runs[0] == runs[1] == {"skipped": [False, False, True, False], "steps": 3}
+    assert all(torch.equal(sds[0][k], sds[1][k]) for k in sds[0])
+    torch.manual_seed(0)
+    batches = regression_batches(4, overflow_at=(2,))
+    one = pstar_fx.compile(Regression(), {"device": "cpu", "placement": "host", "chunk_size": 4096, "optimizer": OPT,
+                                          "grad_clip": 5.0, "grad_accum": 2}, tuple(x[:4] for x in batches[0]))
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        for b in batches:
+            one.step(*b)
+    ref = one.state_dict()
+    for k in ref:
+        torch.testing.assert_close(sds[0][k], ref[k], rtol=1e-5, atol=1e-7)
+
+
 def _tensors(ckpt: str) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint directory by name (weights and moments, whatever its sharding)."""
     from safetensors.torch import load_file
@@ -148,7 +203,7 @@ def _tensors(ckpt: str) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("mode", ["chunked", "replicated"])
+@pytest.mark.parametrize("mode", ["chunked"])
 def test_a_checkpoint_saved_at_two_ranks_resumes_at_four_and_at_one(tmp_path, mode):
     """Saved at 2 ranks (chunked: each writes its own chunks), loaded at 4 (re-partitioned) and at 1: the same
     weights and moments bit for bit, and training goes on as one process would on the whole batch."""

@@ -246,3 +246,28 @@ def test_gpu_hf_model_with_dropout_is_seeded():
         runs.append(([engine.step(input_ids=ids, labels=ids).item() for _ in range(3)], engine.state_dict()))
     assert runs[0][0] == runs[1][0]
     assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
+
+
+@pytest.mark.parametrize("tiers", ["host", "mixed"])
+def test_gpu_chunked_ranks_sharing_one_gpu_equal_one_process(tmp_path, tiers):
+    """Two chunk-partitioned ranks on the one GPU, over gloo (NCCL refuses two ranks on one device): the CUDA
+    runtime's ordering of broadcasts, reduces, copies and the host Adam worker, against torch fp32 on the CPU."""
+    from test_dist import _launch, _results
+    from test_engine import assert_weights_close
+    from test_transaction import tiny_gpt
+    env = {"DEVICE": "cuda", "LOCAL_RANK": "0", "PSTAR_FX_DIST_BACKEND": "gloo"}
+    if tiers == "mixed":
+        local = tuple(x.chunk(2)[0] for x in gpt_batches(1, accum=2)[0])
+        on_host = pstar_fx.plan(tiny_gpt(), {"device": "cuda", "placement": "host", "chunk_size": 16384,
+                                             "optimizer": OPT, "grad_clip": 0.05}, _on_gpu(local), world=2)
+        env["DEVICE_MEMORY"] = str(on_host.device_peak_bytes + 3 * 16384 * 12 + 2**20)
+    out = str(tmp_path / "run")
+    _launch(2, out, 3, 0.05, 1, extra_env=env)
+    ref, _, ref_out = reference(tiny_gpt(), gpt_batches(3, accum=2), grad_clip=0.05, accum=2)
+    sds, runs = _results(out, 2)
+    assert runs[1]["reports"] == runs[0]["reports"]
+    if tiers == "mixed":
+        assert all({"device", "host"} <= set(run["placement"]) for run in runs), [run["placement"] for run in runs]
+    torch.testing.assert_close(torch.tensor([x[0] for x in runs[0]["reports"]]), torch.tensor([o[0] for o in ref_out]),
+                               rtol=1e-4, atol=0)
+    assert_weights_close(sds[0], ref, 1e-4, per_tensor=False)

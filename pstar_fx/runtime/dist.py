@@ -31,9 +31,32 @@ def init(device: str, timeout_s: float) -> tuple[int, int]:
     if world == 1:
         return 0, 1
     if not dist.is_initialized():
-        backend = "nccl" if device.startswith("cuda") else "gloo"
+        # PSTAR_FX_DIST_BACKEND=gloo runs CUDA ranks over gloo: several ranks sharing one GPU (NCCL refuses
+        # that), to test the partitioned runtime's stream ordering on a one-GPU machine
+        backend = os.environ.get("PSTAR_FX_DIST_BACKEND") or ("nccl" if device.startswith("cuda") else "gloo")
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
+
+
+def measure_bus_bandwidth(device: torch.device, dtype: torch.dtype, elems: int = 4 * 2**20) -> float:
+    """Bytes/s of a chunk broadcast between the ranks (a ring broadcast's bus bandwidth is its algorithm
+    bandwidth), the best of 3 after a warm-up, as rank 0 measured it: every rank gets the same figure."""
+    import time
+    where = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else \
+        (device if device.type == "cuda" else torch.device("cpu"))
+    t = torch.zeros(elems, dtype=dtype, device=where)
+    best = float("inf")
+    for k in range(4):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.broadcast(t, 0)
+        if where.type == "cuda":
+            torch.cuda.synchronize(where)
+        if k:
+            best = min(best, time.perf_counter() - t0)
+    box = [t.numel() * t.element_size() / max(best, 1e-9)]
+    dist.broadcast_object_list(box, 0)
+    return float(box[0])
 
 
 class Pending:
@@ -67,6 +90,8 @@ class DataParallel:
 
     def reduce_chunk(self, grad: torch.Tensor, c: int) -> Pending:
         """Every rank's gradient of chunk c summed into the owner's `grad` (started, not waited)."""
+        if grad.device.type == "cuda" and dist.get_backend() == "gloo":   # gloo cannot reduce CUDA tensors
+            return Pending(dist.all_reduce(grad, async_op=True))
         return Pending(dist.reduce(grad, self.owner(c), async_op=True))
 
     def sum_(self, t: torch.Tensor) -> torch.Tensor:
@@ -98,9 +123,10 @@ class DataParallel:
         else:
             dist.broadcast(t, src)
 
-    def scratch_device(self, device: torch.device) -> torch.device:
-        """Where a temporary that crosses between ranks lives: NCCL needs GPU memory."""
-        return device if dist.get_backend() != "nccl" else torch.device("cuda", torch.cuda.current_device())
+    def scratch_device(self) -> torch.device:
+        """Where a temporary that crosses between ranks lives: NCCL needs GPU memory, gloo is happiest on the host."""
+        nccl = dist.get_backend() == "nccl"
+        return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     def barrier(self) -> None:
         dist.barrier()
