@@ -248,12 +248,13 @@ class Engine:
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device: {config.device!r} requested but CUDA is not available here; "
                              "use device='cpu' (the CPU then plays the device tier)")
-        rank, world = init_dist(config.device, config.dist_timeout)
-        if world > 1:
+        _, launched, local_rank = world_from_env()
+        if launched > 1:
             if config.device in ("cuda", "auto") and torch.cuda.is_available():
-                config = dataclasses.replace(config, device=f"cuda:{world_from_env()[2]}")   # one GPU per rank
+                config = dataclasses.replace(config, device=f"cuda:{local_rank}")   # one GPU per rank
             if config.device.startswith("cuda"):
                 torch.cuda.set_device(torch.device(config.device))
+        rank, world = init_dist(config.device, config.dist_timeout)
         if config.device.startswith("cuda") and config.device_memory is None:
             free, _ = torch.cuda.mem_get_info(torch.device(config.device))
             config = dataclasses.replace(config, device_memory=free)

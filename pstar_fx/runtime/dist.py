@@ -35,6 +35,10 @@ def init(device: str, timeout_s: float) -> tuple[int, int]:
         # that), to test the partitioned runtime's stream ordering on a one-GPU machine
         backend = os.environ.get("PSTAR_FX_DIST_BACKEND") or ("nccl" if device.startswith("cuda") else "gloo")
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    if dist.get_backend() == "nccl":
+        # NCCL makes its communicator (and its buffers, outside PyTorch's allocator) at the first collective:
+        # make it now, before the engine reads the GPU's free memory as its budget
+        dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())))
     return dist.get_rank(), dist.get_world_size()
 
 
