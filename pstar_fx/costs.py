@@ -9,6 +9,9 @@ measurement is possible (planning for a CUDA device on a machine without one).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import json
 import os
 import time
@@ -67,7 +70,39 @@ def _device_key(device: torch.device) -> str:
     return "".join(c if c.isalnum() else "_" for c in name)
 
 
+# Figures a caller states instead of measuring (`assumed`): one dict per context, so threads and nested blocks
+# each see their own; None outside any `with assumed(...)`.
+_ASSUMED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("pstar_fx_assumed_rates", default=None)
+
+
+@contextlib.contextmanager
+def assumed(**figures: float):
+    """Within the block, `calibrate` returns its rates with these fields of `Rates` replaced, e.g.
+    `with assumed(coll_bw=45e9): pstar_fx.plan(...)` plans for ranks joined by 45 GB/s of collective bus
+    bandwidth (InfiniBand between hosts) rather than the nominal NVLink figure. For sizing a machine that is
+    not this one (`pstar-fx plan --coll-bw`); the cache's measurements are left as they are, and an engine
+    launched on partitioned ranks still measures its own bus bandwidth (engine.Lowered._rates). An unknown
+    field is a TypeError that lists the valid ones."""
+    names = [f.name for f in dataclasses.fields(Rates) if f.name != "device"]
+    unknown = sorted(set(figures) - set(names))
+    if unknown:
+        raise TypeError(f"assumed(): unknown rate(s) {', '.join(unknown)}; choose from: {', '.join(names)}")
+    token = _ASSUMED.set({**(_ASSUMED.get() or {}), **figures})
+    try:
+        yield
+    finally:
+        _ASSUMED.reset(token)
+
+
 def calibrate(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Rates:
+    """Measured rates for `device`, from the cache when present (`Rates.nominal` for a CUDA device this
+    machine lacks), with the figures of an enclosing `assumed(...)` written over them."""
+    rates = _calibrated(device, dtype)
+    figures = _ASSUMED.get()
+    return dataclasses.replace(rates, **figures) if figures else rates
+
+
+def _calibrated(device: torch.device, dtype: torch.dtype) -> Rates:
     """Measured rates for `device`, from the cache when present. A GPU is measured in a child process: its
     benchmark tensors (hundreds of MiB) must not count in this process's memory or its peak statistics,
     which the plan promises to stay under."""
