@@ -1,6 +1,7 @@
-"""Train the GPT from pstar_fx.models with random tokens and print one line: RESULT {json}.
+"""Train the GPT from pstar_fx.models with random tokens and print one line: RESULT {json}
+(torch-best: one per configuration, then the best).
 
-    python bench/gpt.py --model NAME --system {pstar_fx,torch,deepspeed} --batch B --seq S --steps K [--json FILE]
+    python bench/gpt.py --model NAME --system {pstar_fx,torch,torch-best,deepspeed} --batch B --seq S --steps K [--json FILE]
 
 --model NAME: our GPT (pstar_fx.models.gpt_config); llama:NAME our LLaMA (llama_config); hf-llama:NAME the
 same shape as Hugging Face's LlamaForCausalLM, unmodified (pstar_fx only), stepped with a dict batch.
@@ -9,7 +10,11 @@ same shape as Hugging Face's LlamaForCausalLM, unmodified (pstar_fx only), stepp
 
 pstar_fx   the model built on the meta device, compiled with dtype bf16 on one GPU; the planner decides
            placement and recompute.
-torch      the same model all on the GPU: bf16 autocast, fused AdamW, activation checkpointing per block.
+torch      the same model all on the GPU: bf16 autocast, fused AdamW, activation checkpointing of the blocks
+           `--checkpoint` names (all, half or none), the model's forward torch.compile'd with `--compile`.
+torch-best the strongest PyTorch peer: `--system torch` once per {eager, --compile} x {none, half, all}, each in
+           a fresh subprocess with its own time limit (an OOM cannot poison the next), then a table, one
+           RESULT line per configuration and a "best" line: the fastest that fits.
 deepspeed  ZeRO-3 with parameters and optimizer offloaded to pinned CPU memory (when importable; the box
            lacks it: `bash bench/peer_wheels.sh` builds the wheels to carry).
 
@@ -22,8 +27,11 @@ one that always does — and reports each phase's step time and breakdown under 
 Fields: params, tokens, step_s (median of the steps after the first two), tflops (6 * params * tokens /
 step_s), gpu_peak_bytes (torch.cuda.max_memory_allocated), host_rss_bytes (largest RSS seen after a
 step), host_max_rss_bytes (the process's peak RSS, compile included), and for pstar_fx the plan's
-predicted GPU and host peaks and a per-phase breakdown. A model that does not fit prints a
-RESULT with "error" instead of a traceback.
+predicted GPU and host peaks and a per-phase breakdown; for torch, checkpoint (none|half|all),
+checkpointed_blocks, compile (bool) and compile_s (with --compile: the first two steps' time above step_s,
+i.e. dynamo + inductor for forward and backward). A model that does not fit prints a RESULT with "error"
+(and "fits": false when it ran out of memory, "oom_tried_bytes" the allocation that failed) instead of a
+traceback.
 """
 from __future__ import annotations
 
@@ -33,8 +41,11 @@ import faulthandler
 import json
 import logging
 import os
+import re
 import resource
+import signal
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -56,15 +67,33 @@ class Checkpointed(torch.nn.Module):
         return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
 
 
-def checkpointed_gpt(cfg, device: str) -> GPT:
-    """The peers' model: built on meta, initialized on `device`, activation checkpointing per block."""
+CHECKPOINT_CHOICES = ("none", "half", "all")
+
+
+def checkpointed_indices(n_blocks: int, checkpoint: str) -> list[int]:
+    """Which blocks --checkpoint wraps: none, half (the even ones: 0, 2, 4, ...) or all."""
+    step = {"none": None, "half": 2, "all": 1}[checkpoint]
+    return list(range(0, n_blocks, step)) if step else []
+
+
+def checkpoint_blocks(model, checkpoint: str = "all") -> list[int]:
+    """Wrap the blocks `checkpoint` selects in Checkpointed, in place; returns their indices."""
+    name = "h" if hasattr(model, "h") else "layers"
+    blocks = list(getattr(model, name))
+    chosen = checkpointed_indices(len(blocks), checkpoint)
+    setattr(model, name, torch.nn.ModuleList(Checkpointed(b) if i in chosen else b for i, b in enumerate(blocks)))
+    return chosen
+
+
+def checkpointed_gpt(cfg, device: str, checkpoint: str = "all") -> GPT:
+    """The peers' model: built on meta, initialized on `device`, activation checkpointing of the blocks
+    `checkpoint` selects (checkpointed_indices)."""
     with torch.device("meta"):
         model = build(cfg)
     model.to_empty(device=device)
     torch.manual_seed(0)
     model.init_weights()
-    blocks = "h" if hasattr(model, "h") else "layers"
-    setattr(model, blocks, torch.nn.ModuleList(Checkpointed(b) for b in getattr(model, blocks)))
+    checkpoint_blocks(model, checkpoint)
     return model
 
 
@@ -95,8 +124,13 @@ def parse_schedule(text: str | None):
 
 
 def torch_system(cfg, args):
-    model = checkpointed_gpt(cfg, "cuda")
+    model = checkpointed_gpt(cfg, args.device, args.checkpoint)
+    n_checkpointed = sum(isinstance(m, Checkpointed) for m in model.modules())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=True)
+    if args.compile:
+        # the whole forward (embeddings, blocks with their checkpoints, loss) and so its backward; the fused
+        # AdamW step stays eager: it is already a few multi-tensor kernels over all parameters
+        model = torch.compile(model, backend=args.compile_backend)
     spec = parse_schedule(args.lr_schedule)
     sched = None
     if spec:
@@ -107,7 +141,7 @@ def torch_system(cfg, args):
     def step(idx, tgt):
         total = 0.0
         for i, t in zip(idx.chunk(k), tgt.chunk(k)):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast(args.device, dtype=torch.bfloat16):
                 loss = model(i, t)
             (loss / k).backward()
             total = total + loss.detach() / k
@@ -119,7 +153,10 @@ def torch_system(cfg, args):
             sched.step()
         return total
 
-    return step, {}
+    extra = {"checkpoint": args.checkpoint, "checkpointed_blocks": n_checkpointed, "compile": args.compile}
+    if args.compile and args.compile_backend != "inductor":
+        extra["compile_backend"] = args.compile_backend
+    return step, extra
 
 
 def pstar_system(cfg, args, example):
@@ -177,15 +214,125 @@ def deepspeed_system(cfg, args):
     return step, {}
 
 
+def _oom_tried_bytes(message: str) -> int | None:
+    """The allocation a CUDA OOM message says failed ("Tried to allocate 2.00 GiB"), in bytes."""
+    m = re.search(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB)", message)
+    units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+    return int(float(m.group(1)) * units[m.group(2)]) if m else None
+
+
+def _without(argv: list[str], options: dict[str, bool]) -> list[str]:
+    """argv less the options named (option -> takes a value), in either `--opt V` or `--opt=V` form."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in options:
+            skip = options[name] and "=" not in a
+            continue
+        out.append(a)
+    return out
+
+
+TORCH_BEST_CONFIGS = [(c, ck) for c in (False, True) for ck in CHECKPOINT_CHOICES]
+
+
+def run_config(argv: list[str], compile_: bool, checkpoint: str, timeout_s: float) -> dict:
+    """`--system torch` with this configuration in a fresh process (its own CUDA context and allocator);
+    its RESULT line, or an "error" saying why there is none (timeout, crash)."""
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--system", "torch", "--checkpoint", checkpoint]
+    cmd += ["--compile"] if compile_ else []
+    print(f"torch-best: {' '.join(cmd[1:])} (limit {timeout_s:.0f} s)", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    # its own session so a timeout ends the child and the compile workers it started, and nothing else
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout_s)
+        reason = f"exited with {p.returncode} without a RESULT line"
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        reason = f"timeout: no result within {timeout_s:.0f} s"
+    try:
+        os.killpg(p.pid, signal.SIGKILL)      # stragglers of a child that exited (compile workers)
+    except (ProcessLookupError, PermissionError):
+        pass
+    lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
+    result = json.loads(lines[-1][len("RESULT "):]) if lines else {
+        "system": "torch", "checkpoint": checkpoint, "compile": compile_, "error": reason}
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    result["fits"] = result.get("fits", "error" not in result and "step_s" in result)
+    result["sweep"] = "torch-best"
+    return result
+
+
+def torch_best(args, argv: list[str], base: dict) -> dict:
+    """Run TORCH_BEST_CONFIGS one after another, emitting each one's line as it ends (a sweep cut short keeps
+    what it measured); print the table and return the "best" line: the fastest configuration that fits."""
+    child_argv = _without(argv, {"--system": True, "--checkpoint": True, "--compile": False, "--json": True})
+    deadline = time.monotonic() + args.sweep_timeout
+    results = []
+    for compile_, checkpoint in TORCH_BEST_CONFIGS:
+        left = deadline - time.monotonic()
+        if left < 10:
+            r = {"system": "torch", "checkpoint": checkpoint, "compile": compile_, "fits": False,
+                 "sweep": "torch-best", "error": f"not run: --sweep-timeout {args.sweep_timeout:.0f} s spent"}
+        else:
+            r = run_config(child_argv, compile_, checkpoint, min(args.config_timeout, left))
+        results.append(r)
+        emit(r, args.json)
+    print(format_table(results), flush=True)
+    best = dict(base, system="torch-best", gpu=next((r["gpu"] for r in results if r.get("gpu")), None), configs=[
+        {k: r.get(k) for k in ("compile", "checkpoint", "fits", "step_s", "tflops", "gpu_peak_bytes", "compile_s",
+                               "oom", "oom_tried_bytes", "error")} for r in results])
+    fitting = [r for r in results if r["fits"]]
+    if fitting:
+        winner = min(fitting, key=lambda r: r["step_s"])
+        best.update({k: v for k, v in winner.items() if k not in ("system", "sweep", "fits", "wall_s")})
+        best["best"] = {"compile": winner["compile"], "checkpoint": winner["checkpoint"]}
+    else:
+        best["error"] = "no configuration fits"
+    return best
+
+
+def _gib(n: int | None) -> str:
+    return f"{n / 2**30:.1f}" if n else "-"
+
+
+def _dash(x) -> str:
+    return "-" if x is None else str(x)
+
+
+def format_table(results: list[dict]) -> str:
+    """One row per configuration: an OOM reads "does not fit (tried X GiB more at Y GiB)"."""
+    gib, dash = _gib, _dash
+    rows = ["compile  checkpoint  fits  step_s   tflops  gpu_peak_GiB  compile_s  note"]
+    for r in results:
+        if r["fits"]:
+            note = ""
+        elif r.get("oom"):
+            note = (f"does not fit (tried {gib(r.get('oom_tried_bytes'))} GiB more at "
+                    f"{gib(r.get('gpu_peak_bytes'))} GiB allocated)")
+        else:
+            note = r.get("error", "")[:100]
+        rows.append(f"{'yes' if r['compile'] else 'no':<8} {r['checkpoint']:<11} {'yes' if r['fits'] else 'no':<5} "
+                    f"{dash(r.get('step_s')):<8} {dash(r.get('tflops')):<7} {gib(r.get('gpu_peak_bytes')):<13} "
+                    f"{dash(r.get('compile_s')):<10} {note}")
+    return "\n".join(rows)
+
+
 def _max_rss() -> int:
     """The process's peak resident set since it started (compile included), in bytes."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)   # torch-best rewrites its argv for the children
     ap.add_argument("--model", required=True)
-    ap.add_argument("--system", choices=("pstar_fx", "torch", "deepspeed"), required=True)
+    ap.add_argument("--system", choices=("pstar_fx", "torch", "torch-best", "deepspeed"), required=True)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=6)
@@ -202,10 +349,29 @@ def main(argv=None):
     ap.add_argument("--transaction", default="auto", help="pstar_fx Config.transaction")
     ap.add_argument("--clip-sweep", default=None, help="pstar_fx: after the steps, --steps more at each of these "
                     "clip thresholds on the same engine (e.g. 1e9,1e-3: never / always triggers)")
+    ap.add_argument("--checkpoint", choices=CHECKPOINT_CHOICES, default="all",
+                    help="torch: activation checkpointing (torch.utils.checkpoint, non-reentrant) of every block "
+                    "(all, the default), of the even blocks 0, 2, 4, ... (half) or of none")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch: torch.compile (default mode) the whole model's forward -- embeddings, blocks "
+                    "with their checkpoints, loss -- and so its backward; the fused AdamW step stays eager. "
+                    "The first two steps (excluded from step_s) pay the compile: compile_s")
+    ap.add_argument("--compile-backend", default="inductor",
+                    help="torch --compile: the torch.compile backend (tests use 'eager' for speed)")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="torch: cpu only for smoke tests of this script (bf16 autocast on CPU)")
+    ap.add_argument("--config-timeout", type=float, default=240,
+                    help="torch-best: seconds each configuration's subprocess may run")
+    ap.add_argument("--sweep-timeout", type=float, default=540,
+                    help="torch-best: seconds for the whole sweep; configurations it leaves no time for are "
+                    "reported as not run (the best line is still written)")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
+    if args.device != "cuda" and args.system not in ("torch", "torch-best"):
+        ap.error("--device cpu: --system torch only (smoke tests)")
     logging.basicConfig(stream=sys.stderr, format="%(relativeCreated)8.0f ms %(message)s")
     logging.getLogger("pstar_fx").setLevel(logging.INFO)     # compile phases as they happen
-    if args.dump_after:
+    if args.dump_after and args.system != "torch-best":   # torch-best's children get it; it only waits
         faulthandler.dump_traceback_later(args.dump_after, repeat=True)
 
     overrides = {"block_size": max(args.seq, 1)} | ({"n_layer": args.layers} if args.layers else {})
@@ -218,17 +384,30 @@ def main(argv=None):
         params = sum(p.numel() for p in build(cfg, hf=args.hf).parameters())
     tokens = args.batch * args.seq * args.grad_accum
     result = {"system": args.system, "model": args.model, "n_layer": cfg.n_layer, "params": params, "batch": args.batch,
-              "seq": args.seq, "tokens": tokens, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+              "seq": args.seq, "tokens": tokens}
+    if args.system == "torch-best":   # the parent touches no GPU: its context would take memory from the children
+        emit(torch_best(args, argv, result), args.json)
+        return
+    cuda = args.device == "cuda"
+    result["gpu"] = torch.cuda.get_device_name() if cuda and torch.cuda.is_available() else None
+    if args.system == "torch":
+        result.update(checkpoint=args.checkpoint, compile=args.compile)
     proc = psutil.Process()
     rss = 0
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
     try:
-        if not torch.cuda.is_available():
+        if cuda and not torch.cuda.is_available():
             raise RuntimeError("no CUDA device")
-        torch.cuda.reset_peak_memory_stats()
-        g = torch.Generator(device="cuda").manual_seed(0)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        g = torch.Generator(device=args.device).manual_seed(0)
         rows = args.batch * args.grad_accum
-        batches = [(torch.randint(0, cfg.vocab_size, (rows, args.seq), device="cuda", generator=g),
-                    torch.randint(0, cfg.vocab_size, (rows, args.seq), device="cuda", generator=g))
+        batches = [(torch.randint(0, cfg.vocab_size, (rows, args.seq), device=args.device, generator=g),
+                    torch.randint(0, cfg.vocab_size, (rows, args.seq), device=args.device, generator=g))
                    for _ in range(2)]
         engine = None
         if args.system == "torch":
@@ -242,10 +421,10 @@ def main(argv=None):
             nonlocal rss
             times, losses, extra = [], [], []
             for k in range(n):
-                torch.cuda.synchronize()
+                sync()
                 t0 = time.perf_counter()
                 loss = step(*batches[k % 2])
-                torch.cuda.synchronize()
+                sync()
                 times.append(time.perf_counter() - t0)
                 losses.append(float(loss))
                 rss = max(rss, proc.memory_info().rss)
@@ -262,8 +441,13 @@ def main(argv=None):
         step_s = statistics.median(steady)
         result.update(step_s=round(step_s, 4), tflops=round(6 * params * tokens / step_s / 1e12, 1),
                       steps_s=[round(t, 3) for t in times], losses=[round(x, 4) for x in losses],
-                      gpu_peak_bytes=torch.cuda.max_memory_allocated(), host_rss_bytes=rss,
+                      gpu_peak_bytes=torch.cuda.max_memory_allocated() if cuda else None, host_rss_bytes=rss,
                       host_max_rss_bytes=_max_rss())
+        if args.system == "torch" and args.compile:
+            # dynamo + inductor run in the first step (forward, then backward); what the warm-up steps took
+            # beyond a steady step is the compile
+            result["compile_s"] = round(sum(max(0.0, t - step_s) for t in times[:2]), 2)
+            print(f"compile_s {result['compile_s']}", file=sys.stderr, flush=True)
         if engine is not None:
             result["phases"] = engine.rt.timing() if hasattr(engine.rt, "timing") else {}
             result["memory_stats"] = engine.memory_stats()
@@ -286,14 +470,20 @@ def main(argv=None):
     except Exception as e:  # noqa: BLE001 - a model that does not fit is a result, not a crash
         result["error"] = f"{type(e).__name__}: {str(e)[:1500]}"
         traceback.print_exc(file=sys.stderr)
-        if torch.cuda.is_available():
+        # an OOM may come wrapped (inductor's BackendCompilerFailed), so the message decides
+        if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower():
+            result.update(fits=False, oom=True, oom_tried_bytes=_oom_tried_bytes(str(e)))
+        if cuda and torch.cuda.is_available():
             result["gpu_peak_bytes"] = torch.cuda.max_memory_allocated()
         result["host_rss_bytes"] = max(rss, proc.memory_info().rss)
         result["host_max_rss_bytes"] = _max_rss()
-    line = "RESULT " + json.dumps(result)
-    print(line, flush=True)
-    if args.json:
-        with open(args.json, "a") as f:
+    emit(result, args.json)
+
+
+def emit(result: dict, json_path: str | None):
+    print("RESULT " + json.dumps(result), flush=True)
+    if json_path:
+        with open(json_path, "a") as f:
             f.write(json.dumps(result) + "\n")
 
 

@@ -1,0 +1,123 @@
+"""bench/gpt.py's PyTorch peer on CPU: --checkpoint none|half|all, --compile, --system torch-best.
+
+The real runs are GPU-only; here the tiny model runs on --device cpu, --compile uses the "eager" backend
+(inductor on this CPU takes minutes for the tiny model) and torch-best's subprocesses are faked, except
+one real child that is cut off by its timeout.
+"""
+import importlib.util
+import json
+import os
+import sys
+import time
+
+import pytest
+import torch
+from pstar_fx.models import GPT, Llama, gpt_config, llama_config
+
+_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "gpt.py")
+_spec = importlib.util.spec_from_file_location("bench_gpt", _PATH)
+gpt = importlib.util.module_from_spec(_spec)
+sys.modules["bench_gpt"] = gpt          # dynamo looks the model's module up by name
+_spec.loader.exec_module(gpt)
+
+TINY = ["--model", "tiny", "--device", "cpu", "--batch", "2", "--seq", "16", "--steps", "2"]
+
+
+def run(tmp_path, *extra):
+    out = tmp_path / "r.jsonl"
+    gpt.main([*TINY, *extra, "--json", str(out)])
+    return [json.loads(x) for x in out.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("checkpoint, expected", [("none", []), ("half", [0, 2, 4]), ("all", [0, 1, 2, 3, 4])])
+def test_checkpoint_wraps_the_blocks_it_names(checkpoint, expected):
+    for model in (GPT(gpt_config("tiny", n_layer=5)), Llama(llama_config("tiny", n_layer=5))):
+        assert gpt.checkpoint_blocks(model, checkpoint) == expected
+        blocks = model.h if hasattr(model, "h") else model.layers
+        assert len(blocks) == 5
+        assert [i for i, b in enumerate(blocks) if isinstance(b, gpt.Checkpointed)] == expected
+
+
+def test_each_checkpoint_trains_the_same_losses(tmp_path):
+    results = {}
+    for ck in ("none", "half", "all"):
+        (tmp_path / ck).mkdir()
+        results[ck] = run(tmp_path / ck, "--system", "torch", "--checkpoint", ck)[0]
+    for ck, n in (("none", 0), ("half", 1), ("all", 2)):
+        r = results[ck]
+        assert "error" not in r, r.get("error")
+        assert (r["checkpoint"], r["checkpointed_blocks"], r["compile"]) == (ck, n, False)
+        assert "compile_s" not in r and len(r["steps_s"]) == 2
+        assert r["losses"] == pytest.approx(results["none"]["losses"], rel=1e-3)   # recompute is not new math
+
+
+def test_compile_reaches_torch_compile(tmp_path, monkeypatch):
+    calls = []
+    real = torch.compile
+
+    def recording(model, **kw):
+        calls.append((type(model).__name__, kw))
+        return real(model, **kw)
+
+    monkeypatch.setattr(torch, "compile", recording)
+    (r,) = run(tmp_path, "--system", "torch", "--checkpoint", "half", "--compile", "--compile-backend", "eager")
+    assert calls == [("GPT", {"backend": "eager"})]       # the whole model, once; the optimizer is not compiled
+    assert "error" not in r, r.get("error")
+    assert (r["compile"], r["checkpoint"], r["compile_backend"]) == (True, "half", "eager")
+    assert r["compile_s"] >= 0
+
+
+def test_arguments():
+    with pytest.raises(SystemExit):
+        gpt.main([*TINY, "--system", "torch", "--checkpoint", "some"])
+    with pytest.raises(SystemExit):
+        gpt.main([*TINY, "--system", "pstar_fx"])       # --device cpu is for the torch system only
+    argv = ["--model", "m", "--system=torch-best", "--compile", "--checkpoint", "half", "--json", "f", "--batch", "4"]
+    assert gpt._without(argv, {"--system": True, "--checkpoint": True, "--compile": False, "--json": True}) == \
+        ["--model", "m", "--batch", "4"]
+    message = "CUDA out of memory. Tried to allocate 192.00 MiB. GPU 0 has a total capacity of 139.80 GiB"
+    assert gpt._oom_tried_bytes(message) == 192 * 2**20
+    assert gpt._oom_tried_bytes("something else") is None
+
+
+def test_torch_best_reports_the_fastest_that_fits(tmp_path, monkeypatch, capsys):
+    seen = []
+
+    def fake(argv, compile_, checkpoint, timeout_s):
+        seen.append((argv, compile_, checkpoint, timeout_s))
+        r = {"system": "torch", "compile": compile_, "checkpoint": checkpoint, "sweep": "torch-best", "gpu": "G"}
+        if checkpoint == "none":                # does not fit, eager or compiled
+            return r | {"error": "OutOfMemoryError: ...", "fits": False, "oom": True,
+                        "oom_tried_bytes": 2**30, "gpu_peak_bytes": 100 * 2**30}
+        if compile_ and checkpoint == "all":
+            return r | {"error": "timeout: no result within 5 s", "fits": False}
+        step_s = {(False, "half"): 0.9, (False, "all"): 1.0, (True, "half"): 0.8}[compile_, checkpoint]
+        return r | {"fits": True, "step_s": step_s, "tflops": 1 / step_s, "gpu_peak_bytes": 2**30}
+
+    monkeypatch.setattr(gpt, "run_config", fake)
+    lines = run(tmp_path, "--system", "torch-best", "--compile", "--config-timeout", "5")
+    assert [(c, ck) for _, c, ck, _ in seen] == gpt.TORCH_BEST_CONFIGS
+    # the children get the sweep's arguments less --system, --json and --compile
+    assert all(argv == [*TINY, "--config-timeout", "5"] and t <= 5 for argv, _, _, t in seen)
+    assert len(lines) == 7 and [x["system"] for x in lines] == ["torch"] * 6 + ["torch-best"]
+    best = lines[-1]
+    assert best["best"] == {"compile": True, "checkpoint": "half"} and best["step_s"] == 0.8
+    assert best["gpu"] == "G" and len(best["configs"]) == 6
+    assert [c["fits"] for c in best["configs"]] == [False, True, True, False, True, False]
+    table = capsys.readouterr().out
+    assert table.count("does not fit (tried 1.0 GiB more at 100.0 GiB allocated)") == 2
+    assert "timeout: no result within 5 s" in table
+
+
+def test_torch_best_with_nothing_fitting_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpt, "run_config", lambda argv, c, ck, t: {"system": "torch", "compile": c, "checkpoint": ck,
+                                                                   "fits": False, "error": "OutOfMemoryError", "oom": True})
+    best = run(tmp_path, "--system", "torch-best")[-1]
+    assert best["error"] == "no configuration fits" and "best" not in best
+
+
+def test_a_configuration_past_its_limit_is_killed_and_reported():
+    t0 = time.monotonic()
+    r = gpt.run_config(TINY, False, "none", timeout_s=0.5)    # the child is still importing torch
+    assert time.monotonic() - t0 < 20
+    assert r["fits"] is False and r["error"].startswith("timeout") and r["sweep"] == "torch-best"
