@@ -379,7 +379,8 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     contract (every rank broadcasts and reduces the same chunks in the same order), so everything that
     shapes it is planned for rank 0, which owns the most chunks (ceil(n / world)), and applied to every
     rank by the chunk's index among its owner's chunks: the k-th chunk a rank owns sits on the same tier
-    on every rank. `rates` must then be the same on every rank (the engine broadcasts rank 0's)."""
+    on every rank. `rates` must then be the same on every rank (the engine broadcasts rank 0's). A rank that
+    owns fewer chunks than rank 0 is planned like it: its peaks are an upper bound of what it allocates."""
     g = gm.graph
     nodes = list(g.nodes)
     param_nodes = role_nodes(g, "param")
@@ -511,7 +512,8 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     crossing = {"-": 0, "shadow": compute_itemsize, "cast": compute_itemsize, "fp32": 4}
     copy_bytes = {c: cs * crossing[ship_of[c]] for c in range(n_chunks)}
     # a chunk's compute copy: onto its owner's device, then (chunked) broadcast from there to every rank
-    coll_seconds = cs * compute_itemsize * (world - 1) / world / rates.coll_bw if chunked else 0.0
+    # (a ring broadcast or reduce moves the whole buffer through every link: its time is bytes / bus bandwidth)
+    coll_seconds = cs * compute_itemsize / rates.coll_bw if chunked else 0.0
     copy_seconds = {c: b / rates.h2d_bw + cs * (4 + compute_itemsize) / rates.mem_bw + coll_seconds
                     for c, b in copy_bytes.items()}
     sched = place_prefetches(belady(slot_reads, slots), slots, node_secs, copy_seconds) if slots else Schedule()
@@ -579,11 +581,11 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         # every broadcast and reduce runs on one collective stream, in graph order: the step takes at least
         # their sum. The broadcasts' wait is in the schedule's exposed time; the reduces overlap backward.
         n_reduced = sum(1 for ch in layout.chunks if ch.grad_spans())
-        comm = (fetches + n_reduced) * coll_seconds * config.grad_accum
+        comm = (fetches + n_reduced) * coll_seconds           # per micro-batch, like the estimate itself
         plan.estimated_step_seconds = max(plan.estimated_step_seconds, comm)
         notes.append(f"data parallel over {world} ranks, chunks partitioned: {fetches} chunk broadcast(s) and "
                      f"{n_reduced} reduce(s) per micro-batch, {format_bytes(cs * compute_itemsize)} each, about "
-                     f"{comm * 1e3:.1f} ms per step at a bus bandwidth of {rates.coll_bw / 1e9:.0f} GB/s")
+                     f"{comm * 1e3:.1f} ms per micro-batch at a bus bandwidth of {rates.coll_bw / 1e9:.0f} GB/s")
     plan.transaction = transaction
     two_passes = transaction == "two_pass" and (config.grad_clip is not None or config.loss_scaler_spec is not None)
     if two_passes:
@@ -736,7 +738,9 @@ def _why(plan: Plan, config: Config, min_slots: int, budget: int | None) -> str:
     reasons = []
     host_budget = config.host_memory
     if budget is not None and plan.device_peak_bytes > budget:
-        tried = (f"{plan.placement.count('host')} of {len(plan.placement)} chunks' state on the host, "
+        owned = len(plan.placement) - plan.placement.count("remote")
+        tried = (f"{plan.placement.count('host')} of {owned} chunks' state on the host"
+                 + (f" (the chunks rank {plan.rank} owns of {len(plan.placement)})" if plan.world > 1 else "") + ", "
                  f"the minimum of {min_slots} compute slot(s) (what one op reads at once)"
                  if config.placement != "device" else "placement='device' forces every chunk onto the device")
         reasons.append(
