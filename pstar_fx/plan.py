@@ -40,8 +40,11 @@ CUDA_STEP_SLACK_BYTES = 2 * 2**20   # a step's small allocations outside the gra
 # batch-sized buffer: 28 bytes over the plan of a tiny BatchNorm model)
 CPU_STEP_SLACK_BYTES = 4096
 # Not counted in the peak (the allocator's allocated bytes) but kept free of the budget: what the caching
-# allocator's segments lose to fragmentation. An 18B plan within 0.3 GiB of the GPU's free memory ran out of it.
-CUDA_FRAGMENTATION_RESERVE_BYTES = 224 * 2**20
+# allocator's segments lose to fragmentation, and what the CUDA context grows by after compile (kernel modules
+# load at first use; the budget is the free memory read at compile). An 18B plan within 0.3 GiB of the GPU's
+# free memory ran out; a 10B plan 224 MiB under it ran out in its first step with 0.74 GiB of the process's
+# GPU memory outside PyTorch's allocator (2026-12-01).
+CUDA_FRAGMENTATION_RESERVE_BYTES = 768 * 2**20
 
 
 def usable_budget(budget: int | None, cuda: bool) -> int | None:
