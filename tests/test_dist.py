@@ -48,8 +48,9 @@ for b in mine:
     engine.step(*b)
     r = engine.last_step
     reports.append([r.loss, r.grad_norm])
+evaluated = float(engine.evaluate(*mine[0])) if os.environ.get("EVAL") else None   # collective when chunked
 torch.save(engine.state_dict(), f"{out}.{rank}.pt")   # collective when chunked: every rank gets the whole model
-json.dump({"reports": reports, "placement": placement, "steps": engine.steps,
+json.dump({"reports": reports, "placement": placement, "steps": engine.steps, "evaluated": evaluated,
            "state_bytes": engine.rt.stats.host_bytes + engine.rt.stats.device_bytes}, open(f"{out}.{rank}.json", "w"))
 if os.environ.get("SAVE_TO"):
     engine.save(os.environ["SAVE_TO"])               # collective: each rank writes its own chunks (replicated: rank 0)
@@ -104,6 +105,7 @@ def test_ranks_equal_one_process_on_the_whole_batch(tmp_path, mode, world, clip,
     steps = 3
     out = str(tmp_path / "run")
     env = {"TRANSACTION": variant} if variant in ("replay", "two_pass") else {}
+    env["EVAL"] = "1" if clip is None else ""
     if variant == "mixed":                    # a device budget that holds some of each rank's chunks
         local = tuple(x.chunk(world)[0] for x in gpt_batches(1, accum=world * accum)[0])
         on_host = pstar_fx.plan(tiny_gpt(), {"device": "cpu", "placement": "host", "chunk_size": 16384,
@@ -129,6 +131,13 @@ def test_ranks_equal_one_process_on_the_whole_batch(tmp_path, mode, world, clip,
         torch.testing.assert_close(torch.tensor([x[1] for x in reports]), torch.tensor([o[1] for o in ref_out]),
                                    rtol=1e-5, atol=0)
     assert_weights_close(sds[0], ref)
+    if clip is None:                                 # each rank's eval loss of its own first batch, as torch's
+        ref.eval()
+        with torch.no_grad():
+            for r, run in enumerate(runs):
+                mine = tuple(x.chunk(world)[r] for x in gpt_batches(1, accum=world * accum)[0])
+                want = float(ref(*mine))
+                assert abs(run["evaluated"] - want) <= 1e-5 * abs(want), (r, run["evaluated"], want)
 
 
 def test_a_dead_rank_ends_the_others_with_an_error(tmp_path):
