@@ -1,4 +1,5 @@
-"""Planning time and memory for big models, as a pytest-benchmark regression gate.
+"""Planning time and memory, as a pytest-benchmark regression gate: a mid-size problem in several rounds
+(a mean to compare), and big models once each.
 
     python -m pytest bench/test_bench_plan.py --benchmark-only [--benchmark-compare-fail=median:50%]
 
@@ -15,11 +16,22 @@ from pstar_fx.models import GPT, gpt_config, num_params
 H200_BOX = {"device": "cuda", "device_memory": "141GB", "host_memory": "126GiB", "dtype": "bf16"}
 
 
-def _plan(name, batch=8, seq=1024):
+def _plan(name, batch=8, seq=1024, box=H200_BOX):
     with torch.device("meta"):
         model = GPT(gpt_config(name))
         inputs = (torch.zeros(batch, seq, dtype=torch.long), torch.zeros(batch, seq, dtype=torch.long))
-    return pstar_fx.plan(model, H200_BOX, inputs)
+    return pstar_fx.plan(model, box, inputs)
+
+
+def test_plan_gpt_small_tight_gpu(benchmark):
+    """The whole planner in about a second: capture, layout, the recompute search and placement, for "small"
+    at batch 16 x 256 on a 100 MiB GPU (meta, no GPU needed), where the activations need recompute and most
+    chunks' state goes to the host."""
+    box = {**H200_BOX, "device_memory": "100MiB"}
+    plan = benchmark.pedantic(_plan, args=("small", 16, 256, box), rounds=3, warmup_rounds=1, iterations=1)
+    benchmark.extra_info.update(chunks=len(plan.placement), host_chunks=plan.placement.count("host"),
+                                recompute=str(plan.recompute))
+    assert plan.fits and "host" in plan.placement, plan.summary()
 
 
 def test_plan_gpt_175b(benchmark):

@@ -385,3 +385,41 @@ def test_hf_config_only_directory_gets_fresh_weights_and_bytes(tmp_path, capsys)
     with pytest.raises(SystemExit) as e:
         main(["train", "--model", f"hf:{tmp_path / 'nothing'}"])
     assert e.value.code == 2 and "expected a Hugging Face model directory with a config.json" in capsys.readouterr().err
+
+
+# ---- bench: the repository's pytest-benchmark cases ------------------------------------------------------
+
+def test_bench_saves_a_run_and_compare_fails_on_a_slower_one(tmp_path, capfd):
+    store = tmp_path / "store"
+    one_fast_case = ["bench", "-k", "test_copy_fp32_reference", "--storage", str(store)]
+    inner = ["--", "-p", "no:cacheprovider", f"--basetemp={tmp_path / 'inner'}"]   # nothing left in the repository
+    assert main([*one_fast_case, "--save", "base", *inner]) == 0
+    out = capfd.readouterr().out
+    assert "running in " in out and "--benchmark-only" in out and "-m 'not gpu'" in out
+    assert "test_copy_fp32_reference" in out and "1 passed" in out
+    saved = list(store.glob("*/0001_base.json"))
+    assert len(saved) == 1
+    # make the saved run 1000x faster than any real one: this run's mean is then far more than 10% above it
+    data = json.loads(saved[0].read_text())
+    for case in data["benchmarks"]:
+        case["stats"]["mean"] /= 1000
+    saved[0].write_text(json.dumps(data))
+    assert main([*one_fast_case, "--compare", "base", "--fail", "10", *inner]) == 1
+    out, err = capfd.readouterr()
+    assert f"--benchmark-compare={saved[0]}" in out and "--benchmark-compare-fail=mean:10%" in out
+    assert "Performance has regressed" in out + err and "test_copy_fp32_reference (0001_base)" in out
+
+
+def test_bench_without_a_saved_run_or_a_bench_folder_is_a_clear_error(tmp_path, monkeypatch, capfd):
+    assert main(["bench", "--compare", "never-saved", "--storage", str(tmp_path)]) == 2
+    err = capfd.readouterr().err
+    assert "no run saved as 'never-saved'" in err and "(none saved yet)" in err
+    assert "pstar-fx bench --save never-saved" in err and "\n" not in err.strip()
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--fail", "10"])
+    assert e.value.code == 2 and "--fail PCT needs --compare NAME" in capfd.readouterr().err
+    # an installed wheel: no bench/ beside the package
+    monkeypatch.setattr(cli.pstar_fx, "__file__", str(tmp_path / "site-packages" / "pstar_fx" / "__init__.py"))
+    assert main(["bench"]) == 2
+    err = capfd.readouterr().err
+    assert "no bench/ folder with test_bench_*.py beside the package" in err and "pip install -e ." in err
