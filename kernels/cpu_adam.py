@@ -1,12 +1,18 @@
 """Thin Python side of the C++ CPU kernels (kernels/csrc/cpu_adam.cpp, built at install time into
 pstar_fx.kernels._cpu_adam). Hands the extension data pointers, element counts and dtype names.
 
-Bytes per element (see cpu_adam.cpp): Adam undo 26-28 B; Adam 28 B + the 4 B (fp32) / 2 B (16-bit) grad re-read of the
-non-finite pre-pass + 2 B for the optional 16-bit param copy; cast 6 B; sq_norm 4 B / 2 B.
+Bytes per element (see cpu_adam.cpp): Adam 28 B (read p, m, v 12 B + grad 4 B fp32 / 2 B 16-bit; write p, m, v
+12 B; + 2 B for the optional 16-bit param copy) + the non-finite check's read of the grad (4 B / 2 B); Adam undo
+26-28 B; cast 6 B; sq_norm 4 B / 2 B; the STREAM triad 12 B counted (read b, c, write a; a plain store also reads
+a's line first, which STREAM does not count).
+
+Threads: by default one per physical core this process may run on (`default_threads()`: hyperthread siblings
+share a core's load/store buffers and add nothing to a memory-bound loop), or OMP_NUM_THREADS when it is set.
 """
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -27,6 +33,39 @@ def available() -> bool:
     return not isinstance(extension(), ImportError)
 
 
+@functools.cache
+def default_threads() -> int:
+    """Threads the kernels use when not told: OMP_NUM_THREADS if set, else the physical cores among the CPUs
+    this process may run on (sysfs topology; the CPU count where that cannot be read)."""
+    env = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cpus) <= 1 and os.environ.get("OMP_PROC_BIND", "false").lower() not in ("false", ""):
+        cpus = []  # OpenMP bound this thread to one place at start-up: its mask says nothing of the machine's
+    cpus = cpus or list(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in cpus:
+        topo = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+        try:
+            with open(f"{topo}/physical_package_id") as f, open(f"{topo}/core_id") as g:
+                cores.add((f.read().strip(), g.read().strip()))
+        except OSError:
+            return len(cpus)
+    return max(1, len(cores))
+
+
+def _threads(num_threads: int) -> int:
+    return num_threads if num_threads > 0 else default_threads()
+
+
+# How the update pass stores and splits its work, chosen by bench/host_adam_bench.py on the 16-core box:
+# see cpu_adam.cpp ("Stores and schedule").
+STORES = "stream_out"
+SCHEDULE = "dynamic"
+PREFETCH_ELEMS = 512
+
+
 def _ext():
     ext = extension()
     if isinstance(ext, ImportError):
@@ -39,13 +78,18 @@ def _ext():
 
 def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
               grad_scale, param_out, decoupled_weight_decay, check_finite=True, simd="auto",
-              num_threads=0) -> bool:
+              num_threads=0, stores=STORES, schedule=SCHEDULE, prefetch_elems=PREFETCH_ELEMS) -> bool:
+    """stores: "plain" or "stream_out" (non-temporal stores for the 16-bit copy); prefetch_elems: software
+    prefetch that many elements ahead (> 0 into L1, < 0 into L2, 0 none);
+    schedule: "dynamic" (64K-element blocks handed out as threads free up) or "static" (one contiguous share
+    per thread, the check reading it backwards so its first blocks are still cached for the update)."""
     return _ext().adam_step(
         param.data_ptr(), grad.data_ptr(), _DTYPE_NAMES[grad.dtype], exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
         0 if param_out is None else param_out.data_ptr(),
         "" if param_out is None else _DTYPE_NAMES[param_out.dtype],
         param.numel(), int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-        float(grad_scale), bool(decoupled_weight_decay) or weight_decay == 0.0, bool(check_finite), simd, num_threads,
+        float(grad_scale), bool(decoupled_weight_decay) or weight_decay == 0.0, bool(check_finite), simd,
+        _threads(num_threads), stores, schedule, int(prefetch_elems),
     )
 
 
@@ -57,21 +101,32 @@ def adam_undo(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
         param.numel(), int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
         float(grad_scale), bool(decoupled_weight_decay) or weight_decay == 0.0,
         0.0 if redo_scale is None else float(redo_scale), 0 if param_out is None else param_out.data_ptr(),
-        "" if param_out is None else _DTYPE_NAMES[param_out.dtype], part, num_threads,
+        "" if param_out is None else _DTYPE_NAMES[param_out.dtype], part, _threads(num_threads),
     )
 
 
 def cast_(dst, src, *, simd="auto", num_threads=0) -> None:
-    _ext().cast(dst.data_ptr(), _DTYPE_NAMES[dst.dtype], src.data_ptr(), src.numel(), simd, num_threads)
+    _ext().cast(dst.data_ptr(), _DTYPE_NAMES[dst.dtype], src.data_ptr(), src.numel(), simd, _threads(num_threads))
 
 
 def sq_norm(x, *, simd="auto", num_threads=0) -> torch.Tensor:
-    total = _ext().sq_sum(x.data_ptr(), _DTYPE_NAMES[x.dtype], x.numel(), simd, num_threads)
+    total = _ext().sq_sum(x.data_ptr(), _DTYPE_NAMES[x.dtype], x.numel(), simd, _threads(num_threads))
     return torch.tensor(total, dtype=torch.float32)
 
 
 def sq_norms(x, segments, *, simd="auto", num_threads=0) -> torch.Tensor:
     # sq_sum's float64 total per segment, unrounded; its blocks start at the segment's first element
     ext, name, base, es = _ext(), _DTYPE_NAMES[x.dtype], x.data_ptr(), x.element_size()
-    return torch.tensor([ext.sq_sum(base + off * es, name, n, simd, num_threads) for off, n in segments],
+    threads = _threads(num_threads)
+    return torch.tensor([ext.sq_sum(base + off * es, name, n, simd, threads) for off, n in segments],
                         dtype=torch.float64)
+
+
+def stream_triad(a, b, c, *, scalar=3.0, reps=5, nt=False, simd="auto", num_threads=0) -> float:
+    """STREAM's triad a = b + scalar * c on float32 tensors in the kernels' threads; the best of `reps`
+    times in seconds. Bandwidth as STREAM counts it: 12 B per element / time."""
+    for name, t in (("a", a), ("b", b), ("c", c)):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" or t.numel() != a.numel():
+            raise ValueError(f"stream_triad: {name} must be a contiguous float32 CPU tensor of a's size")
+    return _ext().stream_triad(a.data_ptr(), b.data_ptr(), c.data_ptr(), a.numel(), float(scalar), int(reps),
+                               bool(nt), simd, _threads(num_threads))

@@ -268,6 +268,121 @@ def test_cpp_and_interpreted_triton_agree_bit_for_bit():
         assert all(torch.equal(_bits(x), _bits(y)) for x, y in zip(a, b))
 
 
+CPP_VARIANTS = [(st, sc) for sc in ("dynamic", "static") for st in ("plain", "stream_out")]
+
+
+def _cpp_step(state, g, out, *, simd="auto", stores="plain", schedule="dynamic", num_threads=0, decoupled=True,
+              wd=0.1, grad_scale=1.0, step=2, check_finite=True, prefetch_elems=0):
+    p, m, v = state
+    return cpu_adam.adam_step(p, g, m, v, step=step, weight_decay=wd, grad_scale=grad_scale, param_out=out,
+                              decoupled_weight_decay=decoupled, check_finite=check_finite, simd=simd,
+                              num_threads=num_threads, stores=stores, schedule=schedule,
+                              prefetch_elems=prefetch_elems, **HYPER)
+
+
+@needs_ext
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=["g32", "gbf16"])
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16], ids=["no-out", "out-bf16"])
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam-l2"])
+def test_cpp_stores_and_schedules_agree_bit_for_bit(grad_dtype, out_dtype, decoupled):
+    """Every store kind (plain, non-temporal 16-bit copy), schedule (dynamic blocks, static shares) and
+    prefetch distance at every SIMD level gives the scalar, plain, dynamic path's bits, at 1 to 4 threads
+    and at slice offsets that leave the arrays unaligned (the non-temporal head)."""
+    n = 100_003  # several 64K blocks, uneven static shares, a tail for every vector width
+    gen = torch.Generator().manual_seed(12)
+    base = [torch.randn(n + 8, generator=gen), torch.randn(n + 8, generator=gen) * 0.1,
+            torch.rand(n + 8, generator=gen) * 0.1]
+    g_all = (torch.randn(n + 8, generator=gen) * 0.1).to(grad_dtype)
+    levels = K.build_info()["cpu_adam"]["simd_supported"]
+    # (offset of p, m, v; offset of grad and out): aligned, all shifted alike, out shifted apart from p
+    for off, off_out in ((0, 0), (3, 3), (5, 1)):
+        g = g_all[off_out: off_out + n]
+
+        def run(**kw):
+            state = [t.clone()[off: off + n] for t in base]
+            out = None if out_dtype is None else torch.full((n + 8,), 7.0, dtype=out_dtype)[off_out: off_out + n]
+            assert _cpp_step(state, g, out, decoupled=decoupled, grad_scale=3.0, **kw) is True
+            return [_bits(t) for t in state] + ([] if out is None else [_bits(out)])
+
+        ref = run(simd="scalar", num_threads=1)
+        if out_dtype is not None:
+            p_after = ref[0].view(torch.float32)
+            assert torch.equal(ref[3], _bits(p_after.to(out_dtype))), "param_out is not torch's rounding"
+        for level in levels:
+            for stores, schedule in CPP_VARIANTS:
+                for threads, prefetch in ((1, 0), (3, 0), (4, 0), (3, 1024), (3, -512)):
+                    got = run(simd=level, stores=stores, schedule=schedule, num_threads=threads,
+                              prefetch_elems=prefetch)
+                    assert all(torch.equal(a, b) for a, b in zip(got, ref)), \
+                        f"{level} {stores} {schedule} x{threads} pf {prefetch} at offsets {off}/{off_out} differs"
+
+
+@needs_ext
+@pytest.mark.parametrize("stores,schedule", CPP_VARIANTS, ids=[f"{a}-{b}" for a, b in CPP_VARIANTS])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=["g32", "gbf16"])
+def test_cpp_nonfinite_anywhere_changes_nothing(stores, schedule, grad_dtype):
+    """All or nothing under every schedule: a NaN or inf at the first, a middle, the last element, or at the
+    edge of a thread's static share or of a dynamic block, leaves master, moments and the 16-bit copy as they
+    were, whatever the thread count."""
+    n = 200_001
+    gen = torch.Generator().manual_seed(13)
+    state0 = [torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 0.01,
+              torch.rand(n, generator=gen) * 0.01]
+    g0 = torch.randn(n, generator=gen).to(grad_dtype)
+    out0 = torch.full((n,), 7.0, dtype=torch.bfloat16)
+    per = -(-n // 4)
+    share = -(-per // 64) * 64  # a static share of 4 threads: n / 4 rounded up to 64 elements
+    for where in (0, 1, 65535, 65536, n // 2, share - 1, share, 3 * share, n - 2, n - 1):
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            for threads in (1, 4):
+                state, out, g = [t.clone() for t in state0], out0.clone(), g0.clone()
+                g[where] = bad
+                assert _cpp_step(state, g, out, stores=stores, schedule=schedule, num_threads=threads) is False
+                for name, t, t0 in zip(("param", "exp_avg", "exp_avg_sq", "param_out"), state + [out],
+                                       state0 + [out0]):
+                    assert torch.equal(_bits(t), _bits(t0)), f"{name} modified: {bad} at {where}, x{threads}"
+    # and a finite grad is applied by the same call
+    state, out = [t.clone() for t in state0], out0.clone()
+    assert _cpp_step(state, g0, out, stores=stores, schedule=schedule, num_threads=4) is True
+    assert not torch.equal(state[0], state0[0]) and torch.equal(out, state[0].to(torch.bfloat16))
+
+
+@needs_ext
+def test_cpp_bad_stores_or_schedule_raise():
+    state, g = [torch.zeros(64) for _ in range(3)], torch.zeros(64)
+    with pytest.raises(ValueError, match="stores must be"):
+        _cpp_step(state, g, None, stores="nt")
+    with pytest.raises(ValueError, match="schedule must be"):
+        _cpp_step(state, g, None, schedule="guided")
+
+
+@needs_ext
+@pytest.mark.parametrize("nt", [False, True], ids=["plain", "non-temporal"])
+def test_stream_triad_computes_the_triad(nt):
+    n = 100_003
+    gen = torch.Generator().manual_seed(14)
+    b, c = torch.randn(n + 1, generator=gen)[1:], torch.randn(n, generator=gen)  # b unaligned: the head path
+    a = torch.full((n + 1,), float("nan"))[1:]
+    for level in K.build_info()["cpu_adam"]["simd_supported"]:
+        for threads in (1, 3):
+            a.fill_(float("nan"))
+            seconds = cpu_adam.stream_triad(a, b, c, scalar=3.0, reps=2, nt=nt, simd=level, num_threads=threads)
+            assert seconds > 0 and torch.equal(a, b + c * 3.0), (level, threads)
+
+
+def test_default_threads_counts_physical_cores(monkeypatch):
+    cpu_adam.default_threads.cache_clear()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        assert cpu_adam.default_threads() == 3
+        cpu_adam.default_threads.cache_clear()
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        threads = cpu_adam.default_threads()
+        assert 1 <= threads <= len(os.sched_getaffinity(0))
+    finally:
+        cpu_adam.default_threads.cache_clear()
+
+
 @needs_ext
 def test_cpp_releases_the_gil():
     n = 8_000_000

@@ -1,13 +1,14 @@
 // pstar_fx.kernels._cpu_adam: fused Adam / AdamW, fp32 -> 16-bit casts and sums of squares on
-// raw CPU memory, for flat chunks.
+// raw CPU memory, for flat chunks; and STREAM's triad, the yardstick the Adam is measured against.
 //
 // Bytes per element (what the memory system must move; the step is memory-bound):
 //   adam_step  read p, m, v (12 B) + grad (4 B fp32 / 2 B bf16, fp16), write p, m, v (12 B),
 //              + 2 B written for the optional 16-bit param copy,
 //              + the non-finite pre-pass, which reads the grad once more (4 B / 2 B).
-//              fp32 grads: 32 B (28 B of Adam + 4 B check); bf16 grads + bf16 copy: 30 B.
+//              fp32 grads: 32 B (28 B of Adam + 4 B check); bf16 grads + bf16 copy: 30 B (28 B unchecked).
 //   cast       read 4 B, write 2 B = 6 B.
 //   sq_sum     read 4 B (fp32) or 2 B (16-bit).
+//   triad      12 B as STREAM counts it (read b, c, write a); a plain store also reads a's line first.
 //
 // Design:
 //  - No libtorch: Python hands over data_ptr() integers, element counts and dtype names.
@@ -21,10 +22,31 @@
 //    not vectorise _Float16 casts.
 //  - Non-finite gradients: a pre-pass takes max |grad| (integer max over bit patterns, so it
 //    vectorises) and the update runs only if every grad / grad_scale is finite. A failed check
-//    writes nothing, so param, exp_avg, exp_avg_sq and the 16-bit copy stay bit-identical.
+//    writes nothing, so param, exp_avg, exp_avg_sq and the 16-bit copy stay bit-identical. The
+//    pre-pass cannot be folded into the update without losing that (a NaN in the last block would
+//    be found after the first blocks were written, and undoing a step is exact only to an ulp), so
+//    it runs in the same parallel region, last block first: the blocks the update takes first are
+//    the last ones read, so those that survive in cache are not read from memory twice (not measured
+//    apart; for a chunk much larger than the L3 few survive, and the check costs its 2 B / 30 B).
+//
+// Stores, schedule and prefetch (adam_step's `stores`, `schedule`, `prefetch_elems`; the defaults live in
+// kernels/cpu_adam.py), measured on the 16-core H200 box (Xeon, AVX-512, one NUMA node; 256M elements,
+// bf16 grad, bf16 copy; bench/host_adam_bench.py --sweep, 5 processes, 2026-12-01):
+//  - stores: "stream_out" (non-temporal stores for the 16-bit copy only) beat "plain" by 3-12% in all 10
+//    comparisons: the copy is the one array not read first, so a plain store reads each line before
+//    writing it. Non-temporal stores for p, m, v too were slower than "stream_out" in 4 of 5 (their
+//    lines are in cache already, from the loads), and were dropped.
+//  - schedule: "dynamic" beat "static" (one contiguous share per thread, as torch's parallel_for splits
+//    its fused AdamW) by 8-17% in 4 of 5 processes and lost by 2% in one: in a VM the slowest static
+//    share sets the time (a guess: what slows one vCPU was not measured).
+//  - prefetch: 512 elements ahead into L1 was 6% (checked) and 9% (unchecked) faster than none, in one
+//    process: it carries each stream across the 4 KiB page edges where the hardware prefetcher stops.
+//  - threads: one per physical core (kernels/cpu_adam.py, default_threads()); 8 and 12 threads gave
+//    less bandwidth than 16 for every kernel, the triad included.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -60,6 +82,8 @@ struct AdamCoeffs {
     float eps;
     float grad_scale, inv_grad_scale;
     int scale_mode;         // 0: grad_scale == 1; 1: multiply by the exact 1/grad_scale; 2: divide
+    int stores;             // 0 plain; 1 non-temporal stores for the 16-bit copy
+    int prefetch_elems;     // software prefetch this far ahead (> 0: into L1, < 0: into L2), 0: none
     bool decoupled;
 };
 
@@ -98,6 +122,7 @@ struct Level {
     uint32_t (*max_abs)(const void*, int, int64_t);
     void (*cast)(void*, int, const float*, int64_t);
     double (*sq_sum)(const void*, int, int64_t);
+    void (*triad)(float*, const float*, const float*, float, int64_t, bool);
 };
 
 bool always() { return true; }
@@ -118,12 +143,12 @@ const std::vector<Level>& levels() {
     static const std::vector<Level> all = {
 #if PSTAR_X86_DISPATCH
         {"avx512", has_avx512, simd_avx512::adam_range, simd_avx512::max_abs_bits, simd_avx512::cast_range,
-         simd_avx512::sq_sum_range},
+         simd_avx512::sq_sum_range, simd_avx512::triad_range},
         {"avx2", has_avx2, simd_avx2::adam_range, simd_avx2::max_abs_bits, simd_avx2::cast_range,
-         simd_avx2::sq_sum_range},
+         simd_avx2::sq_sum_range, simd_avx2::triad_range},
 #endif
         {"scalar", always, simd_scalar::adam_range, simd_scalar::max_abs_bits, simd_scalar::cast_range,
-         simd_scalar::sq_sum_range},
+         simd_scalar::sq_sum_range, simd_scalar::triad_range},
     };
     return all;
 }
@@ -183,10 +208,39 @@ struct Blocks {
 template <class T>
 T* at(uintptr_t base, int64_t index) { return reinterpret_cast<T*>(base) + index; }
 
+// A thread's share of [0, n) under the static schedule: contiguous, a multiple of 64 elements long (so no
+// two threads write one cache line of the 16-bit copy), the last one shorter.
+struct Share {
+    int64_t lo, hi;
+    Share(int64_t n, int t, int nthreads) {
+        int64_t per = (n + nthreads - 1) / nthreads;
+        per = (per + 63) / 64 * 64;
+        lo = std::min(n, (int64_t)t * per);
+        hi = std::min(n, lo + per);
+    }
+};
+
+int stores_code(const std::string& stores) {
+    if (stores == "plain") return 0;
+    if (stores == "stream_out") return 1;
+    throw py::value_error("stores must be 'plain' or 'stream_out', got '" + stores + "'");
+}
+
+bool static_schedule(const std::string& schedule) {
+    if (schedule == "static") return true;
+    if (schedule == "dynamic") return false;
+    throw py::value_error("schedule must be 'static' or 'dynamic', got '" + schedule + "'");
+}
+
+// The non-finite check reads a thread's share backwards in blocks of this many elements, so the share's
+// first blocks — the ones its update reads first — are the ones still in cache when the update starts.
+constexpr int64_t kCheckBlockElems = 1 << 14;
+
 bool adam_step(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, uintptr_t exp_avg,
                uintptr_t exp_avg_sq, uintptr_t param_out, const std::string& out_dtype, int64_t n, int64_t step,
                double lr, double beta1, double beta2, double eps, double weight_decay, double grad_scale,
-               bool decoupled, bool check_finite, const std::string& simd, int num_threads) {
+               bool decoupled, bool check_finite, const std::string& simd, int num_threads,
+               const std::string& stores, const std::string& schedule, int prefetch_elems) {
     if (n < 0) throw py::value_error("adam_step: negative element count");
     if (step < 1) throw py::value_error("adam_step: step must be >= 1 (1-based, after increment)");
     if (!(grad_scale > 0.0) || grad_scale == HUGE_VAL)
@@ -194,6 +248,7 @@ bool adam_step(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, u
     const Level& L = pick(simd);
     const int gcode = dtype_code(grad_dtype, true, "adam_step grad");
     const int ocode = param_out == 0 ? -1 : dtype_code(out_dtype, false, "adam_step param_out");
+    const bool is_static = static_schedule(schedule);
     check_ptr(param, 4, n, "param");
     check_ptr(exp_avg, 4, n, "exp_avg");
     check_ptr(exp_avg_sq, 4, n, "exp_avg_sq");
@@ -202,6 +257,8 @@ bool adam_step(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, u
 
     AdamCoeffs c;
     c.decoupled = decoupled;
+    c.stores = stores_code(stores);
+    c.prefetch_elems = prefetch_elems;
     c.l2_wd = (float)weight_decay;
     c.decay = (float)(1.0 - lr * weight_decay);
     c.beta1 = (float)beta1;
@@ -230,34 +287,92 @@ bool adam_step(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, u
                                  : std::isfinite(biggest / c.grad_scale);
     };
     const int es = element_size(gcode);
+    auto update = [&](int64_t i, int64_t len) {
+        L.adam(at<float>(param, i), at<const char>(grad, i * es), gcode, at<float>(exp_avg, i), at<float>(exp_avg_sq, i),
+               ocode >= 0 ? at<uint16_t>(param_out, i) : nullptr, ocode, len, c);
+    };
     const Blocks blocks(n);
     const int nt = threads_for(n, num_threads);
     uint32_t mx = 0;
     {
         py::gil_scoped_release no_gil;
+        // One parallel region: pass 1 reads only the grad, and nothing is written before every thread has
+        // seen its part (the reduction's barrier); pass 2 is the update, the 16-bit copy written from registers.
 #pragma omp parallel num_threads(nt) if (nt > 1)
         {
-            if (check_finite) {
-                // pass 1: reads only the grad; nothing is written before every block has been seen
-#pragma omp for schedule(dynamic, 1) reduction(max : mx)
-                for (int64_t b = 0; b < blocks.count; ++b) {
-                    const uint32_t r = L.max_abs(at<const char>(grad, blocks.begin(b) * es), gcode, blocks.size(b));
-                    mx = r > mx ? r : mx;
+#ifdef _OPENMP
+            const int t = omp_get_thread_num(), team = omp_get_num_threads();
+#else
+            const int t = 0, team = 1;
+#endif
+            if (is_static) {
+                const Share share(n, t, team);
+                if (check_finite) {
+#pragma omp for schedule(static, 1) reduction(max : mx)
+                    for (int tt = 0; tt < team; ++tt) {  // one iteration per thread: its own share
+                        for (int64_t hi = share.hi; hi > share.lo; hi -= kCheckBlockElems) {
+                            const int64_t lo = std::max(share.lo, hi - kCheckBlockElems);
+                            const uint32_t r = L.max_abs(at<const char>(grad, lo * es), gcode, hi - lo);
+                            mx = r > mx ? r : mx;
+                        }
+                    }
                 }
-            }
-            if (all_finite(mx)) {
-                // pass 2: the update, with the 16-bit copy written from registers
+                if (all_finite(mx) && share.hi > share.lo) update(share.lo, share.hi - share.lo);
+            } else {
+                if (check_finite) {
+                    // last block first: the blocks the update takes first are the last ones read here
+#pragma omp for schedule(dynamic, 1) reduction(max : mx)
+                    for (int64_t k = 0; k < blocks.count; ++k) {
+                        const int64_t b = blocks.count - 1 - k;
+                        const uint32_t r = L.max_abs(at<const char>(grad, blocks.begin(b) * es), gcode, blocks.size(b));
+                        mx = r > mx ? r : mx;
+                    }
+                }
+                if (all_finite(mx)) {
 #pragma omp for schedule(dynamic, 1)
-                for (int64_t b = 0; b < blocks.count; ++b) {
-                    const int64_t i = blocks.begin(b);
-                    L.adam(at<float>(param, i), at<const char>(grad, i * es), gcode, at<float>(exp_avg, i),
-                           at<float>(exp_avg_sq, i), ocode >= 0 ? at<uint16_t>(param_out, i) : nullptr, ocode,
-                           blocks.size(b), c);
+                    for (int64_t b = 0; b < blocks.count; ++b) update(blocks.begin(b), blocks.size(b));
                 }
             }
         }
     }
     return all_finite(mx);
+}
+
+// STREAM's triad a[i] = b[i] + s * c[i] over float32, `reps` times; the best time in seconds. Threads take
+// static contiguous shares, as the static Adam does; nt: non-temporal stores for a.
+double stream_triad(uintptr_t a, uintptr_t b, uintptr_t c, int64_t n, double scalar, int reps, bool nt,
+                    const std::string& simd, int num_threads) {
+    if (n < 0 || reps < 1) throw py::value_error("stream_triad: n must be >= 0 and reps >= 1");
+    const Level& L = pick(simd);
+    check_ptr(a, 4, n, "a");
+    check_ptr(b, 4, n, "b");
+    check_ptr(c, 4, n, "c");
+    const int nt_ = thread_count(num_threads);
+    const float s = (float)scalar;
+    double best = HUGE_VAL;
+    py::gil_scoped_release no_gil;
+    for (int r = 0; r < reps; ++r) {
+#ifdef _OPENMP
+        const double t0 = omp_get_wtime();
+#endif
+#pragma omp parallel num_threads(nt_) if (nt_ > 1)
+        {
+#ifdef _OPENMP
+            const Share share(n, omp_get_thread_num(), omp_get_num_threads());
+#else
+            const Share share(n, 0, 1);
+#endif
+            if (share.hi > share.lo)
+                L.triad(at<float>(a, share.lo), at<const float>(b, share.lo), at<const float>(c, share.lo), s,
+                        share.hi - share.lo, nt);
+        }
+#ifdef _OPENMP
+        best = std::min(best, omp_get_wtime() - t0);
+#else
+        best = 0.0;
+#endif
+    }
+    return best;
 }
 
 // The inverse of adam_step: given the state after a step and the grad that step consumed, the state
@@ -451,9 +566,15 @@ PYBIND11_MODULE(_cpu_adam, m) {
     m.def("adam_step", &adam_step, py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"),
           py::arg("exp_avg_sq"), py::arg("param_out"), py::arg("out_dtype"), py::arg("n"), py::arg("step"),
           py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
-          py::arg("grad_scale"), py::arg("decoupled"), py::arg("check_finite") = true, py::arg("simd") = "auto", py::arg("num_threads") = 0,
+          py::arg("grad_scale"), py::arg("decoupled"), py::arg("check_finite") = true, py::arg("simd") = "auto",
+          py::arg("num_threads") = 0, py::arg("stores") = "plain", py::arg("schedule") = "dynamic",
+          py::arg("prefetch_elems") = 0,
           "In-place Adam/AdamW step on fp32 param/exp_avg/exp_avg_sq; returns False (nothing written) "
           "if any grad / grad_scale is not finite.");
+    m.def("stream_triad", &stream_triad, py::arg("a"), py::arg("b"), py::arg("c"), py::arg("n"),
+          py::arg("scalar") = 3.0, py::arg("reps") = 5, py::arg("nt") = false, py::arg("simd") = "auto",
+          py::arg("num_threads") = 0,
+          "STREAM triad a = b + scalar * c on float32 pointers; best of reps, in seconds.");
     m.def("adam_undo", &adam_undo, py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"),
           py::arg("exp_avg_sq"), py::arg("n"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
           py::arg("eps"), py::arg("weight_decay"), py::arg("grad_scale"), py::arg("decoupled"),

@@ -69,6 +69,11 @@ struct ScalarOps {
     static inline T load_f16(const uint16_t* p) { return f16_to_f32_soft(*p); }
     static inline void store_bf16(uint16_t* p, T x) { *p = f32_to_bf16(x); }
     static inline void store_f16(uint16_t* p, T x) { *p = f32_to_f16_soft(x); }
+    static constexpr bool kCanStream = false;
+    static inline void stream(float* p, T x) { *p = x; }
+    static inline void stream_bf16(uint16_t* p, T x) { *p = f32_to_bf16(x); }
+    static inline void stream_f16(uint16_t* p, T x) { *p = f32_to_f16_soft(x); }
+    static inline void fence() {}
 };
 
 #if PSTAR_SIMD == 2
@@ -87,10 +92,8 @@ struct VecOps {
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
     }
     static inline T load_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
-    static inline void store_f16(uint16_t* p, T x) {
-        _mm256_storeu_si256((__m256i*)p, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
-    }
-    static inline void store_bf16(uint16_t* p, T x) {
+    static inline __m256i to_f16(T x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT); }
+    static inline __m256i to_bf16(T x) {
         const __m512i u = _mm512_castps_si512(x);
         __m512i r = _mm512_srli_epi32(
             _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
@@ -99,8 +102,16 @@ struct VecOps {
         const __mmask16 isnan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
                                                         _mm512_set1_epi32(0x7F800000));
         r = _mm512_mask_or_epi32(r, isnan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x0040));
-        _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(r));
+        return _mm512_cvtepi32_epi16(r);
     }
+    static inline void store_f16(uint16_t* p, T x) { _mm256_storeu_si256((__m256i*)p, to_f16(x)); }
+    static inline void store_bf16(uint16_t* p, T x) { _mm256_storeu_si256((__m256i*)p, to_bf16(x)); }
+    // Non-temporal stores: the pointer must be aligned to the vector (64 B fp32, 32 B 16-bit).
+    static constexpr bool kCanStream = true;
+    static inline void stream(float* p, T x) { _mm512_stream_ps(p, x); }
+    static inline void stream_f16(uint16_t* p, T x) { _mm256_stream_si256((__m256i*)p, to_f16(x)); }
+    static inline void stream_bf16(uint16_t* p, T x) { _mm256_stream_si256((__m256i*)p, to_bf16(x)); }
+    static inline void fence() { _mm_sfence(); }
 };
 #elif PSTAR_SIMD == 1
 struct VecOps {
@@ -118,10 +129,8 @@ struct VecOps {
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
     }
     static inline T load_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
-    static inline void store_f16(uint16_t* p, T x) {
-        _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
-    }
-    static inline void store_bf16(uint16_t* p, T x) {
+    static inline __m128i to_f16(T x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT); }
+    static inline __m128i to_bf16(T x) {
         const __m256i u = _mm256_castps_si256(x);
         const __m256i r = _mm256_srli_epi32(
             _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
@@ -133,8 +142,16 @@ struct VecOps {
         const __m256i nanv = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x0040));
         const __m256i b = _mm256_blendv_epi8(r, nanv, isnan);
         // every lane is < 2^16, so unsigned saturation is exact
-        _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+        return _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
     }
+    static inline void store_f16(uint16_t* p, T x) { _mm_storeu_si128((__m128i*)p, to_f16(x)); }
+    static inline void store_bf16(uint16_t* p, T x) { _mm_storeu_si128((__m128i*)p, to_bf16(x)); }
+    // Non-temporal stores: the pointer must be aligned to the vector (32 B fp32, 16 B 16-bit).
+    static constexpr bool kCanStream = true;
+    static inline void stream(float* p, T x) { _mm256_stream_ps(p, x); }
+    static inline void stream_f16(uint16_t* p, T x) { _mm_stream_si128((__m128i*)p, to_f16(x)); }
+    static inline void stream_bf16(uint16_t* p, T x) { _mm_stream_si128((__m128i*)p, to_bf16(x)); }
+    static inline void fence() { _mm_sfence(); }
 };
 #else
 typedef ScalarOps VecOps;
@@ -168,7 +185,11 @@ struct AdamConsts {
 // which bound the step on CPUs with a slow divider, and moves denom by at most 1 ulp.
 // grad_scale: multiplied by its reciprocal when that is exact (a power of two, or 1), else divided.
 // GK / OK: grad / output dtype, 0 fp32, 1 bf16, 2 fp16; OK = -1: no 16-bit copy.
-template <class O, int GK, int OK, bool kDivScale, bool kDecoupled>
+// ST (stores): 0 plain; 1 non-temporal for the 16-bit copy (the one array not read first, so a plain
+// store would read its line before writing it: 2 B/element of extra traffic), which needs the
+// vector-aligned pointer adam_range_t arranges. p, m, v keep plain stores: their lines are in cache
+// from the loads (non-temporal ones there were measured slower; see cpu_adam.cpp).
+template <class O, int GK, int OK, bool kDivScale, bool kDecoupled, int ST>
 static inline void adam_elems(float* p, const void* grad, float* m, float* v, void* out, int64_t i,
                               const AdamConsts<O>& k) {
     typedef typename O::T T;
@@ -186,29 +207,74 @@ static inline void adam_elems(float* p, const void* grad, float* m, float* v, vo
     O::store(p + i, pi);
     O::store(m + i, mi);
     O::store(v + i, vi);
-    if (OK == 1) O::store_bf16(static_cast<uint16_t*>(out) + i, pi);
-    else if (OK == 2) O::store_f16(static_cast<uint16_t*>(out) + i, pi);
+    if (OK == 1) ST ? O::stream_bf16(static_cast<uint16_t*>(out) + i, pi) : O::store_bf16(static_cast<uint16_t*>(out) + i, pi);
+    else if (OK == 2) ST ? O::stream_f16(static_cast<uint16_t*>(out) + i, pi) : O::store_f16(static_cast<uint16_t*>(out) + i, pi);
 }
 
+static inline bool aligned_to(const void* ptr, int64_t bytes) { return (uintptr_t)ptr % (uintptr_t)bytes == 0; }
+
 // One thread's contiguous range [0, n) of a chunk; pointers already offset to the range start.
-template <int GK, int OK, bool kDivScale, bool kDecoupled>
+template <int GK, int OK, bool kDivScale, bool kDecoupled, int ST>
 static void adam_range_t(float* p, const void* grad, float* m, float* v, void* out, int64_t n, const AdamCoeffs& c) {
     const AdamConsts<VecOps> kv(c);
-    int64_t i = 0;
-    for (; i + VecOps::W <= n; i += VecOps::W)
-        adam_elems<VecOps, GK, OK, kDivScale, kDecoupled>(p, grad, m, v, out, i, kv);
-    // tail: bit-identical to the vector lanes (IEEE ops in the same order, no FMA)
     const AdamConsts<ScalarOps> ks(c);
-    for (; i < n; ++i) adam_elems<ScalarOps, GK, OK, kDivScale, kDecoupled>(p, grad, m, v, out, i, ks);
+    int64_t i = 0;
+    if (ST != 0)  // scalar head up to the first element whose 16-bit copy is vector-aligned
+        for (; i < n && !aligned_to(static_cast<uint16_t*>(out) + i, VecOps::W * 2); ++i)
+            adam_elems<ScalarOps, GK, OK, kDivScale, kDecoupled, 0>(p, grad, m, v, out, i, ks);
+#if PSTAR_SIMD != 0
+    if (c.prefetch_elems != 0) {
+        // Software prefetch, prefetch_elems ahead: one per 64-byte line of each array read. The hardware
+        // prefetcher stops at every 4 KiB page edge and restarts only after misses on the next page; these
+        // carry each stream across. Addresses are integers: a prefetch past the end is harmless, and never
+        // faults.
+        const uintptr_t ahead = (uintptr_t)(c.prefetch_elems > 0 ? c.prefetch_elems : -c.prefetch_elems);
+        const uintptr_t gsize = GK == 0 ? 4 : 2;
+        const int64_t per_line = 16 / VecOps::W;  // vectors per 64 B line of fp32: 1 (AVX-512) or 2 (AVX2)
+        const bool to_l1 = c.prefetch_elems > 0;
+        for (int64_t it = 0; i + VecOps::W <= n; i += VecOps::W, ++it) {
+            if (it % per_line == 0) {
+                const uintptr_t j = (uintptr_t)i + ahead;
+                const char* pp = (const char*)((uintptr_t)p + 4 * j);
+                const char* mp = (const char*)((uintptr_t)m + 4 * j);
+                const char* vp = (const char*)((uintptr_t)v + 4 * j);
+                const char* gp = (const char*)((uintptr_t)grad + gsize * j);
+                const bool gline = gsize == 4 || (it / per_line) % 2 == 0;  // a 16-bit grad line spans 2 fp32 lines
+                if (to_l1) {
+                    _mm_prefetch(pp, _MM_HINT_T0), _mm_prefetch(mp, _MM_HINT_T0), _mm_prefetch(vp, _MM_HINT_T0);
+                    if (gline) _mm_prefetch(gp, _MM_HINT_T0);
+                } else {
+                    _mm_prefetch(pp, _MM_HINT_T1), _mm_prefetch(mp, _MM_HINT_T1), _mm_prefetch(vp, _MM_HINT_T1);
+                    if (gline) _mm_prefetch(gp, _MM_HINT_T1);
+                }
+            }
+            adam_elems<VecOps, GK, OK, kDivScale, kDecoupled, ST>(p, grad, m, v, out, i, kv);
+        }
+    }
+#endif
+    for (; i + VecOps::W <= n; i += VecOps::W)
+        adam_elems<VecOps, GK, OK, kDivScale, kDecoupled, ST>(p, grad, m, v, out, i, kv);
+    // tail: bit-identical to the vector lanes (IEEE ops in the same order, no FMA)
+    for (; i < n; ++i) adam_elems<ScalarOps, GK, OK, kDivScale, kDecoupled, 0>(p, grad, m, v, out, i, ks);
+    if (ST != 0) VecOps::fence();  // order the write-combined lines before the caller's barrier
+}
+
+template <int GK, int OK, bool kDivScale, bool kDecoupled>
+static void adam_range_s(float* p, const void* grad, float* m, float* v, void* out, int64_t n, const AdamCoeffs& c) {
+    // a 16-bit pointer reaches vector alignment within W elements; short ranges are not worth the head
+    if constexpr (OK >= 1 && VecOps::kCanStream) {
+        if (c.stores == 1 && n >= 4 * VecOps::W) return adam_range_t<GK, OK, kDivScale, kDecoupled, 1>(p, grad, m, v, out, n, c);
+    }
+    adam_range_t<GK, OK, kDivScale, kDecoupled, 0>(p, grad, m, v, out, n, c);
 }
 
 template <int GK, int OK>
 static void adam_range_o(float* p, const void* grad, float* m, float* v, void* out, int64_t n, const AdamCoeffs& c) {
     const bool div = c.scale_mode == 2;
-    if (c.decoupled) div ? adam_range_t<GK, OK, true, true>(p, grad, m, v, out, n, c)
-                         : adam_range_t<GK, OK, false, true>(p, grad, m, v, out, n, c);
-    else div ? adam_range_t<GK, OK, true, false>(p, grad, m, v, out, n, c)
-             : adam_range_t<GK, OK, false, false>(p, grad, m, v, out, n, c);
+    if (c.decoupled) div ? adam_range_s<GK, OK, true, true>(p, grad, m, v, out, n, c)
+                         : adam_range_s<GK, OK, false, true>(p, grad, m, v, out, n, c);
+    else div ? adam_range_s<GK, OK, true, false>(p, grad, m, v, out, n, c)
+             : adam_range_s<GK, OK, false, false>(p, grad, m, v, out, n, c);
 }
 
 template <int GK>
@@ -224,6 +290,23 @@ static void adam_range(float* p, const void* grad, int grad_dtype, float* m, flo
     if (grad_dtype == 0) adam_range_g<0>(p, grad, m, v, out, out_dtype, n, c);
     else if (grad_dtype == 1) adam_range_g<1>(p, grad, m, v, out, out_dtype, n, c);
     else adam_range_g<2>(p, grad, m, v, out, out_dtype, n, c);
+}
+
+// STREAM's triad a = b + s*c on float32, as the yardstick for the Adam: same compiler, flags, SIMD level
+// and OpenMP threads. nt: non-temporal stores for a (a plain store reads a's line first).
+static void triad_range(float* a, const float* b, const float* c, float s, int64_t n, bool nt) {
+    const VecOps::T sv = VecOps::set(s);
+    int64_t i = 0;
+    if (nt && VecOps::kCanStream) {
+        for (; i < n && !aligned_to(a + i, VecOps::W * 4); ++i) a[i] = b[i] + s * c[i];
+        for (; i + VecOps::W <= n; i += VecOps::W)
+            VecOps::stream(a + i, VecOps::add(VecOps::load(b + i), VecOps::mul(sv, VecOps::load(c + i))));
+        VecOps::fence();
+    } else {
+        for (; i + VecOps::W <= n; i += VecOps::W)
+            VecOps::store(a + i, VecOps::add(VecOps::load(b + i), VecOps::mul(sv, VecOps::load(c + i))));
+    }
+    for (; i < n; ++i) a[i] = b[i] + s * c[i];
 }
 
 static constexpr int64_t kTile = 1024;
