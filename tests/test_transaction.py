@@ -555,3 +555,37 @@ def _real(name, w):
         d = w.numel() // 3
         w = torch.cat([w[:d], w[2 * d:]])
     return w
+
+
+def test_host_adam_trusts_the_device_check(monkeypatch):
+    """A host chunk's gradient is measured on the device before it leaves (the norm): its finiteness crosses with
+    it, so the host Adam runs without its own non-finite pass; a non-finite gradient is not applied at all."""
+    import pstar_fx.runtime.updater as updater_module
+    calls = []
+    real = updater_module.chunk_update
+
+    def spy(*args, check_finite=True, **kw):
+        calls.append(check_finite)
+        return real(*args, check_finite=check_finite, **kw)
+
+    monkeypatch.setattr(updater_module, "chunk_update", spy)
+    torch.manual_seed(0)
+    batches = regression_batches(3, overflow_at=(1,))
+    engine = pstar_fx.compile(Regression(), {"device": "cpu", "placement": "host", "chunk_size": 4096,
+                                             "optimizer": OPT}, batches[0])
+    n_chunks = len(engine.lowered.layout.chunks)
+    assert n_chunks > 1 and set(engine.plan.placement) == {"host"}
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        for b in batches:
+            calls.clear()
+            before = engine.state_dict()
+            engine.step(*b)
+            assert not any(calls), calls                       # every host update ran without the host check
+            if not engine.last_step.skipped:
+                assert len(calls) == n_chunks
+            else:                                              # the first layer's gradient is not finite: its
+                assert len(calls) < n_chunks                   # chunk was never updated, the others rolled back
+                after = engine.state_dict()                     # (an undo is exact up to fp32 rounding: far
+                for k in before:                                # below one update of lr 3e-3)
+                    torch.testing.assert_close(after[k], before[k], rtol=0, atol=1e-5)
+    assert engine.steps == 2

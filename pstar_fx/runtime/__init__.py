@@ -89,9 +89,9 @@ class ChunkRuntime:
     def offload(self, c: int) -> None:
         """A host chunk's gradients go to the host, where its state is updated."""
         self._reduced(c)
-        self.updater.measure_device(c, self.mover.grads[c])
+        flag = self.updater.measure_device(c, self.mover.grads[c])
         dst = self.updater.host_slot(c)
-        self._offloaded[c] = (dst, self.mover.offload(c, dst))
+        self._offloaded[c] = (dst, self.mover.offload(c, dst, flag), flag is not None)
 
     def adam(self, c: int) -> None:
         """Chunk c's gradient is complete: the updater takes it (see updater.py for what it does). A chunk another
@@ -100,8 +100,8 @@ class ChunkRuntime:
         if not self.store.holds(c):
             self.mover.give_back(self.mover.hand_over(c))
         elif c in self._offloaded:
-            dst, ready = self._offloaded.pop(c)
-            self.updater.update(c, dst, ready)
+            dst, ready, checked = self._offloaded.pop(c)
+            self.updater.update(c, dst, ready, checked)
         else:
             self.updater.update(c, self.mover.hand_over(c))
 
@@ -112,7 +112,7 @@ class ChunkRuntime:
     def clear(self) -> None:
         """After a step that failed midway: every slot back to its pool, nothing in flight."""
         self.mover.clear()
-        for dst, _ in self._offloaded.values():
+        for dst, *_ in self._offloaded.values():
             if not any(dst is kept for kept in self.updater.kept.values()):
                 self.updater.host_grads.give(dst)
         self._offloaded.clear()

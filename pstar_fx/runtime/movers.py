@@ -194,22 +194,25 @@ class Mover:
     def give_back(self, buf: torch.Tensor) -> None:
         self.grad_slots.give(buf)
 
-    def ship(self, buf: torch.Tensor, dst: torch.Tensor, n: int):
-        """Copy `buf[:n]` (a gradient slot) into host `dst` after the compute stream's work so far; returns
-        the copy's event. The slot may be reused once that event has passed (`grad` waits for it)."""
+    def ship(self, buf: torch.Tensor, dst: torch.Tensor, n: int, also=None):
+        """Copy `buf[:n]` (a gradient slot) into host `dst` after the compute stream's work so far, and `also`
+        ((device source, host target), a small flag) with it; returns the copy's event. The slot may be reused
+        once that event has passed (`grad` waits for it)."""
         written = self.copies.record()
         with self.copies.on("d2h"):
             self.copies.wait(written)
             dst[:n].copy_(buf[:n], non_blocking=True)
+            if also is not None:
+                also[1].copy_(also[0], non_blocking=True)
             copied = self.copies.record()
         self.stats.d2h_bytes += n * buf.element_size()
         self._grad_done[buf.data_ptr()] = copied
         return copied
 
-    def offload(self, c: int, dst: torch.Tensor):
-        """A host chunk's gradients go to the host buffer `dst`; returns the copy's event."""
+    def offload(self, c: int, dst: torch.Tensor, also=None):
+        """A host chunk's gradients go to the host buffer `dst` (with `also`, see `ship`); returns the copy's event."""
         buf = self.grads.pop(c)
-        copied = self.ship(buf, dst, self.layout.chunks[c].used_elems)
+        copied = self.ship(buf, dst, self.layout.chunks[c].used_elems, also)
         self.grad_slots.give(buf)
         return copied
 

@@ -27,7 +27,10 @@ checkpoint resumed elsewhere goes on bit for bit (CPU). On CUDA the same holds e
 step: there a host chunk's accumulated gradient is measured on the host (C++), a device chunk's on the
 device (Triton), and the two round differently in the last bits.
 A non-finite norm skips the step. Updates are applied only with finite gradients (the device flag
-`found_inf` gates the Triton Adam; the C++ Adam checks its own input), so a rollback never meets a NaN.
+`found_inf` gates the Triton Adam; a host chunk's finiteness, measured on the device with its norm, crosses to the
+host in the same copy as its gradient and gates the C++ Adam, which so needs no non-finite pass of its own: 2 of the
+30 bytes per parameter it would move; an accumulated gradient, measured on the host, is checked there), so a
+rollback never meets a NaN.
 
 Host chunks are updated by the C++ Adam on one worker thread while the GPU goes on. A step's host updates
 may still run after the step returned, into the next step's forward (a read of chunk c waits for c's
@@ -110,6 +113,11 @@ class Updater:
         staging = 0 if (self.kept or not host) else max(1, plan.host_grad_buffers)
         self.host_grads = Pool([store.alloc("host", cs, dtype) for _ in range(staging)], blocking=worker)
         self.found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)
+        # per chunk, whether its gradient measured finite on the device, and its copy on the host that lands with
+        # a host chunk's gradient (persistent: the copy stream reads it after the compute stream moved on)
+        self._finite_dev = torch.zeros(len(layout.chunks), dtype=torch.float32, device=self.device)
+        self._finite_host = torch.zeros(len(layout.chunks), dtype=torch.float32,
+                                        pin_memory=self.device.type == "cuda")
         self._sq = torch.zeros(len(layout.slots), dtype=torch.float64, device=self.device)   # per parameter
         self._flag_after = torch.zeros(len(layout.chunks), dtype=torch.float32, device=self.device)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pstar_fx-adam") if worker and host else None
@@ -132,10 +140,15 @@ class Updater:
         """Which micro-batch of an accumulating step runs next."""
         self._first_micro, self._last_micro = first, last
 
-    def measure_device(self, c: int, buf: torch.Tensor) -> None:
-        """A host chunk's gradient, still on the device: its squared norm joins the verdict there."""
-        if self.log.mode != "accumulate":
-            self._add_sq(buf, c)
+    def measure_device(self, c: int, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A host chunk's gradient, still on the device: its squared norm joins the verdict there. Returns
+        (whether it is finite, on the device; its host flag) for the offload to copy down beside the gradient,
+        so the host Adam skips its own non-finite pass (2 B/param of its 30); None when not measured here."""
+        if self.log.mode == "accumulate":
+            return None
+        sq = self._add_sq(buf, c)
+        self._finite_dev[c:c + 1].copy_(torch.isfinite(sq).reshape(1))
+        return self._finite_dev[c:c + 1], self._finite_host[c:c + 1]
 
     def host_slot(self, c: int) -> torch.Tensor:
         """Where chunk c's gradient lands on the host (its kept buffer, or one of the pool's)."""
@@ -147,11 +160,13 @@ class Updater:
         self.telemetry.add("wait_for_host_grad_buffer", time.perf_counter() - t0)
         return buf
 
-    def update(self, c: int, grad: torch.Tensor, ready=None) -> None:
-        """Chunk c's gradient is complete (its last contribution in backward has been written)."""
+    def update(self, c: int, grad: torch.Tensor, ready=None, checked: bool = False) -> None:
+        """Chunk c's gradient is complete (its last contribution in backward has been written). `checked`: a host
+        chunk's finiteness was measured on the device and lands in its host flag with the gradient."""
         self.wait_for(c)
         if self.store.tier(c) == "host":
-            self._on_host(c, self.log, self._host_job, c, grad, ready, self.log, self._first_micro, self._last_micro)
+            self._on_host(c, self.log, self._host_job, c, grad, ready, self.log, self._first_micro, self._last_micro,
+                          checked)
             return
         log, spans = self.log, self.spans[c]
         master, m, v = self.store.master[c], self.store.exp_avg[c], self.store.exp_avg_sq[c]
@@ -177,10 +192,10 @@ class Updater:
             log.device.append(c)
         self.mover.give_back(grad)
 
-    def _host_job(self, c, grad, ready, log: _Log, first: bool, last: bool) -> bool:
+    def _host_job(self, c, grad, ready, log: _Log, first: bool, last: bool, checked: bool = False) -> bool:
         """A host chunk's part of the step (on the worker, or inline on the CPU runtime)."""
         try:
-            self.copies.host_waits(ready)
+            self.copies.host_waits(ready)             # the gradient (and its finite flag) have landed
             t0 = time.perf_counter()
             applied = False
             if log.mode == "replay":
@@ -190,8 +205,12 @@ class Updater:
                 if last:
                     log.host_sq.update(zip(self._params[c], sq_norms(self.acc[c], self._segments[c]).tolist()))
             elif log.mode != "measure":
-                applied = chunk_update(self.store.master[c], grad, self.store.exp_avg[c], self.store.exp_avg_sq[c],
-                                       self.spans[c], log.hyper, param_out=self.store.shadow.get(c))
+                if checked and not self._finite_host[c]:
+                    applied = False                   # non-finite on the device: the step will be skipped
+                else:
+                    applied = chunk_update(self.store.master[c], grad, self.store.exp_avg[c],
+                                           self.store.exp_avg_sq[c], self.spans[c], log.hyper,
+                                           param_out=self.store.shadow.get(c), check_finite=not checked)
             self.telemetry.add("host_adam", time.perf_counter() - t0)
             return applied
         finally:
