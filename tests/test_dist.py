@@ -63,15 +63,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(world: int, out: str, steps: int, clip: float | None, accum: int, timeout: int = 240, extra_env=None,
-            check=True, mode="chunked"):
+def _launch(world: int, out: str, steps: int = 0, clip: float | None = None, accum: int = 1, timeout: int = 240,
+            extra_env=None, check=True, mode="chunked", script=None):
+    """`world` processes of `script` (default _RANK, given out, steps, clip, accum) as ranks of one gloo group."""
     port = _free_port()
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1", DP=mode)
         env.update(extra_env or {})
-        procs.append(subprocess.Popen([sys.executable, "-c", _RANK, HERE, out, str(steps), str(clip or 0), str(accum)],
+        argv = [HERE, out] if script else [HERE, out, str(steps), str(clip or 0), str(accum)]
+        procs.append(subprocess.Popen([sys.executable, "-c", script or _RANK, *argv],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     errors, results = [], []
     for rank, p in enumerate(procs):
@@ -178,14 +180,7 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     (rolled back where speculated), and the run equals one process skipping it on the whole batch."""
     from test_transaction import OPT, Regression, regression_batches
     out = str(tmp_path / "skip")
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", _SKIP_RANK, HERE, out], stderr=subprocess.PIPE, text=True,
-                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
-                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1"))
-             for r in range(2)]
-    for p in procs:
-        _, err = p.communicate(timeout=180)
-        assert p.returncode == 0, err[-2000:]
+    _launch(2, out, script=_SKIP_RANK)
     runs = [json.load(open(f"{out}.{r}.json")) for r in range(2)]
     sds = [torch.load(f"{out}.{r}.pt") for r in range(2)]
     assert runs[0] == runs[1] == {"skipped": [False, False, True, False], "steps": 3}
