@@ -2,7 +2,7 @@
 pstar_fx.kernels._cpu_adam). Hands the extension data pointers, element counts and dtype names.
 
 Bytes per element (see cpu_adam.cpp): Adam 28 B (read p, m, v 12 B + grad 4 B fp32 / 2 B 16-bit; write p, m, v
-12 B; + 2 B for the optional 16-bit param copy) + the non-finite check's read of the grad (4 B / 2 B); Adam undo
+12 B; + 2 B for the optional 16-bit param copy; bf16 moments: 20 B + grad) + the non-finite check's read of the grad (4 B / 2 B); Adam undo
 26-28 B; cast 6 B; sq_norm 4 B / 2 B; the STREAM triad 12 B counted (read b, c, write a; a plain store also reads
 a's line first, which STREAM does not count).
 
@@ -89,7 +89,7 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
         "" if param_out is None else _DTYPE_NAMES[param_out.dtype],
         param.numel(), int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
         float(grad_scale), bool(decoupled_weight_decay) or weight_decay == 0.0, bool(check_finite), simd,
-        _threads(num_threads), stores, schedule, int(prefetch_elems),
+        _threads(num_threads), stores, schedule, int(prefetch_elems), _DTYPE_NAMES[exp_avg.dtype],
     )
 
 

@@ -25,6 +25,7 @@ from . import cpu_adam, torch_adam
 BACKENDS = ("auto", "cpp", "triton", "torch")
 _FLOAT16 = (torch.bfloat16, torch.float16)
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MOMENT_DTYPES = (torch.float32, torch.bfloat16)   # bf16: optimizer_state="bf16" (both moments the same dtype)
 
 
 @functools.cache
@@ -100,6 +101,9 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
               check_finite=True):
     """One Adam/AdamW step on a flat chunk, in place on fp32 param, exp_avg and exp_avg_sq.
 
+    exp_avg, exp_avg_sq: fp32, or both bf16 (optimizer_state="bf16"): read exactly as fp32, the step computed
+    in fp32, written back rounded to nearest even (as .to(torch.bfloat16)). adam_undo refuses bf16 moments.
+
     grad: fp32, bf16 or fp16; it is divided by `grad_scale` first (loss-scale unscaling).
     param_out: optional bf16/fp16 tensor that receives the updated param (bf16 rounded to nearest even).
     decoupled_weight_decay: True = AdamW (p -= lr*wd*p), False = Adam with L2 (g += wd*p).
@@ -119,8 +123,8 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
     _check_tensor("param", param, None, None, (torch.float32,))
     n, dev = param.numel(), param.device
     _check_tensor("grad", grad, n, dev, _GRAD_DTYPES)
-    _check_tensor("exp_avg", exp_avg, n, dev, (torch.float32,))
-    _check_tensor("exp_avg_sq", exp_avg_sq, n, dev, (torch.float32,))
+    _check_tensor("exp_avg", exp_avg, n, dev, _MOMENT_DTYPES)
+    _check_tensor("exp_avg_sq", exp_avg_sq, n, dev, (exp_avg.dtype,))
     if param_out is not None:
         _check_tensor("param_out", param_out, n, dev, _FLOAT16)
     if found_inf is not None:
@@ -184,6 +188,9 @@ def adam_undo(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
     n, dev = param.numel(), param.device
     if part != "param" or grad is not None:
         _check_tensor("grad", grad, n, dev, _GRAD_DTYPES)
+    if exp_avg.dtype == torch.bfloat16 or exp_avg_sq.dtype == torch.bfloat16:
+        raise ValueError("adam_undo: bf16 moments (optimizer_state='bf16') cannot be undone: the update rounded "
+                         "them, and the rounding is not invertible; the plan uses a transaction that needs no undo")
     _check_tensor("exp_avg", exp_avg, n, dev, (torch.float32,))
     _check_tensor("exp_avg_sq", exp_avg_sq, n, dev, (torch.float32,))
     if param_out is not None:

@@ -27,12 +27,19 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
                 param.mul_(1 - lr * weight_decay)
             else:
                 g = g.add(param, alpha=weight_decay)
-        exp_avg.lerp_(g, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        # bf16 moments (optimizer_state="bf16"): the step in fp32 on exact fp32 copies, written back rounded
+        # to nearest even
+        m = exp_avg if exp_avg.dtype == torch.float32 else exp_avg.float()
+        v = exp_avg_sq if exp_avg_sq.dtype == torch.float32 else exp_avg_sq.float()
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         bias_correction1 = 1 - beta1**step
         bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-        param.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
+        denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+        param.addcdiv_(m, denom, value=-(lr / bias_correction1))
+        if m is not exp_avg:
+            exp_avg.copy_(m)
+            exp_avg_sq.copy_(v)
         if param_out is not None:
             param_out.copy_(param)
     return True

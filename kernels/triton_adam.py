@@ -8,6 +8,7 @@ Bytes per element (the kernels are memory-bound):
   adam   pass 1 reads the grad (4 B fp32 / 2 B 16-bit); pass 2 reads p, g, m, v and writes p, m, v
          (28 B fp32 grads / 26 B 16-bit grads), + 2 B for the optional 16-bit param copy.
          fp32 grads: 32 B; bf16 grads + bf16 copy: 30 B; torch's fused AdamW moves 28 B.
+         bf16 moments (optimizer_state="bf16") save 8 B: m and v are read and written as bf16.
   cast   read 4 B, write 2 B = 6 B.
   sq_sum read 4 B (fp32) / 2 B (16-bit), + one fp32 partial per block.
 
@@ -107,20 +108,24 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, flag_ptr, n,
                  grad_scale, l2_wd, decay, beta1, one_minus_beta1, beta2, one_minus_beta2,
                  inv_bc2_sqrt, step_size, eps,
                  BLOCK: tl.constexpr, GRAD_KIND: tl.constexpr, OUT_KIND: tl.constexpr,
-                 SCALE_MODE: tl.constexpr, DECOUPLED: tl.constexpr):
+                 SCALE_MODE: tl.constexpr, DECOUPLED: tl.constexpr, MOMENT_KIND: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     # Pass 1's verdict gates every load and store: a set flag masks off all of them, so nothing
     # anywhere is written.
     mask = offs < tl.where(tl.load(flag_ptr) == 0, n, 0)
     g = _unscale(_load_f32(g_ptr, offs, mask, GRAD_KIND), grad_scale, SCALE_MODE)
     p = tl.load(p_ptr + offs, mask=mask, other=0.0)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    m = _load_f32(m_ptr, offs, mask, MOMENT_KIND)   # MOMENT_KIND 1: bf16 moments, read exactly
+    v = _load_f32(v_ptr, offs, mask, MOMENT_KIND)
     p, m, v = _adam_update(p, g, m, v, l2_wd, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt,
                            step_size, eps, DECOUPLED)
     tl.store(p_ptr + offs, p, mask=mask)
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
+    if MOMENT_KIND == 1:   # written back rounded to nearest even
+        tl.store(m_ptr + offs, _f32_to_bf16_rne(m), mask=mask)
+        tl.store(v_ptr + offs, _f32_to_bf16_rne(v), mask=mask)
+    else:
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
     if OUT_KIND == 1:
         tl.store(out_ptr + offs, _f32_to_bf16_rne(p), mask=mask)
     elif OUT_KIND == 2:
@@ -248,7 +253,7 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
             1.0 / math.sqrt(1.0 - beta2**step), lr / (1.0 - beta1**step), float(eps),
             BLOCK=blk, GRAD_KIND=_KIND[grad.dtype], OUT_KIND=0 if param_out is None else _KIND[param_out.dtype],
             SCALE_MODE=scale_mode, DECOUPLED=bool(decoupled_weight_decay) or weight_decay == 0.0,
-            num_warps=warps)
+            MOMENT_KIND=_KIND[exp_avg.dtype], num_warps=warps)
     if found_inf is not None:
         return None
     return bool(flag.item() == 0)

@@ -33,7 +33,9 @@ from .layout import Layout
 from .passes.lean_loss import scratch_bytes
 from .schedule import Schedule, belady, place_prefetches
 
-MASTER_STATE_BYTES = 12   # fp32 master + exp_avg + exp_avg_sq, per element
+MASTER_STATE_BYTES = 12   # fp32 master + exp_avg + exp_avg_sq, per element (Config.optimizer_state "fp32")
+# per element, by Config.optimizer_state: "bf16" keeps the moments in bf16 (fp32 master + 2 + 2 B)
+STATE_BYTES = {"fp32": MASTER_STATE_BYTES, "bf16": 8}
 CUDA_BLOCK_BYTES = 512    # the CUDA caching allocator rounds every allocation up to this
 CUDA_STEP_SLACK_BYTES = 2 * 2**20   # a step's small allocations outside the graph: norm partials, flags, checks
 # Kernels that allocate more than their output's shape says (CPU mse_loss returns its 0-d loss on a
@@ -80,6 +82,8 @@ class Plan:
     recompute: str = ""                # which forward segments backward recomputes, and why
     estimated_step_seconds: float = 0.0  # from the cost model (costs.py); compares plans, not a promise
     rates: Rates | None = None         # the copy/compute/host-Adam rates the estimates used (costs.py)
+    optimizer_state: str = "fp32"      # the moments' dtype (Config.optimizer_state)
+    state_bytes_per_param: int = MASTER_STATE_BYTES   # chunk state per element: master + moments
     transaction: str = "none"          # how a step stays provisional until it commits (runtime/step.py)
     transaction_cost: str = ""         # what that costs, and how much smaller it makes the largest model
     kept_on_device: bool = False       # kept_grads: device chunks keep their gradients on the device (room left)
@@ -121,6 +125,8 @@ class Plan:
                      f"{self.fetches} chunk fetch(es) per step; estimated step {self.estimated_step_seconds:.3g} s")
         if self.recompute:
             lines.append(f"  recompute: {self.recompute}")
+        lines.append(f"  chunk state: {self.state_bytes_per_param} B/param (fp32 master + {self.optimizer_state} "
+                     "exp_avg and exp_avg_sq)")
         lines.append(f"  step transaction: {self.transaction}" + (f" ({self.transaction_cost})"
                                                                  if self.transaction_cost else ""))
         lines += [f"  note: {n}" for n in self.notes]
@@ -420,7 +426,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     slot_bytes = cs * compute_itemsize
     grad_slot_bytes = cs * compute_itemsize
     accum_bytes = cs * 4 if config.grad_accum > 1 else 0       # fp32 gradient accumulators, on each tier
-    state_bytes = cs * MASTER_STATE_BYTES + accum_bytes
+    state_bytes = cs * STATE_BYTES[config.optimizer_state] + accum_bytes
     n_updated = sum(1 for c, ch in enumerate(layout.chunks) if ch.grad_spans() and owner[c] == 0)
     min_slots = max((len(r) for r in reads), default=0)
     # the libraries' workspaces (cuBLAS keeps one per handle for the process's life), measured with the rates
@@ -590,7 +596,9 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
                      f"{n_reduced} reduce(s) per micro-batch, {format_bytes(cs * compute_itemsize)} each, about "
                      f"{comm * 1e3:.1f} ms per micro-batch at a bus bandwidth of {rates.coll_bw / 1e9:.0f} GB/s")
     plan.transaction = transaction
-    two_passes = transaction == "two_pass" and (config.grad_clip is not None or config.loss_scaler_spec is not None)
+    plan.optimizer_state, plan.state_bytes_per_param = config.optimizer_state, STATE_BYTES[config.optimizer_state]
+    two_passes = transaction == "two_pass" and (config.grad_clip is not None or config.loss_scaler_spec is not None
+                                                or config.optimizer_state == "bf16")
     if two_passes:
         plan.estimated_step_seconds += sum(node_secs)
     kept_copy_s = 0.0 if plan.kept_on_device else n_updated_device * cs * compute_itemsize / rates.d2h_bw
@@ -683,6 +691,8 @@ def _choose_transaction(config: Config, kept_total: int, host_free: int | None,
         raise ValueError(f"transaction 'replay' runs a step again, but this step draws random numbers "
                          f"({', '.join(random_ops[:3])}{', ...' if len(random_ops) > 3 else ''}): a replay would "
                          "draw others; use 'kept_grads' or 'two_pass'")
+    if choice == "auto" and config.optimizer_state == "bf16":
+        choice = "two_pass"           # bf16 moments cannot be undone: measure first, then apply exactly
     if choice == "auto":
         if host_free is None or kept_total <= host_free:
             choice = "kept_grads"
@@ -696,11 +706,12 @@ def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_byte
                       kept_on_device: bool) -> str:
     """What the chosen transaction costs, and how much smaller the largest model is for it."""
     shadow = itemsize if "shadow" in ship else 0
-    host_base = MASTER_STATE_BYTES + shadow            # bytes per parameter of a host chunk without it
+    state = STATE_BYTES[config.optimizer_state]
+    host_base = state + shadow                         # bytes per parameter of a host chunk without it
     if transaction == "accumulate":
         return (f"gradients of {config.grad_accum} micro-batches summed in fp32 accumulators, 4 B/param on "
                 f"each chunk's tier ({format_bytes(accum_bytes * (n_device + n_host))}); every update runs after "
-                f"the verdict, exactly. Chunk state {MASTER_STATE_BYTES} -> {MASTER_STATE_BYTES + 4} B/param on "
+                f"the verdict, exactly. Chunk state {state} -> {state + 4} B/param on "
                 f"the device and {host_base} -> {host_base + 4} on the host: the largest model is about "
                 f"{100 * 4 / (host_base + 4):.0f}% smaller")
     if transaction == "kept_grads":
@@ -719,8 +730,10 @@ def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_byte
                 "forward and backward again: free when it does not trigger, about one more step when it does; "
                 "a host Adam failure after the step returned cannot be undone")
     if transaction == "two_pass":
+        when = ("on every step (bf16 moments cannot be undone)" if config.optimizer_state == "bf16"
+                else "when clipping or loss scaling is on")
         return ("a first forward+backward measures the norm and updates nothing, the second applies exactly: "
-                f"+{second_pass_s:.3g} s/step of compute when clipping or loss scaling is on; no memory; "
+                f"+{second_pass_s:.3g} s/step of compute {when}; no memory; "
                 "an exception in the second pass leaves the chunks it updated")
     return ("updates applied as they come: an exception or a non-finite gradient leaves the chunks already "
             "updated (the host budget does not hold kept gradients)")

@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 
 from .config import format_bytes
-from .plan import MASTER_STATE_BYTES, TIER_NAMES, Plan, Timeline
+from .plan import TIER_NAMES, Plan, Timeline
 
 TIER_COLOURS = ("#d4d4d4", "#2b6cb0", "#90cdf4", "#f08c00")   # host, device, copy on device, moving
 FORWARD_SHADE, BACKWARD_SHADE = "#fff4d6", "#ece8f7"
@@ -155,7 +155,7 @@ def _title(plan: Plan, t: Timeline, engine, title: str | None) -> str:
                f"{format_bytes(t.host_budget_bytes) if t.host_budget_bytes else 'unlimited'}, planned "
                f"{format_bytes(plan.host_peak_bytes)}" + ("" if plan.fits else "  — DOES NOT FIT"))
     return (f"{head}: {t.param_elems:,} parameters in {n_chunks} chunks of {t.chunk_elems:,} elements\n"
-            f"chunk state (fp32 master + moments, {format_bytes(t.chunk_elems * MASTER_STATE_BYTES)} each): "
+            f"chunk state (fp32 master + moments, {format_bytes(t.chunk_elems * plan.state_bytes_per_param)} each): "
             f"{n_dev} on the device, {n_chunks - n_dev} on the host\n{budgets}\n{plan.slots} compute slot(s), "
             f"{plan.grad_slots} gradient slot(s); {plan.fetches} fetches per step; transaction {plan.transaction}; "
             f"estimated step {_seconds(plan.estimated_step_seconds)} (cost model)")

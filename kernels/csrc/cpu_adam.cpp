@@ -119,6 +119,7 @@ struct Level {
     const char* name;
     bool (*supported)();
     void (*adam)(float*, const void*, int, float*, float*, void*, int, int64_t, const AdamCoeffs&);
+    void (*adam_bf16m)(float*, const void*, int, uint16_t*, uint16_t*, void*, int, int64_t, const AdamCoeffs&);
     uint32_t (*max_abs)(const void*, int, int64_t);
     void (*cast)(void*, int, const float*, int64_t);
     double (*sq_sum)(const void*, int, int64_t);
@@ -142,12 +143,12 @@ bool has_avx512() {
 const std::vector<Level>& levels() {
     static const std::vector<Level> all = {
 #if PSTAR_X86_DISPATCH
-        {"avx512", has_avx512, simd_avx512::adam_range, simd_avx512::max_abs_bits, simd_avx512::cast_range,
+        {"avx512", has_avx512, simd_avx512::adam_range, simd_avx512::adam_range_bf16m, simd_avx512::max_abs_bits, simd_avx512::cast_range,
          simd_avx512::sq_sum_range, simd_avx512::triad_range},
-        {"avx2", has_avx2, simd_avx2::adam_range, simd_avx2::max_abs_bits, simd_avx2::cast_range,
+        {"avx2", has_avx2, simd_avx2::adam_range, simd_avx2::adam_range_bf16m, simd_avx2::max_abs_bits, simd_avx2::cast_range,
          simd_avx2::sq_sum_range, simd_avx2::triad_range},
 #endif
-        {"scalar", always, simd_scalar::adam_range, simd_scalar::max_abs_bits, simd_scalar::cast_range,
+        {"scalar", always, simd_scalar::adam_range, simd_scalar::adam_range_bf16m, simd_scalar::max_abs_bits, simd_scalar::cast_range,
          simd_scalar::sq_sum_range, simd_scalar::triad_range},
     };
     return all;
@@ -240,8 +241,12 @@ bool adam_step(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, u
                uintptr_t exp_avg_sq, uintptr_t param_out, const std::string& out_dtype, int64_t n, int64_t step,
                double lr, double beta1, double beta2, double eps, double weight_decay, double grad_scale,
                bool decoupled, bool check_finite, const std::string& simd, int num_threads,
-               const std::string& stores, const std::string& schedule, int prefetch_elems) {
+               const std::string& stores, const std::string& schedule, int prefetch_elems,
+               const std::string& moments_dtype) {
     if (n < 0) throw py::value_error("adam_step: negative element count");
+    if (moments_dtype != "float32" && moments_dtype != "bfloat16")
+        throw py::value_error("adam_step: moments_dtype must be 'float32' or 'bfloat16', got '" + moments_dtype + "'");
+    const bool bf16m = moments_dtype == "bfloat16";
     if (step < 1) throw py::value_error("adam_step: step must be >= 1 (1-based, after increment)");
     if (!(grad_scale > 0.0) || grad_scale == HUGE_VAL)
         throw py::value_error("adam_step: grad_scale must be positive and finite");
@@ -250,8 +255,8 @@ bool adam_step(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, u
     const int ocode = param_out == 0 ? -1 : dtype_code(out_dtype, false, "adam_step param_out");
     const bool is_static = static_schedule(schedule);
     check_ptr(param, 4, n, "param");
-    check_ptr(exp_avg, 4, n, "exp_avg");
-    check_ptr(exp_avg_sq, 4, n, "exp_avg_sq");
+    check_ptr(exp_avg, bf16m ? 2 : 4, n, "exp_avg");
+    check_ptr(exp_avg_sq, bf16m ? 2 : 4, n, "exp_avg_sq");
     check_ptr(grad, element_size(gcode), n, "grad");
     if (ocode >= 0) check_ptr(param_out, 2, n, "param_out");
 
@@ -288,6 +293,11 @@ bool adam_step(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, u
     };
     const int es = element_size(gcode);
     auto update = [&](int64_t i, int64_t len) {
+        if (bf16m) {
+            L.adam_bf16m(at<float>(param, i), at<const char>(grad, i * es), gcode, at<uint16_t>(exp_avg, i),
+                         at<uint16_t>(exp_avg_sq, i), ocode >= 0 ? at<uint16_t>(param_out, i) : nullptr, ocode, len, c);
+            return;
+        }
         L.adam(at<float>(param, i), at<const char>(grad, i * es), gcode, at<float>(exp_avg, i), at<float>(exp_avg_sq, i),
                ocode >= 0 ? at<uint16_t>(param_out, i) : nullptr, ocode, len, c);
     };
@@ -568,8 +578,8 @@ PYBIND11_MODULE(_cpu_adam, m) {
           py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
           py::arg("grad_scale"), py::arg("decoupled"), py::arg("check_finite") = true, py::arg("simd") = "auto",
           py::arg("num_threads") = 0, py::arg("stores") = "plain", py::arg("schedule") = "dynamic",
-          py::arg("prefetch_elems") = 0,
-          "In-place Adam/AdamW step on fp32 param/exp_avg/exp_avg_sq; returns False (nothing written) "
+          py::arg("prefetch_elems") = 0, py::arg("moments_dtype") = "float32",
+          "In-place Adam/AdamW step on fp32 param and fp32 (or bf16) exp_avg/exp_avg_sq; returns False (nothing written) "
           "if any grad / grad_scale is not finite.");
     m.def("stream_triad", &stream_triad, py::arg("a"), py::arg("b"), py::arg("c"), py::arg("n"),
           py::arg("scalar") = 3.0, py::arg("reps") = 5, py::arg("nt") = false, py::arg("simd") = "auto",

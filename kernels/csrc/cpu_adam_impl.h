@@ -292,6 +292,67 @@ static void adam_range(float* p, const void* grad, int grad_dtype, float* m, flo
     else adam_range_g<2>(p, grad, m, v, out, out_dtype, n, c);
 }
 
+// The same step with bf16 moments (Config optimizer_state="bf16"): exp_avg and exp_avg_sq are read from bf16
+// (exact), the step computed in fp32 in adam_elems' order, and written back rounded to nearest even (as
+// torch's .to(torch.bfloat16)). 24 B/element with fp32 grads, + 2 B for the 16-bit copy. Plain stores only.
+template <class O, int GK, int OK, bool kDivScale, bool kDecoupled>
+static inline void adam_elems_bf16m(float* p, const void* grad, uint16_t* m, uint16_t* v, void* out, int64_t i,
+                                    const AdamConsts<O>& k) {
+    typedef typename O::T T;
+    T g = GK == 0 ? O::load(static_cast<const float*>(grad) + i)
+        : GK == 1 ? O::load_bf16(static_cast<const uint16_t*>(grad) + i)
+                  : O::load_f16(static_cast<const uint16_t*>(grad) + i);
+    g = kDivScale ? O::div(g, k.grad_scale) : O::mul(g, k.inv_grad_scale);
+    T pi = O::load(p + i);
+    if (kDecoupled) pi = O::mul(pi, k.decay);
+    else g = O::add(g, O::mul(k.l2_wd, pi));
+    const T mi = O::add(O::mul(k.beta1, O::load_bf16(m + i)), O::mul(k.one_minus_beta1, g));
+    const T vi = O::add(O::mul(k.beta2, O::load_bf16(v + i)), O::mul(O::mul(k.one_minus_beta2, g), g));
+    const T denom = O::add(O::mul(O::sqrt(vi), k.inv_bc2_sqrt), k.eps);
+    pi = O::sub(pi, O::mul(k.step_size, O::div(mi, denom)));
+    O::store(p + i, pi);
+    O::store_bf16(m + i, mi);
+    O::store_bf16(v + i, vi);
+    if (OK == 1) O::store_bf16(static_cast<uint16_t*>(out) + i, pi);
+    else if (OK == 2) O::store_f16(static_cast<uint16_t*>(out) + i, pi);
+}
+
+template <int GK, int OK, bool kDivScale, bool kDecoupled>
+static void adam_bf16m_t(float* p, const void* grad, uint16_t* m, uint16_t* v, void* out, int64_t n,
+                         const AdamCoeffs& c) {
+    const AdamConsts<VecOps> kv(c);
+    const AdamConsts<ScalarOps> ks(c);
+    int64_t i = 0;
+    for (; i + VecOps::W <= n; i += VecOps::W)
+        adam_elems_bf16m<VecOps, GK, OK, kDivScale, kDecoupled>(p, grad, m, v, out, i, kv);
+    for (; i < n; ++i) adam_elems_bf16m<ScalarOps, GK, OK, kDivScale, kDecoupled>(p, grad, m, v, out, i, ks);
+}
+
+template <int GK, int OK>
+static void adam_bf16m_o(float* p, const void* grad, uint16_t* m, uint16_t* v, void* out, int64_t n,
+                         const AdamCoeffs& c) {
+    const bool div = c.scale_mode == 2;
+    if (c.decoupled) div ? adam_bf16m_t<GK, OK, true, true>(p, grad, m, v, out, n, c)
+                         : adam_bf16m_t<GK, OK, false, true>(p, grad, m, v, out, n, c);
+    else div ? adam_bf16m_t<GK, OK, true, false>(p, grad, m, v, out, n, c)
+             : adam_bf16m_t<GK, OK, false, false>(p, grad, m, v, out, n, c);
+}
+
+template <int GK>
+static void adam_bf16m_g(float* p, const void* grad, uint16_t* m, uint16_t* v, void* out, int out_dtype, int64_t n,
+                         const AdamCoeffs& c) {
+    if (out == nullptr) adam_bf16m_o<GK, -1>(p, grad, m, v, out, n, c);
+    else if (out_dtype == 1) adam_bf16m_o<GK, 1>(p, grad, m, v, out, n, c);
+    else adam_bf16m_o<GK, 2>(p, grad, m, v, out, n, c);
+}
+
+static void adam_range_bf16m(float* p, const void* grad, int grad_dtype, uint16_t* m, uint16_t* v,
+                             void* out, int out_dtype, int64_t n, const AdamCoeffs& c) {
+    if (grad_dtype == 0) adam_bf16m_g<0>(p, grad, m, v, out, out_dtype, n, c);
+    else if (grad_dtype == 1) adam_bf16m_g<1>(p, grad, m, v, out, out_dtype, n, c);
+    else adam_bf16m_g<2>(p, grad, m, v, out, out_dtype, n, c);
+}
+
 // STREAM's triad a = b + s*c on float32, as the yardstick for the Adam: same compiler, flags, SIMD level
 // and OpenMP threads. nt: non-temporal stores for a (a plain store reads a's line first).
 static void triad_range(float* a, const float* b, const float* c, float s, int64_t n, bool nt) {

@@ -8,7 +8,8 @@ A step's updates are provisional until it commits. The plan chose how (`plan.tra
   replay      like kept_grads, but nothing is kept: a step that must be corrected or rolled back restores
               the masters from the moments and runs forward and backward again, whose gradients restore the
               moments (and apply the corrected update). Free unless it triggers; then about one more step;
-  two_pass    a first pass measures the verdict and updates nothing; a second pass applies exactly;
+  two_pass    a first pass measures the verdict and updates nothing; a second pass applies exactly (always
+              two passes with bf16 moments, which cannot be undone: a skipped step changes nothing);
   none        updates are applied as they come; a non-finite gradient or an exception leaves the chunks
               already updated (the engine warns);
   an accumulating step (grad_accum > 1) sums each chunk's gradients into fp32 accumulators over its
@@ -97,7 +98,8 @@ class Stepper:
                 norm, coef, finite = self._verdict(scale)
                 if finite:
                     up.apply_accumulated(hyper.scaled(scale / coef))
-            elif self.transaction == "two_pass" and (cfg.grad_clip is not None or self.scaler.enabled):
+            elif self.transaction == "two_pass" and (cfg.grad_clip is not None or self.scaler.enabled
+                                                     or cfg.optimizer_state == "bf16"):
                 saved = [b.clone() for b in self.buffers]   # the measuring pass must not move BatchNorm twice
                 up.open(hyper, "measure")
                 loss = self._run(micro_batches[0], tangent)

@@ -1,6 +1,7 @@
 """store: the chunks' persistent state on its tier, and every allocation the runtime makes, accounted.
 
-Per chunk, on the tier the plan placed it: the fp32 master, exp_avg and exp_avg_sq (12 B/param), and for
+Per chunk, on the tier the plan placed it: the fp32 master, exp_avg and exp_avg_sq (12 B/param; 8 with
+Config.optimizer_state "bf16", whose moments are bf16), and for
 host chunks that ship 16 bits a 16-bit shadow the host Adam keeps current. A chunk another data-parallel
 rank owns ("remote") has no state here: its entries are None. Everything is allocated once,
 at start, through `alloc`, which charges the tier's budget; `Pool` hands out equal buffers allocated the
@@ -66,8 +67,8 @@ class ChunkStore:
                 self.exp_avg_sq.append(None)
                 continue
             self.master.append(self.alloc(tier, cs, torch.float32, zero=True))
-            self.exp_avg.append(self.alloc(tier, cs, torch.float32, zero=True))
-            self.exp_avg_sq.append(self.alloc(tier, cs, torch.float32, zero=True))
+            self.exp_avg.append(self.alloc(tier, cs, config.moment_dtype, zero=True))
+            self.exp_avg_sq.append(self.alloc(tier, cs, config.moment_dtype, zero=True))
             if n >= 20 and (c + 1) % (n // 10) == 0:    # page-locking 100 GiB of host state takes a minute
                 log.info("  chunk state allocated for %d of %d chunks (%s on the host)", c + 1, n,
                          format_bytes(stats.host_bytes))
