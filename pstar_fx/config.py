@@ -126,7 +126,7 @@ class Config:
     dist_timeout: float = 300.0
     """Seconds a collective may wait for the other ranks before the step fails (a dead or hung rank)."""
 
-    transaction: Literal["auto", "kept_grads", "replay", "two_pass", "none"] = "auto"
+    transaction: Literal["auto", "kept_grads", "deferred", "replay", "two_pass", "none"] = "auto"
     """How a step's updates stay provisional until it commits. "kept_grads": updates run speculatively
     inside backward and each chunk's gradient is kept until the verdict (compute-dtype bytes per parameter,
     on the device when it has room, else on the host); clipping that triggers, a skip or an exception
@@ -135,9 +135,13 @@ class Config:
     again (free unless it triggers, then about 2x that step; dropout redraws the same masks, its ops being
     seeded per step). "two_pass": a first forward+backward measures the norm and updates nothing, the second
     applies exactly (2x the step's compute when clipping or loss scaling is on; no memory; an exception in
-    the second pass leaves the chunks it updated). "none": no protection (an exception or a non-finite
+    the second pass leaves the chunks it updated). "deferred": each chunk's gradient is kept as with
+    kept_grads but nothing is updated inside backward; after the verdict every update is applied from the
+    kept gradients, exactly (no speculation, no undo, 1x compute; the host Adam then runs after backward,
+    overlapping the next step's forward). "none": no protection (an exception or a non-finite
     gradient leaves the chunks already updated; not allowed with grad_clip). "auto": the planner picks
-    kept_grads when the host budget holds it, else replay; two_pass with optimizer_state "bf16"."""
+    kept_grads when the host budget holds it, else replay; with optimizer_state "bf16", deferred when the
+    host budget holds the kept gradients, else two_pass."""
 
     optimizer_state: Literal["fp32", "bf16"] = "fp32"
     """Dtype of the Adam moments exp_avg and exp_avg_sq in the chunks (the masters stay fp32). "fp32": 12 B/param
@@ -145,10 +149,12 @@ class Config:
     reads the moments from bf16, computes the step in fp32 and writes them back rounded to nearest even
     (torch's .to(torch.bfloat16)); checkpoints still save them as fp32 by name, and loading rounds them, so a
     checkpoint moves between the two modes. Cost: rounded moments cannot be undone, so a step must not need
-    an undo: with "bf16" the transaction "auto" is "two_pass", whose first forward+backward measures the
-    verdict (norm, finiteness) and updates nothing, the second applies exactly: 2x the step's compute on
-    every step, clipping and loss scaling on or off, and a skipped step changes nothing. "kept_grads" and
-    "replay" (undo-based) are refused; "none" is allowed (no second pass; a non-finite gradient then leaves
+    an undo: with "bf16" the transaction "auto" is "deferred" (gradients kept, every update applied after the
+    verdict: 1x compute, the kept gradients' bytes) when the host holds them, else "two_pass", whose first
+    forward+backward measures the verdict (norm, finiteness) and updates nothing, the second applies
+    exactly: 2x the step's compute on every step, clipping and loss scaling on or off. Either way a skipped
+    step changes nothing. "kept_grads" and "replay" (undo-based) are refused;
+    "none" is allowed (no second pass; a non-finite gradient then leaves
     the chunks already updated). With grad_accum > 1 updates already run after the verdict (no undo, one
     pass). "int8" (8-bit moments) is not built."""
 
@@ -178,14 +184,14 @@ class Config:
             raise ValueError(f"grad_accum: must be >= 1, got {self.grad_accum}")
         self.lr_schedule = check_schedule(self.lr_schedule)
         self.loss_scale = self._check_loss_scale(self.loss_scale)
-        _choice("transaction", self.transaction, ("auto", "kept_grads", "replay", "two_pass", "none"))
+        _choice("transaction", self.transaction, ("auto", "kept_grads", "deferred", "replay", "two_pass", "none"))
         if self.optimizer_state == "int8":
             raise ValueError("optimizer_state: 'int8' is not built; 'bf16' is the available compact mode "
                              "(8 B/param of chunk state instead of 12)")
         _choice("optimizer_state", self.optimizer_state, ("fp32", "bf16"))
         if self.optimizer_state == "bf16" and self.transaction in ("kept_grads", "replay"):
             raise ValueError(f"transaction: {self.transaction!r} undoes updates, and bf16 moments "
-                             "(optimizer_state='bf16') cannot be undone exactly; use 'auto' (two_pass), "
+                             "(optimizer_state='bf16') cannot be undone exactly; use 'auto', 'deferred', "
                              "'two_pass' or 'none'")
         _choice("data_parallel", self.data_parallel, ("auto", "replicated", "chunked"))
         if isinstance(self.dist_timeout, bool) or not isinstance(self.dist_timeout, (int, float)) \

@@ -473,7 +473,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
                  else config.host_memory - host_staging - (n_own - n_device) * state_bytes)
     transaction, kept_bytes = _choose_transaction(config, n_updated * cs * compute_itemsize, host_free=host_free,
                                                   random_ops=random_ops)
-    if transaction == "kept_grads" and cuda and n_device and grad_slots < 2 and on is None:
+    if transaction in KEEPS and cuda and n_device and grad_slots < 2 and on is None:
         # a device chunk's kept gradient is copied to the host from its slot: a second slot lets backward go
         # on meanwhile (GPT3_10B with one slot: the compute stream waited 0.14 s a step for those copies)
         grad_slots = 2
@@ -575,7 +575,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
                      "allocations outside the graph"
                      + (f"; the peak is kept {format_bytes(config.device_memory - budget)} under the budget for the "
                         "allocator's fragmentation" if budget is not None else ""))
-    device_kept = n_updated_device * cs * compute_itemsize if transaction == "kept_grads" else 0
+    device_kept = n_updated_device * cs * compute_itemsize if transaction in KEEPS else 0
     if device_kept and (budget is None or plan.device_peak_bytes + device_kept <= budget):
         plan.kept_on_device = True       # spare device memory: no copies out, and an undo needs none back
         device["kept gradients"] = device_kept
@@ -680,6 +680,9 @@ def _choose_shipping(placement: list[str], config: Config, cs: int, itemsize: in
     return ship
 
 
+KEEPS = ("kept_grads", "deferred")   # the transactions that keep every chunk's gradient until the verdict
+
+
 def _choose_transaction(config: Config, kept_total: int, host_free: int | None,
                         random_ops: list[str]) -> tuple[str, int]:
     """(transaction, host bytes of kept gradients). See Config.transaction for the choices. A step with random
@@ -691,14 +694,13 @@ def _choose_transaction(config: Config, kept_total: int, host_free: int | None,
         raise ValueError(f"transaction 'replay' runs a step again, but this step draws random numbers "
                          f"({', '.join(random_ops[:3])}{', ...' if len(random_ops) > 3 else ''}): a replay would "
                          "draw others; use 'kept_grads' or 'two_pass'")
+    fits = host_free is None or kept_total <= host_free
     if choice == "auto" and config.optimizer_state == "bf16":
-        choice = "two_pass"           # bf16 moments cannot be undone: measure first, then apply exactly
+        # bf16 moments cannot be undone: keep the gradients and apply after the verdict, or measure first
+        choice = "deferred" if fits else "two_pass"
     if choice == "auto":
-        if host_free is None or kept_total <= host_free:
-            choice = "kept_grads"
-        else:
-            choice = "two_pass" if random_ops else "replay"
-    return choice, kept_total if choice == "kept_grads" else 0
+        choice = "kept_grads" if fits else "two_pass" if random_ops else "replay"
+    return choice, kept_total if choice in KEEPS else 0
 
 
 def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_bytes: int, accum_bytes: int,
@@ -714,6 +716,11 @@ def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_byte
                 f"the verdict, exactly. Chunk state {state} -> {state + 4} B/param on "
                 f"the device and {host_base} -> {host_base + 4} on the host: the largest model is about "
                 f"{100 * 4 / (host_base + 4):.0f}% smaller")
+    if transaction == "deferred":
+        return (f"each chunk's gradient kept until the verdict, {itemsize} B/param ({format_bytes(kept_bytes)} on "
+                "the host), nothing updated inside backward; every update is applied after the verdict from the "
+                "kept gradients, exactly: no undo (what bf16 moments need), the host Adam runs after backward, "
+                "into the next step's forward")
     if transaction == "kept_grads":
         where = ("device chunks' on the device (spare room)" if kept_on_device else
                  f"device chunks' copied to the host (about {kept_copy_s * 1e3:.0f} ms of device->host copies, "

@@ -182,7 +182,7 @@ def small_gpt():
     return model, (idx, torch.roll(idx, -1, 1))
 
 
-def test_plan_counts_8_bytes_per_param_and_picks_two_pass():
+def test_plan_counts_8_bytes_per_param_and_picks_an_exact_transaction():
     model, inputs = small_gpt()
     cfg = {"device": "cpu", "chunk_size": 16384, "placement": "device"}
     fp32 = pstar_fx.plan(model, Config.from_dict(cfg), inputs)
@@ -192,7 +192,11 @@ def test_plan_counts_8_bytes_per_param_and_picks_two_pass():
     assert bf16.device_breakdown["chunk state"] == n_chunks * 16384 * 8
     assert bf16.state_bytes_per_param == 8 and "chunk state: 8 B/param" in bf16.summary()
     assert "chunk state: 12 B/param" in fp32.summary()
-    assert bf16.transaction == "two_pass"
+    assert bf16.transaction == "deferred"                   # the host holds the kept gradients
+    tight = pstar_fx.plan(model, Config.from_dict({**cfg, "optimizer_state": "bf16", "grad_clip": 1.0,
+                                                   "placement": "host", "host_memory": bf16.host_peak_bytes
+                                                   + n_chunks * 16384 * 8 + 2 * 16384 * 4}), inputs)
+    assert tight.transaction == "two_pass", tight.summary()   # it does not: measure first
 
 
 # ---- the engine: a skipped step, checkpoints -------------------------------------------------------------
@@ -203,15 +207,17 @@ def state_of(engine):
                                                                    store.exp_avg_sq[c])]
 
 
+@pytest.mark.parametrize("transaction", ["deferred", "two_pass"])
 @pytest.mark.parametrize("placement", ["device", "host"])
-def test_a_skipped_step_with_bf16_moments_changes_nothing(placement):
+def test_a_skipped_step_with_bf16_moments_changes_nothing(placement, transaction):
     from test_transaction import OPT, Regression, regression_batches
     torch.manual_seed(0)
     model = Regression()
     batches = regression_batches(3, overflow_at=(1,))
     engine = pstar_fx.compile(model, {"device": "cpu", "placement": placement, "chunk_size": 4096, "optimizer": OPT,
-                                      "optimizer_state": "bf16", "grad_clip": 1.0}, batches[0])
-    assert engine.plan.transaction == "two_pass" and engine.rt.store.exp_avg[0].dtype == torch.bfloat16
+                                      "optimizer_state": "bf16", "grad_clip": 1.0, "transaction": transaction},
+                              batches[0])
+    assert engine.plan.transaction == transaction and engine.rt.store.exp_avg[0].dtype == torch.bfloat16
     engine.step(*batches[0])
     before, st = engine.state_dict(), state_of(engine)
     with pytest.warns(RuntimeWarning, match="skipped"):
@@ -222,6 +228,26 @@ def test_a_skipped_step_with_bf16_moments_changes_nothing(placement):
     assert all(torch.equal(a, b) for a, b in zip(state_of(engine), st))
     engine.step(*batches[2])
     assert engine.steps == 2
+
+
+@pytest.mark.parametrize("placement", ["device", "host"])
+def test_deferred_updates_equal_two_passes_bit_for_bit(placement):
+    """Both apply every update after the verdict, from the same gradients: the same bits, at half the compute."""
+    from test_transaction import OPT, gpt_batches, tiny_gpt
+    batches = gpt_batches(4)
+    runs = []
+    for transaction in ("deferred", "two_pass"):
+        engine = pstar_fx.compile(tiny_gpt(), {"device": "cpu", "placement": placement, "chunk_size": 16384,
+                                               "optimizer": OPT, "optimizer_state": "bf16", "grad_clip": 0.05,
+                                               "transaction": transaction}, batches[0])
+        reports = []
+        for b in batches:
+            engine.step(*b)
+            reports.append((engine.last_step.loss, engine.last_step.grad_norm, engine.last_step.clip_coef))
+        runs.append((reports, engine.state_dict(), state_of(engine)))
+    assert runs[0][0] == runs[1][0] and all(r[2] < 1 for r in runs[0][0])      # clipping triggered every step
+    assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][2], runs[1][2]))
 
 
 def test_checkpoint_moves_between_fp32_and_bf16_state(tmp_path):

@@ -132,7 +132,7 @@ def tiny_gpt():
 
 # ---- clipping ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("transaction", ["kept_grads", "replay", "two_pass"])
+@pytest.mark.parametrize("transaction", ["kept_grads", "deferred", "replay", "two_pass"])
 @pytest.mark.parametrize("when", ["every", "some", "never"])
 def test_clipping_equals_clip_grad_norm(when, transaction):
     model = tiny_gpt()
@@ -349,7 +349,7 @@ def interrupt(monkeypatch, engine, where, at):
         monkeypatch.setattr(adam_module, "adam_step", adam_step)
 
 
-@pytest.mark.parametrize("transaction", ["kept_grads", "replay"])
+@pytest.mark.parametrize("transaction", ["kept_grads", "deferred", "replay"])
 @pytest.mark.parametrize("clip", [None, 0.05])
 @pytest.mark.parametrize("where", ["forward", "backward", "host_adam"])
 def test_an_interrupted_step_leaves_the_state_as_before(monkeypatch, where, clip, transaction):
@@ -497,7 +497,7 @@ def test_a_step_with_dropout_replays_its_masks():
         torch.testing.assert_close(sd1[k], sd2[k], rtol=REPLAY_REL, atol=1e-7)
 
 
-@pytest.mark.parametrize("transaction", ["kept_grads", "replay", "two_pass"])
+@pytest.mark.parametrize("transaction", ["kept_grads", "deferred", "replay", "two_pass"])
 def test_batchnorm_statistics_move_once_per_step_whatever_the_transaction(transaction):
     """A replay and a two-pass step run forward twice; BatchNorm's running statistics must still move once."""
     from test_engine import WithBuffers, regression_batches as bn_batches

@@ -8,6 +8,8 @@ A step's updates are provisional until it commits. The plan chose how (`plan.tra
   replay      like kept_grads, but nothing is kept: a step that must be corrected or rolled back restores
               the masters from the moments and runs forward and backward again, whose gradients restore the
               moments (and apply the corrected update). Free unless it triggers; then about one more step;
+  deferred    each chunk's gradient is kept and nothing updated inside backward; after the verdict every update
+              is applied from the kept gradients, exactly (no undo: what bf16 moments need);
   two_pass    a first pass measures the verdict and updates nothing; a second pass applies exactly (always
               two passes with bf16 moments, which cannot be undone: a skipped step changes nothing);
   none        updates are applied as they come; a non-finite gradient or an exception leaves the chunks
@@ -98,6 +100,12 @@ class Stepper:
                 norm, coef, finite = self._verdict(scale)
                 if finite:
                     up.apply_accumulated(hyper.scaled(scale / coef))
+            elif self.transaction == "deferred":
+                up.open(hyper, "defer")
+                loss = self._run(micro_batches[0], tangent)
+                norm, coef, finite = self._verdict(scale)
+                if finite:
+                    up.apply_deferred(hyper.scaled(scale / coef))
             elif self.transaction == "two_pass" and (cfg.grad_clip is not None or self.scaler.enabled
                                                      or cfg.optimizer_state == "bf16"):
                 saved = [b.clone() for b in self.buffers]   # the measuring pass must not move BatchNorm twice

@@ -10,6 +10,8 @@ for a host chunk). What it does with it depends on the step's mode, set by the s
   measure     only add the gradient's squared norm to the verdict (the first pass of a two-pass step);
   accumulate  add the gradient into the chunk's fp32 accumulator (a micro-batch of an accumulating step);
               the last micro-batch measures the accumulated gradient; the update is applied after the verdict;
+  defer       only keep the gradient (in the chunk's kept buffer) and measure it; every update is applied
+              after the verdict from the kept gradients (`apply_deferred`);
   replay      the step runs again after a speculation that kept no gradient had to be corrected or rolled
               back: the masters were restored from the moments first (`restore_masters`); each chunk's
               recomputed gradient now restores its moments and, when correcting, applies the right update.
@@ -55,7 +57,7 @@ from .movers import Mover
 from .store import ChunkStore, Pool
 from .telemetry import Telemetry
 
-MODES = ("speculate", "apply", "measure", "accumulate", "replay")
+MODES = ("speculate", "apply", "measure", "accumulate", "replay", "defer")
 
 
 def exact_sum(squares: list[float]) -> float:
@@ -106,7 +108,7 @@ class Updater:
         # kept gradients: every chunk's, on the host, until the step's verdict (an accumulating step keeps
         # its accumulators instead)
         self.kept: dict[int, torch.Tensor] = {}
-        if plan.transaction == "kept_grads" and not self.accumulates:
+        if plan.transaction in ("kept_grads", "deferred") and not self.accumulates:
             where = lambda c: "device" if plan.kept_on_device and store.tier(c) == "device" else "host"  # noqa: E731
             self.kept = {c: store.alloc(where(c), cs, dtype) for c in updated}
         self.acc = {c: store.alloc(store.tier(c), cs, torch.float32) for c in updated} if self.accumulates else {}
@@ -178,19 +180,26 @@ class Updater:
                 self._add_sq(self.acc[c], c)
         elif log.mode == "measure":
             self._add_sq(grad, c)
+        elif log.mode == "defer":
+            self._add_sq(grad, c)
+            self._keep(c, grad)
         else:
             sq = self._add_sq(grad, c)
             self.found_inf.add_((~torch.isfinite(sq)).float())   # gates this update and every later one
             if log.mode == "speculate" and self.kept:          # kept before it is used
-                n = self.layout.chunks[c].used_elems
-                if self.kept[c].device == grad.device:
-                    self.kept[c][:n].copy_(grad[:n])
-                else:
-                    self.mover.ship(grad, self.kept[c], n)
+                self._keep(c, grad)
             chunk_update(master, grad, m, v, spans, log.hyper, found_inf=self.found_inf, check_finite=False)
             self._flag_after[c:c + 1].copy_(self.found_inf)
             log.device.append(c)
         self.mover.give_back(grad)
+
+    def _keep(self, c: int, grad: torch.Tensor) -> None:
+        """A device chunk's gradient into its kept buffer (on the device, or shipped to the host)."""
+        n = self.layout.chunks[c].used_elems
+        if self.kept[c].device == grad.device:
+            self.kept[c][:n].copy_(grad[:n])
+        else:
+            self.mover.ship(grad, self.kept[c], n)
 
     def _host_job(self, c, grad, ready, log: _Log, first: bool, last: bool, checked: bool = False) -> bool:
         """A host chunk's part of the step (on the worker, or inline on the CPU runtime)."""
@@ -204,7 +213,7 @@ class Updater:
                 self._accumulate(c, grad, first)
                 if last:
                     log.host_sq.update(zip(self._params[c], sq_norms(self.acc[c], self._segments[c]).tolist()))
-            elif log.mode != "measure":
+            elif log.mode not in ("measure", "defer"):        # deferred: the gradient waits in its kept buffer
                 if checked and not self._finite_host[c]:
                     applied = False                   # non-finite on the device: the step will be skipped
                 else:
@@ -284,10 +293,30 @@ class Updater:
                 self._flag_after[c:c + 1].copy_(self.found_inf)
                 self.log.device.append(c)
 
-    def _apply_host(self, c: int, log: _Log) -> bool:
+    def apply_deferred(self, hyper: Hyper) -> None:
+        """A deferred step's updates, from the kept gradients, now that the verdict allows them (it found every
+        gradient finite: no check)."""
+        self.log.hyper, self.log.mode = hyper, "apply_deferred"
+        self.log.undoable = self.store.config.optimizer_state == "fp32"   # from the kept gradients; not bf16
+        if any(self.store.tier(c) == "device" and self.kept[c].device != self.device for c in self.kept):
+            self.copies.sync()                       # device chunks' gradients shipped to the host have landed
+        for c in sorted(self.kept):
+            if self.store.tier(c) == "host":
+                self._on_host(c, self.log, self._apply_host, c, self.log, self.kept)
+            else:
+                grad = self._kept_on_tier(c)
+                chunk_update(self.store.master[c], grad, self.store.exp_avg[c], self.store.exp_avg_sq[c],
+                             self.spans[c], hyper, found_inf=self.found_inf, check_finite=False)
+                self._flag_after[c:c + 1].copy_(self.found_inf)
+                self.log.device.append(c)
+                self._done_with(grad, c)
+
+    def _apply_host(self, c: int, log: _Log, source: dict | None = None) -> bool:
         t0 = time.perf_counter()
-        ok = chunk_update(self.store.master[c], self.acc[c], self.store.exp_avg[c], self.store.exp_avg_sq[c],
-                          self.spans[c], log.hyper, param_out=self.store.shadow.get(c))
+        grad = (self.acc if source is None else source)[c]
+        ok = chunk_update(self.store.master[c], grad, self.store.exp_avg[c], self.store.exp_avg_sq[c],
+                          self.spans[c], log.hyper, param_out=self.store.shadow.get(c),
+                          check_finite=source is None)
         self.telemetry.add("host_adam", time.perf_counter() - t0)
         return ok
 
