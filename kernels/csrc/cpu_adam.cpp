@@ -143,12 +143,12 @@ bool has_avx512() {
 const std::vector<Level>& levels() {
     static const std::vector<Level> all = {
 #if PSTAR_X86_DISPATCH
-        {"avx512", has_avx512, simd_avx512::adam_range, simd_avx512::adam_range_bf16m, simd_avx512::max_abs_bits, simd_avx512::cast_range,
+        {"avx512", has_avx512, simd_avx512::adam_range<float>, simd_avx512::adam_range<uint16_t>, simd_avx512::max_abs_bits, simd_avx512::cast_range,
          simd_avx512::sq_sum_range, simd_avx512::triad_range},
-        {"avx2", has_avx2, simd_avx2::adam_range, simd_avx2::adam_range_bf16m, simd_avx2::max_abs_bits, simd_avx2::cast_range,
+        {"avx2", has_avx2, simd_avx2::adam_range<float>, simd_avx2::adam_range<uint16_t>, simd_avx2::max_abs_bits, simd_avx2::cast_range,
          simd_avx2::sq_sum_range, simd_avx2::triad_range},
 #endif
-        {"scalar", always, simd_scalar::adam_range, simd_scalar::adam_range_bf16m, simd_scalar::max_abs_bits, simd_scalar::cast_range,
+        {"scalar", always, simd_scalar::adam_range<float>, simd_scalar::adam_range<uint16_t>, simd_scalar::max_abs_bits, simd_scalar::cast_range,
          simd_scalar::sq_sum_range, simd_scalar::triad_range},
     };
     return all;

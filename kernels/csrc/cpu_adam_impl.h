@@ -268,30 +268,6 @@ static void adam_range_s(float* p, const void* grad, float* m, float* v, void* o
     adam_range_t<GK, OK, kDivScale, kDecoupled, 0>(p, grad, m, v, out, n, c);
 }
 
-template <int GK, int OK>
-static void adam_range_o(float* p, const void* grad, float* m, float* v, void* out, int64_t n, const AdamCoeffs& c) {
-    const bool div = c.scale_mode == 2;
-    if (c.decoupled) div ? adam_range_s<GK, OK, true, true>(p, grad, m, v, out, n, c)
-                         : adam_range_s<GK, OK, false, true>(p, grad, m, v, out, n, c);
-    else div ? adam_range_s<GK, OK, true, false>(p, grad, m, v, out, n, c)
-             : adam_range_s<GK, OK, false, false>(p, grad, m, v, out, n, c);
-}
-
-template <int GK>
-static void adam_range_g(float* p, const void* grad, float* m, float* v, void* out, int out_dtype, int64_t n,
-                         const AdamCoeffs& c) {
-    if (out == nullptr) adam_range_o<GK, -1>(p, grad, m, v, out, n, c);
-    else if (out_dtype == 1) adam_range_o<GK, 1>(p, grad, m, v, out, n, c);
-    else adam_range_o<GK, 2>(p, grad, m, v, out, n, c);
-}
-
-static void adam_range(float* p, const void* grad, int grad_dtype, float* m, float* v,
-                       void* out, int out_dtype, int64_t n, const AdamCoeffs& c) {
-    if (grad_dtype == 0) adam_range_g<0>(p, grad, m, v, out, out_dtype, n, c);
-    else if (grad_dtype == 1) adam_range_g<1>(p, grad, m, v, out, out_dtype, n, c);
-    else adam_range_g<2>(p, grad, m, v, out, out_dtype, n, c);
-}
-
 // The same step with bf16 moments (Config optimizer_state="bf16"): exp_avg and exp_avg_sq are read from bf16
 // (exact), the step computed in fp32 in adam_elems' order, and written back rounded to nearest even (as
 // torch's .to(torch.bfloat16)). 24 B/element with fp32 grads, + 2 B for the 16-bit copy. Plain stores only.
@@ -328,29 +304,43 @@ static void adam_bf16m_t(float* p, const void* grad, uint16_t* m, uint16_t* v, v
     for (; i < n; ++i) adam_elems_bf16m<ScalarOps, GK, OK, kDivScale, kDecoupled>(p, grad, m, v, out, i, ks);
 }
 
-template <int GK, int OK>
-static void adam_bf16m_o(float* p, const void* grad, uint16_t* m, uint16_t* v, void* out, int64_t n,
-                         const AdamCoeffs& c) {
+// The kernel for the moments' type: fp32 (adam_range_s) or bf16 (adam_bf16m_t)
+template <int GK, int OK, bool kDivScale, bool kDecoupled>
+static void adam_kernel(float* p, const void* grad, float* m, float* v, void* out, int64_t n, const AdamCoeffs& c) {
+    adam_range_s<GK, OK, kDivScale, kDecoupled>(p, grad, m, v, out, n, c);
+}
+
+template <int GK, int OK, bool kDivScale, bool kDecoupled>
+static void adam_kernel(float* p, const void* grad, uint16_t* m, uint16_t* v, void* out, int64_t n,
+                        const AdamCoeffs& c) {
+    adam_bf16m_t<GK, OK, kDivScale, kDecoupled>(p, grad, m, v, out, n, c);
+}
+
+// The runtime flags (grad dtype, 16-bit copy, scale mode, weight decay) -> the kernel's template arguments,
+// for either moment type M (float or bf16 bits)
+template <int GK, int OK, class M>
+static void adam_range_o(float* p, const void* grad, M* m, M* v, void* out, int64_t n, const AdamCoeffs& c) {
     const bool div = c.scale_mode == 2;
-    if (c.decoupled) div ? adam_bf16m_t<GK, OK, true, true>(p, grad, m, v, out, n, c)
-                         : adam_bf16m_t<GK, OK, false, true>(p, grad, m, v, out, n, c);
-    else div ? adam_bf16m_t<GK, OK, true, false>(p, grad, m, v, out, n, c)
-             : adam_bf16m_t<GK, OK, false, false>(p, grad, m, v, out, n, c);
+    if (c.decoupled) div ? adam_kernel<GK, OK, true, true>(p, grad, m, v, out, n, c)
+                         : adam_kernel<GK, OK, false, true>(p, grad, m, v, out, n, c);
+    else div ? adam_kernel<GK, OK, true, false>(p, grad, m, v, out, n, c)
+             : adam_kernel<GK, OK, false, false>(p, grad, m, v, out, n, c);
 }
 
-template <int GK>
-static void adam_bf16m_g(float* p, const void* grad, uint16_t* m, uint16_t* v, void* out, int out_dtype, int64_t n,
+template <int GK, class M>
+static void adam_range_g(float* p, const void* grad, M* m, M* v, void* out, int out_dtype, int64_t n,
                          const AdamCoeffs& c) {
-    if (out == nullptr) adam_bf16m_o<GK, -1>(p, grad, m, v, out, n, c);
-    else if (out_dtype == 1) adam_bf16m_o<GK, 1>(p, grad, m, v, out, n, c);
-    else adam_bf16m_o<GK, 2>(p, grad, m, v, out, n, c);
+    if (out == nullptr) adam_range_o<GK, -1>(p, grad, m, v, out, n, c);
+    else if (out_dtype == 1) adam_range_o<GK, 1>(p, grad, m, v, out, n, c);
+    else adam_range_o<GK, 2>(p, grad, m, v, out, n, c);
 }
 
-static void adam_range_bf16m(float* p, const void* grad, int grad_dtype, uint16_t* m, uint16_t* v,
-                             void* out, int out_dtype, int64_t n, const AdamCoeffs& c) {
-    if (grad_dtype == 0) adam_bf16m_g<0>(p, grad, m, v, out, out_dtype, n, c);
-    else if (grad_dtype == 1) adam_bf16m_g<1>(p, grad, m, v, out, out_dtype, n, c);
-    else adam_bf16m_g<2>(p, grad, m, v, out, out_dtype, n, c);
+template <class M>
+static void adam_range(float* p, const void* grad, int grad_dtype, M* m, M* v,
+                       void* out, int out_dtype, int64_t n, const AdamCoeffs& c) {
+    if (grad_dtype == 0) adam_range_g<0>(p, grad, m, v, out, out_dtype, n, c);
+    else if (grad_dtype == 1) adam_range_g<1>(p, grad, m, v, out, out_dtype, n, c);
+    else adam_range_g<2>(p, grad, m, v, out, out_dtype, n, c);
 }
 
 // STREAM's triad a = b + s*c on float32, as the yardstick for the Adam: same compiler, flags, SIMD level
