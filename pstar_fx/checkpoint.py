@@ -446,25 +446,25 @@ def apply(engine, weights: dict, moments: dict | None, *, strict: bool, where: s
     cap, store = engine.lowered.capture, engine.rt.store
     held = [store.holds(s.chunk) for s in engine.lowered.layout.slots]   # chunk-partitioned: this rank's own
     buffers = engine.persistent_buffers()
-    todo, problems = [], []
+    todo, found, problems = [], [], []               # found: (name, shape) of every entry, held here or not
     for i, p in enumerate(cap.params):
         name = next((a for a in p.aliases if a in weights), None)
         if name is None:
             problems.append(f"missing {p.name}")
-        elif held[i]:
-            todo.append((store.param_fp32(i), weights[name], tuple(p.shape), name))
+            continue
+        found.append((name, tuple(p.shape)))
+        if held[i]:
+            todo.append((store.param_fp32(i), weights[name]))
     for name, b in buffers.items():
         if name in weights:
-            todo.append((b, weights[name], tuple(b.shape), name))
+            found.append((name, tuple(b.shape)))
+            todo.append((b, weights[name]))
         else:
             problems.append(f"missing buffer {name}")
     known = {a for p in cap.params for a in p.aliases} | set(buffers)
     problems += [f"unexpected {k}" for k in weights if k not in known]
-    problems += [f"{name}: shape {weights[name].shape()} given, {tuple(p.shape)} in the model"
-                 for p in cap.params for name in [next((a for a in p.aliases if a in weights), None)]
-                 if name is not None and weights[name].shape() != tuple(p.shape)]
-    problems += [f"{name}: shape {weights[name].shape()} given, {tuple(b.shape)} in the model"
-                 for name, b in buffers.items() if name in weights and weights[name].shape() != tuple(b.shape)]
+    problems += [f"{name}: shape {weights[name].shape()} given, {shape} in the model" for name, shape in found
+                 if weights[name].shape() != shape]
     if moments:
         for p in cap.params:
             if p.has_grad:
@@ -479,7 +479,7 @@ def apply(engine, weights: dict, moments: dict | None, *, strict: bool, where: s
                               + "; ".join(fatal[:20]) + ("; ..." if len(fatal) > 20 else ""))
     blocks = _Blocks()
     with torch.no_grad():
-        for target, src, _, _ in todo:
+        for target, src in todo:
             src.read_into(target, blocks)
         if moments is not None:
             for i, p in enumerate(cap.params):

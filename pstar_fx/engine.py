@@ -548,12 +548,10 @@ class Engine:
     def save(self, path: str | os.PathLike, *, dtype: str = "fp32") -> None:
         """Write a checkpoint directory (safetensors weights `transformers` reads, optimizer state, loop state),
         streamed tensor by tensor and renamed into place when whole; see pstar_fx.checkpoint."""
-        if self.dp is not None and self.dp.chunked:   # every rank writes the chunks it owns
+        replicated = self.dp is not None and not self.dp.chunked   # every rank holds the same state
+        if not replicated or self.dp.rank == 0:       # partitioned: every rank writes the chunks it owns
             checkpoint.save(self, path, dtype=dtype)
-            return
-        if self.dp is None or self.dp.rank == 0:      # replicated: every rank holds the same state
-            checkpoint.save(self, path, dtype=dtype)
-        if self.dp is not None:
+        if replicated:
             self.dp.barrier()
 
     def load(self, path: str | os.PathLike, *, strict: bool = True) -> None:

@@ -64,7 +64,7 @@ class ChunkRuntime:
 
     def all_reduce(self, c: int) -> None:
         """Chunk c's gradient summed over the data-parallel ranks, before its update."""
-        self.dp.all_reduce_(self.mover.grads[c][: self.layout.chunks[c].used_elems])
+        self.dp.sum_(self.mover.grads[c][: self.layout.chunks[c].used_elems])
 
     def reduce(self, c: int) -> None:
         """Chunk c's gradient summed over the ranks into its owner's gradient slot (chunk-partitioned data
@@ -117,10 +117,7 @@ class ChunkRuntime:
                 self.updater.host_grads.give(dst)
         self._offloaded.clear()
         for pending in self._reducing.values():   # nothing may still write into a slot handed out again
-            try:
-                pending.wait()
-            except Exception:  # noqa: BLE001 - the group already failed; the step's own error is raised
-                pass
+            pending.abandon()
         self._reducing.clear()
 
     def drain(self) -> None:

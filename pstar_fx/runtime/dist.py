@@ -63,6 +63,17 @@ def measure_bus_bandwidth(device: torch.device, dtype: torch.dtype, elems: int =
     return float(box[0])
 
 
+def _in_place(t: torch.Tensor, collective) -> None:
+    """Run a synchronous in-place collective on `t`. NCCL moves GPU memory only: a host tensor crosses through a
+    GPU copy."""
+    if t.device.type == "cpu" and dist.get_backend() == "nccl":
+        tmp = t.to(torch.device("cuda", torch.cuda.current_device()))
+        collective(tmp)
+        t.copy_(tmp)
+    else:
+        collective(t)
+
+
 class Pending:
     """An asynchronous collective: `wait()` makes the current CUDA stream (or, on the CPU, the caller) wait."""
 
@@ -73,6 +84,14 @@ class Pending:
         if self.work is not None:
             self.work.wait()
             self.work = None
+
+    def abandon(self) -> None:
+        """After a failed step: let it finish writing its buffer; a group that already failed is not our error
+        to raise (the step's own error is)."""
+        try:
+            self.wait()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 class DataParallel:
@@ -85,9 +104,6 @@ class DataParallel:
         """The rank that holds chunk c's state (chunked mode)."""
         return c % self.world
 
-    def owns(self, c: int) -> bool:
-        return not self.chunked or c % self.world == self.rank
-
     def broadcast_chunk(self, buf: torch.Tensor, c: int) -> Pending:
         """Chunk c's compute copy, made in `buf` on its owner, into `buf` on every rank (started, not waited)."""
         return Pending(dist.broadcast(buf, self.owner(c), async_op=True))
@@ -99,17 +115,9 @@ class DataParallel:
         return Pending(dist.reduce(grad, self.owner(c), async_op=True))
 
     def sum_(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` summed over the ranks, in place (NCCL: through a GPU copy when `t` is on the host)."""
-        if t.device.type == "cpu" and dist.get_backend() == "nccl":
-            tmp = t.to(torch.device("cuda", torch.cuda.current_device()))
-            dist.all_reduce(tmp)
-            t.copy_(tmp)
-        else:
-            dist.all_reduce(t)
+        """`t` summed over the ranks, in place."""
+        _in_place(t, dist.all_reduce)
         return t
-
-    def all_reduce_(self, t: torch.Tensor) -> None:
-        dist.all_reduce(t)
 
     def mean(self, x: torch.Tensor) -> torch.Tensor:
         """The mean over the ranks of a scalar (the step's loss)."""
@@ -118,14 +126,8 @@ class DataParallel:
         return (t / self.world).reshape(())
 
     def broadcast_(self, t: torch.Tensor, src: int = 0) -> None:
-        """Rank `src`'s values everywhere (initial weights and buffers: every rank starts from rank 0's model).
-        NCCL moves GPU memory only: a host tensor crosses through a GPU copy."""
-        if t.device.type == "cpu" and dist.get_backend() == "nccl":
-            tmp = t.to(torch.device("cuda", torch.cuda.current_device()))
-            dist.broadcast(tmp, src)
-            t.copy_(tmp)
-        else:
-            dist.broadcast(t, src)
+        """Rank `src`'s values everywhere (initial weights and buffers: every rank starts from rank 0's model)."""
+        _in_place(t, lambda x: dist.broadcast(x, src))
 
     def scratch_device(self) -> torch.device:
         """Where a temporary that crosses between ranks lives: NCCL needs GPU memory, gloo is happiest on the host."""

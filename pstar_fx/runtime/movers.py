@@ -225,11 +225,8 @@ class Mover:
             self.grad_slots.give(buf)
         self.grads.clear()
         for ready in self._ready.values():
-            if ready is not None and not isinstance(ready, torch.cuda.Event):
-                try:
-                    ready.wait()                 # a broadcast still writing into a slot given back
-                except Exception:  # noqa: BLE001 - the group already failed; the step's own error is raised
-                    pass
+            if hasattr(ready, "abandon"):        # a broadcast (dist.Pending) still writing into a slot given back
+                ready.abandon()
         self._ready.clear()
 
     def check_idle(self) -> None:

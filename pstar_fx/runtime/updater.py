@@ -267,42 +267,34 @@ class Updater:
         An accumulating step waits for its host chunks' sums here."""
         if self.log.mode in ("accumulate", "measure"):
             self._settle(self.log)
-        if self.dp is None:
-            per_param = self._sq.tolist()                  # the step's one sync
-            for i, sq in self.log.host_sq.items():
-                per_param[i] = sq
-            return exact_sum(per_param)
-        # partitioned: each parameter's square is measured by its chunk's owner alone (zero elsewhere), so the
-        # sum over ranks adds it to zeros: exact, and the same vector on every rank
-        sq = self._sq.clone()
-        if self.log.host_sq:
-            index = list(self.log.host_sq)
-            sq[torch.tensor(index, device=sq.device)] = torch.tensor([self.log.host_sq[i] for i in index],
-                                                                      dtype=torch.float64, device=sq.device)
-        return exact_sum(self.dp.sum_(sq).tolist())
+        per_param = self._sq.tolist()                      # the step's one sync
+        for i, sq in self.log.host_sq.items():
+            per_param[i] = sq
+        if self.dp is not None:
+            # partitioned: each parameter's square is measured by its chunk's owner alone (zero elsewhere), so
+            # the sum over ranks adds it to zeros: exact, and the same vector on every rank
+            per_param = self.dp.sum_(torch.tensor(per_param, dtype=torch.float64)).tolist()
+        return exact_sum(per_param)
 
     def apply_accumulated(self, hyper: Hyper) -> None:
         """An accumulating step's updates, from the accumulators, now that the verdict allows them."""
-        self.log.hyper, self.log.mode = hyper, "apply_accumulated"
-        for c in sorted(self.acc):
-            if self.store.tier(c) == "host":
-                self._on_host(c, self.log, self._apply_host, c, self.log)
-            else:
-                chunk_update(self.store.master[c], self.acc[c], self.store.exp_avg[c], self.store.exp_avg_sq[c],
-                             self.spans[c], hyper, found_inf=self.found_inf, check_finite=False)
-                self._flag_after[c:c + 1].copy_(self.found_inf)
-                self.log.device.append(c)
+        self._apply_after_verdict(hyper, "apply_accumulated", self.acc, check_host=True)
 
     def apply_deferred(self, hyper: Hyper) -> None:
         """A deferred step's updates, from the kept gradients, now that the verdict allows them (it found every
         gradient finite: no check)."""
-        self.log.hyper, self.log.mode = hyper, "apply_deferred"
         self.log.undoable = self.store.config.optimizer_state == "fp32"   # from the kept gradients; not bf16
-        if any(self.store.tier(c) == "device" and self.kept[c].device != self.device for c in self.kept):
+        self._apply_after_verdict(hyper, "apply_deferred", self.kept, check_host=False)
+
+    def _apply_after_verdict(self, hyper: Hyper, mode: str, grads: dict[int, torch.Tensor], check_host: bool) -> None:
+        """Every chunk's update from `grads` (chunk -> its gradient, kept until the verdict): device chunks now,
+        host chunks on the worker."""
+        self.log.hyper, self.log.mode = hyper, mode
+        if any(self.store.tier(c) == "device" and g.device != self.device for c, g in grads.items()):
             self.copies.sync()                       # device chunks' gradients shipped to the host have landed
-        for c in sorted(self.kept):
+        for c in sorted(grads):
             if self.store.tier(c) == "host":
-                self._on_host(c, self.log, self._apply_host, c, self.log, self.kept)
+                self._on_host(c, self.log, self._apply_host, c, self.log, grads[c], check_host)
             else:
                 grad = self._kept_on_tier(c)
                 chunk_update(self.store.master[c], grad, self.store.exp_avg[c], self.store.exp_avg_sq[c],
@@ -311,12 +303,10 @@ class Updater:
                 self.log.device.append(c)
                 self._done_with(grad, c)
 
-    def _apply_host(self, c: int, log: _Log, source: dict | None = None) -> bool:
+    def _apply_host(self, c: int, log: _Log, grad: torch.Tensor, check: bool) -> bool:
         t0 = time.perf_counter()
-        grad = (self.acc if source is None else source)[c]
         ok = chunk_update(self.store.master[c], grad, self.store.exp_avg[c], self.store.exp_avg_sq[c],
-                          self.spans[c], log.hyper, param_out=self.store.shadow.get(c),
-                          check_finite=source is None)
+                          self.spans[c], log.hyper, param_out=self.store.shadow.get(c), check_finite=check)
         self.telemetry.add("host_adam", time.perf_counter() - t0)
         return ok
 
