@@ -33,9 +33,7 @@ from .layout import Layout
 from .passes.lean_loss import scratch_bytes
 from .schedule import Schedule, belady, place_prefetches
 
-MASTER_STATE_BYTES = 12   # fp32 master + exp_avg + exp_avg_sq, per element (Config.optimizer_state "fp32")
-# per element, by Config.optimizer_state: "bf16" keeps the moments in bf16 (fp32 master + 2 + 2 B)
-STATE_BYTES = {"fp32": MASTER_STATE_BYTES, "bf16": 8}
+MASTER_STATE_BYTES = 12   # fp32 master + exp_avg + exp_avg_sq, per element (Config.state_bytes_per_param: 8 with bf16)
 CUDA_BLOCK_BYTES = 512    # the CUDA caching allocator rounds every allocation up to this
 CUDA_STEP_SLACK_BYTES = 2 * 2**20   # a step's small allocations outside the graph: norm partials, flags, checks
 # Kernels that allocate more than their output's shape says (CPU mse_loss returns its 0-d loss on a
@@ -426,7 +424,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     slot_bytes = cs * compute_itemsize
     grad_slot_bytes = cs * compute_itemsize
     accum_bytes = cs * 4 if config.grad_accum > 1 else 0       # fp32 gradient accumulators, on each tier
-    state_bytes = cs * STATE_BYTES[config.optimizer_state] + accum_bytes
+    state_bytes = cs * config.state_bytes_per_param + accum_bytes
     n_updated = sum(1 for c, ch in enumerate(layout.chunks) if ch.grad_spans() and owner[c] == 0)
     min_slots = max((len(r) for r in reads), default=0)
     # the libraries' workspaces (cuBLAS keeps one per handle for the process's life), measured with the rates
@@ -508,12 +506,9 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     if kept_bytes:                     # every host chunk's gradient lands in its own kept buffer: no pool
         host_grad_buffers = 0
     host_used += max(0, host_grad_buffers - 2) * cs * compute_itemsize + kept_bytes
-    # how each chunk's compute copy reaches its owner's device (the k-th host chunk of every owner alike)
-    shipped = _choose_shipping(planned, config, cs, compute_itemsize, cuda, host_used=host_used)
-    shadows = shipped.count("shadow")
-    no_room = "fp32" if (cuda or fp32) else "cast"
-    ship_of = ["-" if tier_of[c] == "device" else "fp32" if fp32 else
-               "shadow" if c // world - n_device < shadows else no_room for c in range(n_chunks)]
+    # how each chunk's compute copy reaches its owner's device: the k-th host chunk of every owner alike
+    host_ship = _choose_shipping(n_own - n_device, config, cs, compute_itemsize, cuda, host_used=host_used)
+    ship_of = ["-" if tier_of[c] == "device" else host_ship[c // world - n_device] for c in range(n_chunks)]
     ship = [ship_of[c] if owner[c] == rank else "remote" for c in range(n_chunks)]
     if on is not None:
         ship = list(on.ship)
@@ -544,15 +539,15 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     if batch_rest:
         device["other micro-batches"] = batch_rest
     n_host = n_own - n_device
-    if not fp32 and "fp32" in ship_of[::world]:
+    if not fp32 and "fp32" in host_ship:
         device["copy staging"] = cs * 4   # chunks shipped in fp32 are cast on the device
     host = {
         "process overhead": CUDA_HOST_OVERHEAD_BYTES if cuda else 0,
         "chunk state": n_host * state_bytes,
-        "16-bit shadows": shadows * cs * compute_itemsize,
+        "16-bit shadows": host_ship.count("shadow") * cs * compute_itemsize,
         # gradients of host chunks queue here for the host Adam (CUDA: while backward goes on)
         "gradient staging": cs * compute_itemsize * host_grad_buffers,
-        "cast staging": (cs * compute_itemsize) if "cast" in ship_of[::world] else 0,
+        "cast staging": (cs * compute_itemsize) if "cast" in host_ship else 0,
         "kept gradients": kept_bytes,
     }
     if accum_bytes:
@@ -596,14 +591,14 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
                      f"{n_reduced} reduce(s) per micro-batch, {format_bytes(cs * compute_itemsize)} each, about "
                      f"{comm * 1e3:.1f} ms per micro-batch at a bus bandwidth of {rates.coll_bw / 1e9:.0f} GB/s")
     plan.transaction = transaction
-    plan.optimizer_state, plan.state_bytes_per_param = config.optimizer_state, STATE_BYTES[config.optimizer_state]
+    plan.optimizer_state, plan.state_bytes_per_param = config.optimizer_state, config.state_bytes_per_param
     two_passes = transaction == "two_pass" and (config.grad_clip is not None or config.loss_scaler_spec is not None
                                                 or config.optimizer_state == "bf16")
     if two_passes:
         plan.estimated_step_seconds += sum(node_secs)
     kept_copy_s = 0.0 if plan.kept_on_device else n_updated_device * cs * compute_itemsize / rates.d2h_bw
     plan.transaction_cost = _transaction_cost(transaction, config, compute_itemsize, kept_bytes, accum_bytes,
-                                              n_device, n_own - n_device, ship_of,
+                                              n_device, n_own - n_device, host_ship,
                                               sum(node_secs) if two_passes else 0.0, kept_copy_s, plan.kept_on_device)
     if adam_exposed > 1e-3:
         notes.append(f"host Adam the compute cannot hide: about {adam_exposed * 1e3:.0f} ms per step ("
@@ -653,9 +648,8 @@ def _host_adam_pipeline(placement: list[str], layout: Layout, node_secs: list[fl
     return best, simulate(best)
 
 
-def _choose_shipping(placement: list[str], config: Config, cs: int, itemsize: int, cuda: bool,
-                     host_used: int) -> list[str]:
-    """How each host chunk's compute copy crosses to the device.
+def _choose_shipping(n_host: int, config: Config, cs: int, itemsize: int, cuda: bool, host_used: int) -> list[str]:
+    """How the compute copy of an owner's k-th host chunk (k < n_host) crosses to the device.
 
     fp32 compute: the master itself crosses (4 B/param). 16-bit: a host-side 16-bit shadow, written by the
     host Adam in the same pass that updates the master (no extra read), halves the bytes that cross, so
@@ -663,21 +657,11 @@ def _choose_shipping(placement: list[str], config: Config, cs: int, itemsize: in
     casts on the device (a cast on the host would stall the thread that launches GPU work), and the
     CPU runtime casts on the host into a staging buffer.
     """
+    if itemsize == 4:
+        return ["fp32"] * n_host
     spare = float("inf") if config.host_memory is None else config.host_memory - host_used
-    ship = []
-    for where in placement:
-        if where == "device":
-            ship.append("-")
-        elif where == "remote":
-            ship.append("remote")
-        elif itemsize == 4:
-            ship.append("fp32")
-        elif spare >= cs * itemsize:
-            ship.append("shadow")
-            spare -= cs * itemsize
-        else:
-            ship.append("fp32" if cuda else "cast")
-    return ship
+    shadows = n_host if spare == float("inf") else max(0, min(n_host, int(spare // (cs * itemsize))))
+    return ["shadow"] * shadows + ["fp32" if cuda else "cast"] * (n_host - shadows)
 
 
 KEEPS = ("kept_grads", "deferred")   # the transactions that keep every chunk's gradient until the verdict
@@ -708,7 +692,7 @@ def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_byte
                       kept_on_device: bool) -> str:
     """What the chosen transaction costs, and how much smaller the largest model is for it."""
     shadow = itemsize if "shadow" in ship else 0
-    state = STATE_BYTES[config.optimizer_state]
+    state = config.state_bytes_per_param
     host_base = state + shadow                         # bytes per parameter of a host chunk without it
     if transaction == "accumulate":
         return (f"gradients of {config.grad_accum} micro-batches summed in fp32 accumulators, 4 B/param on "
