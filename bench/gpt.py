@@ -170,7 +170,8 @@ def pstar_system(cfg, args, example):
                              device_memory=args.device_memory,
                              optimizer={"type": "adamw", "lr": args.lr, "weight_decay": 0.1},
                              grad_clip=clip, grad_accum=args.grad_accum,
-                             lr_schedule=parse_schedule(args.lr_schedule), transaction=args.transaction)
+                             lr_schedule=parse_schedule(args.lr_schedule), transaction=args.transaction,
+                             compute=args.compute)
     t0 = time.perf_counter()
     engine = pstar_fx.compile(model, config, example_inputs=example)
     compile_s = time.perf_counter() - t0
@@ -185,7 +186,8 @@ def pstar_system(cfg, args, example):
              "rates": dataclasses.asdict(engine.plan.rates) if engine.plan.rates else None,
              "placement_device_chunks": engine.plan.placement.count("device"),
              "chunks": len(engine.plan.placement), "recompute": engine.plan.recompute,
-             "transaction": engine.plan.transaction, "transaction_cost": engine.plan.transaction_cost}
+             "transaction": engine.plan.transaction, "transaction_cost": engine.plan.transaction_cost,
+             "compute": "inductor" if engine.config.compiles_compute else "eager"}
     step = (lambda idx, tgt: engine.step(input_ids=idx, labels=idx)) if args.hf else engine.step
     return step, extra, engine
 
@@ -328,6 +330,37 @@ def _max_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def profile_steps(step, batches, n: int) -> dict:
+    """GPU kernel time of `n` steps by kind, and the 25 largest kernels (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for k in range(n):
+            step(*batches[k % 2])
+        torch.cuda.synchronize()
+    kinds: dict[str, float] = {}
+    rows = []
+    for e in prof.key_averages():
+        us = e.self_device_time_total
+        if not us or e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = e.key.lower()
+        kind = ("matmul" if any(k in name for k in ("gemm", "cutlass", "sm90", "nvjet", "cublas")) else
+                "attention" if any(k in name for k in ("flash", "fmha", "attention")) else
+                "copy" if "memcpy" in name or "memset" in name else
+                "adam" if "adam" in name else
+                "triton" if name.startswith("triton") else "other")
+        kinds[kind] = kinds.get(kind, 0.0) + us / 1e6 / n
+        rows.append((us / 1e6 / n, e.count // n, e.key[:90]))
+    rows.sort(reverse=True)
+    print("profile, GPU seconds per step by kind: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(kinds.items())),
+          file=sys.stderr)
+    for s_, c, name in rows[:25]:
+        print(f"  {s_:8.4f} s  x{c:<5d} {name}", file=sys.stderr)
+    return {"by_kind_s": {k: round(v, 4) for k, v in kinds.items()},
+            "top": [{"s": round(s_, 5), "calls": c, "kernel": name} for s_, c, name in rows[:25]]}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  allow_abbrev=False)   # torch-best rewrites its argv for the children
@@ -347,6 +380,10 @@ def main(argv=None):
     ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches of --batch per update")
     ap.add_argument("--lr-schedule", default=None, help="cosine:WARMUP:TOTAL[:MIN_LR] or linear:...")
     ap.add_argument("--transaction", default="auto", help="pstar_fx Config.transaction")
+    ap.add_argument("--compute", default="auto", choices=("auto", "eager", "inductor"),
+                    help="pstar_fx Config.compute: the compute between chunk nodes eager or compiled by Inductor")
+    ap.add_argument("--profile", type=int, default=0, help="after the steps, this many more under torch.profiler: "
+                    "GPU time per kernel (the top 25, and totals by kind: matmul, attention, other)")
     ap.add_argument("--clip-sweep", default=None, help="pstar_fx: after the steps, --steps more at each of these "
                     "clip thresholds on the same engine (e.g. 1e9,1e-3: never / always triggers)")
     ap.add_argument("--checkpoint", choices=CHECKPOINT_CHOICES, default="all",
@@ -443,6 +480,8 @@ def main(argv=None):
                       steps_s=[round(t, 3) for t in times], losses=[round(x, 4) for x in losses],
                       gpu_peak_bytes=torch.cuda.max_memory_allocated() if cuda else None, host_rss_bytes=rss,
                       host_max_rss_bytes=_max_rss())
+        if args.profile and cuda:
+            result["profile"] = profile_steps(step, batches, args.profile)
         if args.system == "torch" and args.compile:
             # dynamo + inductor run in the first step (forward, then backward); what the warm-up steps took
             # beyond a steady step is the compile

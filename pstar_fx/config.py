@@ -158,12 +158,20 @@ class Config:
     the chunks already updated). With grad_accum > 1 updates already run after the verdict (no undo, one
     pass). "int8" (8-bit moments) is not built."""
 
+    compute: Literal["auto", "eager", "inductor"] = "auto"
+    """How the step's compute between chunk nodes runs. "inductor": each run of ATen ops between two chunk
+    nodes is compiled by torch.compile's Inductor (norms, activations, residual adds, bias gradients and casts
+    fuse; matmuls and attention stay library kernels); regions with the same ops share one compiled function,
+    built at the first step. Chunk nodes stay where the plan put them and the plan counts what the regions
+    hold (passes/compile_regions.py). "eager": op by op, as traced. "auto": inductor on CUDA, eager on CPU."""
+
     def __post_init__(self):
         self.device = self._check_device(self.device)
         self.device_memory = parse_bytes(self.device_memory, "device_memory")
         self.host_memory = parse_bytes(self.host_memory, "host_memory")
         _choice("dtype", self.dtype, tuple(DTYPES))
         _choice("placement", self.placement, ("auto", "device", "host"))
+        _choice("compute", self.compute, ("auto", "eager", "inductor"))
         if self.chunk_size != "auto":
             if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int):
                 raise TypeError(f"chunk_size: expected an int (elements) or 'auto', got {self.chunk_size!r}")
@@ -277,6 +285,11 @@ class Config:
     def state_bytes_per_param(self) -> int:
         """Chunk state per parameter: the fp32 master + the two moments."""
         return 4 + 2 * self.moment_dtype.itemsize
+
+    @property
+    def compiles_compute(self) -> bool:
+        """The compute between chunk nodes is compiled by Inductor (`compute`, "auto" resolved)."""
+        return self.compute == "inductor" or (self.compute == "auto" and self.device.startswith("cuda"))
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -28,8 +28,8 @@ from .capture import Capture, capture
 from .config import Config, format_bytes
 from .fxutil import role_nodes, tag
 from .layout import Layout, build_layout
-from .passes import (find_segments, fuse_optimizer, insert_chunk_ops, lean_cross_entropy, localize_param_views,
-                     recompute, seed_random_ops)
+from .passes import (compile_regions, find_segments, fuse_optimizer, insert_chunk_ops, lean_cross_entropy,
+                     localize_param_views, recompute, seed_random_ops)
 from .passes.recompute import Segment, group_segments
 from .costs import calibrate
 from .plan import BudgetError, Plan, make_plan, usable_budget
@@ -97,6 +97,10 @@ class Lowered:
         with phases("lower", "chunk ops into the graph"):
             self._run_pass("insert_chunk_ops", insert_chunk_ops, self.graph, self.layout, self.plan,
                            "chunked" if self.chunked else "replicated" if self.world > 1 else None)
+        if config.compiles_compute:
+            with phases("regions", "the compute between chunk nodes, for Inductor (compiled at the first step)"):
+                self._run_pass("compile_regions", compile_regions, self.graph, self.plan,
+                               cuda=self.device.type == "cuda")
 
     def _plan_with_recompute(self, gm: fx.GraphModule) -> tuple[fx.GraphModule, Plan]:
         """The fewest recomputed forward segments (earliest first: their activations live longest) that fit.
@@ -183,9 +187,9 @@ class Lowered:
             rates = dataclasses.replace(box[0], coll_bw=measure_bus_bandwidth(self.device, self.dtype))
         return rates
 
-    def _run_pass(self, name, fn, gm, *args):
+    def _run_pass(self, name, fn, gm, *args, **kwargs):
         self.graphs_before[name] = gm.code
-        fn(gm, *args)
+        fn(gm, *args, **kwargs)
 
 
 def _add_rt(g: fx.Graph) -> None:

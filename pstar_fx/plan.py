@@ -284,10 +284,11 @@ class LiveSet:
             del self._refs[key]
 
 
-def last_uses(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
-    """node -> values whose last reader is that node (freed right after it runs)."""
+def last_uses(graph: fx.Graph | list[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
+    """node -> values whose last reader is that node (freed right after it runs); of the graph's nodes in
+    their order, or of a list of them in its own."""
     last: dict[fx.Node, fx.Node] = {}
-    for node in graph.nodes:
+    for node in (graph.nodes if isinstance(graph, fx.Graph) else graph):
         for arg in node.all_input_nodes:
             last[arg] = node
     out: dict[fx.Node, list[fx.Node]] = {}
@@ -314,16 +315,20 @@ def op_scratch_bytes(node: fx.Node, cuda: bool) -> int:
 
 
 def activation_profile(graph: fx.Graph, skip: set[fx.Node], round_to: int = 1,
-                       cuda: bool = False) -> tuple[list[int], int]:
+                       cuda: bool = False, order: list[fx.Node] | None = None,
+                       frees: dict[fx.Node, list[fx.Node]] | None = None) -> tuple[list[int], int]:
     """Predicted live bytes of graph values after each node (excluding `skip`: chunk-backed values).
 
     Each output of a multi-output op is its own allocation: layer norm's normalized output dies after
     the next op while its mean and rstd live on for backward (counting the tuple as one block kept all
     three alive: 24 MiB per layer too many for a GPT on the H200, by bench/peak_probe.py).
+    `order`: run the nodes in this order instead (a pass's reordering, before it is made); `frees`: node ->
+    values freed after it (default: each value at its last use in that order).
     """
     live = LiveSet()
     owner: dict[fx.Node, list] = {}          # node -> the allocations it keeps alive
-    frees = last_uses(graph)
+    order = list(graph.nodes) if order is None else order
+    frees = last_uses(order) if frees is None else frees
     per_node = []
     peak = 0
 
@@ -332,7 +337,7 @@ def activation_profile(graph: fx.Graph, skip: set[fx.Node], round_to: int = 1,
         for k in keys:
             live.add(k, 0)
 
-    for node in graph.nodes:
+    for node in order:
         if node in skip or node.op == "output":
             pass
         elif (node.target is operator.getitem and isinstance(node.args[0], fx.Node)

@@ -14,6 +14,9 @@
                           chunk (`rt.grad`) and each chunk is updated (`rt.adam`) right after its last use.
     insert_chunk_ops      needs: fused optimizer, a Plan.  provides: `rt.fetch/prefetch/release/offload`
                           and `rt.param` views; parameters are no longer graph inputs.
+    compile_regions       needs: the lowered graph, its Plan.  provides: each run of ATen ops between chunk
+                          nodes is one call of a function Inductor compiles (Config.compute); the plan's
+                          peaks count what the regions hold.
 
 `engine.graph_before(name)` prints the graph a pass received; `engine.graph.code` is the result of the last.
 """
@@ -22,7 +25,8 @@ from .insert_chunk_ops import insert_chunk_ops
 from .lean_loss import lean_cross_entropy
 from .localize_views import localize_param_views
 from .recompute import find_segments, recompute
+from .compile_regions import compile_regions
 from .seed_random import seed_random_ops
 
 __all__ = ["seed_random_ops", "localize_param_views", "lean_cross_entropy", "find_segments", "recompute", "fuse_optimizer",
-           "insert_chunk_ops"]
+           "insert_chunk_ops", "compile_regions"]

@@ -1,0 +1,234 @@
+"""compile_regions: the compute between chunk nodes, compiled by Inductor.
+
+Needs: the lowered graph (after insert_chunk_ops) and its Plan. Provides: each run of ATen compute ops
+between two chunk nodes that order memory or streams becomes one call of a `Region`, a function
+torch.compile (Inductor) builds from those ops, so norms, activations, residual adds, bias gradients and
+casts fuse into fewer kernels; matmuls and attention stay the library kernels they were.
+
+What may move, and why it is safe:
+  - `rt.param(i)` (a view of a resident chunk) and constants move up to the start of their run: the chunk
+    was fetched before the run began, since `rt.fetch` ends a run.
+  - `rt.grad(i, g)` and `rt.release(c)` move down to its end: a gradient slot is only read by the chunk's
+    update, and a compute slot may be handed out again only after the last op that reads it, which is
+    now the region.
+  - `rt.prefetch(c)` moves up, unless a release moved down before it in the same run (the prefetch
+    takes the slot that release gives back): then the run is cut there.
+Everything else stays in place and ends a run: `rt.fetch` (the compute stream waits for a copy),
+updates, offloads and collectives, seeded random ops (they reseed through rt), and in-place ops.
+
+Memory: a region frees what it read only when it returns (the caller holds its inputs), and a gradient
+moved down lives to the region's end. The plan's activation profile is recomputed with those lifetimes
+(the region's own intermediates counted as eager ones: an upper bound, since fusion only removes them),
+and a region that would push the plan over its budget is left eager. `Plan.notes` says what this changed.
+
+Regions with the same ops on the same shapes (every transformer block's) share one compiled function.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..config import format_bytes
+from .. import plan as plan_mod        # a module reference: plan imports the passes package
+from ..fxutil import aliases_input, mutated_args, role_nodes
+
+# library kernels Inductor calls as they are: a run of only these (and views) gains nothing from compiling
+_EXTERN = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+           torch.ops.aten.baddbmm.default, torch.ops.aten.embedding.default}
+_MOVE_UP = {"param", "prefetch"}
+_MOVE_DOWN = {"grad", "release"}
+
+
+class Region:
+    """One compiled function of a region's ops. Called like the ops it replaces: tensors in, a tuple out."""
+
+    def __init__(self, gm: fx.GraphModule, name: str, backend: str):
+        self.graph_module = gm              # the region's ops, readable: region.graph_module.code
+        self.__name__ = self.__qualname__ = name
+        self._compiled = torch.compile(gm, backend=backend, fullgraph=True, dynamic=False)
+
+    def __call__(self, *args):
+        return self._compiled(*args)
+
+    def __repr__(self):
+        ops = sum(1 for n in self.graph_module.graph.nodes if n.op == "call_function")
+        return f"<Region {self.__name__}: {ops} ops>"
+
+
+def _is_compute(node: fx.Node) -> bool:
+    if node.op != "call_function" or hasattr(node.target, "seeded_op") or mutated_args(node):
+        return False
+    return isinstance(node.target, torch._ops.OpOverload) or node.target is operator.getitem
+
+
+def _kernels(nodes: list[fx.Node]) -> int:
+    """Ops of a run Inductor would generate code for (not views, not library kernels)."""
+    return sum(1 for n in nodes if n.op == "call_function" and n.target not in _EXTERN and not aliases_input(n))
+
+
+def find_runs(g: fx.Graph) -> list[tuple[list[fx.Node], list[fx.Node], list[fx.Node]]]:
+    """(moved up, compute, moved down) for each run of compute between two nodes that end a run."""
+    runs = []
+    up: list[fx.Node] = []
+    ops: list[fx.Node] = []
+    down: list[fx.Node] = []
+
+    def close():
+        nonlocal up, ops, down
+        if ops:
+            runs.append((up, ops, down))
+        up, ops, down = [], [], []
+
+    for node in g.nodes:
+        inside = set(ops)
+        if _is_compute(node) and (node.target is not operator.getitem or node.args[0] in inside):
+            ops.append(node)
+        elif node.op == "call_method" and node.target in _MOVE_UP and not any(
+                d.target == "release" for d in down):
+            up.append(node)
+        elif node.op == "call_method" and node.target == "prefetch":   # after a moved release: cut here
+            close()
+            up.append(node)
+        elif node.op == "call_method" and node.target in _MOVE_DOWN:
+            down.append(node)
+        elif node.op == "get_attr" or (node.op == "call_function" and node.target is operator.getitem):
+            up.append(node)                 # a constant, or one output of an op before the run
+        else:
+            close()
+    close()
+    return runs
+
+
+def _region_io(ops: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    inside = set(ops)
+    inputs: list[fx.Node] = []
+    for n in ops:
+        for a in n.all_input_nodes:
+            if a not in inside and a not in inputs:
+                inputs.append(a)
+    outputs = [n for n in ops if any(u not in inside for u in n.users)]
+    return inputs, outputs
+
+
+def _extract(ops: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> tuple[fx.GraphModule, str]:
+    """The region as its own GraphModule with canonical names, and a key equal for equal regions."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i, a in enumerate(inputs):
+        env[a] = g.placeholder(f"in{i}")
+        env[a].meta["val"] = a.meta.get("val")
+    for i, n in enumerate(ops):
+        env[n] = g.node_copy(n, lambda a: env[a])
+        env[n]._rename(f"v{i}")
+    g.output(tuple(env[o] for o in outputs))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    metas = []
+    for a in inputs:
+        v = a.meta.get("val")
+        metas.append((tuple(v.shape), v.stride(), str(v.dtype), v.device.type) if isinstance(v, torch.Tensor)
+                     else repr(v))
+    return gm, gm.code + repr(metas)
+
+
+def _order(g: fx.Graph, runs: list) -> list[fx.Node]:
+    """The graph's nodes in the order they run once `runs` are moved (moved-up nodes, ops, moved-down)."""
+    first = {ops[0]: up for up, ops, _ in runs}
+    last = {ops[-1]: down for _, ops, down in runs}
+    moved = {n for up, _, down in runs for n in (*up, *down)}
+    order = []
+    for n in g.nodes:
+        if n in moved:
+            continue
+        order += first.get(n, [])
+        order.append(n)
+        order += last.get(n, [])
+    return order
+
+
+def _frees(order: list[fx.Node], compiled: list) -> dict[fx.Node, list[fx.Node]]:
+    """Last uses along `order`, with each compiled region's inputs freed only when it returns."""
+    frees = plan_mod.last_uses(order)
+    for _, ops, _ in compiled:
+        inside = set(ops)
+        for n in ops[:-1]:
+            held = [v for v in frees.get(n, []) if v not in inside]
+            if held:
+                frees[n] = [v for v in frees[n] if v in inside]
+                frees.setdefault(ops[-1], []).extend(held)
+    return frees
+
+
+def _profile(g: fx.Graph, runs: list, compiled: list, cuda: bool) -> tuple[list[fx.Node], list[int], int]:
+    order = _order(g, runs)
+    skip = set(role_nodes(g, "rt")) | set(role_nodes(g, "buffer"))
+    per_node, peak = plan_mod.activation_profile(g, skip, round_to=plan_mod.CUDA_BLOCK_BYTES if cuda else 1,
+                                                 cuda=cuda, order=order, frees=_frees(order, compiled))
+    return order, per_node, peak
+
+
+def compile_regions(gm: fx.GraphModule, plan, *, cuda: bool, backend: str = "inductor",
+                    min_kernels: int = 2) -> fx.GraphModule:
+    """Compile `gm`'s runs of compute in place; `plan`'s activation and device peaks grow by what holding the
+    regions' inputs costs, and runs that would take it over its budget stay eager."""
+    g = gm.graph
+    runs = [r for r in find_runs(g) if _kernels(r[1]) >= min_kernels]
+    _, _, eager_peak = _profile(g, [], [], cuda)
+    budget = plan_mod.usable_budget(plan.budget_bytes, cuda)
+    limit = None if budget is None else budget - (plan.device_peak_bytes - plan.activation_peak_bytes)
+    chosen = list(runs)
+    left_eager = 0
+    while True:
+        order, per_node, peak = _profile(g, chosen, chosen, cuda)
+        if limit is None or peak <= max(limit, eager_peak) or not chosen:
+            break
+        # over the budget: the region whose span holds the peak runs eager (its nodes stay where they were)
+        at = order[max(range(len(per_node)), key=per_node.__getitem__)]
+        pos = {n: i for i, n in enumerate(order)}
+        hit = [r for r in chosen if pos[(r[0] or r[1])[0]] <= pos[at] <= pos[(r[2] or r[1])[-1]]]
+        worst = hit[0] if hit else max(chosen, key=lambda r: len(r[1]))
+        chosen.remove(worst)
+        left_eager += 1
+
+    _reorder(g, chosen)
+    regions: dict[str, Region] = {}
+    for up, ops, down in chosen:
+        inputs, outputs = _region_io(ops)
+        sub, key = _extract(ops, inputs, outputs)
+        if key not in regions:
+            regions[key] = Region(sub, f"region_{len(regions)}", backend)
+        with g.inserting_before(ops[0]):
+            call = g.call_function(regions[key], tuple(inputs))
+        call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
+        anchor = call
+        for i, o in enumerate(outputs):
+            with g.inserting_after(anchor):
+                out = anchor = g.call_function(operator.getitem, (call, i))
+            out.meta["val"] = o.meta.get("val")
+            o.replace_all_uses_with(out)
+        for n in reversed(ops):
+            g.erase_node(n)
+    g.lint()
+    gm.recompile()
+
+    delta = max(0, peak - eager_peak)
+    plan.activation_peak_bytes += delta
+    plan.device_peak_bytes += delta
+    n_ops = sum(len(ops) for _, ops, _ in chosen)
+    plan.notes.append(f"compute: {len(chosen)} regions of {n_ops} ops compiled by {backend} "
+                      f"({len(regions)} distinct functions)"
+                      + (f", {left_eager} left eager to stay in the budget" if left_eager else "")
+                      + f"; holding the regions' inputs to their ends: activation peak +{format_bytes(delta)}")
+    gm.meta["regions"] = list(regions.values())
+    return gm
+
+
+def _reorder(g: fx.Graph, runs: list) -> None:
+    for up, ops, down in runs:
+        for n in up:
+            ops[0].prepend(n)
+        tail = ops[-1]
+        for n in down:
+            tail.append(n)
+            tail = n
