@@ -2,9 +2,10 @@
 pstar_fx.kernels._cpu_adam). Hands the extension data pointers, element counts and dtype names.
 
 Bytes per element (see cpu_adam.cpp): Adam 28 B (read p, m, v 12 B + grad 4 B fp32 / 2 B 16-bit; write p, m, v
-12 B; + 2 B for the optional 16-bit param copy; bf16 moments: 20 B + grad) + the non-finite check's read of the grad (4 B / 2 B); Adam undo
-26-28 B; cast 6 B; sq_norm 4 B / 2 B; the STREAM triad 12 B counted (read b, c, write a; a plain store also reads
-a's line first, which STREAM does not count).
+12 B; + 2 B for the optional 16-bit param copy; bf16 moments: 20 B + grad; int8 moments: 12 B + grad + 0.06 B of
+block scales) + the non-finite check's read of the grad (4 B / 2 B); Adam undo 26-28 B; cast 6 B; sq_norm 4 B /
+2 B; the STREAM triad 12 B counted (read b, c, write a; a plain store also reads a's line first, which STREAM does
+not count).
 
 Threads: by default one per physical core this process may run on (`default_threads()`: hyperthread siblings
 share a core's load/store buffers and add nothing to a memory-bound loop), or OMP_NUM_THREADS when it is set.
@@ -16,7 +17,9 @@ import os
 
 import torch
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+from . import quant8
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.uint8: "uint8"}
 
 
 @functools.cache
@@ -78,7 +81,8 @@ def _ext():
 
 def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
               grad_scale, param_out, decoupled_weight_decay, check_finite=True, simd="auto",
-              num_threads=0, stores=STORES, schedule=SCHEDULE, prefetch_elems=PREFETCH_ELEMS) -> bool:
+              num_threads=0, stores=STORES, schedule=SCHEDULE, prefetch_elems=PREFETCH_ELEMS, exp_avg_absmax=None,
+              exp_avg_sq_absmax=None) -> bool:
     """stores: "plain" or "stream_out" (non-temporal stores for the 16-bit copy); prefetch_elems: software
     prefetch that many elements ahead (> 0 into L1, < 0 into L2, 0 none);
     schedule: "dynamic" (64K-element blocks handed out as threads free up) or "static" (one contiguous share
@@ -90,7 +94,25 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
         param.numel(), int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
         float(grad_scale), bool(decoupled_weight_decay) or weight_decay == 0.0, bool(check_finite), simd,
         _threads(num_threads), stores, schedule, int(prefetch_elems), _DTYPE_NAMES[exp_avg.dtype],
+        *_scales(exp_avg, exp_avg_absmax, exp_avg_sq_absmax),
     )
+
+
+@functools.cache
+def _q8_block_elems():
+    return _ext().build_info().get("q8_block_elems")
+
+
+def _scales(exp_avg, exp_avg_absmax, exp_avg_sq_absmax) -> tuple:
+    """int8 moments: their scales' pointers and the quantization tables' (CPU tensors that live as long as the
+    module, kernels/quant8.py); other moments: none."""
+    if exp_avg.dtype != torch.uint8:
+        return 0, 0, []
+    if _q8_block_elems() != quant8.BLOCK_ELEMS:
+        raise RuntimeError("the C++ extension was built for another int8 block size (or before int8 moments); "
+                           "rebuild it (`pip install -e .`)")
+    return exp_avg_absmax.data_ptr(), exp_avg_sq_absmax.data_ptr(), [t.data_ptr() for t in quant8.tables_on(
+        torch.device("cpu"))]
 
 
 def adam_undo(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, grad_scale,

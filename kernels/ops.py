@@ -20,12 +20,13 @@ import warnings
 
 import torch
 
-from . import cpu_adam, torch_adam
+from . import cpu_adam, quant8, torch_adam
 
 BACKENDS = ("auto", "cpp", "triton", "torch")
 _FLOAT16 = (torch.bfloat16, torch.float16)
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_MOMENT_DTYPES = (torch.float32, torch.bfloat16)   # bf16: optimizer_state="bf16" (both moments the same dtype)
+# bf16: optimizer_state="bf16"; uint8: "int8", codes with per-block scales (quant8.py). Both moments the same dtype.
+_MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
 
 
 @functools.cache
@@ -98,11 +99,15 @@ def _as_float(name: str, value) -> float:
 
 def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
               grad_scale=1.0, param_out=None, decoupled_weight_decay=True, backend="auto", found_inf=None,
-              check_finite=True):
+              check_finite=True, exp_avg_absmax=None, exp_avg_sq_absmax=None):
     """One Adam/AdamW step on a flat chunk, in place on fp32 param, exp_avg and exp_avg_sq.
 
     exp_avg, exp_avg_sq: fp32, or both bf16 (optimizer_state="bf16"): read exactly as fp32, the step computed
-    in fp32, written back rounded to nearest even (as .to(torch.bfloat16)). adam_undo refuses bf16 moments.
+    in fp32, written back rounded to nearest even (as .to(torch.bfloat16)); or both uint8 codes
+    (optimizer_state="int8", kernels/quant8.py) with their fp32 scales `exp_avg_absmax`, `exp_avg_sq_absmax`
+    (one per quant8.BLOCK_ELEMS elements, blocks from the first element): dequantized, the step computed in
+    fp32 (the master from the unquantized new moments), the new moments quantized per block. adam_undo refuses
+    bf16 and int8 moments.
 
     grad: fp32, bf16 or fp16; it is divided by `grad_scale` first (loss-scale unscaling).
     param_out: optional bf16/fp16 tensor that receives the updated param (bf16 rounded to nearest even).
@@ -125,6 +130,18 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
     _check_tensor("grad", grad, n, dev, _GRAD_DTYPES)
     _check_tensor("exp_avg", exp_avg, n, dev, _MOMENT_DTYPES)
     _check_tensor("exp_avg_sq", exp_avg_sq, n, dev, (exp_avg.dtype,))
+    quantized = exp_avg.dtype == torch.uint8
+    if quantized:
+        for name, t in (("exp_avg_absmax", exp_avg_absmax), ("exp_avg_sq_absmax", exp_avg_sq_absmax)):
+            if t is None:
+                raise ValueError(f"uint8 moments (optimizer_state='int8') need {name}: their per-block scales")
+            _check_tensor(name, t, None, dev, (torch.float32,))
+            if t.numel() != quant8.blocks(n):
+                raise ValueError(f"{name} has {t.numel()} elements; {n} elements in blocks of "
+                                 f"{quant8.BLOCK_ELEMS} need {quant8.blocks(n)}")
+    elif exp_avg_absmax is not None or exp_avg_sq_absmax is not None:
+        raise ValueError("exp_avg_absmax / exp_avg_sq_absmax are the scales of uint8 moments; these are "
+                         f"{str(exp_avg.dtype).replace('torch.', '')}")
     if param_out is not None:
         _check_tensor("param_out", param_out, n, dev, _FLOAT16)
     if found_inf is not None:
@@ -141,11 +158,14 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
 
     which = _resolve(backend, dev)
     if n > 0 and dev.type != "meta":
-        if len({param.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr()}) < 3:
-            raise ValueError("param, exp_avg and exp_avg_sq must be distinct memory")
+        state = [param, exp_avg, exp_avg_sq] + ([exp_avg_absmax, exp_avg_sq_absmax] if quantized else [])
+        if len({t.data_ptr() for t in state}) < len(state):
+            raise ValueError("param, exp_avg and exp_avg_sq (and their scales) must be distinct memory")
     hyper = dict(step=int(step), lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                  grad_scale=grad_scale, param_out=param_out,
                  decoupled_weight_decay=bool(decoupled_weight_decay), check_finite=bool(check_finite))
+    if quantized:
+        hyper.update(exp_avg_absmax=exp_avg_absmax, exp_avg_sq_absmax=exp_avg_sq_absmax)
     if which == "triton":
         return _triton().adam_step(param, grad, exp_avg, exp_avg_sq, found_inf=found_inf, **hyper)
     if found_inf is not None and bool(found_inf.item() != 0):
@@ -154,6 +174,8 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
         ok = True
     elif which == "cpp":
         ok = cpu_adam.adam_step(param, grad, exp_avg, exp_avg_sq, **hyper)
+    elif quantized:
+        ok = torch_adam.adam_step_int8(param, grad, exp_avg, exp_avg_sq, **hyper)
     else:
         ok = torch_adam.adam_step(param, grad, exp_avg, exp_avg_sq, **hyper)
     if found_inf is not None:
@@ -188,9 +210,11 @@ def adam_undo(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
     n, dev = param.numel(), param.device
     if part != "param" or grad is not None:
         _check_tensor("grad", grad, n, dev, _GRAD_DTYPES)
-    if exp_avg.dtype == torch.bfloat16 or exp_avg_sq.dtype == torch.bfloat16:
-        raise ValueError("adam_undo: bf16 moments (optimizer_state='bf16') cannot be undone: the update rounded "
-                         "them, and the rounding is not invertible; the plan uses a transaction that needs no undo")
+    if exp_avg.dtype != torch.float32 or exp_avg_sq.dtype != torch.float32:
+        kind = {torch.bfloat16: "bf16", torch.uint8: "int8"}.get(exp_avg.dtype, str(exp_avg.dtype))
+        raise ValueError(f"adam_undo: {kind} moments (optimizer_state={kind!r}) cannot be undone: the update "
+                         f"{'rounded' if kind == 'bf16' else 'quantized'} them, which is not invertible; the plan "
+                         "uses a transaction that needs no undo")
     _check_tensor("exp_avg", exp_avg, n, dev, (torch.float32,))
     _check_tensor("exp_avg_sq", exp_avg_sq, n, dev, (torch.float32,))
     if param_out is not None:

@@ -10,7 +10,10 @@ kernels' 32 B; unscaling, 16-bit grads and the 16-bit param copy add passes of t
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from . import quant8
 
 
 def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
@@ -40,6 +43,52 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
         if m is not exp_avg:
             exp_avg.copy_(m)
             exp_avg_sq.copy_(v)
+        if param_out is not None:
+            param_out.copy_(param)
+    return True
+
+
+def adam_step_int8(param, grad, exp_avg, exp_avg_sq, exp_avg_absmax, exp_avg_sq_absmax, *, step, lr, beta1, beta2,
+                   eps, weight_decay, grad_scale, param_out, decoupled_weight_decay, check_finite=True,
+                   block_elems: int = 1 << 20) -> bool:
+    """Adam/AdamW with int8 moments (optimizer_state="int8", kernels/quant8.py): each moment dequantized to fp32,
+    the step computed in the C++ kernel's order (adam_elems: b1*m + (1-b1)*g, not torch's lerp; sqrt(v) times
+    1/sqrt(1-b2^t); every coefficient rounded to fp32 as the kernel rounds it; sqrt and / IEEE-rounded, through
+    float64), the master updated from the unquantized new moments, which are then quantized per block. It is the
+    reference the C++ and Triton kernels equal bit for bit. In pieces of `block_elems` (a multiple of the
+    quantization block), so the float64 temporaries stay small."""
+    f32 = lambda x: float(np.float32(x))  # noqa: E731 - a coefficient as the kernels round it
+    decay, l2_wd, b1, omb1 = f32(1.0 - lr * weight_decay), f32(weight_decay), f32(beta1), f32(1.0 - beta1)
+    b2, omb2, eps32 = f32(beta2), f32(1.0 - beta2), f32(eps)
+    inv_bc2_sqrt = f32(1.0 / (1.0 - beta2 ** step) ** 0.5)
+    step_size = f32(lr / (1.0 - beta1 ** step))
+    scale = f32(grad_scale)
+    decoupled = decoupled_weight_decay or weight_decay == 0.0
+    with torch.no_grad():
+        if check_finite:
+            g = grad if grad.dtype == torch.float32 else grad.float()
+            if not bool(torch.isfinite(g / scale).all()):
+                return False
+        assert block_elems % quant8.BLOCK_ELEMS == 0
+        for start in range(0, param.numel(), block_elems):
+            sl = slice(start, start + block_elems)
+            bl = slice(start // quant8.BLOCK_ELEMS, quant8.blocks(min(param.numel(), start + block_elems)))
+            g = grad[sl].float()
+            if scale != 1.0:
+                g = g / scale      # a power of two divides as exactly as the kernel's multiply by its reciprocal
+            p = param[sl]
+            m = quant8.dequantize(exp_avg[sl], exp_avg_absmax[bl], signed=True)
+            v = quant8.dequantize(exp_avg_sq[sl], exp_avg_sq_absmax[bl], signed=False)
+            if decoupled:
+                p = p * decay
+            else:
+                g = g + l2_wd * p
+            m = b1 * m + omb1 * g
+            v = b2 * v + (omb2 * g) * g
+            denom = torch.sqrt(v.double()).float() * inv_bc2_sqrt + eps32
+            param[sl] = p - step_size * (m.double() / denom.double()).float()
+            exp_avg[sl], exp_avg_absmax[bl] = quant8.quantize(m, signed=True)
+            exp_avg_sq[sl], exp_avg_sq_absmax[bl] = quant8.quantize(v, signed=False)
         if param_out is not None:
             param_out.copy_(param)
     return True

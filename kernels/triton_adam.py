@@ -9,6 +9,8 @@ Bytes per element (the kernels are memory-bound):
          (28 B fp32 grads / 26 B 16-bit grads), + 2 B for the optional 16-bit param copy.
          fp32 grads: 32 B; bf16 grads + bf16 copy: 30 B; torch's fused AdamW moves 28 B.
          bf16 moments (optimizer_state="bf16") save 8 B: m and v are read and written as bf16.
+         int8 moments (optimizer_state="int8", _adam_q8_kernel) save 12 B: one code each read and written, and
+         two fp32 scales per 256 elements (kernels/quant8.py).
   cast   read 4 B, write 2 B = 6 B.
   sq_sum read 4 B (fp32) / 2 B (16-bit), + one fp32 partial per block.
 
@@ -36,12 +38,14 @@ import torch
 import triton
 import triton.language as tl
 
+from . import quant8
+
 # grad / output dtype codes (constexpr kernel arguments)
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 # GPU launch shapes. Memory-bound elementwise kernels are flat over 1K-4K elements per program.
-GPU_BLOCK = {"adam": 2048, "check": 4096, "cast": 4096, "sq_sum": 4096}
-GPU_WARPS = {"adam": 8, "check": 8, "cast": 8, "sq_sum": 8}
+GPU_BLOCK = {"adam": 2048, "check": 4096, "cast": 4096, "sq_sum": 4096, "adam_q8": 2048}
+GPU_WARPS = {"adam": 8, "check": 8, "cast": 8, "sq_sum": 8, "adam_q8": 8}
 INTERPRETER_MAX_BLOCK = 1 << 16
 
 
@@ -126,6 +130,57 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, flag_ptr, n,
     else:
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
+    if OUT_KIND == 1:
+        tl.store(out_ptr + offs, _f32_to_bf16_rne(p), mask=mask)
+    elif OUT_KIND == 2:
+        tl.store(out_ptr + offs, p.to(tl.float16), mask=mask)
+
+
+@triton.jit
+def _code(x, thr_ptr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    # The int8 code of each normalized x: how many of the 256 sorted thresholds lie below it, by an 8-step binary
+    # search (the last threshold is +inf, so every index stays in the table): the C++ kernel's comparisons.
+    q = tl.zeros([ROWS, COLS], dtype=tl.int32)
+    for k in tl.static_range(8):
+        t = tl.load(thr_ptr + q + ((128 >> k) - 1))
+        q = q + tl.where(t < x, 128 >> k, 0)
+    return q.to(tl.uint8)
+
+
+@triton.jit
+def _adam_q8_kernel(p_ptr, g_ptr, mc_ptr, vc_ptr, ms_ptr, vs_ptr, out_ptr, flag_ptr,
+                    smap_ptr, sthr_ptr, umap_ptr, uthr_ptr, n,
+                    grad_scale, l2_wd, decay, beta1, one_minus_beta1, beta2, one_minus_beta2,
+                    inv_bc2_sqrt, step_size, eps,
+                    GROUPS: tl.constexpr, QBLOCK: tl.constexpr, GRAD_KIND: tl.constexpr, OUT_KIND: tl.constexpr,
+                    SCALE_MODE: tl.constexpr, DECOUPLED: tl.constexpr):
+    # int8 moments: a program takes GROUPS quantization blocks of QBLOCK elements as the rows of a tile, so each
+    # block's new absmax is one row's max. Dequantize (map[code] * scale), _adam_update, master from the
+    # unquantized moments, then each row quantized against its own absmax (an all-zero row divides by 1).
+    blk = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
+    offs = blk[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]
+    limit = tl.where(tl.load(flag_ptr) == 0, n, 0)       # pass 1's verdict gates every load and store
+    mask = offs < limit
+    rows = blk * QBLOCK < limit
+    g = _unscale(_load_f32(g_ptr, offs, mask, GRAD_KIND), grad_scale, SCALE_MODE)
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    mq = tl.load(mc_ptr + offs, mask=mask, other=0).to(tl.int32)
+    vq = tl.load(vc_ptr + offs, mask=mask, other=0).to(tl.int32)
+    m = tl.load(smap_ptr + mq) * tl.load(ms_ptr + blk, mask=rows, other=0.0)[:, None]
+    v = tl.load(umap_ptr + vq) * tl.load(vs_ptr + blk, mask=rows, other=0.0)[:, None]
+    p, m, v = _adam_update(p, g, m, v, l2_wd, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt,
+                           step_size, eps, DECOUPLED)
+    m = tl.where(mask, m, 0.0)     # a short last block's missing elements change no absmax
+    v = tl.where(mask, v, 0.0)
+    m_absmax = tl.max(tl.abs(m), axis=1)
+    v_absmax = tl.max(tl.abs(v), axis=1)
+    m_div = tl.where(m_absmax > 0, m_absmax, 1.0)
+    v_div = tl.where(v_absmax > 0, v_absmax, 1.0)
+    tl.store(p_ptr + offs, p, mask=mask)
+    tl.store(mc_ptr + offs, _code(tl.div_rn(m, m_div[:, None]), sthr_ptr, GROUPS, QBLOCK), mask=mask)
+    tl.store(vc_ptr + offs, _code(tl.div_rn(v, v_div[:, None]), uthr_ptr, GROUPS, QBLOCK), mask=mask)
+    tl.store(ms_ptr + blk, m_absmax, mask=rows)
+    tl.store(vs_ptr + blk, v_absmax, mask=rows)
     if OUT_KIND == 1:
         tl.store(out_ptr + offs, _f32_to_bf16_rne(p), mask=mask)
     elif OUT_KIND == 2:
@@ -231,7 +286,7 @@ def _launch_shape(kernel: str, n: int, device: torch.device, block: int | None, 
 
 def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
               grad_scale, param_out, decoupled_weight_decay, check_finite=True, found_inf=None, block=None,
-              num_warps=None):
+              num_warps=None, exp_avg_absmax=None, exp_avg_sq_absmax=None):
     """Fused Adam/AdamW on one chunk. Returns True/False (False: non-finite grads, nothing written),
     or None when `found_inf` is given (no host sync; the verdict is in found_inf)."""
     n = param.numel()
@@ -245,15 +300,22 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
             _nonfinite_kernel[(triton.cdiv(n, blk),)](
                 grad, flag, n, scale_arg, BLOCK=blk, GRAD_KIND=_KIND[grad.dtype], SCALE_MODE=scale_mode,
                 num_warps=warps)
+        coefficients = (float(weight_decay), 1.0 - lr * weight_decay, float(beta1), 1.0 - beta1, float(beta2),
+                        1.0 - beta2, 1.0 / math.sqrt(1.0 - beta2**step), lr / (1.0 - beta1**step), float(eps))
+        common = dict(GRAD_KIND=_KIND[grad.dtype], OUT_KIND=0 if param_out is None else _KIND[param_out.dtype],
+                      SCALE_MODE=scale_mode, DECOUPLED=bool(decoupled_weight_decay) or weight_decay == 0.0)
+        if exp_avg.dtype == torch.uint8:
+            blk, warps = _launch_shape("adam_q8", n, param.device, block, num_warps)
+            groups = max(1, blk // quant8.BLOCK_ELEMS)
+            _adam_q8_kernel[(triton.cdiv(quant8.blocks(n), groups),)](
+                param, grad, exp_avg, exp_avg_sq, exp_avg_absmax, exp_avg_sq_absmax,
+                param if param_out is None else param_out, flag, *quant8.tables_on(param.device), n,
+                scale_arg, *coefficients, GROUPS=groups, QBLOCK=quant8.BLOCK_ELEMS, num_warps=warps, **common)
+            return None if found_inf is not None else bool(flag.item() == 0)
         blk, warps = _launch_shape("adam", n, param.device, block, num_warps)
         _adam_kernel[(triton.cdiv(n, blk),)](
             param, grad, exp_avg, exp_avg_sq, param if param_out is None else param_out, flag, n,
-            scale_arg, float(weight_decay), 1.0 - lr * weight_decay,
-            float(beta1), 1.0 - beta1, float(beta2), 1.0 - beta2,
-            1.0 / math.sqrt(1.0 - beta2**step), lr / (1.0 - beta1**step), float(eps),
-            BLOCK=blk, GRAD_KIND=_KIND[grad.dtype], OUT_KIND=0 if param_out is None else _KIND[param_out.dtype],
-            SCALE_MODE=scale_mode, DECOUPLED=bool(decoupled_weight_decay) or weight_decay == 0.0,
-            MOMENT_KIND=_KIND[exp_avg.dtype], num_warps=warps)
+            scale_arg, *coefficients, BLOCK=blk, MOMENT_KIND=_KIND[exp_avg.dtype], num_warps=warps, **common)
     if found_inf is not None:
         return None
     return bool(flag.item() == 0)

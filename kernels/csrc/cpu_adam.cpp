@@ -6,6 +6,8 @@
 //              + 2 B written for the optional 16-bit param copy,
 //              + the non-finite pre-pass, which reads the grad once more (4 B / 2 B).
 //              fp32 grads: 32 B (28 B of Adam + 4 B check); bf16 grads + bf16 copy: 30 B (28 B unchecked).
+//              bf16 moments: 8 B less. int8 moments (codes + a 4 B scale per 256 elements each): read p 4,
+//              codes 2, grad; write p 4, codes 2 (+ 0.06 B of scales): 16 B with fp32 grads, unchecked.
 //   cast       read 4 B, write 2 B = 6 B.
 //   sq_sum     read 4 B (fp32) or 2 B (16-bit).
 //   triad      12 B as STREAM counts it (read b, c, write a); a plain store also reads a's line first.
@@ -85,6 +87,16 @@ struct AdamCoeffs {
     int stores;             // 0 plain; 1 non-temporal stores for the 16-bit copy
     int prefetch_elems;     // software prefetch this far ahead (> 0: into L1, < 0: into L2), 0: none
     bool decoupled;
+    // int8 moments: kernels/quant8.py's tables, 256 floats each (exp_avg: signed; exp_avg_sq: unsigned)
+    const float *q8_signed_map, *q8_signed_thresholds, *q8_unsigned_map, *q8_unsigned_thresholds;
+};
+
+// An int8 moment's range: one code per element and one fp32 scale (the block's absmax) per kQ8Block elements,
+// blocks from the range's first element (kernels/quant8.py, BLOCK_ELEMS)
+constexpr int64_t kQ8Block = 256;
+struct Q8 {
+    uint8_t* codes;
+    float* absmax;
 };
 
 namespace simd_scalar {
@@ -120,6 +132,7 @@ struct Level {
     bool (*supported)();
     void (*adam)(float*, const void*, int, float*, float*, void*, int, int64_t, const AdamCoeffs&);
     void (*adam_bf16m)(float*, const void*, int, uint16_t*, uint16_t*, void*, int, int64_t, const AdamCoeffs&);
+    void (*adam_q8)(float*, const void*, int, Q8*, Q8*, void*, int, int64_t, const AdamCoeffs&);
     uint32_t (*max_abs)(const void*, int, int64_t);
     void (*cast)(void*, int, const float*, int64_t);
     double (*sq_sum)(const void*, int, int64_t);
@@ -143,12 +156,15 @@ bool has_avx512() {
 const std::vector<Level>& levels() {
     static const std::vector<Level> all = {
 #if PSTAR_X86_DISPATCH
-        {"avx512", has_avx512, simd_avx512::adam_range<float>, simd_avx512::adam_range<uint16_t>, simd_avx512::max_abs_bits, simd_avx512::cast_range,
+        {"avx512", has_avx512, simd_avx512::adam_range<float>, simd_avx512::adam_range<uint16_t>,
+         simd_avx512::adam_range<Q8>, simd_avx512::max_abs_bits, simd_avx512::cast_range,
          simd_avx512::sq_sum_range, simd_avx512::triad_range},
-        {"avx2", has_avx2, simd_avx2::adam_range<float>, simd_avx2::adam_range<uint16_t>, simd_avx2::max_abs_bits, simd_avx2::cast_range,
+        {"avx2", has_avx2, simd_avx2::adam_range<float>, simd_avx2::adam_range<uint16_t>,
+         simd_avx2::adam_range<Q8>, simd_avx2::max_abs_bits, simd_avx2::cast_range,
          simd_avx2::sq_sum_range, simd_avx2::triad_range},
 #endif
-        {"scalar", always, simd_scalar::adam_range<float>, simd_scalar::adam_range<uint16_t>, simd_scalar::max_abs_bits, simd_scalar::cast_range,
+        {"scalar", always, simd_scalar::adam_range<float>, simd_scalar::adam_range<uint16_t>,
+         simd_scalar::adam_range<Q8>, simd_scalar::max_abs_bits, simd_scalar::cast_range,
          simd_scalar::sq_sum_range, simd_scalar::triad_range},
     };
     return all;
@@ -209,13 +225,14 @@ struct Blocks {
 template <class T>
 T* at(uintptr_t base, int64_t index) { return reinterpret_cast<T*>(base) + index; }
 
-// A thread's share of [0, n) under the static schedule: contiguous, a multiple of 64 elements long (so no
-// two threads write one cache line of the 16-bit copy), the last one shorter.
+// A thread's share of [0, n) under the static schedule: contiguous, a multiple of `align` elements long (64:
+// no two threads write one cache line of the 16-bit copy; int8 moments: whole quantization blocks), the last
+// one shorter.
 struct Share {
     int64_t lo, hi;
-    Share(int64_t n, int t, int nthreads) {
+    Share(int64_t n, int t, int nthreads, int64_t align = 64) {
         int64_t per = (n + nthreads - 1) / nthreads;
-        per = (per + 63) / 64 * 64;
+        per = (per + align - 1) / align * align;
         lo = std::min(n, (int64_t)t * per);
         hi = std::min(n, lo + per);
     }
@@ -242,11 +259,16 @@ bool adam_step(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, u
                double lr, double beta1, double beta2, double eps, double weight_decay, double grad_scale,
                bool decoupled, bool check_finite, const std::string& simd, int num_threads,
                const std::string& stores, const std::string& schedule, int prefetch_elems,
-               const std::string& moments_dtype) {
+               const std::string& moments_dtype, uintptr_t exp_avg_absmax, uintptr_t exp_avg_sq_absmax,
+               const std::vector<uintptr_t>& q8_tables) {
     if (n < 0) throw py::value_error("adam_step: negative element count");
-    if (moments_dtype != "float32" && moments_dtype != "bfloat16")
-        throw py::value_error("adam_step: moments_dtype must be 'float32' or 'bfloat16', got '" + moments_dtype + "'");
+    if (moments_dtype != "float32" && moments_dtype != "bfloat16" && moments_dtype != "uint8")
+        throw py::value_error("adam_step: moments_dtype must be 'float32', 'bfloat16' or 'uint8', got '" +
+                              moments_dtype + "'");
     const bool bf16m = moments_dtype == "bfloat16";
+    const bool q8m = moments_dtype == "uint8";
+    if (q8m && q8_tables.size() != 4)
+        throw py::value_error("adam_step: uint8 moments need q8_tables (signed map, thresholds, unsigned map, thresholds)");
     if (step < 1) throw py::value_error("adam_step: step must be >= 1 (1-based, after increment)");
     if (!(grad_scale > 0.0) || grad_scale == HUGE_VAL)
         throw py::value_error("adam_step: grad_scale must be positive and finite");
@@ -255,8 +277,13 @@ bool adam_step(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, u
     const int ocode = param_out == 0 ? -1 : dtype_code(out_dtype, false, "adam_step param_out");
     const bool is_static = static_schedule(schedule);
     check_ptr(param, 4, n, "param");
-    check_ptr(exp_avg, bf16m ? 2 : 4, n, "exp_avg");
-    check_ptr(exp_avg_sq, bf16m ? 2 : 4, n, "exp_avg_sq");
+    check_ptr(exp_avg, q8m ? 1 : bf16m ? 2 : 4, n, "exp_avg");
+    check_ptr(exp_avg_sq, q8m ? 1 : bf16m ? 2 : 4, n, "exp_avg_sq");
+    if (q8m) {
+        check_ptr(exp_avg_absmax, 4, n, "exp_avg_absmax");
+        check_ptr(exp_avg_sq_absmax, 4, n, "exp_avg_sq_absmax");
+        for (uintptr_t t : q8_tables) check_ptr(t, 4, 1, "q8_tables");
+    }
     check_ptr(grad, element_size(gcode), n, "grad");
     if (ocode >= 0) check_ptr(param_out, 2, n, "param_out");
 
@@ -280,6 +307,13 @@ bool adam_step(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, u
     int exponent;
     const bool pow2 = std::frexp((double)c.grad_scale, &exponent) == 0.5 && std::isnormal(c.inv_grad_scale);
     c.scale_mode = c.grad_scale == 1.0f ? 0 : pow2 ? 1 : 2;
+    c.q8_signed_map = c.q8_signed_thresholds = c.q8_unsigned_map = c.q8_unsigned_thresholds = nullptr;
+    if (q8m) {
+        c.q8_signed_map = reinterpret_cast<const float*>(q8_tables[0]);
+        c.q8_signed_thresholds = reinterpret_cast<const float*>(q8_tables[1]);
+        c.q8_unsigned_map = reinterpret_cast<const float*>(q8_tables[2]);
+        c.q8_unsigned_thresholds = reinterpret_cast<const float*>(q8_tables[3]);
+    }
 
     // Every grad / grad_scale is finite iff the largest |grad| is finite and stays finite when
     // unscaled (division by a positive constant is monotonic).
@@ -292,7 +326,14 @@ bool adam_step(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, u
                                  : std::isfinite(biggest / c.grad_scale);
     };
     const int es = element_size(gcode);
-    auto update = [&](int64_t i, int64_t len) {
+    auto update = [&](int64_t i, int64_t len) {   // i: a multiple of kQ8Block (64K blocks, aligned shares)
+        if (q8m) {
+            Q8 mq{at<uint8_t>(exp_avg, i), at<float>(exp_avg_absmax, i / kQ8Block)};
+            Q8 vq{at<uint8_t>(exp_avg_sq, i), at<float>(exp_avg_sq_absmax, i / kQ8Block)};
+            L.adam_q8(at<float>(param, i), at<const char>(grad, i * es), gcode, &mq, &vq,
+                      ocode >= 0 ? at<uint16_t>(param_out, i) : nullptr, ocode, len, c);
+            return;
+        }
         if (bf16m) {
             L.adam_bf16m(at<float>(param, i), at<const char>(grad, i * es), gcode, at<uint16_t>(exp_avg, i),
                          at<uint16_t>(exp_avg_sq, i), ocode >= 0 ? at<uint16_t>(param_out, i) : nullptr, ocode, len, c);
@@ -316,7 +357,7 @@ bool adam_step(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, u
             const int t = 0, team = 1;
 #endif
             if (is_static) {
-                const Share share(n, t, team);
+                const Share share(n, t, team, q8m ? kQ8Block : 64);
                 if (check_finite) {
 #pragma omp for schedule(static, 1) reduction(max : mx)
                     for (int tt = 0; tt < team; ++tt) {  // one iteration per thread: its own share
@@ -566,6 +607,7 @@ py::dict build_info() {
     d["compiler"] = __VERSION__;
 #endif
     d["flags"] = PSTAR_BUILD_FLAGS;
+    d["q8_block_elems"] = kQ8Block;
     return d;
 }
 
@@ -578,9 +620,10 @@ PYBIND11_MODULE(_cpu_adam, m) {
           py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
           py::arg("grad_scale"), py::arg("decoupled"), py::arg("check_finite") = true, py::arg("simd") = "auto",
           py::arg("num_threads") = 0, py::arg("stores") = "plain", py::arg("schedule") = "dynamic",
-          py::arg("prefetch_elems") = 0, py::arg("moments_dtype") = "float32",
-          "In-place Adam/AdamW step on fp32 param and fp32 (or bf16) exp_avg/exp_avg_sq; returns False (nothing written) "
-          "if any grad / grad_scale is not finite.");
+          py::arg("prefetch_elems") = 0, py::arg("moments_dtype") = "float32", py::arg("exp_avg_absmax") = 0,
+          py::arg("exp_avg_sq_absmax") = 0, py::arg("q8_tables") = std::vector<uintptr_t>(),
+          "In-place Adam/AdamW step on fp32 param and fp32, bf16 or int8 (uint8 codes + fp32 block scales) "
+          "exp_avg/exp_avg_sq; returns False (nothing written) if any grad / grad_scale is not finite.");
     m.def("stream_triad", &stream_triad, py::arg("a"), py::arg("b"), py::arg("c"), py::arg("n"),
           py::arg("scalar") = 3.0, py::arg("reps") = 5, py::arg("nt") = false, py::arg("simd") = "auto",
           py::arg("num_threads") = 0,

@@ -74,6 +74,18 @@ struct ScalarOps {
     static inline void stream_bf16(uint16_t* p, T x) { *p = f32_to_bf16(x); }
     static inline void stream_f16(uint16_t* p, T x) { *p = f32_to_f16_soft(x); }
     static inline void fence() {}
+    // int8 moments (kernels/quant8.py): a map's value at each code; the code of x (how many of the 256
+    // sorted thresholds lie below it, by an 8-step binary search: the last threshold is +inf); |x|; max
+    // as (a > b ? a : b), which is what maxps computes lane by lane.
+    static inline T gather(const float* table, const uint8_t* code) { return table[*code]; }
+    static inline void store_code(uint8_t* dst, T x, const float* thr) {
+        int q = 0;
+        for (int s = 128; s >= 1; s >>= 1) q += thr[q + s - 1] < x ? s : 0;
+        *dst = (uint8_t)q;
+    }
+    static inline T abs(T a) { return __builtin_fabsf(a); }
+    static inline T max(T a, T b) { return a > b ? a : b; }
+    static inline float hmax(T a) { return a; }
 };
 
 #if PSTAR_SIMD == 2
@@ -112,6 +124,26 @@ struct VecOps {
     static inline void stream_f16(uint16_t* p, T x) { _mm256_stream_si256((__m256i*)p, to_f16(x)); }
     static inline void stream_bf16(uint16_t* p, T x) { _mm256_stream_si256((__m256i*)p, to_bf16(x)); }
     static inline void fence() { _mm_sfence(); }
+    static inline T gather(const float* table, const uint8_t* code) {
+        return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)code)), table, 4);
+    }
+    static inline void store_code(uint8_t* dst, T x, const float* thr) {
+        __m512i q = _mm512_setzero_si512();
+        for (int s = 128; s >= 1; s >>= 1) {
+            const __m512 t = _mm512_i32gather_ps(_mm512_add_epi32(q, _mm512_set1_epi32(s - 1)), thr, 4);
+            q = _mm512_mask_add_epi32(q, _mm512_cmp_ps_mask(t, x, _CMP_LT_OQ), q, _mm512_set1_epi32(s));
+        }
+        _mm_storeu_si128((__m128i*)dst, _mm512_cvtepi32_epi8(q));
+    }
+    static inline T abs(T a) { return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7FFFFFFF))); }
+    static inline T max(T a, T b) { return _mm512_max_ps(a, b); }
+    static inline float hmax(T a) {
+        alignas(64) float f[16];
+        _mm512_store_ps(f, a);
+        float r = f[0];
+        for (int j = 1; j < 16; ++j) r = r > f[j] ? r : f[j];
+        return r;
+    }
 };
 #elif PSTAR_SIMD == 1
 struct VecOps {
@@ -152,6 +184,29 @@ struct VecOps {
     static inline void stream_f16(uint16_t* p, T x) { _mm_stream_si128((__m128i*)p, to_f16(x)); }
     static inline void stream_bf16(uint16_t* p, T x) { _mm_stream_si128((__m128i*)p, to_bf16(x)); }
     static inline void fence() { _mm_sfence(); }
+    static inline T gather(const float* table, const uint8_t* code) {
+        return _mm256_i32gather_ps(table, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)code)), 4);
+    }
+    static inline void store_code(uint8_t* dst, T x, const float* thr) {
+        __m256i q = _mm256_setzero_si256();
+        for (int s = 128; s >= 1; s >>= 1) {
+            const __m256 t = _mm256_i32gather_ps(thr, _mm256_add_epi32(q, _mm256_set1_epi32(s - 1)), 4);
+            const __m256i below = _mm256_castps_si256(_mm256_cmp_ps(t, x, _CMP_LT_OQ));
+            q = _mm256_add_epi32(q, _mm256_and_si256(below, _mm256_set1_epi32(s)));
+        }
+        // 8 codes in [0, 255]: unsigned saturation is exact
+        const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+        _mm_storel_epi64((__m128i*)dst, _mm_packus_epi16(w, w));
+    }
+    static inline T abs(T a) { return _mm256_and_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))); }
+    static inline T max(T a, T b) { return _mm256_max_ps(a, b); }
+    static inline float hmax(T a) {
+        alignas(32) float f[8];
+        _mm256_store_ps(f, a);
+        float r = f[0];
+        for (int j = 1; j < 8; ++j) r = r > f[j] ? r : f[j];
+        return r;
+    }
 };
 #else
 typedef ScalarOps VecOps;
@@ -304,10 +359,84 @@ static void adam_bf16m_t(float* p, const void* grad, uint16_t* m, uint16_t* v, v
     for (; i < n; ++i) adam_elems_bf16m<ScalarOps, GK, OK, kDivScale, kDecoupled>(p, grad, m, v, out, i, ks);
 }
 
-// The kernel for the moments' type: fp32 (adam_range_s) or bf16 (adam_bf16m_t)
+// The same step with int8 moments (Config optimizer_state="int8", kernels/quant8.py): per block of kQ8Block
+// elements, each moment is dequantized (map[code] * the block's absmax), the step computed in fp32 in
+// adam_elems' order, the master written from the unquantized new moments, and these kept in a block buffer
+// with their largest |value|; then the block is quantized against that absmax (x = value / absmax, IEEE
+// division; the code is how many thresholds lie below x) and the absmax stored as its scale.
+// Bytes per element: read p 4, m and v codes 2, grad 4 (2); write p 4, codes 2; + 16 B of scales per block:
+// 16 B with fp32 grads (12 B less than fp32 moments), + 2 B for the 16-bit copy. Plain stores only.
+template <class O, int GK, int OK, bool kDivScale, bool kDecoupled>
+static inline void adam_elems_q8(float* p, const void* grad, const uint8_t* mc, const uint8_t* vc, void* out,
+                                 int64_t i, typename O::T mscale, typename O::T vscale, float* mnew, float* vnew,
+                                 typename O::T& mmax, typename O::T& vmax, const AdamConsts<O>& k,
+                                 const AdamCoeffs& c) {
+    typedef typename O::T T;
+    T g = GK == 0 ? O::load(static_cast<const float*>(grad) + i)
+        : GK == 1 ? O::load_bf16(static_cast<const uint16_t*>(grad) + i)
+                  : O::load_f16(static_cast<const uint16_t*>(grad) + i);
+    g = kDivScale ? O::div(g, k.grad_scale) : O::mul(g, k.inv_grad_scale);
+    T pi = O::load(p + i);
+    if (kDecoupled) pi = O::mul(pi, k.decay);
+    else g = O::add(g, O::mul(k.l2_wd, pi));
+    const T m0 = O::mul(O::gather(c.q8_signed_map, mc + i), mscale);
+    const T v0 = O::mul(O::gather(c.q8_unsigned_map, vc + i), vscale);
+    const T mi = O::add(O::mul(k.beta1, m0), O::mul(k.one_minus_beta1, g));
+    const T vi = O::add(O::mul(k.beta2, v0), O::mul(O::mul(k.one_minus_beta2, g), g));
+    const T denom = O::add(O::mul(O::sqrt(vi), k.inv_bc2_sqrt), k.eps);
+    pi = O::sub(pi, O::mul(k.step_size, O::div(mi, denom)));
+    O::store(p + i, pi);
+    O::store(mnew, mi);
+    O::store(vnew, vi);
+    mmax = O::max(mmax, O::abs(mi));
+    vmax = O::max(vmax, O::abs(vi));
+    if (OK == 1) O::store_bf16(static_cast<uint16_t*>(out) + i, pi);
+    else if (OK == 2) O::store_f16(static_cast<uint16_t*>(out) + i, pi);
+}
+
+// One block's new values -> codes, against its absmax (an all-zero block divides by 1: its codes are 0's)
+static inline void quantize_block(const float* x, int64_t len, float absmax, const float* thr, uint8_t* codes) {
+    const float d = absmax > 0.0f ? absmax : 1.0f;
+    const VecOps::T dv = VecOps::set(d);
+    int64_t j = 0;
+    for (; j + VecOps::W <= len; j += VecOps::W) VecOps::store_code(codes + j, VecOps::div(VecOps::load(x + j), dv), thr);
+    for (; j < len; ++j) ScalarOps::store_code(codes + j, x[j] / d, thr);
+}
+
+template <int GK, int OK, bool kDivScale, bool kDecoupled>
+static void adam_q8_t(float* p, const void* grad, Q8* m, Q8* v, void* out, int64_t n, const AdamCoeffs& c) {
+    const AdamConsts<VecOps> kv(c);
+    const AdamConsts<ScalarOps> ks(c);
+    alignas(64) float mb[kQ8Block], vb[kQ8Block];
+    for (int64_t b0 = 0, blk = 0; b0 < n; b0 += kQ8Block, ++blk) {
+        const int64_t len = n - b0 < kQ8Block ? n - b0 : kQ8Block;
+        const float ms = m->absmax[blk], vs = v->absmax[blk];
+        const VecOps::T msv = VecOps::set(ms), vsv = VecOps::set(vs);
+        VecOps::T mmaxv = VecOps::set(0.0f), vmaxv = VecOps::set(0.0f);
+        int64_t j = 0;
+        for (; j + VecOps::W <= len; j += VecOps::W)
+            adam_elems_q8<VecOps, GK, OK, kDivScale, kDecoupled>(p, grad, m->codes, v->codes, out, b0 + j, msv, vsv,
+                                                                 mb + j, vb + j, mmaxv, vmaxv, kv, c);
+        float mmax = VecOps::hmax(mmaxv), vmax = VecOps::hmax(vmaxv);
+        for (; j < len; ++j)
+            adam_elems_q8<ScalarOps, GK, OK, kDivScale, kDecoupled>(p, grad, m->codes, v->codes, out, b0 + j, ms, vs,
+                                                                    mb + j, vb + j, mmax, vmax, ks, c);
+        quantize_block(mb, len, mmax, c.q8_signed_thresholds, m->codes + b0);
+        quantize_block(vb, len, vmax, c.q8_unsigned_thresholds, v->codes + b0);
+        m->absmax[blk] = mmax;
+        v->absmax[blk] = vmax;
+    }
+}
+
+// The kernel for the moments' type: fp32 (adam_range_s), bf16 (adam_bf16m_t) or int8 (adam_q8_t)
 template <int GK, int OK, bool kDivScale, bool kDecoupled>
 static void adam_kernel(float* p, const void* grad, float* m, float* v, void* out, int64_t n, const AdamCoeffs& c) {
     adam_range_s<GK, OK, kDivScale, kDecoupled>(p, grad, m, v, out, n, c);
+}
+
+template <int GK, int OK, bool kDivScale, bool kDecoupled>
+static void adam_kernel(float* p, const void* grad, Q8* m, Q8* v, void* out, int64_t n, const AdamCoeffs& c) {
+    adam_q8_t<GK, OK, kDivScale, kDecoupled>(p, grad, m, v, out, n, c);
 }
 
 template <int GK, int OK, bool kDivScale, bool kDecoupled>
@@ -317,7 +446,7 @@ static void adam_kernel(float* p, const void* grad, uint16_t* m, uint16_t* v, vo
 }
 
 // The runtime flags (grad dtype, 16-bit copy, scale mode, weight decay) -> the kernel's template arguments,
-// for either moment type M (float or bf16 bits)
+// for each moment type M (float, bf16 bits, or Q8: int8 codes with their scales)
 template <int GK, int OK, class M>
 static void adam_range_o(float* p, const void* grad, M* m, M* v, void* out, int64_t n, const AdamCoeffs& c) {
     const bool div = c.scale_mode == 2;
