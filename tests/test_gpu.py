@@ -13,6 +13,16 @@ from test_transaction import OPT, gpt_batches, hf_cosine, optimizer_state, refer
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True)
+def regions_traced_not_compiled(request, monkeypatch):
+    """compute "auto" is Inductor on CUDA: these tests trace its regions with Dynamo alone (the same ops, fast to
+    build), so the runtime is tested on the graph it runs; tests marked `inductor` build the real kernels."""
+    if "inductor" not in request.keywords:
+        import sys
+        import pstar_fx.passes.compile_regions  # noqa: F401
+        monkeypatch.setattr(sys.modules["pstar_fx.passes.compile_regions"], "BACKEND", "eager")
+
+
 def _batches(n, vocab=256, b=4, t=64):
     g = torch.Generator().manual_seed(0)
     return [(torch.randint(0, vocab, (b, t), generator=g), torch.randint(0, vocab, (b, t), generator=g))
@@ -113,6 +123,22 @@ def test_gpu_clipping_and_schedule_match_torch_fp32(transaction):
     reports = _run_gpu(engine, batches)
     _close_to_reference(engine, reports, ref, ref_out)
     assert [r.clip_coef < 1 for r in reports] == [o[1] > clip for o in ref_out]
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("transaction", ["kept_grads", "deferred"])
+def test_gpu_inductor_regions_match_torch_fp32(transaction):
+    """Inductor's kernels for the regions, chunks on both tiers, clipping that triggers: the CPU reference."""
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny"))
+    batches = gpt_batches(6)
+    _, _, free = reference(model, batches)
+    clip = sorted(o[1] for o in free)[3]
+    ref, _, ref_out = reference(model, batches, grad_clip=clip)
+    engine = _mixed(model, _on_gpu(batches[0]), grad_clip=clip, transaction=transaction, compute="inductor")
+    assert any(n.startswith("compute:") and "inductor" in n for n in engine.plan.notes), engine.plan.notes
+    reports = _run_gpu(engine, batches)
+    _close_to_reference(engine, reports, ref, ref_out)
 
 
 def test_gpu_accumulation_matches_torch_fp32():

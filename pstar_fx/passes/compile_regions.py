@@ -34,6 +34,8 @@ from ..config import format_bytes
 from .. import plan as plan_mod        # a module reference: plan imports the passes package
 from ..fxutil import aliases_input, mutated_args, role_nodes
 
+BACKEND = "inductor"   # torch.compile's backend for the regions; tests use "eager" (Dynamo alone: the same ops)
+
 # library kernels Inductor calls as they are: a run of only these (and views) gains nothing from compiling
 _EXTERN = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
            torch.ops.aten.baddbmm.default, torch.ops.aten.embedding.default}
@@ -168,10 +170,12 @@ def _profile(g: fx.Graph, runs: list, compiled: list, cuda: bool) -> tuple[list[
     return order, per_node, peak
 
 
-def compile_regions(gm: fx.GraphModule, plan, *, cuda: bool, backend: str = "inductor",
+def compile_regions(gm: fx.GraphModule, plan, *, cuda: bool, backend: str | None = None,
                     min_kernels: int = 2) -> fx.GraphModule:
     """Compile `gm`'s runs of compute in place; `plan`'s activation and device peaks grow by what holding the
-    regions' inputs costs, and runs that would take it over its budget stay eager."""
+    regions' inputs costs, and runs that would take it over its budget stay eager. A run with fewer than
+    `min_kernels` ops Inductor would generate (a lone matmul between two chunk nodes) stays eager too."""
+    backend = backend or BACKEND
     g = gm.graph
     runs = [r for r in find_runs(g) if _kernels(r[1]) >= min_kernels]
     _, _, eager_peak = _profile(g, [], [], cuda)
@@ -202,13 +206,17 @@ def compile_regions(gm: fx.GraphModule, plan, *, cuda: bool, backend: str = "ind
             call = g.call_function(regions[key], tuple(inputs))
         call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
         anchor = call
+        named = []
         for i, o in enumerate(outputs):
             with g.inserting_after(anchor):
                 out = anchor = g.call_function(operator.getitem, (call, i))
             out.meta["val"] = o.meta.get("val")
             o.replace_all_uses_with(out)
+            named.append((out, o.name))
         for n in reversed(ops):
             g.erase_node(n)
+        for out, name in named:          # the graph reads as before: each value keeps its name
+            out._rename(name)
     g.lint()
     gm.recompile()
 

@@ -1,0 +1,107 @@
+"""compile_regions: the compute between chunk nodes as compiled regions (Config.compute="inductor").
+
+With torch.compile's "eager" backend (Dynamo alone, the regions' ops run as traced) a step must give the same
+bits as the uncompiled one: that checks the pass moved only chunk nodes and cut the graph where it may. With
+Inductor, an fp32 step is another evaluation of the same arithmetic and must match torch.optim.AdamW within
+the rounding reach (test_engine.assert_matches_torch).
+"""
+import operator
+import sys
+
+import pytest
+import torch
+
+import pstar_fx
+from pstar_fx.engine import Lowered
+from pstar_fx.models import GPT, gpt_config
+import pstar_fx.passes.compile_regions  # noqa: F401  (the module; the package exports its function by that name)
+from test_engine import assert_matches_torch, batch, tight_budget
+
+CHUNK = 16384
+regions_pass = sys.modules["pstar_fx.passes.compile_regions"]
+
+
+@pytest.fixture
+def dynamo_only(monkeypatch):
+    monkeypatch.setattr(regions_pass, "BACKEND", "eager")
+
+
+def _gpt(n_layer=2, seed=0):
+    torch.manual_seed(seed)
+    return GPT(gpt_config("tiny", n_layer=n_layer))
+
+
+def _engine(model, inputs, compute, **cfg):
+    return pstar_fx.compile(model, pstar_fx.Config(device="cpu", compute=compute, chunk_size=CHUNK, **cfg), inputs)
+
+
+def _regions(engine):
+    return [n for n in engine.graph.graph.nodes if isinstance(n.target, regions_pass.Region)]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_regions_give_the_uncompiled_steps_bits(dynamo_only, dtype):
+    """Chunks on both tiers (fetch, prefetch, release, offload and updates all in the graph), clipping on:
+    the same losses and the same weights, bit for bit, as compute="eager"."""
+    model = _gpt()
+    batches = [batch(seed=s) for s in range(3)]
+    budget, _ = tight_budget(model, batches[0], device_chunks=2, dtype=dtype, chunk_size=CHUNK)
+    cfg = dict(device_memory=budget, dtype=dtype, grad_clip=0.5)
+    ours, plain = _engine(model, batches[0], "inductor", **cfg), _engine(model, batches[0], "eager", **cfg)
+    assert {"device", "host"} <= set(ours.plan.placement), ours.plan.placement
+    assert _regions(ours), "no region was formed"
+    for b in batches:
+        assert torch.equal(ours.step(*b), plain.step(*b))
+    a, b = ours.state_dict(), plain.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_chunk_nodes_keep_their_order_and_regions_hold_none(dynamo_only):
+    model = _gpt(n_layer=4)
+    inputs = batch()
+    budget, _ = tight_budget(model, inputs, device_chunks=2, chunk_size=CHUNK)
+    ours = _engine(model, inputs, "inductor", device_memory=budget)
+    plain = _engine(model, inputs, "eager", device_memory=budget)
+
+    def moves(e):      # the chunk nodes that order slots, streams and updates, in graph order
+        return [(n.target, n.args[1]) for n in e.graph.graph.nodes if n.op == "call_method"
+                and n.target not in ("param", "grad")]
+    assert moves(ours) == moves(plain)
+    calls = _regions(ours)
+    for call in calls:
+        fn = call.target
+        inner = [n for n in fn.graph_module.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+        assert inner and all(isinstance(n.target, torch._ops.OpOverload) for n in inner)
+    # the four blocks' regions share compiled functions
+    assert len({c.target for c in calls}) < len(calls)
+    assert any("compute:" in note and "compiled by eager" in note for note in ours.plan.notes)
+    assert "compile_regions" in ours.lowered.graphs_before
+
+
+def test_regions_that_would_overrun_the_budget_stay_eager(dynamo_only):
+    """A budget with no room above the uncompiled plan: every region that holds an input past its last use
+    stays eager, the plan still fits, and the CPU tier (which enforces the budget node by node) runs it."""
+    model = _gpt()
+    inputs = batch()
+    cfg = dict(device="cpu", chunk_size=CHUNK, placement="device")
+    base = Lowered(model, pstar_fx.Config(**cfg), inputs).plan
+    roomy = Lowered(model, pstar_fx.Config(**cfg, compute="inductor"), inputs).plan
+    assert roomy.device_peak_bytes > base.device_peak_bytes     # here holding inputs costs (fp32, 97 KiB)
+    exact = pstar_fx.Config(**cfg, device_memory=base.device_peak_bytes, compute="inductor")
+    lowered = Lowered(model, exact, inputs)
+    assert lowered.plan.fits and lowered.plan.device_peak_bytes == base.device_peak_bytes
+    note = next(n for n in lowered.plan.notes if n.startswith("compute:"))
+    assert "left eager" in note, note
+    engine = pstar_fx.compile(model, exact, inputs)
+    for s in range(2):
+        engine.step(*batch(seed=s))
+    assert engine.memory_stats()["device_peak_bytes"] <= base.device_peak_bytes
+
+
+def test_inductor_regions_match_adamw():
+    """Real Inductor kernels (C++ on the CPU): fp32 losses and weights within torch's rounding reach."""
+    model = _gpt(n_layer=1)
+    batches = [batch(seed=s) for s in range(3)]
+    engine = assert_matches_torch(model, batches, dict(compute="inductor", chunk_size=CHUNK, placement="host"))
+    assert _regions(engine)
+    assert "region_0" in engine.graph.code
