@@ -72,6 +72,11 @@ def blocks(numel: int) -> int:
     return -(-numel // BLOCK_ELEMS)
 
 
+def blocks_of(spans) -> int:
+    """Scales of several (offset, numel) spans quantized each by itself, laid one after another."""
+    return sum(blocks(n) for _, n in spans)
+
+
 def tables(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(map, thresholds) of exp_avg (signed) or exp_avg_sq."""
     return (SIGNED_MAP, SIGNED_THRESHOLDS) if signed else (UNSIGNED_MAP, UNSIGNED_THRESHOLDS)

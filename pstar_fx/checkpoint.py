@@ -5,12 +5,20 @@ A checkpoint is a directory:
   model.safetensors (or model-0000K-of-0000N.safetensors + model.safetensors.index.json, as save_pretrained
                      shards them)  fp32 weights (or bf16 for export) under the model's own names; a tied weight
                      once, under its first name; persistent buffers (BatchNorm statistics) under theirs
-  optimizer.safetensors           "<name>.exp_avg" and "<name>.exp_avg_sq" of every trained parameter
+  optimizer.safetensors           "<name>.exp_avg" and "<name>.exp_avg_sq" of every trained parameter, fp32 in
+                                  every optimizer_state (bf16 widened, int8 dequantized); with int8 moments also
+                                  "<name>.exp_avg.codes" (U8, the parameter's shape) and "<name>.exp_avg.absmax"
+                                  (F32, one scale per 256 elements), and the same for exp_avg_sq: what the chunks
+                                  hold (kernels/quant8.py), so an int8 engine resumes bit for bit (quantizing the
+                                  fp32 values again would not give the same codes: the maps have no -1). An int8
+                                  checkpoint's moments take 10.06 B/param on disk, fp32's and bf16's 8
   pstar_fx_state.json             step, loss scale, the last clip coefficient, the optimizer and schedule
                                   config, the RNG state, the package version
   config.json                     a Hugging Face model's config, so `from_pretrained(path)` loads the weights
 
-It speaks parameter names, never chunk ids, so it loads at another budget, chunk size or placement. Files are
+It speaks parameter names, never chunk ids, so it loads at another budget, chunk size or placement (int8 moments
+are quantized per parameter, so their codes and scales do not depend on the chunks either), and in another
+optimizer_state: fp32 moments load rounded into bf16 and quantized into int8. Files are
 written one tensor at a time from whichever tier holds it (a GPU tensor in 64 MiB blocks through two page-locked
 buffers, the copy of one overlapping the disk's write of the other: extra host memory 128 MiB), in the safetensors
 format (an 8-byte header length, a JSON header of names, dtypes, shapes and offsets, then the bytes), into a
@@ -28,6 +36,9 @@ from pathlib import Path
 
 import torch
 
+from .kernels import quant8
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
 WEIGHTS, INDEX, OPTIMIZER, STATE = "model.safetensors", "model.safetensors.index.json", "optimizer.safetensors", \
     "pstar_fx_state.json"
 OPTIMIZER_INDEX = "optimizer.safetensors.index.json"
@@ -186,10 +197,19 @@ def _entries(engine, rank: int | None, wdtype: torch.dtype) -> tuple[list, list]
     moments = []
     for i in mine:
         p = cap.params[i]
-        if p.has_grad:
-            for key, state in (("exp_avg", store.exp_avg), ("exp_avg_sq", store.exp_avg_sq)):
+        if not p.has_grad:
+            continue
+        for key in MOMENTS:
+            if store.quantized:     # the values dequantized, then the codes and scales themselves
+                moments += [(f"{p.name}.{key}", torch.float32, tuple(p.shape),
+                             lambda i=i, key=key: store.moment_fp32(i, key)),
+                            (f"{p.name}.{key}.codes", torch.uint8, tuple(p.shape),
+                             lambda i=i, key=key: store.moment(i, key)),
+                            (f"{p.name}.{key}.absmax", torch.float32, (quant8.blocks(p.numel),),
+                             lambda i=i, key=key: store.moment_absmax(i, key))]
+            else:                   # a bf16 moment widens to fp32 as it is written
                 moments.append((f"{p.name}.{key}", torch.float32, tuple(p.shape),
-                                lambda i=i, state=state: _view(store, state, i)))
+                                lambda i=i, key=key: store.moment(i, key)))
     return weights, moments
 
 
@@ -308,11 +328,6 @@ def _agree(dp, problem: str, error=RuntimeError, fail_quietly: bool = False) -> 
     if flag.item():
         raise RuntimeError("another rank could not save its part of the checkpoint (its error says why); the "
                            "previous checkpoint, if any, is unchanged")
-
-
-def _view(store, state, i):
-    slot = store.layout.slots[i]
-    return state[slot.chunk][slot.offset: slot.offset + slot.numel].view(slot.param.shape)
 
 
 def _write_json(path: Path, obj) -> None:
@@ -473,6 +488,9 @@ def apply(engine, weights: dict, moments: dict | None, *, strict: bool, where: s
                         problems.append(f"missing optimizer state {key}")
                     elif moments[key].shape() != tuple(p.shape):
                         problems.append(f"{key}: shape {moments[key].shape()}, {tuple(p.shape)} in the model")
+                    for raw, shape in ((f"{key}.codes", tuple(p.shape)), (f"{key}.absmax", (quant8.blocks(p.numel),))):
+                        if raw in moments and moments[raw].shape() != shape:
+                            problems.append(f"{raw}: shape {moments[raw].shape()}, {shape} for this parameter")
     fatal = [p for p in problems if strict or not p.startswith(("missing", "unexpected"))]
     if fatal:
         raise CheckpointError(f"{where} does not match this model ({len(fatal)} problem(s)): "
@@ -483,9 +501,24 @@ def apply(engine, weights: dict, moments: dict | None, *, strict: bool, where: s
             src.read_into(target, blocks)
         if moments is not None:
             for i, p in enumerate(cap.params):
-                if not held[i]:
-                    continue
-                for key, st in (("exp_avg", store.exp_avg), ("exp_avg_sq", store.exp_avg_sq)):
-                    view, name = _view(store, st, i), f"{p.name}.{key}"
-                    moments[name].read_into(view, blocks) if name in moments else view.zero_()
+                if held[i]:
+                    for key in MOMENTS:
+                        _load_moment(store, i, key, moments, f"{p.name}.{key}", blocks)
         store.masters_changed()
+
+
+def _load_moment(store, i: int, key: str, moments: dict, name: str, blocks: _Blocks) -> None:
+    """Parameter i's moment `key` from the checkpoint's `name` (absent: zero). fp32 and bf16 chunks read the fp32
+    values (bf16 rounds them); int8 chunks read the codes and scales when the checkpoint has them (bit for bit),
+    else quantize the fp32 values."""
+    if name not in moments:
+        store.set_moment(i, key, None)
+    elif not store.quantized:
+        moments[name].read_into(store.moment(i, key), blocks)
+    elif f"{name}.codes" in moments and f"{name}.absmax" in moments:
+        moments[f"{name}.codes"].read_into(store.moment(i, key), blocks)
+        moments[f"{name}.absmax"].read_into(store.moment_absmax(i, key), blocks)
+    else:
+        values = torch.empty(moments[name].shape(), dtype=torch.float32, device=store.moment(i, key).device)
+        moments[name].read_into(values, blocks)
+        store.set_moment(i, key, values)

@@ -380,7 +380,7 @@ def _auto_budgets(model, d: dict, inputs) -> tuple[int, list[int]]:
     state = whole.device_breakdown["chunk state"]
     n_chunks = len(whole.placement)
     chunk_state = state // n_chunks
-    slot_bytes = chunk_state // whole.state_bytes_per_param * Config.from_dict(d).torch_dtype.itemsize
+    slot_bytes = whole.profile.chunk_elems * Config.from_dict(d).torch_dtype.itemsize
     base = whole.device_peak_bytes - state - whole.device_breakdown["compute slots"]
     budgets = [base + keep * chunk_state + slots * slot_bytes for keep, slots in ((n_chunks // 4, 4),
                                                                                   (n_chunks // 2, 8))]
@@ -676,10 +676,10 @@ def _job_summary(plan, args, config: Config, n_params: int, seq: int) -> str:
         groups: dict[int, list[int]] = {}
         for r, k in owned.items():
             groups.setdefault(k, []).append(r)
-        state_bytes = n_chunks * plan.profile.chunk_elems * plan.state_bytes_per_param
+        state_bytes = int(n_chunks * plan.profile.chunk_elems * plan.state_bytes_per_param)
         lines.append(f"data parallel: {gpus} ranks, chunks partitioned (chunk c's state on rank c % {gpus}); the "
                      "plan above is rank 0's, which holds the most")
-        lines.append(f"  model state (fp32 masters + Adam moments, {plan.state_bytes_per_param} B/param): "
+        lines.append(f"  model state (fp32 masters + Adam moments, {plan.state_bytes_per_param:.3g} B/param): "
                      f"{format_bytes(state_bytes)} in all, {n_chunks} chunks spread over the ranks")
         lines += [f"  rank{'s' if len(rs) > 1 else ''} {_rank_range(rs)}: {k} chunks, {min(k, plan.n_device)} on "
                   f"device, {k - min(k, plan.n_device)} on host: {format_bytes(k * state_bytes // n_chunks)} of state"

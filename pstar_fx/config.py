@@ -14,6 +14,7 @@ from typing import Any, Callable, Literal, Union
 
 import torch
 
+from .kernels import quant8
 from .optim.loss_scale import DYNAMIC_DEFAULTS
 from .optim.lr import check_schedule
 
@@ -25,6 +26,8 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Config.optimizer_state -> the moments' chunk dtype (int8: uint8 codes into kernels/quant8.py's maps)
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
 OPTIMIZERS = ("adamw", "adam")
 _OPTIMIZER_DEFAULTS = {"type": "adamw", "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 
@@ -140,23 +143,30 @@ class Config:
     kept gradients, exactly (no speculation, no undo, 1x compute; the host Adam then runs after backward,
     overlapping the next step's forward). "none": no protection (an exception or a non-finite
     gradient leaves the chunks already updated; not allowed with grad_clip). "auto": the planner picks
-    kept_grads when the host budget holds it, else replay; with optimizer_state "bf16", deferred when the
-    host budget holds the kept gradients, else two_pass."""
+    kept_grads when the host budget holds it, else replay; with optimizer_state "bf16" or "int8", deferred when
+    the host budget holds the kept gradients, else two_pass."""
 
-    optimizer_state: Literal["fp32", "bf16"] = "fp32"
-    """Dtype of the Adam moments exp_avg and exp_avg_sq in the chunks (the masters stay fp32). "fp32": 12 B/param
-    of chunk state. "bf16": 8 B/param (a third less; the planner fits chunks accordingly): every Adam kernel
-    reads the moments from bf16, computes the step in fp32 and writes them back rounded to nearest even
-    (torch's .to(torch.bfloat16)); checkpoints still save them as fp32 by name, and loading rounds them, so a
-    checkpoint moves between the two modes. Cost: rounded moments cannot be undone, so a step must not need
-    an undo: with "bf16" the transaction "auto" is "deferred" (gradients kept, every update applied after the
+    optimizer_state: Literal["fp32", "bf16", "int8"] = "fp32"
+    """How the Adam moments exp_avg and exp_avg_sq are stored in the chunks (the masters stay fp32). "fp32": 12
+    B/param of chunk state. "bf16": 8 B/param (a third less; the planner fits chunks accordingly): every Adam
+    kernel reads the moments from bf16, computes the step in fp32 and writes them back rounded to nearest even
+    (torch's .to(torch.bfloat16)). "int8": 6.03 B/param (half): blockwise 8-bit moments as bitsandbytes'
+    AdamW8bit keeps them (kernels/quant8.py: one code per element into a non-linear "dynamic" map, signed for
+    exp_avg and unsigned for exp_avg_sq, and an fp32 absmax per 256 elements of each parameter); every kernel
+    dequantizes, computes the step in fp32, updates the master from the unquantized moments and quantizes them
+    again. Its moments keep about 2-3 significant digits (an element far below its block's largest is stored
+    as 0), so the loss curve departs from fp32's further than bf16's does (bench/RESULTS.md). Checkpoints save
+    the moments as fp32 by name in every mode (int8: dequantized, plus the codes and scales themselves, so an
+    int8 run resumes bit for bit, at any chunk size); loading rounds or quantizes them, so a checkpoint moves
+    between the modes. Cost: rounded or quantized moments cannot be undone, so a step must not need an undo:
+    with "bf16" or "int8" the transaction "auto" is "deferred" (gradients kept, every update applied after the
     verdict: 1x compute, the kept gradients' bytes) when the host holds them, else "two_pass", whose first
     forward+backward measures the verdict (norm, finiteness) and updates nothing, the second applies
     exactly: 2x the step's compute on every step, clipping and loss scaling on or off. Either way a skipped
     step changes nothing. "kept_grads" and "replay" (undo-based) are refused;
     "none" is allowed (no second pass; a non-finite gradient then leaves
     the chunks already updated). With grad_accum > 1 updates already run after the verdict (no undo, one
-    pass). "int8" (8-bit moments) is not built."""
+    pass)."""
 
     compute: Literal["auto", "eager", "inductor"] = "auto"
     """How the step's compute between chunk nodes runs. "inductor": each run of ATen ops between two chunk
@@ -193,14 +203,11 @@ class Config:
         self.lr_schedule = check_schedule(self.lr_schedule)
         self.loss_scale = self._check_loss_scale(self.loss_scale)
         _choice("transaction", self.transaction, ("auto", "kept_grads", "deferred", "replay", "two_pass", "none"))
-        if self.optimizer_state == "int8":
-            raise ValueError("optimizer_state: 'int8' is not built; 'bf16' is the available compact mode "
-                             "(8 B/param of chunk state instead of 12)")
-        _choice("optimizer_state", self.optimizer_state, ("fp32", "bf16"))
-        if self.optimizer_state == "bf16" and self.transaction in ("kept_grads", "replay"):
-            raise ValueError(f"transaction: {self.transaction!r} undoes updates, and bf16 moments "
-                             "(optimizer_state='bf16') cannot be undone exactly; use 'auto', 'deferred', "
-                             "'two_pass' or 'none'")
+        _choice("optimizer_state", self.optimizer_state, tuple(MOMENT_DTYPES))
+        if not self.moments_undoable and self.transaction in ("kept_grads", "replay"):
+            raise ValueError(f"transaction: {self.transaction!r} undoes updates, and {self.optimizer_state} moments "
+                             f"(optimizer_state={self.optimizer_state!r}) cannot be undone exactly; use 'auto', "
+                             "'deferred', 'two_pass' or 'none'")
         _choice("data_parallel", self.data_parallel, ("auto", "replicated", "chunked"))
         if isinstance(self.dist_timeout, bool) or not isinstance(self.dist_timeout, (int, float)) \
                 or self.dist_timeout <= 0:
@@ -279,12 +286,27 @@ class Config:
 
     @property
     def moment_dtype(self) -> torch.dtype:
-        return DTYPES[self.optimizer_state]
+        """The dtype of the moments' chunk tensors (int8: their codes, uint8)."""
+        return MOMENT_DTYPES[self.optimizer_state]
 
     @property
-    def state_bytes_per_param(self) -> int:
-        """Chunk state per parameter: the fp32 master + the two moments."""
+    def moments_undoable(self) -> bool:
+        """An update of these moments can be undone (fp32); bf16 rounds them and int8 quantizes them."""
+        return self.optimizer_state == "fp32"
+
+    @property
+    def state_bytes_per_param(self) -> float:
+        """Chunk state per parameter: the fp32 master + the two moments (int8: + their two fp32 scales per
+        block of quant8.BLOCK_ELEMS elements: 6.03). An average: `chunk_state_bytes` counts a chunk exactly."""
+        if self.optimizer_state == "int8":
+            return 4 + 2 + 8 / quant8.BLOCK_ELEMS
         return 4 + 2 * self.moment_dtype.itemsize
+
+    def chunk_state_bytes(self, chunk_elems: int, scale_blocks: int = 0) -> int:
+        """One chunk's state: master and moments of `chunk_elems` elements, and (int8) the scales of
+        `scale_blocks` quantization blocks per moment (each parameter's own blocks, the last one short)."""
+        scales = 2 * 4 * scale_blocks if self.optimizer_state == "int8" else 0
+        return chunk_elems * (4 + 2 * self.moment_dtype.itemsize) + scales
 
     @property
     def compiles_compute(self) -> bool:

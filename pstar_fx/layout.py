@@ -35,6 +35,11 @@ class Chunk:
     slots: list[Slot] = field(default_factory=list)
     used_elems: int = 0
 
+    def param_spans(self) -> list[tuple[int, int]]:
+        """(offset, numel) of each parameter that receives gradients, in slot order (int8 moments quantize each
+        parameter by itself)."""
+        return [(s.offset, s.numel) for s in self.slots if s.param.has_grad]
+
     def grad_spans(self) -> list[tuple[int, int]]:
         """Contiguous (offset, numel) ranges of parameters that receive gradients: what Adam updates."""
         spans: list[tuple[int, int]] = []

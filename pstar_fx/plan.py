@@ -29,11 +29,13 @@ import torch.fx as fx
 from .config import Config, format_bytes
 from .costs import Rates, calibrate, node_seconds
 from .fxutil import aliases_input, is_random, role_nodes, value_bytes
+from .kernels import quant8
 from .layout import Layout
 from .passes.lean_loss import scratch_bytes
 from .schedule import Schedule, belady, place_prefetches
 
-MASTER_STATE_BYTES = 12   # fp32 master + exp_avg + exp_avg_sq, per element (Config.state_bytes_per_param: 8 with bf16)
+MASTER_STATE_BYTES = 12   # fp32 master + exp_avg + exp_avg_sq, per element (Config.state_bytes_per_param: 8 with bf16,
+#                           6.03 with int8)
 CUDA_BLOCK_BYTES = 512    # the CUDA caching allocator rounds every allocation up to this
 CUDA_STEP_SLACK_BYTES = 2 * 2**20   # a step's small allocations outside the graph: norm partials, flags, checks
 # Kernels that allocate more than their output's shape says (CPU mse_loss returns its 0-d loss on a
@@ -81,7 +83,7 @@ class Plan:
     estimated_step_seconds: float = 0.0  # from the cost model (costs.py); compares plans, not a promise
     rates: Rates | None = None         # the copy/compute/host-Adam rates the estimates used (costs.py)
     optimizer_state: str = "fp32"      # the moments' dtype (Config.optimizer_state)
-    state_bytes_per_param: int = MASTER_STATE_BYTES   # chunk state per element: master + moments
+    state_bytes_per_param: float = MASTER_STATE_BYTES   # chunk state per element: master + moments (+ int8 scales)
     transaction: str = "none"          # how a step stays provisional until it commits (runtime/step.py)
     transaction_cost: str = ""         # what that costs, and how much smaller it makes the largest model
     kept_on_device: bool = False       # kept_grads: device chunks keep their gradients on the device (room left)
@@ -123,8 +125,9 @@ class Plan:
                      f"{self.fetches} chunk fetch(es) per step; estimated step {self.estimated_step_seconds:.3g} s")
         if self.recompute:
             lines.append(f"  recompute: {self.recompute}")
-        lines.append(f"  chunk state: {self.state_bytes_per_param} B/param (fp32 master + {self.optimizer_state} "
-                     "exp_avg and exp_avg_sq)")
+        lines.append(f"  chunk state: {self.state_bytes_per_param:.3g} B/param (fp32 master + {self.optimizer_state} "
+                     "exp_avg and exp_avg_sq" + (", an fp32 scale per 256 elements each" if self.optimizer_state
+                                                 == "int8" else "") + ")")
         lines.append(f"  step transaction: {self.transaction}" + (f" ({self.transaction_cost})"
                                                                  if self.transaction_cost else ""))
         lines += [f"  note: {n}" for n in self.notes]
@@ -429,7 +432,9 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     slot_bytes = cs * compute_itemsize
     grad_slot_bytes = cs * compute_itemsize
     accum_bytes = cs * 4 if config.grad_accum > 1 else 0       # fp32 gradient accumulators, on each tier
-    state_bytes = cs * config.state_bytes_per_param + accum_bytes
+    # int8 moments: their block scales, as many as the chunk with the most blocks (each parameter's own) needs
+    scale_blocks = max((quant8.blocks_of(ch.param_spans()) for ch in layout.chunks), default=0)
+    state_bytes = config.chunk_state_bytes(cs, scale_blocks) + accum_bytes
     n_updated = sum(1 for c, ch in enumerate(layout.chunks) if ch.grad_spans() and owner[c] == 0)
     min_slots = max((len(r) for r in reads), default=0)
     # the libraries' workspaces (cuBLAS keeps one per handle for the process's life), measured with the rates
@@ -598,7 +603,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     plan.transaction = transaction
     plan.optimizer_state, plan.state_bytes_per_param = config.optimizer_state, config.state_bytes_per_param
     two_passes = transaction == "two_pass" and (config.grad_clip is not None or config.loss_scaler_spec is not None
-                                                or config.optimizer_state == "bf16")
+                                                or not config.moments_undoable)
     if two_passes:
         plan.estimated_step_seconds += sum(node_secs)
     kept_copy_s = 0.0 if plan.kept_on_device else n_updated_device * cs * compute_itemsize / rates.d2h_bw
@@ -684,8 +689,8 @@ def _choose_transaction(config: Config, kept_total: int, host_free: int | None,
                          f"({', '.join(random_ops[:3])}{', ...' if len(random_ops) > 3 else ''}): a replay would "
                          "draw others; use 'kept_grads' or 'two_pass'")
     fits = host_free is None or kept_total <= host_free
-    if choice == "auto" and config.optimizer_state == "bf16":
-        # bf16 moments cannot be undone: keep the gradients and apply after the verdict, or measure first
+    if choice == "auto" and not config.moments_undoable:
+        # bf16 and int8 moments cannot be undone: keep the gradients and apply after the verdict, or measure first
         choice = "deferred" if fits else "two_pass"
     if choice == "auto":
         choice = "kept_grads" if fits else "two_pass" if random_ops else "replay"
@@ -697,8 +702,8 @@ def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_byte
                       kept_on_device: bool) -> str:
     """What the chosen transaction costs, and how much smaller the largest model is for it."""
     shadow = itemsize if "shadow" in ship else 0
-    state = config.state_bytes_per_param
-    host_base = state + shadow                         # bytes per parameter of a host chunk without it
+    state = round(config.state_bytes_per_param, 2)
+    host_base = round(state + shadow, 2)                      # bytes per parameter of a host chunk without it
     if transaction == "accumulate":
         return (f"gradients of {config.grad_accum} micro-batches summed in fp32 accumulators, 4 B/param on "
                 f"each chunk's tier ({format_bytes(accum_bytes * (n_device + n_host))}); every update runs after "
@@ -708,8 +713,8 @@ def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_byte
     if transaction == "deferred":
         return (f"each chunk's gradient kept until the verdict, {itemsize} B/param ({format_bytes(kept_bytes)} on "
                 "the host), nothing updated inside backward; every update is applied after the verdict from the "
-                "kept gradients, exactly: no undo (what bf16 moments need), the host Adam runs after backward, "
-                "into the next step's forward")
+                "kept gradients, exactly: no undo (what bf16 and int8 moments need), the host Adam runs after "
+                "backward, into the next step's forward")
     if transaction == "kept_grads":
         where = ("device chunks' on the device (spare room)" if kept_on_device else
                  f"device chunks' copied to the host (about {kept_copy_s * 1e3:.0f} ms of device->host copies, "
@@ -726,7 +731,7 @@ def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_byte
                 "forward and backward again: free when it does not trigger, about one more step when it does; "
                 "a host Adam failure after the step returned cannot be undone")
     if transaction == "two_pass":
-        when = ("on every step (bf16 moments cannot be undone)" if config.optimizer_state == "bf16"
+        when = (f"on every step ({config.optimizer_state} moments cannot be undone)" if not config.moments_undoable
                 else "when clipping or loss scaling is on")
         return ("a first forward+backward measures the norm and updates nothing, the second applies exactly: "
                 f"+{second_pass_s:.3g} s/step of compute {when}; no memory; "

@@ -291,8 +291,8 @@ def clipped_engine(model, inputs, chunk_size, device_chunks, resume=None, **cfg)
 
 def moments_by_name(engine) -> dict[str, torch.Tensor]:
     store = engine.rt.store
-    return {f"{p.name}.{key}": ckpt._view(store, state, i) for i, p in enumerate(engine.lowered.capture.params)
-            if p.has_grad for key, state in (("exp_avg", store.exp_avg), ("exp_avg_sq", store.exp_avg_sq))}
+    return {f"{p.name}.{key}": store.moment(i, key) for i, p in enumerate(engine.lowered.capture.params)
+            if p.has_grad for key in ckpt.MOMENTS}
 
 
 def assert_same_state(a, b):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pstar_fx.kernels import adam_step, adam_undo, cast_
+from pstar_fx.kernels import adam_step, adam_undo, cast_, quant8
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,13 @@ class Hyper:
 
 def chunk_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                  spans: list[tuple[int, int]], hyper: Hyper, *, found_inf: torch.Tensor | None = None,
-                 param_out: torch.Tensor | None = None, check_finite: bool = True) -> bool:
+                 param_out: torch.Tensor | None = None, check_finite: bool = True,
+                 absmax: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
     """Adam/AdamW over `spans` of a chunk. Returns False (and changes nothing) on non-finite gradients.
+
+    int8 moments (uint8 codes): `absmax` holds the chunk's block scales (exp_avg's, exp_avg_sq's), and `spans`
+    are one per parameter (Chunk.param_spans): each span is quantized in blocks from its first element, its
+    scales following the previous span's (the store's layout of them).
 
     With `found_inf` (a 1-element float32 tensor on the chunk's device) nothing waits for the device: a
     set flag skips the update, a non-finite gradient sets it, and the return value is True. `param_out`
@@ -59,13 +64,19 @@ def chunk_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
             found_inf.add_(bad.to(found_inf.dtype))
         elif bool(bad):
             return False
-    ok = True
+    ok, at = True, 0
     for off, n in spans:
         sl = slice(off, off + n)
+        scales = {}
+        if absmax is not None:
+            blocks = slice(at, at + quant8.blocks(n))
+            scales = dict(exp_avg_absmax=absmax[0][blocks], exp_avg_sq_absmax=absmax[1][blocks])
+            at = blocks.stop
         ok = adam_step(master[sl], grad[sl], exp_avg[sl], exp_avg_sq[sl], step=hyper.step, lr=hyper.lr,
                        beta1=beta1, beta2=beta2, eps=hyper.eps, weight_decay=hyper.weight_decay,
                        grad_scale=hyper.grad_scale, decoupled_weight_decay=hyper.decoupled, found_inf=found_inf,
-                       check_finite=check, param_out=None if param_out is None else param_out[sl]) is not False and ok
+                       check_finite=check, param_out=None if param_out is None else param_out[sl],
+                       **scales) is not False and ok
     return ok
 
 

@@ -9,9 +9,9 @@ A step's updates are provisional until it commits. The plan chose how (`plan.tra
               the masters from the moments and runs forward and backward again, whose gradients restore the
               moments (and apply the corrected update). Free unless it triggers; then about one more step;
   deferred    each chunk's gradient is kept and nothing updated inside backward; after the verdict every update
-              is applied from the kept gradients, exactly (no undo: what bf16 moments need);
+              is applied from the kept gradients, exactly (no undo: what bf16 and int8 moments need);
   two_pass    a first pass measures the verdict and updates nothing; a second pass applies exactly (always
-              two passes with bf16 moments, which cannot be undone: a skipped step changes nothing);
+              two passes with bf16 or int8 moments, which cannot be undone: a skipped step changes nothing);
   none        updates are applied as they come; a non-finite gradient or an exception leaves the chunks
               already updated (the engine warns);
   an accumulating step (grad_accum > 1) sums each chunk's gradients into fp32 accumulators over its
@@ -107,7 +107,7 @@ class Stepper:
                 if finite:
                     up.apply_deferred(hyper.scaled(scale / coef))
             elif self.transaction == "two_pass" and (cfg.grad_clip is not None or self.scaler.enabled
-                                                     or cfg.optimizer_state == "bf16"):
+                                                     or not cfg.moments_undoable):
                 saved = [b.clone() for b in self.buffers]   # the measuring pass must not move BatchNorm twice
                 up.open(hyper, "measure")
                 loss = self._run(micro_batches[0], tangent)

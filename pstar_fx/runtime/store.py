@@ -1,7 +1,9 @@
 """store: the chunks' persistent state on its tier, and every allocation the runtime makes, accounted.
 
 Per chunk, on the tier the plan placed it: the fp32 master, exp_avg and exp_avg_sq (12 B/param; 8 with
-Config.optimizer_state "bf16", whose moments are bf16), and for
+Config.optimizer_state "bf16", whose moments are bf16; 6.03 with "int8", whose moments are uint8 codes with two
+small fp32 tensors of block scales per chunk, `exp_avg_absmax` and `exp_avg_sq_absmax`: each trained
+parameter's blocks (kernels/quant8.py), one parameter's after another in slot order), and for
 host chunks that ship 16 bits a 16-bit shadow the host Adam keeps current. A chunk another data-parallel
 rank owns ("remote") has no state here: its entries are None. Everything is allocated once,
 at start, through `alloc`, which charges the tier's budget; `Pool` hands out equal buffers allocated the
@@ -16,7 +18,7 @@ import weakref
 import torch
 
 from ..config import Config, format_bytes
-from ..kernels import cast_
+from ..kernels import cast_, quant8
 from ..layout import Layout
 from ..plan import Plan
 from .telemetry import MemoryStats
@@ -58,17 +60,36 @@ class ChunkStore:
         self._pin = device.type == "cuda"
         self._ptrs: set[int] = set()
         cs, n = layout.chunk_size, len(layout.chunks)
+        self.quantized = config.optimizer_state == "int8"
         self.master, self.exp_avg, self.exp_avg_sq = [], [], []
+        self.exp_avg_absmax: list[torch.Tensor | None] = []     # int8 only: the block scales
+        self.exp_avg_sq_absmax: list[torch.Tensor | None] = []
+        # int8: where parameter i's scales lie in its chunk's (slot order, each parameter's own blocks)
+        self._scales_at: dict[int, slice] = {}
+        for ch in layout.chunks:
+            at = 0
+            for slot in ch.slots:
+                if slot.param.has_grad:
+                    self._scales_at[slot.index] = slice(at, at + quant8.blocks(slot.numel))
+                    at += quant8.blocks(slot.numel)
         for c in range(n):
             tier = self.tier(c)
             if tier == "remote":
-                self.master.append(None)
-                self.exp_avg.append(None)
-                self.exp_avg_sq.append(None)
+                for state in (self.master, self.exp_avg, self.exp_avg_sq, self.exp_avg_absmax,
+                              self.exp_avg_sq_absmax):
+                    state.append(None)
                 continue
             self.master.append(self.alloc(tier, cs, torch.float32, zero=True))
             self.exp_avg.append(self.alloc(tier, cs, config.moment_dtype, zero=True))
             self.exp_avg_sq.append(self.alloc(tier, cs, config.moment_dtype, zero=True))
+            if self.quantized:
+                self.exp_avg[c].fill_(quant8.SIGNED_ZERO)              # the code of 0 (the unsigned one is 0)
+                blocks = quant8.blocks_of(layout.chunks[c].param_spans())
+                self.exp_avg_absmax.append(self.alloc(tier, blocks, torch.float32, zero=True))
+                self.exp_avg_sq_absmax.append(self.alloc(tier, blocks, torch.float32, zero=True))
+            else:
+                self.exp_avg_absmax.append(None)
+                self.exp_avg_sq_absmax.append(None)
             if n >= 20 and (c + 1) % (n // 10) == 0:    # page-locking 100 GiB of host state takes a minute
                 log.info("  chunk state allocated for %d of %d chunks (%s on the host)", c + 1, n,
                          format_bytes(stats.host_bytes))
@@ -113,6 +134,43 @@ class ChunkStore:
         for c, shadow in self.shadow.items():
             if chunks is None or c in chunks:
                 cast_(shadow, self.master[c])
+
+    def absmax(self, c: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Chunk c's block scales (exp_avg's, exp_avg_sq's) with int8 moments; None otherwise."""
+        return (self.exp_avg_absmax[c], self.exp_avg_sq_absmax[c]) if self.quantized else None
+
+    # ---- a parameter's moments, by key "exp_avg" or "exp_avg_sq" ------------------------------------------
+    def moment(self, index: int, key: str) -> torch.Tensor:
+        """Parameter `index`'s moment as its chunk stores it (fp32 or bf16 values, or int8 codes): a view."""
+        slot = self.layout.slots[index]
+        return getattr(self, key)[slot.chunk][slot.offset: slot.offset + slot.numel].view(slot.param.shape)
+
+    def moment_absmax(self, index: int, key: str) -> torch.Tensor:
+        """int8: parameter `index`'s block scales of that moment (a view)."""
+        return getattr(self, f"{key}_absmax")[self.layout.slots[index].chunk][self._scales_at[index]]
+
+    def moment_fp32(self, index: int, key: str) -> torch.Tensor:
+        """The moment's values in fp32: a view (fp32), or new (bf16 widened; int8 dequantized)."""
+        m = self.moment(index, key)
+        if not self.quantized:
+            return m if m.dtype == torch.float32 else m.float()
+        values = quant8.dequantize(m.reshape(-1), self.moment_absmax(index, key), signed=key == "exp_avg")
+        return values.view(m.shape)
+
+    def set_moment(self, index: int, key: str, values: torch.Tensor | None) -> None:
+        """Write the moment from fp32 values (None: zero): bf16 rounds them, int8 quantizes them."""
+        m = self.moment(index, key)
+        if not self.quantized:
+            m.zero_() if values is None else m.copy_(values.reshape(m.shape))
+            return
+        signed = key == "exp_avg"
+        if values is None:
+            m.fill_(quant8.SIGNED_ZERO if signed else quant8.UNSIGNED_ZERO)
+            self.moment_absmax(index, key).zero_()
+            return
+        codes, absmax = quant8.quantize(values.reshape(-1).to(m.device, torch.float32), signed)
+        m.copy_(codes.view(m.shape))
+        self.moment_absmax(index, key).copy_(absmax)
 
     def param_fp32(self, index: int) -> torch.Tensor:
         slot = self.layout.slots[index]

@@ -97,6 +97,8 @@ class Updater:
         layout, cs, dtype = store.layout, store.layout.chunk_size, store.compute_dtype
         self.layout, self.device = layout, store.device
         self.spans = [ch.grad_spans() for ch in layout.chunks]
+        # what each update runs over: the same, but one span per parameter with int8 moments (quantized apart)
+        self._adam_spans = [ch.param_spans() for ch in layout.chunks] if store.quantized else self.spans
         # per chunk, the parameters it updates: where their gradients lie, and their index in Capture.params
         graded = [[s for s in ch.slots if s.param.has_grad] for ch in layout.chunks]
         self._segments = [[(s.offset, s.numel) for s in g] for g in graded]
@@ -170,8 +172,7 @@ class Updater:
             self._on_host(c, self.log, self._host_job, c, grad, ready, self.log, self._first_micro, self._last_micro,
                           checked)
             return
-        log, spans = self.log, self.spans[c]
-        master, m, v = self.store.master[c], self.store.exp_avg[c], self.store.exp_avg_sq[c]
+        log = self.log
         if log.mode == "replay":
             self._replay_moments(c, grad, log)
         elif log.mode == "accumulate":
@@ -188,7 +189,7 @@ class Updater:
             self.found_inf.add_((~torch.isfinite(sq)).float())   # gates this update and every later one
             if log.mode == "speculate" and self.kept:          # kept before it is used
                 self._keep(c, grad)
-            chunk_update(master, grad, m, v, spans, log.hyper, found_inf=self.found_inf, check_finite=False)
+            self._adam(c, grad, log.hyper, found_inf=self.found_inf, check_finite=False)
             self._flag_after[c:c + 1].copy_(self.found_inf)
             log.device.append(c)
         self.mover.give_back(grad)
@@ -217,14 +218,18 @@ class Updater:
                 if checked and not self._finite_host[c]:
                     applied = False                   # non-finite on the device: the step will be skipped
                 else:
-                    applied = chunk_update(self.store.master[c], grad, self.store.exp_avg[c],
-                                           self.store.exp_avg_sq[c], self.spans[c], log.hyper,
-                                           param_out=self.store.shadow.get(c), check_finite=not checked)
+                    applied = self._adam(c, grad, log.hyper, param_out=self.store.shadow.get(c),
+                                         check_finite=not checked)
             self.telemetry.add("host_adam", time.perf_counter() - t0)
             return applied
         finally:
             if c not in self.kept:
                 self.host_grads.give(grad)
+
+    def _adam(self, c: int, grad: torch.Tensor, hyper: Hyper, **kw) -> bool:
+        """Chunk c's update from `grad` (chunk_update's keywords: found_inf, param_out, check_finite)."""
+        return chunk_update(self.store.master[c], grad, self.store.exp_avg[c], self.store.exp_avg_sq[c],
+                            self._adam_spans[c], hyper, absmax=self.store.absmax(c), **kw)
 
     def _on_host(self, c: int, log: _Log | None, fn, *args) -> None:
         """Run a host chunk's job inline (the CPU runtime) or on the worker, where a read of chunk c waits for
@@ -283,7 +288,7 @@ class Updater:
     def apply_deferred(self, hyper: Hyper) -> None:
         """A deferred step's updates, from the kept gradients, now that the verdict allows them (it found every
         gradient finite: no check)."""
-        self.log.undoable = self.store.config.optimizer_state == "fp32"   # from the kept gradients; not bf16
+        self.log.undoable = self.store.config.moments_undoable   # from the kept gradients; not bf16 or int8
         self._apply_after_verdict(hyper, "apply_deferred", self.kept, check_host=False)
 
     def _apply_after_verdict(self, hyper: Hyper, mode: str, grads: dict[int, torch.Tensor], check_host: bool) -> None:
@@ -297,16 +302,14 @@ class Updater:
                 self._on_host(c, self.log, self._apply_host, c, self.log, grads[c], check_host)
             else:
                 grad = self._kept_on_tier(c)
-                chunk_update(self.store.master[c], grad, self.store.exp_avg[c], self.store.exp_avg_sq[c],
-                             self.spans[c], hyper, found_inf=self.found_inf, check_finite=False)
+                self._adam(c, grad, hyper, found_inf=self.found_inf, check_finite=False)
                 self._flag_after[c:c + 1].copy_(self.found_inf)
                 self.log.device.append(c)
                 self._done_with(grad, c)
 
     def _apply_host(self, c: int, log: _Log, grad: torch.Tensor, check: bool) -> bool:
         t0 = time.perf_counter()
-        ok = chunk_update(self.store.master[c], grad, self.store.exp_avg[c], self.store.exp_avg_sq[c],
-                          self.spans[c], log.hyper, param_out=self.store.shadow.get(c), check_finite=check)
+        ok = self._adam(c, grad, log.hyper, param_out=self.store.shadow.get(c), check_finite=check)
         self.telemetry.add("host_adam", time.perf_counter() - t0)
         return ok
 
