@@ -1,11 +1,11 @@
 """costs: how long things take on this machine — a short calibration, cached, and a per-node time estimate.
 
 The planner needs two kinds of time: a chunk copy (bytes / link bandwidth) and the compute it can hide
-behind (the nodes between a prefetch and the use). Node time is estimated from fake-tensor metadata:
-matmul-like ops by FLOPs at the measured matmul rate, everything else by bytes at the measured memory
-bandwidth. Rates come from a calibration of a second or so, cached per device in
-~/.cache/pstar_fx/ (PSTAR_FX_CACHE overrides); `Rates.nominal(device)` gives fixed figures when no
-measurement is possible (planning for a CUDA device on a machine without one).
+behind (the nodes between a prefetch and the use). Node time is estimated from fake-tensor metadata: the
+longer of an op's FLOPs at the measured matmul rate (matmuls, attention, convolutions; zero for the rest) and
+its bytes read and written at the measured memory bandwidth. Rates come from a calibration of a second or
+so, cached per device in ~/.cache/pstar_fx/ (PSTAR_FX_CACHE overrides); `Rates.nominal(device)` gives fixed
+figures when no measurement is possible (planning for a CUDA device on a machine without one).
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import contextlib
 import contextvars
 import dataclasses
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -217,22 +218,35 @@ def _bytes(val) -> int:
 
 
 def node_seconds(node: fx.Node, rates: Rates) -> float:
-    """Estimated time of one graph node on the device: FLOPs for matmuls and attention, bytes otherwise."""
+    """Estimated time of one graph node on the device: the longer of its FLOPs at the matmul rate (matmuls,
+    attention, convolutions) and its bytes read and written at the memory bandwidth. A narrow matmul is
+    bound by its bytes (a width-64 GPT's are, by the nominal H200 rates), and the planner's choice of what to
+    recompute weighs an op's seconds against the bytes it saves: FLOPs alone made those matmuls look cheaper
+    to recompute than a layer norm."""
     if node.op != "call_function":
         return 0.0
     target = op_of(node)
     if aliases_input(node) or getattr(target, "_schema", None) is None:
         return 0.0  # views, getitem and in-place bookkeeping move nothing new
+    moved = _bytes(node.meta.get("val")) + sum(_bytes(a.meta.get("val")) for a in node.all_input_nodes)
+    return max(_flops(node, target) / rates.flops, moved / rates.mem_bw)
+
+
+def _flops(node: fx.Node, target) -> float:
     if target in _MATMUL:
         shapes = [_shape(a) for a in node.args[: 3 if "add" in str(target) else 2]]
         if all(s is not None for s in shapes):
-            return _MATMUL[target](*shapes) / rates.flops
+            return _MATMUL[target](*shapes)
+    if target is aten.convolution.default:
+        x, w, out = _shape(node.args[0]), _shape(node.args[1]), _shape(node)
+        if x is not None and w is not None and out is not None and len(out) >= 3:
+            # each output element: a dot product over in_channels / groups x kernel elements
+            return 2 * math.prod(out) * math.prod(w[1:])
     name = getattr(target, "__name__", "")
     if "scaled_dot_product" in name or "attention" in name:
         q = _shape(node.args[0] if "backward" not in name else node.args[1])
         if q is not None and len(q) == 4:
             b, h, t, d = q
             fwd = 4 * b * h * t * t * d
-            return (2.5 if "backward" in name else 1.0) * fwd / rates.flops
-    moved = _bytes(node.meta.get("val")) + sum(_bytes(a.meta.get("val")) for a in node.all_input_nodes)
-    return moved / rates.mem_bw
+            return (2.5 if "backward" in name else 1.0) * fwd
+    return 0.0

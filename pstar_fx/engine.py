@@ -31,8 +31,9 @@ from .layout import Layout, build_layout
 from .passes import (compile_regions, find_segments, fuse_optimizer, insert_chunk_ops, lean_cross_entropy,
                      localize_param_views, recompute, seed_random_ops)
 from .passes.recompute import Segment, group_segments
+from .passes.recompute_ops import find_cheap_recomputes, op_segments
 from .costs import calibrate
-from .plan import BudgetError, Plan, make_plan, usable_budget
+from .plan import CUDA_BLOCK_BYTES, BudgetError, Plan, make_plan, usable_budget
 from .runtime import ChunkRuntime, StepRolledBack, run_graph
 from .runtime.dist import DataParallel, init as init_dist, measure_bus_bandwidth, world_from_env
 from .runtime.step import StepReport, Stepper
@@ -103,73 +104,118 @@ class Lowered:
                                cuda=self.device.type == "cuda")
 
     def _plan_with_recompute(self, gm: fx.GraphModule) -> tuple[fx.GraphModule, Plan]:
-        """The fewest recomputed forward segments (earliest first: their activations live longest) that fit.
+        """The least recompute that fits: first values cheap to remake op by op (norms, activations,
+        attention's output; `find_cheap_recomputes`, cheapest seconds per byte first), then, on top of all of
+        those, whole forward segments, earliest first (their activations live longest).
 
         Segments are tried one at a time first, then joined in runs of 2 and 4 (`group_segments`): a run
-        keeps one boundary activation instead of 2 or 4, at no extra compute. Among plans that fit, more
-        recompute or larger runs win when the cost model says the device memory they free (for chunk
-        state and compute slots) saves more time than the extra forward work costs.
+        keeps one boundary activation instead of 2 or 4, at no extra compute. A segment recomputed whole
+        remakes its cheap values with it. Among plans that fit, more recompute or larger runs win when the
+        cost model says the device memory they free (for chunk state and compute slots) saves more time than
+        the extra forward work costs.
         """
-        singles = [s for s in find_segments(gm) if s.recomputable]
+        segments = find_segments(gm)
+        singles = [s for s in segments if s.recomputable]
         runs = {m: group_segments(singles, m) for m in (1, 2, 4)}     # runs of 1: the segments themselves
         runs = {m: r for m, r in runs.items() if m == 1 or len(r) < len(runs[1])}
-        tried: dict[tuple[int, int], tuple[fx.GraphModule, Plan]] = {}
+        cheap = find_cheap_recomputes(gm, self.rates, CUDA_BLOCK_BYTES if self.device.type == "cuda" else 1,
+                                      segments)
+        every = len(cheap)
+        # (cheap values dropped, segments per run, runs recomputed) -> the graph and its plan
+        tried: dict[tuple[int, int, int], tuple[fx.GraphModule, Plan]] = {}
 
-        def recomputed(m: int, k: int) -> fx.GraphModule:
+        def recomputed(j: int, m: int, k: int) -> fx.GraphModule:
             g_k, nodes = _copy_graph(gm)
-            if k:
-                recompute(g_k, [Segment(s.start, [nodes[n] for n in s.nodes]) for s in runs[m][:k]])
+            whole = runs[m][:k]        # a segment recomputed whole remakes its cheap values its own way
+            ops = op_segments(cheap[:j], {n for s in whole for n in s.nodes})
+            if whole or ops:
+                recompute(g_k, [Segment(s.start, [nodes[n] for n in s.nodes]) for s in whole + ops])
             return g_k
 
-        def attempt(m: int, k: int) -> Plan:
-            if (m, k) not in tried:
-                g_k = recomputed(m, k)
+        def attempt(j: int, m: int, k: int) -> Plan:
+            if (j, m, k) not in tried:
+                g_k = recomputed(j, m, k)
                 fuse_optimizer(g_k, self.layout)
-                tried[m, k] = (g_k, make_plan(g_k, self.layout, self.config, compute_itemsize=self.dtype.itemsize,
-                                              buffer_bytes=self._buffer_bytes, rates=self.rates,
-                                              **self.partition))
-                p = tried[m, k][1]
-                log.info("  tried recomputing %d of %d %s: device peak %s, %s", k, len(runs[m]),
-                         "segments" if m == 1 else f"runs of {m} segments", format_bytes(p.device_peak_bytes),
+                tried[j, m, k] = (g_k, make_plan(g_k, self.layout, self.config,
+                                                 compute_itemsize=self.dtype.itemsize,
+                                                 buffer_bytes=self._buffer_bytes, rates=self.rates,
+                                                 **self.partition))
+                p = tried[j, m, k][1]
+                log.info("  tried recomputing %d of %d cheap values and %d of %d %s: device peak %s, %s", j, every,
+                         k, len(runs[m]), "segments" if m == 1 else f"runs of {m} segments",
+                         format_bytes(p.device_peak_bytes),
                          f"fits, estimated {p.estimated_step_seconds:.2f} s/step" if p.fits else "does not fit")
-            return tried[m, k][1]
+            return tried[j, m, k][1]
 
-        best = (1, 0)
-        if not attempt(1, 0).fits and singles:
-            fitting = [m for m in runs if attempt(m, len(runs[m])).fits]
-            if fitting:
-                m = fitting[0]
-                lo, hi = 1, len(runs[m])           # attempt(m, hi) fits, attempt(m, lo - 1) does not
-                while lo < hi:
-                    mid = (lo + hi) // 2
-                    lo, hi = (lo, mid) if attempt(m, mid).fits else (mid + 1, hi)
-                best = (m, lo)
-            else:                                   # does not fit even so: report the smallest try
-                best = min(((m, len(r)) for m, r in runs.items()), key=lambda mk: attempt(*mk).device_peak_bytes)
+        def fewest(fits_with, hi: int) -> int:
+            lo = 1                                 # fits_with(hi) holds, fits_with(lo - 1) does not
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if fits_with(mid) else (mid + 1, hi)
+            return lo
+
+        best = (0, 1, 0)
+        if not attempt(*best).fits and (cheap or singles):
+            if cheap and attempt(every, 1, 0).fits:
+                best = (fewest(lambda j: attempt(j, 1, 0).fits, every), 1, 0)
+            elif singles:
+                fitting = [m for m in runs if attempt(every, m, len(runs[m])).fits]
+                if fitting:
+                    m = fitting[0]
+                    best = (every, m, fewest(lambda k: attempt(every, m, k).fits, len(runs[m])))
+                else:                               # does not fit even so: report the smallest try
+                    best = min(((every, m, len(r)) for m, r in runs.items()),
+                               key=lambda jmk: attempt(*jmk).device_peak_bytes)
+            else:
+                best = (every, 1, 0)
         if attempt(*best).fits and "host" in attempt(*best).placement:
             # Recomputing more frees device memory for chunk state and compute slots, which saves copies
             # and host Adam; the cost model says whether that pays for the extra forward work.
-            m, k = best
+            j, m, k = best
             n = len(runs[m])
-            more = [(m, j) for j in sorted({k + (n - k) // 4, k + (n - k) // 2, n} - {k})]
-            more += [(m2, len(runs[m2])) for m2 in runs if m2 > m]
-            for mk in more:
-                if attempt(*mk).fits and attempt(*mk).estimated_step_seconds < attempt(*best).estimated_step_seconds:
-                    best = mk
+            more = [(every, m, k)]
+            more += [(j2, m, k2) for j2 in sorted({j, every}) for k2 in sorted({k + (n - k) // 4, k + (n - k) // 2,
+                                                                                n})]
+            more += [(every, m2, len(runs[m2])) for m2 in runs if m2 > m]
+            for jmk in more:
+                if jmk != best and attempt(*jmk).fits and \
+                        attempt(*jmk).estimated_step_seconds < attempt(*best).estimated_step_seconds:
+                    best = jmk
+        j, m, k = best
+
+        def summary() -> str:
+            """What the plan recomputes, in the plan summary's words: the cheap values first, then segments."""
+            a0 = attempt(0, 1, 0).activation_peak_bytes
+            final = attempt(*best).activation_peak_bytes
+            n_segments = len(runs[1])
+            if not j and not k:
+                return (f"none needed ({len(cheap)} cheap values and {n_segments} forward segments could be)"
+                        if cheap or n_segments else "")
+            parts = []
+            if j:
+                kinds = Counter(p.kind for p in cheap[:j])
+                ms = sum(p.seconds for p in cheap[:j]) * 1e3
+                ops_only = attempt(j, 1, 0).activation_peak_bytes
+                parts.append(f"{j} cheap values ({', '.join(f'{kind} {c}' for kind, c in kinds.most_common())}), "
+                             f"+{ms:.3g} ms: activation peak {format_bytes(a0)} -> {format_bytes(ops_only)}")
+                a0 = ops_only
+            if k:
+                unit = "forward segments" if m == 1 else f"runs of {m} forward segments"
+                whole_nodes = {n for s in runs[m][:k] for n in s.nodes}
+                inside = sum(1 for p in cheap[:j] if not whole_nodes.isdisjoint(p.nodes))
+                parts.append(("then " if j else "") + f"{k} of {len(runs[m])} {unit}, earliest first"
+                             + (f" ({inside} of the cheap values recomputed with them)" if inside else "")
+                             + f": activation peak {format_bytes(a0)} -> {format_bytes(final)}")
+            return "; ".join(parts)
+
         g_k, plan = tried[best]
-        m, k = best
-        a0 = attempt(1, 0).activation_peak_bytes
-        if k:
-            unit = "forward segments" if m == 1 else f"runs of {m} forward segments"
-            plan.recompute = (f"{k} of {len(runs[m])} {unit}, earliest first: activation peak "
-                              f"{format_bytes(a0)} -> {format_bytes(plan.activation_peak_bytes)}")
-            if not plan.fits:
-                plan.why += f"; recomputing every forward segment ({len(singles)}, also in runs of " \
-                            f"{', '.join(str(m) for m in runs if m > 1) or '-'}) was already tried"
-        elif singles:
-            plan.recompute = f"none needed ({len(singles)} forward segments could be)"
+        plan.recompute = summary()
+        if not plan.fits and (k or j):
+            plan.why += (f"; recomputing every forward segment ({len(singles)}, also in runs of "
+                         f"{', '.join(str(m) for m in runs if m > 1) or '-'}) and {every} cheap values was already "
+                         "tried")
         self.graphs_before["recompute"] = gm.code
-        self.graphs_before["fuse_optimizer"] = recomputed(m, k).code
+        self.graphs_before["fuse_optimizer"] = recomputed(j, m, k).code
         return g_k, plan
 
     @property

@@ -9,7 +9,10 @@
                           instead of allocating two more tensors of their size.
     recompute             needs: localized views, a choice of segments.  provides: backward recomputes those
                           segments' activations instead of keeping them (the planner chooses, only when
-                          memory demands it, so for a model that fits this pass changes nothing).
+                          memory demands it, so for a model that fits this pass changes nothing). Segments
+                          are whole forward spans (recompute.find_segments) or the copies of cheap values,
+                          remade op by op: norms, activations, attention's output, by seconds per byte saved
+                          (recompute_ops.find_cheap_recomputes, which the planner tries first).
     fuse_optimizer        needs: localized views, a Layout.  provides: each gradient is written into its
                           chunk (`rt.grad`) and each chunk is updated (`rt.adam`) right after its last use.
     insert_chunk_ops      needs: fused optimizer, a Plan.  provides: `rt.fetch/prefetch/release/offload`

@@ -1,0 +1,183 @@
+"""Recompute by cost: cheap values (norms, activations, attention's output) remade op by op before whole segments.
+
+Against torch.optim.AdamW on the eager model (fp32, within the rounding reach), bit for bit against our own
+run that recomputes nothing (the same ops run again on the same inputs), and the CPU tier's measured peak
+against the plan's.
+"""
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import pstar_fx
+import pstar_fx.engine as engine_mod
+from pstar_fx.costs import Rates
+from pstar_fx.fxutil import is_random
+from pstar_fx.models import GPT, Llama, gpt_config, llama_config
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_engine import (assert_losses_close, assert_matches_torch, assert_weights_close, batch,  # noqa: E402
+                         reference_run)
+
+OPT = {"type": "adamw", "lr": 1e-3, "weight_decay": 0.1}
+
+
+def tiny(kind):
+    torch.manual_seed(0)
+    return GPT(gpt_config("tiny")) if kind == "gpt" else Llama(llama_config("tiny"))
+
+
+def tight(free, activations_left=2 / 3):
+    """A budget that holds every chunk on the device but only part of the activations `free` planned."""
+    d = free.device_breakdown
+    return free.device_peak_bytes - d.get("kept gradients", 0) - int(d["activations"] * (1 - activations_left))
+
+
+def picks_of(monkeypatch, model, config, inputs):
+    """The plan, and the cheap values the planner was offered (find_cheap_recomputes' answer)."""
+    seen = []
+    real = engine_mod.find_cheap_recomputes
+
+    def record(*args, **kwargs):
+        seen.append(real(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(engine_mod, "find_cheap_recomputes", record)
+    plan = pstar_fx.plan(model, config, inputs)
+    monkeypatch.undo()
+    return plan, seen[0]
+
+
+def run(model, batches, config):
+    engine = pstar_fx.compile(model, pstar_fx.Config(device="cpu", optimizer=OPT, **config), example_inputs=batches[0])
+    losses = [engine.step(*b).item() for b in batches]
+    return engine, losses
+
+
+def assert_same_bits(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    different = [k for k in sa if not torch.equal(sa[k], sb[k])]
+    assert not different, different
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_cheap_values_alone_fit_exactly_and_cost_less_than_segments(kind, monkeypatch):
+    model = tiny(kind)
+    batches = [batch(b=4, t=64, seed=s) for s in range(2)]
+    ours, our_losses = run(model, batches, {"placement": "device"})          # no budget: nothing recomputed
+    free = ours.plan
+    assert free.recompute.startswith("none needed"), free.recompute      # a model that fits: nothing changes
+    budget = tight(free)
+    config = {"placement": "device", "device_memory": budget}
+
+    # (a) cheap values alone make it fit, with a smaller activation peak, for less time than segments
+    engine, losses = run(model, batches, config)
+    plan = engine.plan
+    assert plan.fits and "cheap values" in plan.recompute and "segments" not in plan.recompute, plan.recompute
+    assert plan.activation_peak_bytes < free.activation_peak_bytes
+    monkeypatch.setattr(engine_mod, "find_cheap_recomputes", lambda *a, **k: [])       # the planner before
+    by_segments = pstar_fx.plan(model, {"device": "cpu", **config}, batches[0])
+    monkeypatch.undo()
+    assert by_segments.fits and "forward segments" in by_segments.recompute, by_segments.recompute
+    assert plan.estimated_step_seconds < by_segments.estimated_step_seconds
+
+    # (b) against torch within the rounding reach, and bit for bit our own run that recomputes nothing: the
+    # copies run the same ops on the same inputs
+    ref, ref_losses = reference_run(model, batches, OPT)
+    assert_losses_close(losses, ref_losses, ref.__dict__["float64_truth"][2])
+    assert_weights_close(engine.state_dict(), ref)
+    assert losses == our_losses
+    assert_same_bits(engine, ours)
+
+    # (c) the CPU tier's measured device peak is what the plan predicted, and within the budget
+    measured = engine.memory_stats()["device_peak_bytes"]
+    assert 0.85 <= measured / plan.device_peak_bytes <= 1.0, (measured, plan.device_peak_bytes)
+    assert measured <= budget
+
+
+def test_bf16_cheap_values_hold_the_plan_and_the_bits():
+    """bf16 compute: autocast's casts sit between the ops; the copies still remake the same bits."""
+    model = tiny("gpt")
+    batches = [batch(b=4, t=64, seed=s) for s in range(2)]
+    free = pstar_fx.plan(model, {"device": "cpu", "placement": "device", "dtype": "bf16"}, batches[0])
+    budget = tight(free)
+    engine, losses = run(model, batches, {"placement": "device", "dtype": "bf16", "device_memory": budget})
+    assert "cheap values" in engine.plan.recompute and "segments" not in engine.plan.recompute, engine.plan.recompute
+    ours, ref_losses = run(model, batches, {"placement": "device", "dtype": "bf16"})
+    assert losses == ref_losses
+    assert_same_bits(engine, ours)
+    measured = engine.memory_stats()["device_peak_bytes"]
+    assert 0.85 <= measured / engine.plan.device_peak_bytes <= 1.0 and measured <= budget
+
+
+def test_segments_on_top_of_cheap_values_when_those_are_not_enough():
+    """A budget only whole segments reach: every cheap value first, then segments; still exact."""
+    model = tiny("gpt")
+    batches = [batch(b=4, t=64, seed=s) for s in range(2)]
+    free = pstar_fx.plan(model, {"device": "cpu", "placement": "device"}, batches[0])
+    budget = tight(free, activations_left=0.5)
+    engine = assert_matches_torch(model, batches, {"placement": "device", "device_memory": budget, "optimizer": OPT})
+    text = engine.plan.recompute
+    assert "cheap values" in text and "; then " in text and "forward segments" in text, text
+    measured = engine.memory_stats()["device_peak_bytes"]
+    assert 0.85 <= measured / engine.plan.device_peak_bytes <= 1.0 and measured <= budget
+
+
+def test_wide_model_picks_norms_activations_and_attention_not_matmuls(monkeypatch):
+    """At GPT-3 widths a matmul costs more per byte it saves than recomputing whole segments: the cheap values
+    of a block are its two layer norms' outputs, GELU's output and attention's output, from the graph alone."""
+    with torch.device("meta"):
+        model = GPT(gpt_config("tiny", n_embd=2048, n_head=16, n_layer=2, block_size=512))
+        inputs = (torch.zeros(2, 512, dtype=torch.long), torch.zeros(2, 512, dtype=torch.long))
+    with engine_mod.contextlib.ExitStack():
+        monkeypatch.setattr(engine_mod.Lowered, "_rates", lambda self: Rates.nominal(torch.device("cuda")))
+        plan, picks = picks_of(monkeypatch, model, {"device": "cuda", "dtype": "bf16"}, inputs)
+    kinds = {p.kind for p in picks if p.saved_bytes > 2**20}
+    assert kinds == {"layer_norm", "gelu", "attention"}, kinds
+    assert sum(p.kind == "layer_norm" for p in picks) == 2 * 2 + 1      # ln_1, ln_2 per block, and ln_f
+    # each costs a few per cent of the bytes it frees at the memory bandwidth, not a matmul's share
+    compute = 6 * sum(p.numel() for p in model.parameters()) * 2 * 512 / Rates.nominal(torch.device("cuda")).flops
+    assert sum(p.seconds for p in picks) < 0.05 * compute
+    assert plan.recompute.startswith("none needed")
+
+
+class DropoutMLP(nn.Module):
+    """A residual MLP with dropout after GELU (the mask is drawn in forward, read again in backward)."""
+
+    def __init__(self, vocab=256, d=64, layers=2, p=0.3):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(layers))
+        self.fc = nn.ModuleList(nn.Linear(d, 4 * d) for _ in range(layers))
+        self.proj = nn.ModuleList(nn.Linear(4 * d, d) for _ in range(layers))
+        self.head = nn.Linear(d, vocab)
+        self.p = p
+
+    def forward(self, idx, tgt):
+        x = self.emb(idx)
+        for norm, fc, proj in zip(self.norms, self.fc, self.proj):
+            x = x + proj(F.dropout(F.gelu(fc(norm(x))), self.p, self.training))
+        return F.cross_entropy(self.head(x).flatten(0, 1), tgt.flatten())
+
+
+def test_seeded_dropout_is_replayed_and_unseeded_is_never_picked(monkeypatch):
+    torch.manual_seed(0)
+    model = DropoutMLP()
+    batches = [batch(b=4, t=32, seed=s) for s in range(3)]
+    free, free_losses = run(model, batches, {"placement": "device", "seed": 7})
+    budget = tight(free.plan, activations_left=0.8)
+    engine, losses = run(model, batches, {"placement": "device", "seed": 7, "device_memory": budget})
+    assert "dropout" in engine.plan.recompute and "segments" not in engine.plan.recompute, engine.plan.recompute
+    assert losses == free_losses                     # the copies redrew the masks forward drew
+    assert_same_bits(engine, free)
+    assert engine.memory_stats()["device_peak_bytes"] <= budget
+
+    # without passes.seed_random a dropout draws new numbers each time it runs: no copy may contain one
+    monkeypatch.setattr(engine_mod, "seed_random_ops", lambda gm: gm)
+    _, picks = picks_of(monkeypatch, model, {"device": "cpu", "placement": "device"}, batches[0])
+    assert picks and not any(is_random(n) for p in picks for n in p.nodes)
+    assert "dropout" not in {p.kind for p in picks}
