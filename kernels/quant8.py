@@ -8,15 +8,15 @@ for exp_avg_sq (never negative, so all 256 codes go to [0, 1] and its fraction s
 
 Why blocks of 256: bitsandbytes' current 8-bit optimizers and torchao both use 256 (the paper used 2048).
 A scale costs 4 B per block per moment, 8/256 = 0.03 B/param for both (0.004 at 2048), and a smaller block
-keeps an outlier from flattening fewer neighbours to zero: a block's elements below ~3e-7 of its absmax
-(signed map; ~1e-7 unsigned) are stored as 0.
+keeps an outlier from flattening many neighbours to zero: a block's elements below 2.75e-7 of its absmax
+(signed map; 1.6e-7 unsigned) are stored as 0.
 
 The dynamic map: a sign (signed map only), then the decimal exponent as a run of zero bits ended by a one,
 then a linear fraction in the bits left. Decade k = 0..6 holds values 10^(k-6) * f, with f the midpoints of
 2^k (signed) or 2^(k+1) (unsigned) equal steps of [0.1, 1]; with 0 and 1 that is 256 values each. The
 smallest non-zero code is 5.5e-7 (signed) or 3.25e-7 (unsigned); the largest step, at the top decade, is
-0.9/64 (signed) and 0.9/128 (unsigned) of the absmax, so an element is stored within half that of its value
-in the top decade, and within half of 1/10 of it per decade below.
+0.9/64 (signed) and 0.9/128 (unsigned) of the absmax, and it shrinks 5x per decade below: an element is stored
+within half the step of its decade (`resolution`), about 2 significant digits at the top of a block.
 
 Quantizing: x = value / absmax (IEEE division; 0 when the block is all zero), then q = the number of
 THRESHOLDS below x, the thresholds being the midpoints of neighbouring map values (rounded to fp32): the

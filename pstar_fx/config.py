@@ -148,25 +148,23 @@ class Config:
 
     optimizer_state: Literal["fp32", "bf16", "int8"] = "fp32"
     """How the Adam moments exp_avg and exp_avg_sq are stored in the chunks (the masters stay fp32). "fp32": 12
-    B/param of chunk state. "bf16": 8 B/param (a third less; the planner fits chunks accordingly): every Adam
-    kernel reads the moments from bf16, computes the step in fp32 and writes them back rounded to nearest even
-    (torch's .to(torch.bfloat16)). "int8": 6.03 B/param (half): blockwise 8-bit moments as bitsandbytes'
-    AdamW8bit keeps them (kernels/quant8.py: one code per element into a non-linear "dynamic" map, signed for
-    exp_avg and unsigned for exp_avg_sq, and an fp32 absmax per 256 elements of each parameter); every kernel
-    dequantizes, computes the step in fp32, updates the master from the unquantized moments and quantizes them
-    again. Its moments keep about 2-3 significant digits (an element far below its block's largest is stored
-    as 0), so the loss curve departs from fp32's further than bf16's does (bench/RESULTS.md). Checkpoints save
-    the moments as fp32 by name in every mode (int8: dequantized, plus the codes and scales themselves, so an
-    int8 run resumes bit for bit, at any chunk size); loading rounds or quantizes them, so a checkpoint moves
-    between the modes. Cost: rounded or quantized moments cannot be undone, so a step must not need an undo:
-    with "bf16" or "int8" the transaction "auto" is "deferred" (gradients kept, every update applied after the
-    verdict: 1x compute, the kept gradients' bytes) when the host holds them, else "two_pass", whose first
-    forward+backward measures the verdict (norm, finiteness) and updates nothing, the second applies
-    exactly: 2x the step's compute on every step, clipping and loss scaling on or off. Either way a skipped
-    step changes nothing. "kept_grads" and "replay" (undo-based) are refused;
-    "none" is allowed (no second pass; a non-finite gradient then leaves
-    the chunks already updated). With grad_accum > 1 updates already run after the verdict (no undo, one
-    pass)."""
+    B/param of chunk state. "bf16": 8 B/param (a third less; the planner fits chunks accordingly): every Adam kernel
+    reads the moments from bf16, computes the step in fp32 and writes them back rounded to nearest even (torch's
+    .to(torch.bfloat16)). "int8": 6.03 B/param (half): blockwise 8-bit moments as bitsandbytes' AdamW8bit keeps them
+    (kernels/quant8.py: one code per element into a non-linear "dynamic" map, signed for exp_avg and unsigned for
+    exp_avg_sq, and an fp32 absmax per 256 elements of each parameter); every kernel dequantizes, computes the step
+    in fp32, updates the master from the unquantized moments and quantizes them again. Its moments keep about 2
+    significant digits at the top of a block and fewer below (an element under 3e-7 of its block's largest is stored
+    as 0); bench/RESULTS.md has its loss curve against fp32 and bf16. Checkpoints save the moments as fp32 by name
+    in every mode (int8: dequantized, plus the codes and scales themselves, so an int8 run resumes bit for bit, at
+    any chunk size); loading rounds or quantizes them, so a checkpoint moves between the modes. Cost: rounded or
+    quantized moments cannot be undone, so a step must not need an undo: with "bf16" or "int8" the transaction
+    "auto" is "deferred" (gradients kept, every update applied after the verdict: 1x compute, the kept gradients'
+    bytes) when the host holds them, else "two_pass", whose first forward+backward measures the verdict (norm,
+    finiteness) and updates nothing, the second applies exactly: 2x the step's compute on every step, clipping and
+    loss scaling on or off. Either way a skipped step changes nothing. "kept_grads" and "replay" (undo-based) are
+    refused; "none" is allowed (no second pass; a non-finite gradient then leaves the chunks already updated). With
+    grad_accum > 1 updates already run after the verdict (no undo, one pass)."""
 
     compute: Literal["auto", "eager", "inductor"] = "auto"
     """How the step's compute between chunk nodes runs. "inductor": each run of ATen ops between two chunk
