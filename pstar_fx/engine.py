@@ -211,9 +211,10 @@ class Lowered:
         g_k, plan = tried[best]
         plan.recompute = summary()
         if not plan.fits and (k or j):
-            plan.why += (f"; recomputing every forward segment ({len(singles)}, also in runs of "
-                         f"{', '.join(str(m) for m in runs if m > 1) or '-'}) and {every} cheap values was already "
-                         "tried")
+            tried_all = ([f"every forward segment ({len(singles)}, also in runs of "
+                          f"{', '.join(str(m) for m in runs if m > 1) or '-'})"] if singles else []) \
+                + ([f"every cheap value ({every})"] if every else [])
+            plan.why += f"; recomputing {' and '.join(tried_all)} was already tried"
         self.graphs_before["recompute"] = gm.code
         self.graphs_before["fuse_optimizer"] = recomputed(j, m, k).code
         return g_k, plan

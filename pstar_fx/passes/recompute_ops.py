@@ -143,8 +143,8 @@ def _copy_for(G: _Graph, value, dropped: set, copied: set[fx.Node]):
         if n in nodes or n in leaves:
             continue
         k = G.alloc(n)
-        if n.op == "placeholder" or (k != value and G.kept(k, dropped) and
-                                     (isinstance(k, tuple) or k.op != "placeholder")):
+        if n.op in ("placeholder", "get_attr") or (k != value and G.kept(k, dropped) and
+                                                   (isinstance(k, tuple) or k.op != "placeholder")):
             leaves.add(n)            # kept: read it as it is (a parameter's views are copied, not kept)
             continue
         if n.op != "call_function" or n in G.backward:
@@ -182,6 +182,20 @@ def _replays(G: _Graph, comp: _Component) -> bool:
 
 
 
+def _remade(interior: list[fx.Node], backward: set[fx.Node]) -> set[fx.Node]:
+    """The ops `recompute` copies for a whole segment: those its values read by backward come from (an op
+    whose output only feeds the next boundary, like the block's output projection, is not copied)."""
+    inside = set(interior)
+    out: set[fx.Node] = set()
+    stack = [n for n in interior if any(u in backward for u in n.users)]
+    while stack:
+        n = stack.pop()
+        if n in inside and n not in out:
+            out.add(n)
+            stack.extend(n.all_input_nodes)
+    return out
+
+
 def find_cheap_recomputes(gm: fx.GraphModule, rates: Rates, round_to: int = 1,
                           segments: list[Segment] | None = None) -> list[OpRecompute]:
     """Values backward could remake cheaply, cheapest seconds per byte first; any prefix of the list can be
@@ -202,7 +216,8 @@ def find_cheap_recomputes(gm: fx.GraphModule, rates: Rates, round_to: int = 1,
                 region.setdefault(seg.boundary, i - 1)     # the op ending the segment before it
         worth = [s for s in segments if s.recomputable and s.saved_bytes]
         if worth:
-            limit = sum(seconds.get(n, 0.0) for s in worth for n in s.nodes) / sum(s.saved_bytes for s in worth)
+            spent = sum(seconds.get(n, 0.0) for s in worth for n in _remade(s.nodes, G.backward))
+            limit = spent / sum(s.saved_bytes for s in worth)
     alone = []
     for value, readers in G.saved.items():
         if value in G.returned or not isinstance(value, tuple) and value.op == "placeholder":
