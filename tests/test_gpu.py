@@ -206,13 +206,13 @@ def test_gpu_fp16_loss_scale_skips_like_grad_scaler():
 _PEAK_CHILD = r"""
 import json, sys, torch, pstar_fx
 from pstar_fx.models import GPT, Llama, gpt_config, llama_config
-family, name, dtype, b, t = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+family, name, dtype, b, t, compute = *sys.argv[1:4], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
 cfg = (gpt_config if family == "gpt" else llama_config)(name, block_size=t)
 torch.manual_seed(0)
 model = (GPT if family == "gpt" else Llama)(cfg)
 idx = torch.randint(0, cfg.vocab_size, (b, t), device="cuda")
 base = torch.cuda.memory_allocated()
-engine = pstar_fx.compile(model, {"device": "cuda", "dtype": dtype}, (idx, idx))
+engine = pstar_fx.compile(model, {"device": "cuda", "dtype": dtype, "compute": compute}, (idx, idx))
 for _ in range(3):
     engine.step(idx, idx)
 torch.cuda.synchronize()
@@ -220,12 +220,15 @@ print(json.dumps([torch.cuda.max_memory_allocated() - base, engine.plan.device_p
 """
 
 
-@pytest.mark.parametrize("case", ["gpt tiny fp32 8 64", "gpt small fp32 8 128", "gpt small bf16 8 256",
-                                  "llama small bf16 8 256", "gpt GPT2small bf16 8 128"])
+@pytest.mark.parametrize("case", ["gpt tiny fp32 8 64 eager", "gpt small fp32 8 128 eager",
+                                  "gpt small bf16 8 256 eager", "llama small bf16 8 256 eager",
+                                  "gpt GPT2small bf16 8 128 eager", "gpt tiny fp32 8 64 inductor",
+                                  "gpt small bf16 8 256 inductor", "llama small bf16 8 256 inductor"])
 def test_plan_holds_the_gpu_peak_of_small_models(case):
-    """Measured within [0.85, 1.0] of the plan in a fresh process (its first matmul allocates cuBLAS's
-    workspace; the rates are measured in a child so their benchmark tensors never count). Before: 608 MiB
-    measured against 367 MiB predicted for the small GPT, from the calibration's tensors."""
+    """Eager compute: measured within [0.85, 1.0] of the plan in a fresh process (its first matmul allocates
+    cuBLAS's workspace; the rates are measured in a child so their benchmark tensors never count). Before: 608
+    MiB measured against 367 MiB predicted for the small GPT, from the calibration's tensors. Inductor's regions
+    allocate less than their ops would eagerly (fused values never exist), so there the plan is a bound."""
     import json
     import subprocess
     import sys
@@ -233,7 +236,9 @@ def test_plan_holds_the_gpu_peak_of_small_models(case):
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     measured, predicted = json.loads(out.stdout.strip().splitlines()[-1])
-    assert 0.85 * predicted <= measured <= predicted, (measured, predicted, measured / predicted)
+    low = 0.85 if case.endswith("eager") else 0.0
+    print(f"{case}: measured {measured} predicted {predicted} ({measured / predicted:.3f})")
+    assert low * predicted <= measured <= predicted, (measured, predicted, measured / predicted)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
