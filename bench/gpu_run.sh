@@ -25,7 +25,7 @@ for stage in "$@"; do
     checkpoint) timeout 400 python3 bench/checkpoint_bench.py --json "$OUT/checkpoint.jsonl" 2>&1 | tail -30 | tee -a "$OUT/checkpoint.txt" ;;
     probe) timeout 120 python3 bench/peak_probe.py 2>&1 | grep -v "^DEBUG" | tail -45 | tee -a "$OUT/probe.txt" ;;
     kernels) timeout 240 python3 bench/kernels_gpu.py 2>&1 | tee -a "$OUT/kernels.txt" ;;
-    tests) timeout 330 python3 -m pytest -q -rs -p no:logging --tb=short -o faulthandler_timeout=100 tests/test_gpu.py \
+    tests) timeout 560 python3 -m pytest -q -rs -p no:logging --tb=short -o faulthandler_timeout=100 tests/test_gpu.py \
              tests/test_kernels.py -k "gpu or cuda or undo" 2>&1 | tail -60 | tee -a "$OUT/tests.txt" ;;
     gpt:*) IFS=: read -r _ model system batch host layers extra <<< "$stage"
        limit=420; [[ $system == torch-best ]] && limit=580   # six configurations; gpt.py stops itself at --sweep-timeout

@@ -322,6 +322,16 @@ class Engine:
         self.device = self.lowered.device
         cap = self.lowered.capture
         plan = self.lowered.plan
+        regions = self.lowered.graph.meta.get("regions", [])
+        if regions:
+            with phases("build regions", f"{len(regions)} compiled functions for the compute (Inductor), before "
+                                         "chunk memory is allocated"):
+                built = sum(r.build(self.device) for r in regions)
+                if built < len(regions):
+                    log.info("%d of %d regions compile at their first call (an input's layout is unknown)",
+                             len(regions) - built, len(regions))
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()    # what autotuning allocated goes back before the chunks are
         self.dp = DataParallel(rank, world, chunked=self.lowered.chunked) if world > 1 else None
         with phases("allocate", f"chunk memory: {format_bytes(plan.device_peak_bytes - plan.activation_peak_bytes)} "
                                 f"on {self.lowered.device.type}, {format_bytes(plan.host_peak_bytes)} on the host"):

@@ -44,15 +44,28 @@ _MOVE_DOWN = {"grad", "release"}
 
 
 class Region:
-    """One compiled function of a region's ops. Called like the ops it replaces: tensors in, a tuple out."""
+    """One compiled function of a region's ops. Called like the ops it replaces: tensors in, a tuple out.
 
-    def __init__(self, gm: fx.GraphModule, name: str, backend: str):
+    `build(device)` compiles it ahead of the first step on zero-filled inputs shaped, strided and aligned like
+    the step's: Inductor's autotuning then allocates (benchmark copies, a buffer the size of the L2 cache to
+    flush it) while no chunk memory exists yet, instead of on top of the plan's peak in the first step."""
+
+    def __init__(self, gm: fx.GraphModule, name: str, backend: str, specs: list):
         self.graph_module = gm              # the region's ops, readable: region.graph_module.code
         self.__name__ = self.__qualname__ = name
+        self._specs = specs
         self._compiled = torch.compile(gm, backend=backend, fullgraph=True, dynamic=False)
 
     def __call__(self, *args):
-        return self._compiled(*args)
+        with torch.no_grad():               # one grad mode, whoever calls: the compiled guards never differ
+            return self._compiled(*args)
+
+    def build(self, device: torch.device) -> bool:
+        """Compile now; False when an input's shape is unknown (it then compiles at its first call)."""
+        if any(s is None for s in self._specs):
+            return False
+        self(*(_example(s, device) for s in self._specs))
+        return True
 
     def __repr__(self):
         ops = sum(1 for n in self.graph_module.graph.nodes if n.op == "call_function")
@@ -114,6 +127,26 @@ def _region_io(ops: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
     return inputs, outputs
 
 
+def _spec(a: fx.Node):
+    """What an input of a region is: a parameter view (its fake value, its offset in the chunk), a value, None."""
+    if a.op == "call_method" and a.target == "param" and "param" in a.meta:
+        val, offset = a.meta["param"]
+        return ("param", val, offset) if isinstance(val, torch.Tensor) else None
+    val = a.meta.get("val")
+    return ("value", val, None) if isinstance(val, torch.Tensor) else None
+
+
+def _example(spec, device: torch.device) -> torch.Tensor:
+    """Zeros laid out like the step's input: the same shape, strides, storage offset (so alignment) and dtype.
+    Zeros, because an index read by an op (embedding, a loss's targets) must be in range."""
+    kind, val, offset = spec
+    if kind == "param":           # a contiguous view at `offset` elements into a chunk's compute slot
+        base = torch.zeros(offset % 64 + val.numel(), dtype=val.dtype, device=device)
+        return base[offset % 64:].view(val.shape)
+    n = max(1, val.untyped_storage().nbytes() // val.element_size())
+    return torch.zeros(n, dtype=val.dtype, device=device).as_strided(val.shape, val.stride(), val.storage_offset())
+
+
 def _extract(ops: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> tuple[fx.GraphModule, str]:
     """The region as its own GraphModule with canonical names, and a key equal for equal regions."""
     g = fx.Graph()
@@ -127,10 +160,9 @@ def _extract(ops: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) 
     g.output(tuple(env[o] for o in outputs))
     gm = fx.GraphModule(torch.nn.Module(), g)
     metas = []
-    for a in inputs:
-        v = a.meta.get("val")
-        metas.append((tuple(v.shape), v.stride(), str(v.dtype), v.device.type) if isinstance(v, torch.Tensor)
-                     else repr(v))
+    for spec in map(_spec, inputs):
+        v = spec and spec[1]
+        metas.append((tuple(v.shape), v.stride(), str(v.dtype)) if v is not None else None)
     return gm, gm.code + repr(metas)
 
 
@@ -201,7 +233,7 @@ def compile_regions(gm: fx.GraphModule, plan, *, cuda: bool, backend: str | None
         inputs, outputs = _region_io(ops)
         sub, key = _extract(ops, inputs, outputs)
         if key not in regions:
-            regions[key] = Region(sub, f"region_{len(regions)}", backend)
+            regions[key] = Region(sub, f"region_{len(regions)}", backend, [_spec(a) for a in inputs])
         with g.inserting_before(ops[0]):
             call = g.call_function(regions[key], tuple(inputs))
         call.meta["val"] = tuple(o.meta.get("val") for o in outputs)

@@ -66,6 +66,7 @@ def insert_chunk_ops(gm: fx.GraphModule, layout: Layout, plan: Plan, dp: str | N
             with g.inserting_before(user):
                 view = g.call_method("param", (rt, slot.index))
             view._rename(p.name)
+            view.meta["param"] = (p.meta.get("val"), slot.offset)   # what the view is, for compile_regions
             user.replace_input_with(p, view)
         g.erase_node(p)
     g.lint()
