@@ -28,8 +28,8 @@ from .capture import Capture, capture
 from .config import Config, format_bytes
 from .fxutil import role_nodes, tag
 from .layout import Layout, build_layout
-from .passes import (compile_regions, find_segments, fuse_optimizer, insert_chunk_ops, lean_cross_entropy,
-                     localize_param_views, recompute, seed_random_ops)
+from .passes import (compile_regions, find_segments, fuse_optimizer, grads_in_place, insert_chunk_ops,
+                     lean_cross_entropy, localize_param_views, recompute, seed_random_ops)
 from .passes.recompute import Segment, group_segments
 from .passes.recompute_ops import find_cheap_recomputes, op_segments
 from .costs import calibrate
@@ -98,6 +98,7 @@ class Lowered:
         with phases("lower", "chunk ops into the graph"):
             self._run_pass("insert_chunk_ops", insert_chunk_ops, self.graph, self.layout, self.plan,
                            "chunked" if self.chunked else "replicated" if self.world > 1 else None)
+        self._run_pass("grads_in_place", grads_in_place, self.graph, self.dtype)
         if config.compiles_compute:
             with phases("regions", "the compute between chunk nodes, for Inductor (compiled at the first step)"):
                 self._run_pass("compile_regions", compile_regions, self.graph, self.plan,
@@ -661,7 +662,8 @@ class Engine:
         ops = Counter(n.target for n in self.graph.graph.nodes if n.op == "call_method")
         lines.append("schedule (nodes in engine.graph): "
                      + ", ".join(f"{k} {ops[k]}" for k in ("prefetch", "fetch", "release", "offload", "reduce",
-                                                            "all_reduce", "adam", "grad", "param") if ops[k]))
+                                                            "all_reduce", "adam", "grad", "grad_mm", "param")
+                                 if ops[k]))
         return "\n".join(lines)
 
 

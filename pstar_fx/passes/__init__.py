@@ -17,6 +17,8 @@
                           chunk (`rt.grad`) and each chunk is updated (`rt.adam`) right after its last use.
     insert_chunk_ops      needs: fused optimizer, a Plan.  provides: `rt.fetch/prefetch/release/offload`
                           and `rt.param` views; parameters are no longer graph inputs.
+    grads_in_place        needs: the lowered graph.  provides: a weight gradient a matmul makes is written by it
+                          into its chunk's gradient slot (`rt.grad_mm`), never a tensor of its own.
     compile_regions       needs: the lowered graph, its Plan.  provides: each run of ATen ops between chunk
                           nodes is one call of a function Inductor compiles (Config.compute); the plan's
                           peaks count what the regions hold.
@@ -29,7 +31,8 @@ from .lean_loss import lean_cross_entropy
 from .localize_views import localize_param_views
 from .recompute import find_segments, recompute
 from .compile_regions import compile_regions
+from .grads_in_place import grads_in_place
 from .seed_random import seed_random_ops
 
-__all__ = ["seed_random_ops", "localize_param_views", "lean_cross_entropy", "find_segments", "recompute", "fuse_optimizer",
-           "insert_chunk_ops", "compile_regions"]
+__all__ = ["seed_random_ops", "localize_param_views", "lean_cross_entropy", "find_segments", "recompute",
+           "fuse_optimizer", "insert_chunk_ops", "grads_in_place", "compile_regions"]

@@ -8,9 +8,9 @@ casts fuse into fewer kernels; matmuls and attention stay the library kernels th
 What may move, and why it is safe:
   - `rt.param(i)` (a view of a resident chunk) and constants move up to the start of their run: the chunk
     was fetched before the run began, since `rt.fetch` ends a run.
-  - `rt.grad(i, g)` and `rt.release(c)` move down to its end: a gradient slot is only read by the chunk's
-    update, and a compute slot may be handed out again only after the last op that reads it, which is
-    now the region.
+  - `rt.grad(i, g)`, `rt.grad_mm(i, a, b)` and `rt.release(c)` move down to its end: a gradient slot is only
+    read by the chunk's update, and a compute slot may be handed out again only after the last op that reads
+    it, which is now the region.
   - `rt.prefetch(c)` moves up, unless a release moved down before it in the same run (the prefetch
     takes the slot that release gives back): then the run is cut there.
 Everything else stays in place and ends a run: `rt.fetch` (the compute stream waits for a copy),
@@ -40,7 +40,7 @@ BACKEND = "inductor"   # torch.compile's backend for the regions; tests use "eag
 _EXTERN = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
            torch.ops.aten.baddbmm.default, torch.ops.aten.embedding.default}
 _MOVE_UP = {"param", "prefetch"}
-_MOVE_DOWN = {"grad", "release"}
+_MOVE_DOWN = {"grad", "grad_mm", "release"}
 
 
 class Region:

@@ -86,6 +86,10 @@ class ChunkRuntime:
     def grad(self, index: int, g: torch.Tensor) -> None:
         self.mover.grad(index, g)
 
+    def grad_mm(self, index: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Parameter `index`'s gradient is a @ b, computed straight into its chunk's gradient slot."""
+        self.mover.grad_mm(index, a, b)
+
     def offload(self, c: int) -> None:
         """A host chunk's gradients go to the host, where its state is updated."""
         self._reduced(c)

@@ -180,12 +180,19 @@ class Mover:
 
     # ---- gradients -----------------------------------------------------------------------------------
     def grad(self, index: int, g: torch.Tensor) -> None:
+        self._grad_span(index).copy_(g.reshape(-1))
+
+    def grad_mm(self, index: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        torch.mm(a, b, out=self._grad_span(index).view(a.shape[0], b.shape[1]))
+
+    def _grad_span(self, index: int) -> torch.Tensor:
+        """Parameter `index`'s elements of its chunk's gradient slot (taking a slot at the chunk's first)."""
         slot = self.layout.slots[index]
         buf = self.grads.get(slot.chunk)
         if buf is None:
             buf = self.grads[slot.chunk] = self.grad_slots.take()
             self.copies.compute_waits(self._grad_done.pop(buf.data_ptr(), None))   # its last copy out is done
-        buf[slot.offset: slot.offset + slot.numel].copy_(g.reshape(-1))
+        return buf[slot.offset: slot.offset + slot.numel]
 
     def hand_over(self, c: int) -> torch.Tensor:
         """Chunk c's gradient slot, for its update on the device; `give_back` returns it."""
