@@ -98,7 +98,7 @@ class Lowered:
         with phases("lower", "chunk ops into the graph"):
             self._run_pass("insert_chunk_ops", insert_chunk_ops, self.graph, self.layout, self.plan,
                            "chunked" if self.chunked else "replicated" if self.world > 1 else None)
-        self._run_pass("grads_in_place", grads_in_place, self.graph, self.dtype)
+        self._run_pass("grads_in_place", grads_in_place, self.graph, self.layout, self.dtype)
         if config.compiles_compute:
             with phases("regions", "the compute between chunk nodes, for Inductor (compiled at the first step)"):
                 self._run_pass("compile_regions", compile_regions, self.graph, self.plan,

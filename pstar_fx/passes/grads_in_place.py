@@ -9,8 +9,9 @@ slot. The same GEMM runs, so the values are the same bits.
 
 Only when no update, offload or reduce lies between the matmul and its `rt.grad` (the slot is taken where the
 matmul runs, and the plan counted slots from a chunk's first gradient write to its update), the matmul's result
-has no other reader, is in the slot's dtype, and the views end contiguous at
-offset 0 with all its elements (so flattening them, which is how `rt.grad` writes, is the matmul's own order).
+has no other reader and is in the slot's dtype, the parameter's span of the slot starts 16-byte aligned, and the
+views end contiguous at offset 0 with all its elements (so flattening them, which is how `rt.grad` writes, is
+the matmul's own order).
 The plan was made before this pass: it counts the gradient that no longer exists, an upper bound.
 """
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _between(a: fx.Node, b: fx.Node):
         n = n.next
 
 
-def grads_in_place(gm: fx.GraphModule, compute_dtype: torch.dtype) -> fx.GraphModule:
+def grads_in_place(gm: fx.GraphModule, layout, compute_dtype: torch.dtype) -> fx.GraphModule:
     g = gm.graph
     for node in list(g.nodes):
         if not (node.op == "call_method" and node.target == "grad" and isinstance(node.args[2], fx.Node)):
@@ -58,9 +59,10 @@ def grads_in_place(gm: fx.GraphModule, compute_dtype: torch.dtype) -> fx.GraphMo
             continue
         mm, chain = found
         out, val = mm.meta.get("val"), value.meta.get("val")
-        if not (isinstance(out, torch.Tensor) and isinstance(val, torch.Tensor) and out.dtype == compute_dtype
-                and out.is_contiguous() and val.is_contiguous() and val.storage_offset() == 0
-                and val.numel() == out.numel()):
+        aligned = layout.slots[index].offset * compute_dtype.itemsize % 16 == 0   # else GEMMs take a slow path
+        if not (aligned and isinstance(out, torch.Tensor) and isinstance(val, torch.Tensor)
+                and out.dtype == compute_dtype and out.is_contiguous() and val.is_contiguous()
+                and val.storage_offset() == 0 and val.numel() == out.numel()):
             continue
         if any(n.op == "call_method" and n.target in _GIVE_BACK for n in _between(mm, node)):
             continue       # the slot would be taken before another chunk's update gave one back
