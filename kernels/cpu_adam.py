@@ -99,8 +99,9 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
 
 
 @functools.cache
-def _q8_block_elems():
-    return _ext().build_info().get("q8_block_elems")
+def _q8_layout():
+    info = _ext().build_info()
+    return info.get("q8_block_elems"), info.get("q8_buckets")
 
 
 def _scales(exp_avg, exp_avg_absmax, exp_avg_sq_absmax) -> tuple:
@@ -108,11 +109,10 @@ def _scales(exp_avg, exp_avg_absmax, exp_avg_sq_absmax) -> tuple:
     module, kernels/quant8.py); other moments: none."""
     if exp_avg.dtype != torch.uint8:
         return 0, 0, []
-    if _q8_block_elems() != quant8.BLOCK_ELEMS:
-        raise RuntimeError("the C++ extension was built for another int8 block size (or before int8 moments); "
+    if _q8_layout() != (quant8.BLOCK_ELEMS, [quant8.BUCKET_MIN_EXP, quant8.BUCKETS_PER_SIGN]):
+        raise RuntimeError("the C++ extension was built for another int8 layout (or before int8 moments); "
                            "rebuild it (`pip install -e .`)")
-    return exp_avg_absmax.data_ptr(), exp_avg_sq_absmax.data_ptr(), [t.data_ptr() for t in quant8.tables_on(
-        torch.device("cpu"))]
+    return exp_avg_absmax.data_ptr(), exp_avg_sq_absmax.data_ptr(), [t.data_ptr() for t in quant8.cpu_tables()]
 
 
 def adam_undo(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, grad_scale,

@@ -62,6 +62,35 @@ SIGNED_MAP = _dynamic_map(signed=True)
 UNSIGNED_MAP = _dynamic_map(signed=False)
 SIGNED_THRESHOLDS = _thresholds(SIGNED_MAP)
 UNSIGNED_THRESHOLDS = _thresholds(UNSIGNED_MAP)
+
+
+def _buckets(thresholds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The code of x without a search, for the C++ kernel: x's float bits give its bucket (sign, exponent, the top
+    BUCKET_MANTISSA_BITS of the mantissa; every |x| below 2^(BUCKET_MIN_EXP - 127) in one bucket, exponents above
+    127 clamped), and each bucket holds at most one threshold, so the code is base[bucket] + (cut[bucket] < x):
+    the same count of thresholds below x, from one comparison. (base, cut): int32 and fp32, two signs of
+    BUCKETS_PER_SIGN each. Checked here for every bucket."""
+    mant = 2 ** BUCKET_MANTISSA_BITS
+    k = torch.arange(BUCKETS_PER_SIGN - 1, dtype=torch.int64)
+    first = ((BUCKET_MIN_EXP + k // mant) << 23) | ((k % mant) << (23 - BUCKET_MANTISSA_BITS))
+    last = first | ((1 << (23 - BUCKET_MANTISSA_BITS)) - 1)
+    as_f32 = lambda bits: bits.to(torch.int32).view(torch.float32)  # noqa: E731
+    lo = torch.cat([torch.zeros(1), as_f32(first)])                       # the magnitudes each bucket covers
+    hi = torch.cat([as_f32(torch.tensor([(BUCKET_MIN_EXP << 23) - 1])), as_f32(last)])
+    base, cut = [], []
+    for smallest, largest in ((lo, hi), (-hi, -lo)):                     # x >= 0, then x < 0
+        q_lo = torch.bucketize(smallest, thresholds, right=False)
+        q_hi = torch.bucketize(largest, thresholds, right=False)
+        assert int((q_hi - q_lo).max()) <= 1, "a bucket holds two thresholds: use more mantissa bits"
+        base.append(q_lo.to(torch.int32))
+        cut.append(thresholds[q_lo])
+    return torch.cat(base), torch.cat(cut)
+
+
+BUCKET_MIN_EXP, BUCKET_MANTISSA_BITS = 103, 7            # |x| < 2^-24 is one bucket; 128 buckets per octave above
+BUCKETS_PER_SIGN = (127 - BUCKET_MIN_EXP + 1) * 2 ** BUCKET_MANTISSA_BITS + 1
+SIGNED_BUCKETS = _buckets(SIGNED_THRESHOLDS)
+UNSIGNED_BUCKETS = _buckets(UNSIGNED_THRESHOLDS)
 # the code of 0: where a fresh moment starts (and what padding and frozen parameters keep)
 SIGNED_ZERO = int((SIGNED_MAP == 0).nonzero())
 UNSIGNED_ZERO = int((UNSIGNED_MAP == 0).nonzero())
@@ -86,6 +115,11 @@ def tables(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
 def tables_on(device: torch.device) -> tuple[torch.Tensor, ...]:
     """The four tables (signed map, signed thresholds, unsigned map, unsigned thresholds) on `device`."""
     return tuple(t.to(device) for t in (SIGNED_MAP, SIGNED_THRESHOLDS, UNSIGNED_MAP, UNSIGNED_THRESHOLDS))
+
+
+def cpu_tables() -> tuple[torch.Tensor, ...]:
+    """What the C++ kernel reads: signed map, its bucket bases and cuts, unsigned map, its bases and cuts."""
+    return (SIGNED_MAP, *SIGNED_BUCKETS, UNSIGNED_MAP, *UNSIGNED_BUCKETS)
 
 
 def _per_block(x: torch.Tensor) -> torch.Tensor:

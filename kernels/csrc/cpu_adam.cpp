@@ -87,13 +87,18 @@ struct AdamCoeffs {
     int stores;             // 0 plain; 1 non-temporal stores for the 16-bit copy
     int prefetch_elems;     // software prefetch this far ahead (> 0: into L1, < 0: into L2), 0: none
     bool decoupled;
-    // int8 moments: kernels/quant8.py's tables, 256 floats each (exp_avg: signed; exp_avg_sq: unsigned)
-    const float *q8_signed_map, *q8_signed_thresholds, *q8_unsigned_map, *q8_unsigned_thresholds;
+    // int8 moments: kernels/quant8.py's tables (exp_avg: signed; exp_avg_sq: unsigned): each map's 256 values,
+    // and its buckets' bases and cuts (quant8._buckets: 2 * kQ8BucketsPerSign each)
+    const float *q8_signed_map, *q8_unsigned_map, *q8_signed_cut, *q8_unsigned_cut;
+    const int32_t *q8_signed_base, *q8_unsigned_base;
 };
 
 // An int8 moment's range: one code per element and one fp32 scale (the block's absmax) per kQ8Block elements,
 // blocks from the range's first element (kernels/quant8.py, BLOCK_ELEMS)
 constexpr int64_t kQ8Block = 256;
+// quant8's buckets of a float's bits: |x| below 2^(kQ8MinExp - 127) in bucket 0, then 128 per octave up to 1
+constexpr int32_t kQ8MinExp = 103;
+constexpr int32_t kQ8BucketsPerSign = (127 - kQ8MinExp + 1) * 128 + 1;
 struct Q8 {
     uint8_t* codes;
     float* absmax;
@@ -267,8 +272,9 @@ bool adam_step(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, u
                               moments_dtype + "'");
     const bool bf16m = moments_dtype == "bfloat16";
     const bool q8m = moments_dtype == "uint8";
-    if (q8m && q8_tables.size() != 4)
-        throw py::value_error("adam_step: uint8 moments need q8_tables (signed map, thresholds, unsigned map, thresholds)");
+    if (q8m && q8_tables.size() != 6)
+        throw py::value_error("adam_step: uint8 moments need q8_tables (quant8.cpu_tables(): the signed map, its "
+                              "bucket bases and cuts, the unsigned map, its bases and cuts)");
     if (step < 1) throw py::value_error("adam_step: step must be >= 1 (1-based, after increment)");
     if (!(grad_scale > 0.0) || grad_scale == HUGE_VAL)
         throw py::value_error("adam_step: grad_scale must be positive and finite");
@@ -307,12 +313,15 @@ bool adam_step(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, u
     int exponent;
     const bool pow2 = std::frexp((double)c.grad_scale, &exponent) == 0.5 && std::isnormal(c.inv_grad_scale);
     c.scale_mode = c.grad_scale == 1.0f ? 0 : pow2 ? 1 : 2;
-    c.q8_signed_map = c.q8_signed_thresholds = c.q8_unsigned_map = c.q8_unsigned_thresholds = nullptr;
+    c.q8_signed_map = c.q8_unsigned_map = c.q8_signed_cut = c.q8_unsigned_cut = nullptr;
+    c.q8_signed_base = c.q8_unsigned_base = nullptr;
     if (q8m) {
         c.q8_signed_map = reinterpret_cast<const float*>(q8_tables[0]);
-        c.q8_signed_thresholds = reinterpret_cast<const float*>(q8_tables[1]);
-        c.q8_unsigned_map = reinterpret_cast<const float*>(q8_tables[2]);
-        c.q8_unsigned_thresholds = reinterpret_cast<const float*>(q8_tables[3]);
+        c.q8_signed_base = reinterpret_cast<const int32_t*>(q8_tables[1]);
+        c.q8_signed_cut = reinterpret_cast<const float*>(q8_tables[2]);
+        c.q8_unsigned_map = reinterpret_cast<const float*>(q8_tables[3]);
+        c.q8_unsigned_base = reinterpret_cast<const int32_t*>(q8_tables[4]);
+        c.q8_unsigned_cut = reinterpret_cast<const float*>(q8_tables[5]);
     }
 
     // Every grad / grad_scale is finite iff the largest |grad| is finite and stays finite when
@@ -608,6 +617,7 @@ py::dict build_info() {
 #endif
     d["flags"] = PSTAR_BUILD_FLAGS;
     d["q8_block_elems"] = kQ8Block;
+    d["q8_buckets"] = std::vector<int32_t>{kQ8MinExp, kQ8BucketsPerSign};
     return d;
 }
 
