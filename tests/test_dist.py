@@ -31,6 +31,10 @@ config = {"device": os.environ.get("DEVICE", "cpu"), "placement": "host", "chunk
           "grad_clip": clip, "grad_accum": accum, "dist_timeout": 60, "data_parallel": mode}
 if os.environ.get("TRANSACTION"):
     config["transaction"] = os.environ["TRANSACTION"]
+if os.environ.get("REGIONS"):                    # compiled regions, built by this torch.compile backend
+    import pstar_fx.passes.compile_regions
+    sys.modules["pstar_fx.passes.compile_regions"].BACKEND = os.environ["REGIONS"]
+    config["compute"] = "inductor"
 if os.environ.get("DEVICE_MEMORY"):              # some chunks on the CPU playing the device tier, some on the host
     config.update(placement="auto", device_memory=int(os.environ["DEVICE_MEMORY"]))
 engine = pstar_fx.compile(tiny_gpt(), config, tuple(x[: x.shape[0] // accum] for x in mine[0]),
@@ -99,15 +103,20 @@ def _results(out: str, world: int):
 # (clipping with the plan's transaction at 2 ranks is the "mixed" case)
 CASES = [("chunked", 2, None, 1, None), ("chunked", 2, 0.05, 2, None),
          ("chunked", 4, 0.05, 1, None), ("chunked", 2, 0.05, 1, "mixed"), ("replicated", 2, 0.05, 1, None),
-         ("chunked", 2, 0.05, 1, "replay"), ("chunked", 2, 0.05, 1, "two_pass"), ("replicated", 2, 0.05, 2, None)]
+         ("chunked", 2, 0.05, 1, "replay"), ("chunked", 2, 0.05, 1, "two_pass"), ("replicated", 2, 0.05, 2, None),
+         ("chunked", 2, 0.05, 1, "regions")]
 
 
 @pytest.mark.parametrize("mode,world,clip,accum,variant", CASES)
 def test_ranks_equal_one_process_on_the_whole_batch(tmp_path, mode, world, clip, accum, variant):
-    """variant: "mixed" (each rank's chunks on both tiers), or the step's transaction (else the plan's choice)."""
+    """variant: "mixed" (each rank's chunks on both tiers), "regions" (compiled regions, traced by Dynamo alone:
+    the broadcasts in prefetches move up to a region's start, the same on every rank), or the step's transaction
+    (else the plan's choice)."""
     steps = 3
     out = str(tmp_path / "run")
     env = {"TRANSACTION": variant} if variant in ("replay", "two_pass") else {}
+    if variant == "regions":
+        env["REGIONS"] = "eager"
     env["EVAL"] = "1" if clip is None else ""
     if variant == "mixed":                    # a device budget that holds some of each rank's chunks
         local = tuple(x.chunk(world)[0] for x in gpt_batches(1, accum=world * accum)[0])
