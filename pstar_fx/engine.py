@@ -105,9 +105,9 @@ class Lowered:
                                cuda=self.device.type == "cuda")
 
     def _plan_with_recompute(self, gm: fx.GraphModule) -> tuple[fx.GraphModule, Plan]:
-        """The least recompute that fits: first values cheap to remake op by op (norms, activations,
-        attention's output; `find_cheap_recomputes`, cheapest seconds per byte first), then, on top of all of
-        those, whole forward segments, earliest first (their activations live longest).
+        """The least recompute that fits: first the values cheap to remake op by op (norms, activations,
+        attention's output; `find_cheap_recomputes`), all of them, then on top of those whole forward segments,
+        the fewest that fit, earliest first (their activations live longest).
 
         Segments are tried one at a time first, then joined in runs of 2 and 4 (`group_segments`): a run
         keeps one boundary activation instead of 2 or 4, at no extra compute. A segment recomputed whole
@@ -148,22 +148,20 @@ class Lowered:
                          f"fits, estimated {p.estimated_step_seconds:.2f} s/step" if p.fits else "does not fit")
             return tried[j, m, k][1]
 
-        def fewest(fits_with, hi: int) -> int:
-            lo = 1                                 # fits_with(hi) holds, fits_with(lo - 1) does not
-            while lo < hi:
-                mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if fits_with(mid) else (mid + 1, hi)
-            return lo
-
         best = (0, 1, 0)
         if not attempt(*best).fits and (cheap or singles):
+            # every cheap value at once: each costs less per byte than whole segments do, the lot a few per cent
             if cheap and attempt(every, 1, 0).fits:
-                best = (fewest(lambda j: attempt(j, 1, 0).fits, every), 1, 0)
+                best = (every, 1, 0)
             elif singles:
                 fitting = [m for m in runs if attempt(every, m, len(runs[m])).fits]
                 if fitting:
                     m = fitting[0]
-                    best = (every, m, fewest(lambda k: attempt(every, m, k).fits, len(runs[m])))
+                    lo, hi = 1, len(runs[m])       # attempt(every, m, hi) fits, attempt(every, m, lo - 1) does not
+                    while lo < hi:
+                        mid = (lo + hi) // 2
+                        lo, hi = (lo, mid) if attempt(every, m, mid).fits else (mid + 1, hi)
+                    best = (every, m, lo)
                 else:                               # does not fit even so: report the smallest try
                     best = min(((every, m, len(r)) for m, r in runs.items()),
                                key=lambda jmk: attempt(*jmk).device_peak_bytes)
@@ -172,11 +170,9 @@ class Lowered:
         if attempt(*best).fits and "host" in attempt(*best).placement:
             # Recomputing more frees device memory for chunk state and compute slots, which saves copies
             # and host Adam; the cost model says whether that pays for the extra forward work.
-            j, m, k = best
+            _, m, k = best
             n = len(runs[m])
-            more = [(every, m, k)]
-            more += [(j2, m, k2) for j2 in sorted({j, every}) for k2 in sorted({k + (n - k) // 4, k + (n - k) // 2,
-                                                                                n})]
+            more = [(every, m, k2) for k2 in sorted({k, k + (n - k) // 4, k + (n - k) // 2, n})]
             more += [(every, m2, len(runs[m2])) for m2 in runs if m2 > m]
             for jmk in more:
                 if jmk != best and attempt(*jmk).fits and \
