@@ -1,8 +1,9 @@
 """engine: `pstar_fx.compile(model, config, example_inputs) -> Engine`, and `pstar_fx.plan(...)`.
 
-The pipeline, in order: capture -> layout -> passes (localize_param_views, lean_cross_entropy, then
-recompute + fuse_optimizer + plan, searched for the fewest recomputed segments that fit) -> insert_chunk_ops
--> runtime. `Engine.graph` is the lowered step; `Engine.explain()` says what the plan decided;
+The pipeline, in order: capture -> layout -> passes (seed_random_ops, localize_param_views, lean_cross_entropy,
+then recompute + fuse_optimizer + plan: the cheap values first, then the fewest recomputed segments that fit)
+-> insert_chunk_ops -> grads_in_place -> compile_regions (Config.compute) -> runtime (regions built before the
+chunk memory is allocated). `Engine.graph` is the lowered step; `Engine.explain()` says what the plan decided;
 `Engine.memory_stats()` says what the runtime measured.
 """
 from __future__ import annotations
