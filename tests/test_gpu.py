@@ -109,8 +109,11 @@ def _close_to_reference(engine, reports, ref, ref_out, rel=1e-4):
 
 
 
+@pytest.mark.parametrize("compute", ["traced", pytest.param("inductor", marks=pytest.mark.inductor)])
 @pytest.mark.parametrize("transaction", ["kept_grads", "deferred", "replay"])
-def test_gpu_clipping_and_schedule_match_torch_fp32(transaction):
+def test_gpu_clipping_and_schedule_match_torch_fp32(transaction, compute):
+    """Chunks on both tiers, clipping that triggers, a cosine schedule: the CPU reference. `inductor`: the regions
+    with Inductor's kernels (the others trace them with Dynamo alone)."""
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny"))
     batches = gpt_batches(8)
@@ -120,25 +123,11 @@ def test_gpu_clipping_and_schedule_match_torch_fp32(transaction):
     engine = _mixed(model, _on_gpu(batches[0]), grad_clip=clip, transaction=transaction,
                     lr_schedule={"type": "cosine", "warmup_steps": 2, "total_steps": 8})
     assert engine.plan.transaction == transaction
+    assert any(n.startswith("compute:") and ("inductor" in n) == (compute == "inductor")
+               for n in engine.plan.notes), engine.plan.notes
     reports = _run_gpu(engine, batches)
     _close_to_reference(engine, reports, ref, ref_out)
     assert [r.clip_coef < 1 for r in reports] == [o[1] > clip for o in ref_out]
-
-
-@pytest.mark.inductor
-@pytest.mark.parametrize("transaction", ["kept_grads", "deferred"])
-def test_gpu_inductor_regions_match_torch_fp32(transaction):
-    """Inductor's kernels for the regions, chunks on both tiers, clipping that triggers: the CPU reference."""
-    torch.manual_seed(0)
-    model = GPT(gpt_config("tiny"))
-    batches = gpt_batches(6)
-    _, _, free = reference(model, batches)
-    clip = sorted(o[1] for o in free)[3]
-    ref, _, ref_out = reference(model, batches, grad_clip=clip)
-    engine = _mixed(model, _on_gpu(batches[0]), grad_clip=clip, transaction=transaction, compute="inductor")
-    assert any(n.startswith("compute:") and "inductor" in n for n in engine.plan.notes), engine.plan.notes
-    reports = _run_gpu(engine, batches)
-    _close_to_reference(engine, reports, ref, ref_out)
 
 
 def test_gpu_accumulation_matches_torch_fp32():
