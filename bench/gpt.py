@@ -40,6 +40,7 @@ import dataclasses
 import faulthandler
 import json
 import logging
+import math
 import os
 import re
 import resource
@@ -345,19 +346,31 @@ def profile_steps(step, batches, n: int) -> dict:
         if not us or e.device_type != torch.autograd.DeviceType.CUDA:
             continue
         name = e.key.lower()
-        kind = ("matmul" if any(k in name for k in ("gemm", "cutlass", "sm90", "nvjet", "cublas")) else
-                "attention" if any(k in name for k in ("flash", "fmha", "attention")) else
+        kind = ("attention" if any(k in name for k in ("flash", "fmha", "attention", "sdpa")) else
+                "matmul" if any(k in name for k in ("gemm", "cutlass", "sm90", "nvjet", "cublas")) else
                 "copy" if "memcpy" in name or "memset" in name else
                 "adam" if "adam" in name else
                 "triton" if name.startswith("triton") else "other")
         kinds[kind] = kinds.get(kind, 0.0) + us / 1e6 / n
         rows.append((us / 1e6 / n, e.count // n, e.key[:90]))
     rows.sort(reverse=True)
-    print("profile, GPU seconds per step by kind: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(kinds.items())),
-          file=sys.stderr)
+    # the union of kernel intervals over every stream: busy time; the kernels' sum less it: what ran side by side
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    busy, end = 0.0, -math.inf
+    for a, b in spans:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    wall = (spans[-1][1] - spans[0][0]) / 1e6 / n if spans else 0.0
+    busy = busy / 1e6 / n
+    overlap = sum(kinds.values()) - busy
+    print("profile, GPU seconds per step by kind: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(kinds.items()))
+          + f"; busy {busy:.4f} of {wall:.4f} (first kernel to last), side by side {overlap:.4f}", file=sys.stderr)
     for s_, c, name in rows[:25]:
         print(f"  {s_:8.4f} s  x{c:<5d} {name}", file=sys.stderr)
-    return {"by_kind_s": {k: round(v, 4) for k, v in kinds.items()},
+    return {"by_kind_s": {k: round(v, 4) for k, v in kinds.items()}, "busy_s": round(busy, 4),
+            "kernel_span_s": round(wall, 4), "side_by_side_s": round(overlap, 4),
             "top": [{"s": round(s_, 5), "calls": c, "kernel": name} for s_, c, name in rows[:25]]}
 
 

@@ -100,22 +100,34 @@ def _results(out: str, world: int):
             [json.load(open(f"{out}.{r}.json")) for r in range(world)])
 
 
-# (clipping with the plan's transaction at 2 ranks is the "mixed" case)
-CASES = [("chunked", 2, None, 1, None), ("chunked", 2, 0.05, 2, None),
-         ("chunked", 4, 0.05, 1, None), ("chunked", 2, 0.05, 1, "mixed"), ("replicated", 2, 0.05, 1, None),
-         ("chunked", 2, 0.05, 1, "replay"), ("chunked", 2, 0.05, 1, "two_pass"), ("replicated", 2, 0.05, 2, None),
-         ("chunked", 2, 0.05, 1, "regions")]
+# (clipping with the plan's transaction at 2 ranks is the "mixed" case; 4 ranks: the checkpoint test below)
+CASES = [("chunked", 2, None, 1, None), ("chunked", 2, 0.05, 2, None), ("chunked", 2, 0.05, 1, "mixed"),
+         ("replicated", 2, 0.05, 1, None), ("chunked", 2, 0.05, 1, "replay"), ("chunked", 2, 0.05, 1, "two_pass"),
+         ("replicated", 2, 0.05, 2, None)]
+
+
+def assert_ranks_agree(sds, runs, mode: str) -> None:
+    """Every rank holds (or gathers) the same model, bit for bit, and reports the same steps; chunked: rank r
+    holds chunks r, r + world, ... and no other."""
+    world = len(runs)
+    for r in range(1, world):
+        assert runs[r]["reports"] == runs[0]["reports"]
+        assert all(torch.equal(sds[r][k], sds[0][k]) for k in sds[0])
+    if mode == "chunked":
+        n = len(runs[0]["placement"])
+        for r, run in enumerate(runs):
+            assert [c for c, p in enumerate(run["placement"]) if p != "remote"] == list(range(r, n, world))
 
 
 @pytest.mark.parametrize("mode,world,clip,accum,variant", CASES)
 def test_ranks_equal_one_process_on_the_whole_batch(tmp_path, mode, world, clip, accum, variant):
-    """variant: "mixed" (each rank's chunks on both tiers), "regions" (compiled regions, traced by Dynamo alone:
-    the broadcasts in prefetches move up to a region's start, the same on every rank), or the step's transaction
+    """variant: "mixed" (each rank's chunks on both tiers, and compiled regions traced by Dynamo alone: the
+    broadcasts in prefetches move up to a region's start, the same on every rank), or the step's transaction
     (else the plan's choice)."""
     steps = 3
     out = str(tmp_path / "run")
     env = {"TRANSACTION": variant} if variant in ("replay", "two_pass") else {}
-    if variant == "regions":
+    if variant == "mixed":
         env["REGIONS"] = "eager"
     env["EVAL"] = "1" if clip is None else ""
     if variant == "mixed":                    # a device budget that holds some of each rank's chunks
@@ -127,17 +139,12 @@ def test_ranks_equal_one_process_on_the_whole_batch(tmp_path, mode, world, clip,
     ref, _, ref_out = reference(tiny_gpt(), gpt_batches(steps, accum=world * accum), grad_clip=clip,
                                 accum=world * accum)
     sds, runs = _results(out, world)
-    for r in range(1, world):                        # every rank holds (or gathers) the same model, bit for bit
-        assert runs[r]["reports"] == runs[0]["reports"]
-        assert all(torch.equal(sds[r][k], sds[0][k]) for k in sds[0])
+    assert_ranks_agree(sds, runs, mode)
     if variant == "mixed":
         assert all({"device", "host"} <= set(run["placement"]) for run in runs), [run["placement"] for run in runs]
-    if mode == "chunked":                            # rank r holds chunks r, r + world, ... and no other
-        n = len(runs[0]["placement"])
-        for r, run in enumerate(runs):
-            assert [c for c, p in enumerate(run["placement"]) if p != "remote"] == list(range(r, n, world))
     reports = runs[0]["reports"]
-    assert_losses_close([x[0] for x in reports], [o[0] for o in ref_out], ref.__dict__["float64_truth"][2])
+    assert_losses_close([x[0] for x in reports], [o[0] for o in ref_out],
+                        [o[0] for o in ref.__dict__["float64_truth"][2]])
     if clip is not None:
         assert all(o[1] > clip for o in ref_out)     # clipping triggered on every step
         torch.testing.assert_close(torch.tensor([x[1] for x in reports]), torch.tensor([o[1] for o in ref_out]),
@@ -220,7 +227,8 @@ def _tensors(ckpt: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("mode", ["chunked"])
 def test_a_checkpoint_saved_at_two_ranks_resumes_at_four_and_at_one(tmp_path, mode):
     """Saved at 2 ranks (chunked: each writes its own chunks), loaded at 4 (re-partitioned) and at 1: the same
-    weights and moments bit for bit, and training goes on as one process would on the whole batch."""
+    weights and moments bit for bit, and training goes on as one process would on the whole batch (at 4 ranks:
+    the same losses and clipped norms as it, every rank agreeing)."""
     import pstar_fx
     out, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
     _launch(2, out, 2, 0.05, 1, mode=mode, extra_env={"SAVE_TO": ckpt, "WHOLE": "2"})
@@ -228,7 +236,7 @@ def test_a_checkpoint_saved_at_two_ranks_resumes_at_four_and_at_one(tmp_path, mo
     if mode == "chunked":
         assert any(f.startswith("model-00002-of-") for f in os.listdir(ckpt))     # rank 1 wrote a shard
         assert os.path.exists(os.path.join(ckpt, "optimizer.safetensors.index.json"))
-    ref, _, _ = reference(tiny_gpt(), gpt_batches(4, accum=2), grad_clip=0.05, accum=2)
+    ref, _, ref_out = reference(tiny_gpt(), gpt_batches(4, accum=2), grad_clip=0.05, accum=2)
 
     again = str(tmp_path / "again4")
     _launch(4, out + "4", 2, 0.05, 1, extra_env={"LOAD_FROM": ckpt, "SAVE_FIRST": again, "FIRST_STEP": "2",
@@ -237,6 +245,13 @@ def test_a_checkpoint_saved_at_two_ranks_resumes_at_four_and_at_one(tmp_path, mo
     assert set(reloaded) == set(saved) and all(torch.equal(reloaded[k], saved[k]) for k in saved)
     sds, runs = _results(out + "4", 4)
     assert runs[0]["steps"] == 4
+    assert_ranks_agree(sds, runs, "chunked")
+    reports = runs[0]["reports"]
+    assert_losses_close([x[0] for x in reports], [o[0] for o in ref_out],
+                        [o[0] for o in ref.__dict__["float64_truth"][2]], first_step=2)
+    assert all(o[1] > 0.05 for o in ref_out)         # clipping triggered on every step
+    torch.testing.assert_close(torch.tensor([x[1] for x in reports]), torch.tensor([o[1] for o in ref_out[2:]]),
+                               rtol=1e-5, atol=0)
     assert_weights_close(sds[0], ref)
 
     whole = gpt_batches(4, accum=2)

@@ -21,13 +21,13 @@ def batch(vocab=256, b=2, t=32, seed=0):
 
 def tight_budget(model, inputs, device_chunks=1, **cfg):
     """A device budget that holds the working set plus `device_chunks` chunks' fp32 state, no more."""
-    probe = pstar_fx.plan(model, pstar_fx.Config(device="cpu", placement="host", **cfg), inputs)
-    d = probe.device_breakdown
-    cs = probe_chunk_size(model, inputs, **cfg)
+    from pstar_fx.engine import Lowered
+    probe = Lowered(model, pstar_fx.Config(device="cpu", placement="host", **cfg), inputs)   # one capture
+    d, cs = probe.plan.device_breakdown, probe.layout.chunk_size
     dtype_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[cfg.get("dtype", "fp32")]
     working = (d["activations"] + d["buffers"] + d["gradient slots"] + d.get("workspace margin", 0)
                + 3 * cs * dtype_bytes)
-    return working + device_chunks * 12 * cs, len(probe.placement)
+    return working + device_chunks * 12 * cs, len(probe.plan.placement)
 
 
 def probe_chunk_size(model, inputs, **cfg):
@@ -157,11 +157,12 @@ def assert_matches_torch(model, batches, config, rel=None):
     return engine
 
 
-def assert_losses_close(losses, ref_losses, rel_or_truth):
+def assert_losses_close(losses, ref_losses, rel_or_truth, first_step=0):
     """Step t's loss within rel, or within the rounding reach of t - 1 steps and its own forward (`truth`:
-    the float64 run's losses)."""
-    for t, (a, r) in enumerate(zip(losses, ref_losses)):
-        tol = rel_or_truth if isinstance(rel_or_truth, float) else rounding_tolerance(r, rel_or_truth[t], t + 1)
+    the float64 run's losses). `losses` may start at step `first_step` of the reference's (a resumed run)."""
+    for t, (a, r) in enumerate(zip(losses, ref_losses[first_step:]), start=first_step):
+        tol = (rel_or_truth if isinstance(rel_or_truth, float) else
+               rounding_tolerance(r, float(rel_or_truth[t]), t + 1))    # float(): a loss, not a row of a report
         assert abs(a - r) <= tol * abs(r), f"step {t}: loss {a} vs torch {r} (relative {abs(a - r) / abs(r):.2e} > {tol:.2e})"
 
 
