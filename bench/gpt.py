@@ -172,7 +172,7 @@ def pstar_system(cfg, args, example):
                              optimizer={"type": "adamw", "lr": args.lr, "weight_decay": 0.1},
                              grad_clip=clip, grad_accum=args.grad_accum,
                              lr_schedule=parse_schedule(args.lr_schedule), transaction=args.transaction,
-                             compute=args.compute)
+                             compute=args.compute, optimizer_state=args.optimizer_state)
     t0 = time.perf_counter()
     engine = pstar_fx.compile(model, config, example_inputs=example)
     compile_s = time.perf_counter() - t0
@@ -188,7 +188,8 @@ def pstar_system(cfg, args, example):
              "placement_device_chunks": engine.plan.placement.count("device"),
              "chunks": len(engine.plan.placement), "recompute": engine.plan.recompute,
              "transaction": engine.plan.transaction, "transaction_cost": engine.plan.transaction_cost,
-             "compute": "inductor" if engine.config.compiles_compute else "eager"}
+             "compute": "inductor" if engine.config.compiles_compute else "eager",
+             "optimizer_state": engine.config.optimizer_state}
     step = (lambda idx, tgt: engine.step(input_ids=idx, labels=idx)) if args.hf else engine.step
     return step, extra, engine
 
@@ -395,6 +396,8 @@ def main(argv=None):
     ap.add_argument("--transaction", default="auto", help="pstar_fx Config.transaction")
     ap.add_argument("--compute", default="auto", choices=("auto", "eager", "inductor"),
                     help="pstar_fx Config.compute: the compute between chunk nodes eager or compiled by Inductor")
+    ap.add_argument("--optimizer-state", default="fp32", choices=("fp32", "bf16", "int8"),
+                    help="pstar_fx Config.optimizer_state (the Adam moments' format)")
     ap.add_argument("--profile", type=int, default=0, help="after the steps, this many more under torch.profiler: "
                     "GPU time per kernel (the top 25, and totals by kind: matmul, attention, other)")
     ap.add_argument("--clip-sweep", default=None, help="pstar_fx: after the steps, --steps more at each of these "
