@@ -15,9 +15,7 @@
 What differs between a CPU playing the device tier and a GPU is only how copies are ordered: `CpuCopies`
 runs every copy at once; `CudaCopies` puts them on a host->device and a device->host stream and orders
 every cross-stream use by an explicit event (no `record_stream`; all buffers come from pools allocated
-once), with timing events around each wait of the compute stream. It has a third stream, "adam", on which
-the updater runs device chunks' updates inside backward, beside the matmuls still to come (memory-bound
-work beside compute-bound); the compute stream joins it before the step's verdict (`join`).
+once), with timing events around each wait of the compute stream.
 """
 from __future__ import annotations
 
@@ -52,9 +50,6 @@ class CpuCopies:
     def host_waits(self, event) -> None:
         """The calling host thread waits for `event`."""
 
-    def join(self, stream: str) -> None:
-        """The compute stream waits for everything launched on `stream` so far."""
-
     def start_step(self) -> None:
         pass
 
@@ -70,7 +65,7 @@ class CudaCopies:
                           "interpreter, orders of magnitude slower; unset it for GPU training", RuntimeWarning)
         self.device, self.telemetry = device, telemetry
         self.compute = torch.cuda.current_stream(device)
-        self.streams = {name: torch.cuda.Stream(device) for name in ("h2d", "d2h", "adam")}
+        self.streams = {"h2d": torch.cuda.Stream(device), "d2h": torch.cuda.Stream(device)}
 
     def on(self, stream: str):
         return torch.cuda.stream(self.streams[stream])
@@ -101,9 +96,6 @@ class CudaCopies:
         if event is not None:
             event.synchronize()
 
-    def join(self, stream: str) -> None:
-        self.compute.wait_stream(self.streams[stream])
-
     def start_step(self) -> None:
         """Copies of this step may read masters the compute stream updated in the last one."""
         self.telemetry.count_stalls()
@@ -128,7 +120,7 @@ class Mover:
         self.grads: dict[int, torch.Tensor] = {}     # chunk -> its gradient slot, from first gradient to hand-over
         self._ready: dict[int, object] = {}          # chunk -> its copy-in event
         self._slot_done: dict[int, object] = {}      # slot data_ptr -> its last reader finished
-        self._grad_done: dict[int, list] = {}        # gradient slot data_ptr -> its last readers (copy out, update)
+        self._grad_done: dict[int, object] = {}      # gradient slot data_ptr -> its last copy out finished
         self.pinned = {c for c in range(len(layout.chunks))
                        if plan.placement[c] == "device" and dtype == torch.float32 and self.dp is None}
         for c in self.pinned:
@@ -199,18 +191,14 @@ class Mover:
         buf = self.grads.get(slot.chunk)
         if buf is None:
             buf = self.grads[slot.chunk] = self.grad_slots.take()
-            for event in self._grad_done.pop(buf.data_ptr(), ()):   # its last copy out and update are done
-                self.copies.compute_waits(event)
+            self.copies.compute_waits(self._grad_done.pop(buf.data_ptr(), None))   # its last copy out is done
         return buf[slot.offset: slot.offset + slot.numel]
 
     def hand_over(self, c: int) -> torch.Tensor:
         """Chunk c's gradient slot, for its update on the device; `give_back` returns it."""
         return self.grads.pop(c)
 
-    def give_back(self, buf: torch.Tensor, read=None) -> None:
-        """A gradient slot back to the pool; `read`: the event of its last reader on another stream (the update)."""
-        if read is not None:
-            self._grad_done.setdefault(buf.data_ptr(), []).append(read)
+    def give_back(self, buf: torch.Tensor) -> None:
         self.grad_slots.give(buf)
 
     def ship(self, buf: torch.Tensor, dst: torch.Tensor, n: int, also=None):
@@ -225,8 +213,7 @@ class Mover:
                 also[1].copy_(also[0], non_blocking=True)
             copied = self.copies.record()
         self.stats.d2h_bytes += n * buf.element_size()
-        if copied is not None:
-            self._grad_done.setdefault(buf.data_ptr(), []).append(copied)
+        self._grad_done[buf.data_ptr()] = copied
         return copied
 
     def offload(self, c: int, dst: torch.Tensor, also=None):

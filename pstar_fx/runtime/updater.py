@@ -189,18 +189,9 @@ class Updater:
             self.found_inf.add_((~torch.isfinite(sq)).float())   # gates this update and every later one
             if log.mode == "speculate" and self.kept:          # kept before it is used
                 self._keep(c, grad)
-            # the update runs on its own stream, beside the backward still to come; its gate is this chunk's
-            # snapshot of the flag (the compute stream goes on adding later chunks' findings to found_inf)
-            gate = self._flag_after[c:c + 1]
-            gate.copy_(self.found_inf)
-            written = self.copies.record()
-            with self.copies.on("adam"):
-                self.copies.wait(written)
-                self._adam(c, grad, log.hyper, found_inf=gate, check_finite=False)
-                read = self.copies.record()
+            self._adam(c, grad, log.hyper, found_inf=self.found_inf, check_finite=False)
+            self._flag_after[c:c + 1].copy_(self.found_inf)
             log.device.append(c)
-            self.mover.give_back(grad, read)
-            return
         self.mover.give_back(grad)
 
     def _keep(self, c: int, grad: torch.Tensor) -> None:
@@ -278,9 +269,7 @@ class Updater:
     # ---- the verdict and what follows it --------------------------------------------------------------
     def verdict(self) -> float:
         """The step's global sum of squared gradient entries (scaled by the loss scale squared): one sync.
-        An accumulating step waits for its host chunks' sums here. From here on the compute stream sees every
-        device update of the backward (what follows may undo, correct or read them)."""
-        self.copies.join("adam")
+        An accumulating step waits for its host chunks' sums here."""
         if self.log.mode in ("accumulate", "measure"):
             self._settle(self.log)
         per_param = self._sq.tolist()                      # the step's one sync
