@@ -537,7 +537,10 @@ class Engine:
                     bad = x[~ok].flatten()[0].item()
                     raise ValueError(f"{i}: value {bad} is out of range; the model uses this input as ids "
                                      f"in [0, {spec.index_bound})")
-            out.append(x.to(self.device, non_blocking=True))
+            x = x.to(self.device, non_blocking=True)
+            if any(x is y for y in out):   # one tensor passed twice (labels=input_ids): the compiled regions were
+                x = x.view(x.shape)        # built for distinct inputs, and a repeated one would recompile them
+            out.append(x)
         if k == 1:
             return [out]
         return [[x.chunk(k)[j] for x in out] for j in range(k)]

@@ -100,7 +100,8 @@ def test_regions_that_would_overrun_the_budget_stay_eager(dynamo_only):
 
 def test_regions_are_built_at_compile_and_never_again(dynamo_only, monkeypatch):
     """compile() builds every region on stand-in inputs laid out like the step's (chunk views at their offsets,
-    activations with their strides): the steps then reuse those builds, nothing is compiled or recompiled."""
+    activations with their strides): the steps then reuse those builds, nothing is compiled or recompiled, also
+    when one tensor is passed as two inputs (labels=input_ids; Dynamo guards against repeated inputs)."""
     from torch._dynamo.utils import counters
     model = _gpt()
     inputs = batch()
@@ -111,6 +112,17 @@ def test_regions_are_built_at_compile_and_never_again(dynamo_only, monkeypatch):
     graphs = counters["stats"]["unique_graphs"]
     for s in range(2):
         engine.step(*batch(seed=s))
+    assert counters["stats"]["unique_graphs"] == graphs
+    # every chunk on the device tier: the first region reads both inputs (the ids and the targets)
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", False)
+    engine = _engine(model, inputs, "inductor")
+    placeholders = [n for n in engine.graph.graph.nodes if n.op == "placeholder" and n.name.startswith("input_")]
+    assert len(placeholders) == 2
+    assert any(all(p in r.args for p in placeholders) for r in _regions(engine))
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    graphs = counters["stats"]["unique_graphs"]
+    ids = batch(seed=2)[0]
+    engine.step(ids, ids)
     assert counters["stats"]["unique_graphs"] == graphs
 
 

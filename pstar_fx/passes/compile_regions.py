@@ -144,7 +144,8 @@ def _example(spec, device: torch.device) -> torch.Tensor:
         base = torch.zeros(offset % 64 + val.numel(), dtype=val.dtype, device=device)
         return base[offset % 64:].view(val.shape)
     n = max(1, val.untyped_storage().nbytes() // val.element_size())
-    return torch.zeros(n, dtype=val.dtype, device=device).as_strided(val.shape, val.stride(), val.storage_offset())
+    where = val.device if val.device.type == "cpu" else device   # a value the step keeps on the CPU stays there
+    return torch.zeros(n, dtype=val.dtype, device=where).as_strided(val.shape, val.stride(), val.storage_offset())
 
 
 def _extract(ops: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> tuple[fx.GraphModule, str]:
