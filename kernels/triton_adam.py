@@ -80,6 +80,15 @@ def _f32_to_bf16_rne(x):
 
 
 @triton.jit
+def _store_16bit(ptr, offs, x, mask, OUT_KIND: tl.constexpr):
+    # the 16-bit copy of x, when there is one: OUT_KIND 1 bf16 (rounded to nearest even), 2 fp16 (cvt.rn)
+    if OUT_KIND == 1:
+        tl.store(ptr + offs, _f32_to_bf16_rne(x), mask=mask)
+    elif OUT_KIND == 2:
+        tl.store(ptr + offs, x.to(tl.float16), mask=mask)
+
+
+@triton.jit
 def _adam_update(p, g, m, v, l2_wd, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, step_size,
                  eps, DECOUPLED: tl.constexpr):
     """One Adam/AdamW step of (p, m, v) with the unscaled grad g, in torch.optim.AdamW's order."""
@@ -130,10 +139,7 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, flag_ptr, n,
     else:
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
-    if OUT_KIND == 1:
-        tl.store(out_ptr + offs, _f32_to_bf16_rne(p), mask=mask)
-    elif OUT_KIND == 2:
-        tl.store(out_ptr + offs, p.to(tl.float16), mask=mask)
+    _store_16bit(out_ptr, offs, p, mask, OUT_KIND)
 
 
 @triton.jit
@@ -181,10 +187,7 @@ def _adam_q8_kernel(p_ptr, g_ptr, mc_ptr, vc_ptr, ms_ptr, vs_ptr, out_ptr, flag_
     tl.store(vc_ptr + offs, _code(tl.div_rn(v, v_div[:, None]), uthr_ptr, GROUPS, QBLOCK), mask=mask)
     tl.store(ms_ptr + blk, m_absmax, mask=rows)
     tl.store(vs_ptr + blk, v_absmax, mask=rows)
-    if OUT_KIND == 1:
-        tl.store(out_ptr + offs, _f32_to_bf16_rne(p), mask=mask)
-    elif OUT_KIND == 2:
-        tl.store(out_ptr + offs, p.to(tl.float16), mask=mask)
+    _store_16bit(out_ptr, offs, p, mask, OUT_KIND)
 
 
 @triton.jit
@@ -225,10 +228,7 @@ def _undo_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, n, grad_scale, redo_scale,
     if REDO:
         p0, m0, v0 = _adam_update(p0, _unscale(g_raw, redo_scale, REDO_MODE), m0, v0, l2_wd, decay, beta1,
                                   one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, step_size, eps, DECOUPLED)
-        if OUT_KIND == 1:
-            tl.store(out_ptr + offs, _f32_to_bf16_rne(p0), mask=mask)
-        elif OUT_KIND == 2:
-            tl.store(out_ptr + offs, p0.to(tl.float16), mask=mask)
+        _store_16bit(out_ptr, offs, p0, mask, OUT_KIND)
     tl.store(p_ptr + offs, p0, mask=mask)
     tl.store(m_ptr + offs, m0, mask=mask)
     tl.store(v_ptr + offs, v0, mask=mask)
@@ -238,11 +238,7 @@ def _undo_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, n, grad_scale, redo_scale,
 def _cast_kernel(dst_ptr, src_ptr, n, BLOCK: tl.constexpr, OUT_KIND: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    x = tl.load(src_ptr + offs, mask=mask)
-    if OUT_KIND == 1:
-        tl.store(dst_ptr + offs, _f32_to_bf16_rne(x), mask=mask)
-    else:
-        tl.store(dst_ptr + offs, x.to(tl.float16), mask=mask)  # cvt.rn: round to nearest even
+    _store_16bit(dst_ptr, offs, tl.load(src_ptr + offs, mask=mask), mask, OUT_KIND)   # OUT_KIND 1 or 2
 
 
 @triton.jit
@@ -345,6 +341,8 @@ def adam_undo(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
 
 
 def cast_(dst, src, *, block=None, num_warps=None) -> None:
+    if dst.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"cast_ writes a 16-bit copy of fp32 values, not {dst.dtype}")
     n = src.numel()
     if n == 0:
         return

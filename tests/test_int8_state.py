@@ -28,16 +28,8 @@ import torch  # noqa: E402
 import pstar_fx  # noqa: E402
 from pstar_fx import Config  # noqa: E402
 from pstar_fx.kernels import adam_step, adam_undo, cpu_adam, quant8  # noqa: E402
+from test_bf16_state import HYPER, needs_ext, needs_triton, small_gpt  # noqa: E402  (the same marks, hyperparameters, model)
 
-try:
-    import triton  # noqa: F401
-    HAS_TRITON = os.environ.get("TRITON_INTERPRET") == "1"
-except ImportError:
-    HAS_TRITON = False
-
-needs_ext = pytest.mark.skipif(not cpu_adam.available(), reason="C++ extension not built")
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton with TRITON_INTERPRET=1")
-HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 N = 4099   # 16 full blocks and a short one; not a multiple of any SIMD width: the scalar tails run too
 OPT = {"type": "adamw", "lr": 3e-3, "weight_decay": 0.1}
 
@@ -183,15 +175,6 @@ def test_int8_moments_are_refused_where_they_do_not_fit():
 
 
 # ---- config, plan -----------------------------------------------------------------------------------------
-
-def small_gpt():
-    from pstar_fx.models import GPT, gpt_config
-    torch.manual_seed(0)
-    model = GPT(gpt_config("tiny"))
-    gen = torch.Generator().manual_seed(0)
-    idx = torch.randint(0, model.config.vocab_size, (2, 16), generator=gen)
-    return model, (idx, torch.roll(idx, -1, 1))
-
 
 def test_plan_counts_int8_state_exactly_and_picks_an_exact_transaction():
     model, inputs = small_gpt()
