@@ -29,8 +29,8 @@ from .capture import Capture, capture
 from .config import Config, format_bytes
 from .fxutil import role_nodes, tag
 from .layout import Layout, build_layout
-from .passes import (compile_regions, find_segments, fuse_optimizer, grads_in_place, insert_chunk_ops,
-                     lean_cross_entropy, localize_param_views, recompute, seed_random_ops)
+from .passes import (build_regions, compile_regions, find_segments, fuse_optimizer, grads_in_place,
+                     insert_chunk_ops, lean_cross_entropy, localize_param_views, recompute, seed_random_ops)
 from .passes.recompute import Segment, group_segments
 from .passes.recompute_ops import find_cheap_recomputes, op_segments
 from .costs import calibrate
@@ -324,7 +324,7 @@ class Engine:
         if regions:
             with phases("build regions", f"{len(regions)} compiled functions for the compute (Inductor), before "
                                          "chunk memory is allocated"):
-                built = sum(r.build(self.device) for r in regions)
+                built = build_regions(self.lowered.graph, self.device)
                 if built < len(regions):
                     log.info("%d of %d regions compile at their first call (an input's layout is unknown)",
                              len(regions) - built, len(regions))

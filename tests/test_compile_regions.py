@@ -126,6 +126,50 @@ def test_regions_are_built_at_compile_and_never_again(dynamo_only, monkeypatch):
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+@torch.library.custom_op("pstar_fx_test::column_major", mutates_args=())
+def column_major(x: torch.Tensor) -> torch.Tensor:
+    """x's values laid out column-major, where its fake says row-major: a library kernel whose result is not
+    what its fake value says (as flash attention's RNG seed is a CPU tensor, its fake a CUDA one)."""
+    return x.t().contiguous().t()
+
+
+@column_major.register_fake
+def _(x):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+column_major.register_autograd(lambda ctx, grad: grad)
+
+
+class _Unfaithful(torch.nn.Module):
+    """Two Linears (two chunks) and a value made by `column_major` in forward, read again in backward (h * h)."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+
+    def forward(self, x, y):
+        h = column_major(torch.relu(self.a(x)) * 2)
+        return ((self.b(h) + h * h - y) ** 2).mean()
+
+
+def test_a_region_input_another_region_returns_is_built_as_it_was_returned(dynamo_only, monkeypatch):
+    """build_regions lays out a region's input that an earlier region returns as that region's build returned it
+    (here column-major), not as its fake says (row-major): the step recompiles nothing."""
+    from torch._dynamo.utils import counters
+    torch.manual_seed(0)
+    model = _Unfaithful()
+    x, y = torch.randn(8, 64), torch.randn(8, 64)
+    engine = pstar_fx.compile(model, pstar_fx.Config(device="cpu", compute="inductor", placement="host",
+                                                     chunk_size=4224), (x, y))
+    assert len(engine.plan.placement) == 2 and len(_regions(engine)) >= 2
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    graphs = counters["stats"]["unique_graphs"]
+    for _ in range(2):
+        engine.step(x, y)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_inductor_regions_match_adamw():
     """Real Inductor kernels (C++ on the CPU): fp32 losses and weights within torch's rounding reach.
 

@@ -30,9 +30,9 @@ from .insert_chunk_ops import insert_chunk_ops
 from .lean_loss import lean_cross_entropy
 from .localize_views import localize_param_views
 from .recompute import find_segments, recompute
-from .compile_regions import compile_regions
+from .compile_regions import build_regions, compile_regions
 from .grads_in_place import grads_in_place
 from .seed_random import seed_random_ops
 
 __all__ = ["seed_random_ops", "localize_param_views", "lean_cross_entropy", "find_segments", "recompute",
-           "fuse_optimizer", "insert_chunk_ops", "grads_in_place", "compile_regions"]
+           "fuse_optimizer", "insert_chunk_ops", "grads_in_place", "compile_regions", "build_regions"]

@@ -45,10 +45,7 @@ _MOVE_DOWN = {"grad", "grad_mm", "release"}
 
 class Region:
     """One compiled function of a region's ops. Called like the ops it replaces: tensors in, a tuple out.
-
-    `build(device)` compiles it ahead of the first step on zero-filled inputs shaped, strided and aligned like
-    the step's: Inductor's autotuning then allocates (benchmark copies, a buffer the size of the L2 cache to
-    flush it) while no chunk memory exists yet, instead of on top of the plan's peak in the first step."""
+    `build_regions` compiles every one ahead of the first step."""
 
     def __init__(self, gm: fx.GraphModule, name: str, backend: str, specs: list):
         self.graph_module = gm              # the region's ops, readable: region.graph_module.code
@@ -60,17 +57,54 @@ class Region:
         with torch.no_grad():               # one grad mode, whoever calls: the compiled guards never differ
             return self._compiled(*args)
 
-    def build(self, device: torch.device) -> bool:
-        """Compile now; False when an input's shape is unknown (it then compiles at its first call)."""
-        if any(s is None for s in self._specs):
-            return False
-        self(*(_example(s, device) for s in self._specs))
-        return True
-
     def __repr__(self):
         ops = sum(1 for n in self.graph_module.graph.nodes if n.op == "call_function")
         return f"<Region {self.__name__}: {ops} ops>"
 
+
+def build_regions(gm: fx.GraphModule, device: torch.device) -> int:
+    """Compile every distinct region of `gm` now, in the order the step calls them, on zero-filled inputs laid
+    out like the step's; returns how many were built (one with an input of unknown shape compiles at its first
+    call). Inductor's autotuning then allocates (benchmark copies, a buffer the size of the L2 cache to flush
+    it) while no chunk memory exists yet, instead of on top of the plan's peak in the first step.
+
+    An input another region returns is laid out as that region's build returned it, not as its fake value
+    says: a library kernel inside a region may return something else than its fake. Flash and memory-efficient
+    attention return their RNG seed and offset as CPU tensors (their fakes: CUDA ones), and a stand-in on the
+    wrong device, or with other strides, would make the step recompile what was built."""
+    made: dict[fx.Node, _Layout] = {}              # a region's output (its getitem node) -> its layout as built
+    outputs: dict[Region, list[_Layout] | None] = {}
+    for node in gm.graph.nodes:
+        region = node.target
+        if not isinstance(region, Region):
+            continue
+        if region not in outputs:
+            specs = [("value", made[a], None) if a in made else spec for a, spec in zip(node.args, region._specs)]
+            if any(s is None for s in specs):
+                outputs[region] = None
+                continue
+            outs = region(*(_example(s, device) for s in specs))
+            outputs[region] = [_Layout.of(o) if isinstance(o, torch.Tensor) else None for o in outs]
+            del outs
+        if outputs[region] is not None:
+            for user in node.users:
+                if user.target is operator.getitem and outputs[region][user.args[1]] is not None:
+                    made[user] = outputs[region][user.args[1]]
+    return sum(v is not None for v in outputs.values())
+
+
+class _Layout:
+    """How a tensor lies: enough to make zeros laid out the same way (a fake value, or a real tensor's)."""
+    __slots__ = ("shape", "stride", "storage_offset", "storage_elems", "dtype", "device")
+
+    def __init__(self, shape, stride, storage_offset, storage_elems, dtype, device):
+        self.shape, self.stride, self.storage_offset = shape, stride, storage_offset
+        self.storage_elems, self.dtype, self.device = storage_elems, dtype, device
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "_Layout":
+        return _Layout(tuple(t.shape), t.stride(), t.storage_offset(),
+                       max(1, t.untyped_storage().nbytes() // t.element_size()), t.dtype, t.device)
 
 def _is_compute(node: fx.Node) -> bool:
     if node.op != "call_function" or hasattr(node.target, "seeded_op") or mutated_args(node):
@@ -128,12 +162,13 @@ def _region_io(ops: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
 
 
 def _spec(a: fx.Node):
-    """What an input of a region is: a parameter view (its fake value, its offset in the chunk), a value, None."""
+    """What an input of a region is: a parameter view (its fake value, its offset in the chunk), a value (its
+    fake value's layout), None (unknown)."""
     if a.op == "call_method" and a.target == "param" and "param" in a.meta:
         val, offset = a.meta["param"]
         return ("param", val, offset) if isinstance(val, torch.Tensor) else None
     val = a.meta.get("val")
-    return ("value", val, None) if isinstance(val, torch.Tensor) else None
+    return ("value", _Layout.of(val), None) if isinstance(val, torch.Tensor) else None
 
 
 def _example(spec, device: torch.device) -> torch.Tensor:
@@ -143,9 +178,9 @@ def _example(spec, device: torch.device) -> torch.Tensor:
     if kind == "param":           # a contiguous view at `offset` elements into a chunk's compute slot
         base = torch.zeros(offset % 64 + val.numel(), dtype=val.dtype, device=device)
         return base[offset % 64:].view(val.shape)
-    n = max(1, val.untyped_storage().nbytes() // val.element_size())
     where = val.device if val.device.type == "cpu" else device   # a value the step keeps on the CPU stays there
-    return torch.zeros(n, dtype=val.dtype, device=where).as_strided(val.shape, val.stride(), val.storage_offset())
+    return torch.zeros(val.storage_elems, dtype=val.dtype, device=where).as_strided(val.shape, val.stride,
+                                                                                    val.storage_offset)
 
 
 def _extract(ops: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> tuple[fx.GraphModule, str]:
@@ -163,7 +198,8 @@ def _extract(ops: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) 
     metas = []
     for spec in map(_spec, inputs):
         v = spec and spec[1]
-        metas.append((tuple(v.shape), v.stride(), str(v.dtype)) if v is not None else None)
+        metas.append((tuple(v.shape), tuple(v.stride) if spec[0] == "value" else v.stride(), str(v.dtype))
+                     if v is not None else None)
     return gm, gm.code + repr(metas)
 
 
