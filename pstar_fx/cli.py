@@ -707,7 +707,8 @@ def _job_summary(plan, args, config: Config, n_params: int, seq: int) -> str:
                    if r.coll_bw == NOMINAL_COLL_BW[kind] else "measured") + "), ") if plan.world > 1 else ""
         lines.append(f"rates the estimate uses ({r.device}): {coll}host->device {_num(r.h2d_bw / 1e9)} GB/s, device->host "
                      f"{_num(r.d2h_bw / 1e9)} GB/s, matmul {_num(r.flops / 1e12)} TFLOP/s, device memory "
-                     f"{_num(r.mem_bw / 1e12)} TB/s, host Adam {_num(r.host_adam / 1e9)} G params/s")
+                     f"{_num(r.mem_bw / 1e12)} TB/s, host Adam {_num(r.host_adam_with(plan.optimizer_state) / 1e9)} "
+                     f"G params/s" + (f" ({plan.optimizer_state} moments)" if plan.optimizer_state != "fp32" else ""))
     return "\n".join(lines)
 
 

@@ -33,15 +33,24 @@ class Rates:
     mem_bw: float          # device memory bytes/s (read + write)
     h2d_bw: float          # host -> device bytes/s
     d2h_bw: float          # device -> host bytes/s
-    host_adam: float       # host Adam parameters/s (all cores)
+    host_adam: float       # host Adam parameters/s (all cores), fp32 moments
     workspace_bytes: int = 0   # device bytes the libraries keep once used (cuBLAS/cuBLASLt workspaces)
     # a collective's bus bandwidth between data-parallel ranks (bytes/s each rank moves in a ring broadcast or
     # reduce); 0: not measured, the nominal figure for the device is used
     coll_bw: float = 0.0
+    # host Adam parameters/s with bf16 and with int8 moments (Config.optimizer_state); 0: not measured, the fp32
+    # figure stands in. int8's (de)quantization costs compute: 2.5x fewer parameters/s than fp32 (2-core AVX2 VM)
+    host_adam_bf16: float = 0.0
+    host_adam_int8: float = 0.0
 
     def __post_init__(self):
         if not self.coll_bw:
             self.coll_bw = NOMINAL_COLL_BW["cpu" if self.device.startswith("cpu") else "cuda"]
+
+    def host_adam_with(self, optimizer_state: str) -> float:
+        """Host Adam parameters/s with moments stored as `optimizer_state` ("fp32", "bf16", "int8")."""
+        rate = {"bf16": self.host_adam_bf16, "int8": self.host_adam_int8}.get(optimizer_state, 0.0)
+        return rate or self.host_adam
 
     @staticmethod
     def nominal(device: torch.device) -> "Rates":
@@ -60,7 +69,7 @@ _MEASURED: dict[str, Rates] = {}     # this process's measurements, when the cac
 
 def _cache_path(key: str) -> str:
     root = os.environ.get("PSTAR_FX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pstar_fx")
-    return os.path.join(root, f"rates-v2-{key}.json")
+    return os.path.join(root, f"rates-v3-{key}.json")
 
 
 def _device_key(device: torch.device) -> str:
@@ -185,11 +194,26 @@ def _measure(device: torch.device, dtype: torch.dtype, key: str) -> Rates:
     h = torch.empty(elems, pin_memory=pin)
     h2d = x.nbytes / _timeit(lambda: x.copy_(h, non_blocking=pin), device)
     d2h = x.nbytes / _timeit(lambda: h.copy_(x, non_blocking=pin), device)
-    p, g, m, v = (torch.rand(2**24) for _ in range(4))   # 256 MB: out of cache, like a chunk
-    from pstar_fx.kernels import adam_step
-    adam = p.numel() / _timeit(lambda: adam_step(p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                                                  weight_decay=0.0), torch.device("cpu"))
-    return Rates(key, flops, mem_bw, h2d, d2h, adam, workspace)
+    adam = {state: _host_adam_rate(state) for state in ("fp32", "bf16", "int8")}
+    return Rates(key, flops, mem_bw, h2d, d2h, adam["fp32"], workspace, host_adam_bf16=adam["bf16"],
+                 host_adam_int8=adam["int8"])
+
+
+def _host_adam_rate(state: str, n: int = 2**24) -> float:
+    """Host Adam parameters/s over `n` elements (fp32: 256 MB of state, out of cache like a chunk's) with moments
+    stored as `state`."""
+    from pstar_fx.kernels import adam_step, quant8
+    p, g = torch.rand(n), torch.rand(n)
+    scales = {}
+    if state == "int8":
+        m = torch.full((n,), quant8.SIGNED_ZERO, dtype=torch.uint8)
+        v = torch.zeros(n, dtype=torch.uint8)
+        scales = dict(exp_avg_absmax=torch.zeros(quant8.blocks(n)), exp_avg_sq_absmax=torch.zeros(quant8.blocks(n)))
+    else:
+        dtype = torch.bfloat16 if state == "bf16" else torch.float32
+        m, v = torch.zeros(n, dtype=dtype), torch.zeros(n, dtype=dtype)
+    return n / _timeit(lambda: adam_step(p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                                         weight_decay=0.0, **scales), torch.device("cpu"))
 
 
 if __name__ == "__main__":     # python -m pstar_fx.costs DEVICE DTYPE KEY: one measurement, as JSON

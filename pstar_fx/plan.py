@@ -511,8 +511,8 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     node_secs = [node_seconds(n, rates) for n in nodes]
     host_used = (n_own - n_device) * state_bytes + host_staging
     room = None if config.host_memory is None else (config.host_memory - host_used) // (cs * compute_itemsize)
-    host_grad_buffers, adam_exposed = _host_adam_pipeline(planned, layout, node_secs, reads, adam_at, rates,
-                                                          cuda, room)
+    host_grad_buffers, adam_exposed = _host_adam_pipeline(planned, layout, node_secs, reads, adam_at,
+                                                          rates.host_adam_with(config.optimizer_state), cuda, room)
     if kept_bytes:                     # every host chunk's gradient lands in its own kept buffer: no pool
         host_grad_buffers = 0
     host_used += max(0, host_grad_buffers - 2) * cs * compute_itemsize + kept_bytes
@@ -618,9 +618,10 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
 
 
 def _host_adam_pipeline(placement: list[str], layout: Layout, node_secs: list[float], reads: list[set[int]],
-                        adam_at: dict[int, int], rates, cuda: bool, room: int | None,
+                        adam_at: dict[int, int], host_adam: float, cuda: bool, room: int | None,
                         most: int = 32) -> tuple[int, float]:
-    """(host gradient buffers, seconds of host Adam the step cannot hide), by simulating the pipeline.
+    """(host gradient buffers, seconds of host Adam the step cannot hide), by simulating the pipeline; `host_adam`:
+    the host Adam's parameters/s with the configured moments.
 
     Backward hands each host chunk's gradient to one worker that runs the host Adam chunk after chunk.
     A gradient waits in a host buffer until its Adam is done; with every buffer taken, the thread that
@@ -633,14 +634,14 @@ def _host_adam_pipeline(placement: list[str], layout: Layout, node_secs: list[fl
     if not host:
         return (1 if "host" in placement else 0), 0.0
     if not cuda:
-        return 1, sum(layout.chunks[c].used_elems for c in host) / rates.host_adam
+        return 1, sum(layout.chunks[c].used_elems for c in host) / host_adam
     clock, t = [], 0.0
     for s in node_secs:
         t += s
         clock.append(t)
     first_host_read = next((clock[i] - node_secs[i] for i, r in enumerate(reads)
                             if any(placement[c] == "host" for c in r)), 0.0)
-    adam_s = [layout.chunks[c].used_elems / rates.host_adam for c in host]
+    adam_s = [layout.chunks[c].used_elems / host_adam for c in host]
 
     def simulate(k: int) -> float:
         delay, done = 0.0, []

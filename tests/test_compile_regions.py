@@ -98,7 +98,7 @@ def test_regions_that_would_overrun_the_budget_stay_eager(dynamo_only):
     assert engine.memory_stats()["device_peak_bytes"] <= base.device_peak_bytes
 
 
-def test_regions_are_built_at_compile_and_never_again(dynamo_only, monkeypatch):
+def test_regions_are_built_at_compile_and_never_again(dynamo_only):
     """compile() builds every region on stand-in inputs laid out like the step's (chunk views at their offsets,
     activations with their strides): the steps then reuse those builds, nothing is compiled or recompiled, also
     when one tensor is passed as two inputs (labels=input_ids; Dynamo guards against repeated inputs)."""
@@ -108,18 +108,17 @@ def test_regions_are_built_at_compile_and_never_again(dynamo_only, monkeypatch):
     budget, _ = tight_budget(model, inputs, device_chunks=2, chunk_size=CHUNK)
     engine = _engine(model, inputs, "inductor", device_memory=budget)
     assert "build regions" in engine.phases.seconds
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    # a recompile is one graph more (counted, not raised by error_on_recompile: in one full-suite run Dynamo's
+    # config had no such attribute by the time a test here patched it)
     graphs = counters["stats"]["unique_graphs"]
     for s in range(2):
         engine.step(*batch(seed=s))
     assert counters["stats"]["unique_graphs"] == graphs
     # every chunk on the device tier: the first region reads both inputs (the ids and the targets)
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", False)
     engine = _engine(model, inputs, "inductor")
     placeholders = [n for n in engine.graph.graph.nodes if n.op == "placeholder" and n.name.startswith("input_")]
     assert len(placeholders) == 2
     assert any(all(p in r.args for p in placeholders) for r in _regions(engine))
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     graphs = counters["stats"]["unique_graphs"]
     ids = batch(seed=2)[0]
     engine.step(ids, ids)
@@ -153,7 +152,7 @@ class _Unfaithful(torch.nn.Module):
         return ((self.b(h) + h * h - y) ** 2).mean()
 
 
-def test_a_region_input_another_region_returns_is_built_as_it_was_returned(dynamo_only, monkeypatch):
+def test_a_region_input_another_region_returns_is_built_as_it_was_returned(dynamo_only):
     """build_regions lays out a region's input that an earlier region returns as that region's build returned it
     (here column-major), not as its fake says (row-major): the step recompiles nothing."""
     from torch._dynamo.utils import counters
@@ -163,8 +162,7 @@ def test_a_region_input_another_region_returns_is_built_as_it_was_returned(dynam
     engine = pstar_fx.compile(model, pstar_fx.Config(device="cpu", compute="inductor", placement="host",
                                                      chunk_size=4224), (x, y))
     assert len(engine.plan.placement) == 2 and len(_regions(engine)) >= 2
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
-    graphs = counters["stats"]["unique_graphs"]
+    graphs = counters["stats"]["unique_graphs"]     # a recompile is one more
     for _ in range(2):
         engine.step(x, y)
     assert counters["stats"]["unique_graphs"] == graphs

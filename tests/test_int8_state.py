@@ -193,6 +193,24 @@ def test_plan_counts_int8_state_exactly_and_picks_an_exact_transaction():
     assert engine.memory_stats()["device_peak_bytes"] <= engine.plan.device_peak_bytes
 
 
+def test_the_plan_times_the_host_adam_at_the_rate_of_its_moments():
+    """The host Adam's seconds in the estimate are at the rate measured for the configured moments (int8's
+    (de)quantization makes it several times slower than fp32's), not at fp32's."""
+    from pstar_fx.costs import assumed
+    from pstar_fx.engine import Lowered
+    model, inputs = small_gpt()
+    cfg = Config.from_dict({"device": "cpu", "chunk_size": 16384, "placement": "host", "optimizer_state": "int8"})
+    with assumed(host_adam=1e9, host_adam_int8=1e9):
+        lowered = Lowered(model, cfg, inputs)
+    with assumed(host_adam=1e9, host_adam_int8=1e8):
+        slow = pstar_fx.plan(model, cfg, inputs)
+    updated = sum(ch.used_elems for c, ch in enumerate(lowered.layout.chunks)
+                  if ch.grad_spans() and lowered.plan.placement[c] == "host")
+    assert updated > 0
+    extra = slow.estimated_step_seconds - lowered.plan.estimated_step_seconds
+    assert math.isclose(extra, updated * (1 / 1e8 - 1 / 1e9), rel_tol=1e-6), (extra, updated)
+
+
 # ---- the engine -------------------------------------------------------------------------------------------
 
 def compile_gpt(state_mode, placement="device", chunk_size=16384, resume=None):

@@ -106,6 +106,7 @@ class _Layout:
         return _Layout(tuple(t.shape), t.stride(), t.storage_offset(),
                        max(1, t.untyped_storage().nbytes() // t.element_size()), t.dtype, t.device)
 
+
 def _is_compute(node: fx.Node) -> bool:
     if node.op != "call_function" or hasattr(node.target, "seeded_op") or mutated_args(node):
         return False
