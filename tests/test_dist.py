@@ -127,10 +127,9 @@ def test_ranks_equal_one_process_on_the_whole_batch(tmp_path, mode, world, clip,
     steps = 3
     out = str(tmp_path / "run")
     env = {"TRANSACTION": variant} if variant in ("replay", "two_pass") else {}
-    if variant == "mixed":
-        env["REGIONS"] = "eager"
     env["EVAL"] = "1" if clip is None else ""
-    if variant == "mixed":                    # a device budget that holds some of each rank's chunks
+    if variant == "mixed":                    # regions, and a device budget that holds some of each rank's chunks
+        env["REGIONS"] = "eager"
         local = tuple(x.chunk(world)[0] for x in gpt_batches(1, accum=world * accum)[0])
         on_host = pstar_fx.plan(tiny_gpt(), {"device": "cpu", "placement": "host", "chunk_size": 16384,
                                              "optimizer": OPT, "grad_clip": clip}, local, world=world)

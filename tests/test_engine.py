@@ -30,12 +30,6 @@ def tight_budget(model, inputs, device_chunks=1, **cfg):
     return working + device_chunks * 12 * cs, len(probe.plan.placement)
 
 
-def probe_chunk_size(model, inputs, **cfg):
-    eng_cfg = pstar_fx.Config(device="cpu", placement="host", **cfg)
-    from pstar_fx.engine import Lowered
-    return Lowered(model, eng_cfg, inputs).layout.chunk_size
-
-
 def reference_run(model, batches, opt_cfg, dtype=torch.float32, loss_of=lambda model, inputs: model(*inputs)):
     """Eager `model` + torch.optim.AdamW (or Adam) over `batches`; `loss_of(model, batch)` calls it (a tuple of
     positional inputs by default). The fp32 run keeps its float64 twin beside it (`attach_truth`)."""

@@ -25,6 +25,7 @@ Regions with the same ops on the same shapes (every transformer block's) share o
 """
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -163,11 +164,11 @@ def _region_io(ops: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
 
 
 def _spec(a: fx.Node):
-    """What an input of a region is: a parameter view (its fake value, its offset in the chunk), a value (its
-    fake value's layout), None (unknown)."""
+    """What an input of a region is: a parameter view (its fake value's layout, its offset in the chunk), a value
+    (its fake value's layout), None (unknown)."""
     if a.op == "call_method" and a.target == "param" and "param" in a.meta:
         val, offset = a.meta["param"]
-        return ("param", val, offset) if isinstance(val, torch.Tensor) else None
+        return ("param", _Layout.of(val), offset) if isinstance(val, torch.Tensor) else None
     val = a.meta.get("val")
     return ("value", _Layout.of(val), None) if isinstance(val, torch.Tensor) else None
 
@@ -177,7 +178,7 @@ def _example(spec, device: torch.device) -> torch.Tensor:
     Zeros, because an index read by an op (embedding, a loss's targets) must be in range."""
     kind, val, offset = spec
     if kind == "param":           # a contiguous view at `offset` elements into a chunk's compute slot
-        base = torch.zeros(offset % 64 + val.numel(), dtype=val.dtype, device=device)
+        base = torch.zeros(offset % 64 + math.prod(val.shape), dtype=val.dtype, device=device)
         return base[offset % 64:].view(val.shape)
     where = val.device if val.device.type == "cpu" else device   # a value the step keeps on the CPU stays there
     return torch.zeros(val.storage_elems, dtype=val.dtype, device=where).as_strided(val.shape, val.stride,
@@ -199,8 +200,7 @@ def _extract(ops: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) 
     metas = []
     for spec in map(_spec, inputs):
         v = spec and spec[1]
-        metas.append((tuple(v.shape), tuple(v.stride) if spec[0] == "value" else v.stride(), str(v.dtype))
-                     if v is not None else None)
+        metas.append((v.shape, tuple(v.stride), str(v.dtype)) if v is not None else None)
     return gm, gm.code + repr(metas)
 
 
