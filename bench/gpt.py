@@ -333,7 +333,8 @@ def _max_rss() -> int:
 
 
 def profile_steps(step, batches, n: int) -> dict:
-    """GPU kernel time of `n` steps by kind, and the 25 largest kernels (torch.profiler)."""
+    """GPU kernel time of `n` steps by kind, every kernel (the 25 largest printed) and the stretches when no
+    kernel ran on any stream, with the kernels either side (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -356,14 +357,19 @@ def profile_steps(step, batches, n: int) -> dict:
         rows.append((us / 1e6 / n, e.count // n, e.key[:90]))
     rows.sort(reverse=True)
     # the union of kernel intervals over every stream: busy time; the kernels' sum less it: what ran side by side
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+    spans = sorted((e.time_range.start, e.time_range.end, e.name[:60]) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
-    busy, end = 0.0, -math.inf
-    for a, b in spans:
+    busy, end, last, gaps = 0.0, -math.inf, "", []
+    for a, b, name in spans:
+        if a > end > -math.inf:     # no kernel on any stream between `last` ending and `name` starting
+            gaps.append(((a - end) / 1e3, last, name))
         if b > end:
             busy += b - max(a, end)
-            end = b
+            end, last = b, name
+    gaps.sort(reverse=True)
     wall = (spans[-1][1] - spans[0][0]) / 1e6 / n if spans else 0.0
+    print(f"idle stretches inside the span: {sum(g for g, _, _ in gaps) / n:.2f} ms per step, the longest: "
+          + "; ".join(f"{g:.2f} ms {x} -> {y}" for g, x, y in gaps[:5]), file=sys.stderr)
     busy = busy / 1e6 / n
     overlap = sum(kinds.values()) - busy
     print("profile, GPU seconds per step by kind: " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(kinds.items()))
@@ -372,7 +378,11 @@ def profile_steps(step, batches, n: int) -> dict:
         print(f"  {s_:8.4f} s  x{c:<5d} {name}", file=sys.stderr)
     return {"by_kind_s": {k: round(v, 4) for k, v in kinds.items()}, "busy_s": round(busy, 4),
             "kernel_span_s": round(wall, 4), "side_by_side_s": round(overlap, 4),
-            "top": [{"s": round(s_, 5), "calls": c, "kernel": name} for s_, c, name in rows[:25]]}
+            "top": [{"s": round(s_, 5), "calls": c, "kernel": name} for s_, c, name in rows[:25]],
+            "kernels": [{"s": round(s_, 6), "calls": c, "kernel": name} for s_, c, name in rows],
+            # the idle stretches (every stream idle) of all n steps, longest first: what ran before and after
+            "idle_gaps_ms": [{"ms": round(g, 3), "after": x, "before": y} for g, x, y in gaps[:40]],
+            "idle_gaps_total_ms_per_step": round(sum(g for g, _, _ in gaps) / n, 3)}
 
 
 def main(argv=None):
