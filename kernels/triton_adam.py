@@ -250,10 +250,52 @@ def _sq_sum_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr, KIND: tl.constexp
     tl.store(partial_ptr + pid, tl.sum(x * x, axis=0))
 
 
-# The same sum as _sq_sum_kernel, compiled without specializing on x's alignment: Triton would otherwise
-# pick wider loads (more elements per thread, hence another reduction order) for a 16-byte aligned x, and
-# a parameter's squared norm would change its last bits with its offset in the chunk.
-_sq_sum_any_alignment = triton.jit(_sq_sum_kernel.fn, do_not_specialize_on_alignment=["x_ptr"])
+@triton.jit
+def _sq_sum_blocks_kernel(x_ptr, start_ptr, end_ptr, partial_ptr, BLOCK: tl.constexpr, KIND: tl.constexpr):
+    # program i: the fp32 sum of squares of x[start[i]:end[i]] (at most BLOCK elements; blocks start at their
+    # segment's first element). The offsets are loaded, so the compiler knows nothing of their alignment and
+    # lays out every block alike: a block's sum depends on its elements alone, not on where it lies in x.
+    pid = tl.program_id(0)
+    start = tl.load(start_ptr + pid)
+    offs = start + tl.arange(0, BLOCK)
+    x = _load_f32(x_ptr, offs, offs < tl.load(end_ptr + pid), KIND)
+    tl.store(partial_ptr + pid, tl.sum(x * x, axis=0))
+
+
+@triton.jit
+def _sum_segments_f64_kernel(partial_ptr, first_ptr, out_ptr, BLOCK: tl.constexpr):
+    # program j: segment j's partials first[j]:first[j+1] summed in float64, lane k taking partials k, k+BLOCK,
+    # ... of the segment in order, then one tree: the order is a function of the segment's partial count only
+    seg = tl.program_id(0)
+    lo = tl.load(first_ptr + seg)
+    hi = tl.load(first_ptr + seg + 1)
+    acc = tl.zeros([BLOCK], dtype=tl.float64)
+    for i in range(lo, hi, BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        acc += tl.load(partial_ptr + offs, mask=offs < hi, other=0.0).to(tl.float64)
+    tl.store(out_ptr + seg, tl.sum(acc, axis=0))
+
+
+_SEGMENT_TABLES: dict = {}   # (segments, device, block) -> (block starts, block ends, first block per segment)
+
+
+def _segment_table(segments, device: torch.device, block: int):
+    """Each segment cut into blocks of `block` elements from its first element, as device tensors; a chunk's
+    segments never change, so each table is built (one host-to-device copy) once."""
+    key = (tuple(segments), device, block)
+    table = _SEGMENT_TABLES.get(key)
+    if table is None:
+        starts, ends, first = [], [], [0]
+        for off, n in segments:
+            for b in range(off, off + n, block):
+                starts.append(b)
+                ends.append(min(b + block, off + n))
+            first.append(len(starts))
+        table = tuple(torch.tensor(v, dtype=torch.int64).to(device) for v in (starts, ends, first))
+        if len(_SEGMENT_TABLES) > 4096:          # many distinct layouts (tests): forget the oldest
+            _SEGMENT_TABLES.pop(next(iter(_SEGMENT_TABLES)))
+        _SEGMENT_TABLES[key] = table
+    return table
 
 
 def _scale_mode(grad_scale: float):
@@ -362,18 +404,22 @@ def sq_norm_partials(x, *, block=None, num_warps=None) -> torch.Tensor:
 
 
 def sq_norms(x, segments, *, block=None, num_warps=None) -> torch.Tensor:
-    """Per segment: fp32 partials per block (blocks start at the segment's first element) summed in float64."""
-    out = []
-    for off, n in segments:
-        seg = x[off:off + n]
-        blk, warps = _launch_shape("sq_sum", n, x.device, block, num_warps)
-        partials = torch.zeros(max(1, triton.cdiv(n, blk)), dtype=torch.float32, device=x.device)
-        if n > 0:
-            with _quiet(x.device):
-                _sq_sum_any_alignment[(triton.cdiv(n, blk),)](seg, partials, n, BLOCK=blk, KIND=_KIND[x.dtype],
-                                                              num_warps=warps)
-        out.append(partials.sum(dtype=torch.float64))
-    return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64, device=x.device)
+    """Per segment: fp32 partials per block (blocks start at the segment's first element) summed in float64.
+    Two launches for all the segments (a chunk's parameters: hundreds of them), whatever their number."""
+    out = torch.empty(len(segments), dtype=torch.float64, device=x.device)
+    if not segments:
+        return out
+    # one block size for every segment (not sized by each), so a segment's sum is a function of it alone; the
+    # GPU's under the interpreter too (parameters are small there; a 64K block would cost each one 64K lanes)
+    blk, warps = block or GPU_BLOCK["sq_sum"], num_warps or GPU_WARPS["sq_sum"]
+    starts, ends, first = _segment_table(segments, x.device, blk)
+    partials = torch.empty(max(1, starts.numel()), dtype=torch.float32, device=x.device)
+    with _quiet(x.device):
+        if starts.numel():
+            _sq_sum_blocks_kernel[(starts.numel(),)](x, starts, ends, partials, BLOCK=blk, KIND=_KIND[x.dtype],
+                                                    num_warps=warps)
+        _sum_segments_f64_kernel[(len(segments),)](partials, first, out, BLOCK=256, num_warps=4)
+    return out
 
 
 def sq_norm(x, **launch) -> torch.Tensor:

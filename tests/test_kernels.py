@@ -549,6 +549,30 @@ def test_sq_norm_vs_float64(backend, device, dtype, n):
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS)
+def test_sq_norms_of_a_segment_do_not_depend_on_where_it_lies(backend, device):
+    """sq_norms: a segment's sum of squares has the same bits at every offset (alignment) and beside any
+    neighbours (other segments of the same call, before and after it), at sizes below and above the C++
+    kernel's parallel threshold and block and Triton's block; and it is the float64 sum to the rounding of
+    fp32 partials. The engine's global norm is built from these, so it does not depend on the chunk layout."""
+    g = torch.Generator().manual_seed(0)
+    for n in (7, 1000, 40000, 200001):
+        x = torch.randn(n, generator=g) * torch.rand(n, generator=g).exp()
+        truth = x.double().square().sum().item()
+        seen = set()
+        for off in range(0, 17, 2 if backend == "triton" and device == "cpu" else 1):   # the interpreter is slow
+            buf = torch.randn(n + 40, generator=g)
+            buf[off: off + n] = x
+            before = [(0, off)] if off else []
+            out = ops.sq_norms(buf.to(device), before + [(off, n), (off + n, 3), (off + n, 0)], backend=backend)
+            assert out.dtype == torch.float64 and out.device.type == device
+            seen.add(out[len(before)].item())
+            assert out[-1].item() == 0.0
+        assert len(seen) == 1, (n, seen)
+        # fp32 partials of at most 64K squares each: relative error below 64K * 2^-24 (a loose bound)
+        assert abs(seen.pop() - truth) <= 4e-3 * truth, n
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
 def test_sq_norm_nonfinite_propagates(backend, device):
     x = torch.ones(1000, device=device)
     x[10] = float("inf")
