@@ -574,6 +574,9 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     plan.profile = NodeProfile([n.name for n in nodes], act_per_node,
                                next((i for i, n in enumerate(nodes) if n in tangent_users), len(nodes)),
                                adam_at, chunk_elems=cs, param_elems=layout.param_elems)
+    if keeps_compute_copies(plan, config.torch_dtype):
+        notes.append("every chunk has a compute slot for good: a device chunk's 16-bit compute copy stays from step "
+                     "to step, written by its update, not cast from the master at each fetch")
     if cuda:
         notes.append(f"CUDA memory model: each value rounded up to {CUDA_BLOCK_BYTES} B (the caching allocator's "
                      f"block), plus {format_bytes(workspace)} for cuBLAS workspaces (measured) and the step's small "
@@ -748,6 +751,15 @@ def _max_overlap(intervals: list[tuple[int, int]]) -> int:
         cur += d
         best = max(best, cur)
     return best
+
+
+def keeps_compute_copies(plan: Plan, compute_dtype: torch.dtype) -> bool:
+    """Whether each device chunk keeps its 16-bit compute copy from step to step: the plan gave every chunk a
+    compute slot (none is ever evicted), compute is 16-bit (fp32 device chunks compute on their masters), and
+    one rank holds every chunk (partitioned ranks broadcast their compute copies each step). The device Adam
+    then writes the copy as it updates the master (+2 B/param written) instead of each step's first fetch
+    casting it (6 B/param moved, one launch per chunk)."""
+    return compute_dtype.itemsize != 4 and plan.world == 1 and plan.slots >= len(plan.placement) > 0
 
 
 def _why(plan: Plan, config: Config, min_slots: int, budget: int | None) -> str:

@@ -547,6 +547,41 @@ def test_bf16_with_16bit_shadows_corrects_like_two_passes():
         assert float((ours - theirs).norm() / theirs.norm()) < 2.0**-9, transaction
 
 
+@pytest.mark.parametrize("clip", [0.05, None], ids=["clipped", "unclipped"])
+@pytest.mark.parametrize("transaction", ["kept_grads", "replay", "two_pass", "deferred"])
+def test_device_chunks_compute_on_16bit_copies_their_updates_keep(monkeypatch, transaction, clip):
+    """bf16, every chunk on the device with a slot of its own: each device chunk's bf16 compute copy stays from
+    step to step, written by its Adam, undo and correction (plan.keeps_compute_copies), instead of cast from
+    the master at each step's fetch. Clipped, clipping triggers every step (a correction, or a replay);
+    unclipped, every update stands as applied. Step 2 is non-finite (skipped). The run equals, bit for bit, the
+    same run casting at every fetch, and every copy is its master rounded."""
+    import pstar_fx.runtime.store as store_module
+    torch.manual_seed(0)
+    model = Regression()
+    batches = regression_batches(5, overflow_at=(2,))
+    config = {"device": "cpu", "placement": "device", "chunk_size": 4096, "dtype": "bf16", "optimizer": OPT,
+              "grad_clip": clip, "transaction": transaction}
+    runs = []
+    for keep in (True, False):
+        monkeypatch.setattr(store_module, "keeps_compute_copies", lambda plan, dtype, keep=keep: keep)
+        engine = pstar_fx.compile(model, config, batches[0])
+        mover, store = engine.rt.mover, engine.rt.store
+        n = len(engine.plan.placement)
+        assert n > 1 and set(engine.plan.placement) == {"device"} and engine.plan.slots == n
+        assert mover.slots.size == (0 if keep else n) and len(store.shadow) == (n if keep else 0)
+        with pytest.warns(RuntimeWarning, match="skipped"):
+            reports = run(engine, batches)
+        assert [r.skipped for r in reports] == [False, False, True, False, False]
+        assert all((r.clip_coef < 1) == (clip is not None) for r in reports if not r.skipped)
+        for c, copy16 in store.shadow.items():
+            assert torch.equal(copy16, store.master[c].to(torch.bfloat16)), c
+        runs.append(([r.loss for r in reports], engine.state_dict(), optimizer_state(engine)))
+    (loss_a, sd_a, st_a), (loss_b, sd_b, st_b) = runs
+    assert loss_a[:2] == loss_b[:2] and loss_a[3:] == loss_b[3:]       # (step 2's loss is NaN in both)
+    assert all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)
+    assert all(torch.equal(a, b) for a, b in zip(st_a, st_b))
+
+
 def _real(name, w):
     """The weights whose gradient is not rounding noise: the key part of a qkv bias has a true gradient of
     zero (softmax ignores a per-query constant), which Adam turns into lr-sized steps of noise."""

@@ -6,6 +6,8 @@
                for a device chunk; for a host chunk its 16-bit shadow (2 B/param cross), a cast on the host
                into staging (2 B/param), or the fp32 master (4 B/param) cast on the device from staging;
                with chunk-partitioned data parallelism only c's owner does that, then broadcasts the slot;
+               (nothing, for a chunk whose compute copy stays on the device between steps: an fp32 device
+               chunk's master, or the 16-bit copy its updates keep current, plan.keeps_compute_copies);
   fetch(c)     the compute waits until that copy has landed (prefetching first if the plan did not);
   release(c)   the slot is free once its last reader has run;
   param(i)     parameter i as a view of its chunk's compute copy;
@@ -111,7 +113,10 @@ class Mover:
         self.dp = dp if dp is not None and dp.chunked else None   # runtime.dist.DataParallel, partitioned
         layout, dtype, cs = store.layout, store.compute_dtype, store.layout.chunk_size
         self.layout = layout
-        self.slots = Pool([store.alloc("device", cs, dtype) for _ in range(plan.slots)])
+        # a device chunk with a 16-bit copy on the device (plan.keeps_compute_copies) computes on it: no slot
+        resident = {c: t for c, t in store.shadow.items() if t.device.type == store.device.type
+                    and plan.placement[c] == "device"}
+        self.slots = Pool([store.alloc("device", cs, dtype) for _ in range(plan.slots - len(resident))])
         self.grad_slots = Pool([store.alloc("device", cs, dtype) for _ in range(plan.grad_slots)])
         self._staging = (store.alloc("device", cs, torch.float32)
                          if "fp32" in plan.ship and dtype != torch.float32 else None)
@@ -125,10 +130,14 @@ class Mover:
                        if plan.placement[c] == "device" and dtype == torch.float32 and self.dp is None}
         for c in self.pinned:
             self.compute[c] = store.master[c]        # fp32 on the device: the master is the compute copy
+        self.pinned |= set(resident)
+        self.compute.update(resident)
 
     # ---- compute copies ------------------------------------------------------------------------------
     def prefetch(self, c: int) -> None:
         """(The runtime first waits for chunk c's pending host update: the copy reads its master.)"""
+        if c in self.pinned:                         # its compute copy is always there and current
+            return
         buf = self.slots.take()
         n = self.layout.chunks[c].used_elems
         with self.copies.on("h2d"):
@@ -167,6 +176,8 @@ class Mover:
         self.copies.compute_waits(self._ready.pop(c, None))
 
     def release(self, c: int) -> None:
+        if c in self.pinned:
+            return
         buf = self.compute.pop(c)
         self._slot_done[buf.data_ptr()] = self.copies.record()
         self.slots.give(buf)

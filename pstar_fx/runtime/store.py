@@ -20,7 +20,7 @@ import torch
 from ..config import Config, format_bytes
 from ..kernels import cast_, quant8
 from ..layout import Layout
-from ..plan import Plan
+from ..plan import Plan, keeps_compute_copies
 from .telemetry import MemoryStats
 
 log = logging.getLogger("pstar_fx")
@@ -93,8 +93,14 @@ class ChunkStore:
             if n >= 20 and (c + 1) % (n // 10) == 0:    # page-locking 100 GiB of host state takes a minute
                 log.info("  chunk state allocated for %d of %d chunks (%s on the host)", c + 1, n,
                          format_bytes(stats.host_bytes))
-        # 16-bit host copies of host chunks, kept current by the host Adam (plan.ship == "shadow")
+        # 16-bit copies that every update keeps current (Adam, its undo and its correction write them in the same
+        # pass): of host chunks that ship 16 bits (plan.ship == "shadow"), on the host; and, when every chunk has
+        # a compute slot for good (plan.keeps_compute_copies), of every device chunk, on the device, where the copy
+        # *is* the chunk's compute copy and takes the place of a slot: no fetch casts its master again
         self.shadow = {c: self.alloc("host", cs, compute_dtype) for c, how in enumerate(plan.ship) if how == "shadow"}
+        if keeps_compute_copies(plan, compute_dtype):
+            self.shadow.update({c: self.alloc("device", cs, compute_dtype) for c in range(n)
+                                if self.tier(c) == "device"})
 
     def tier(self, c: int) -> str:
         return self.plan.placement[c]

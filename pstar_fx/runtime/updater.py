@@ -189,7 +189,8 @@ class Updater:
             self.found_inf.add_((~torch.isfinite(sq)).float())   # gates this update and every later one
             if log.mode == "speculate" and self.kept:          # kept before it is used
                 self._keep(c, grad)
-            self._adam(c, grad, log.hyper, found_inf=self.found_inf, check_finite=False)
+            self._adam(c, grad, log.hyper, found_inf=self.found_inf, check_finite=False,
+                       param_out=self.store.shadow.get(c))
             self._flag_after[c:c + 1].copy_(self.found_inf)
             log.device.append(c)
         self.mover.give_back(grad)
@@ -302,7 +303,8 @@ class Updater:
                 self._on_host(c, self.log, self._apply_host, c, self.log, grads[c], check_host)
             else:
                 grad = self._kept_on_tier(c)
-                self._adam(c, grad, hyper, found_inf=self.found_inf, check_finite=False)
+                self._adam(c, grad, hyper, found_inf=self.found_inf, check_finite=False,
+                           param_out=self.store.shadow.get(c))
                 self._flag_after[c:c + 1].copy_(self.found_inf)
                 self.log.device.append(c)
                 self._done_with(grad, c)
