@@ -173,6 +173,7 @@ class Updater:
                           checked)
             return
         log = self.log
+        back = grad                                  # what the gradient slot pool gets back
         if log.mode == "replay":
             self._replay_moments(c, grad, log)
         elif log.mode == "accumulate":
@@ -183,25 +184,29 @@ class Updater:
             self._add_sq(grad, c)
         elif log.mode == "defer":
             self._add_sq(grad, c)
-            self._keep(c, grad)
+            back = self._keep(c, grad)
         else:
             sq = self._add_sq(grad, c)
             self.found_inf.add_((~torch.isfinite(sq)).float())   # gates this update and every later one
             if log.mode == "speculate" and self.kept:          # kept before it is used
-                self._keep(c, grad)
+                back = self._keep(c, grad)
             self._adam(c, grad, log.hyper, found_inf=self.found_inf, check_finite=False,
                        param_out=self.store.shadow.get(c))
             self._flag_after[c:c + 1].copy_(self.found_inf)
             log.device.append(c)
-        self.mover.give_back(grad)
+        self.mover.give_back(back)
 
-    def _keep(self, c: int, grad: torch.Tensor) -> None:
-        """A device chunk's gradient into its kept buffer (on the device, or shipped to the host)."""
-        n = self.layout.chunks[c].used_elems
-        if self.kept[c].device == grad.device:
-            self.kept[c][:n].copy_(grad[:n])
-        else:
-            self.mover.ship(grad, self.kept[c], n)
+    def _keep(self, c: int, grad: torch.Tensor) -> torch.Tensor:
+        """A device chunk's gradient kept until the verdict; returns the buffer for the gradient slot pool. Kept
+        on the device, the slot itself becomes the kept buffer and the one it replaces (as large, and free: its
+        last reader was the last step's verdict) joins the pool: no copy (at 4.2B that was 8.4 GB a step). Kept
+        on the host, the gradient is shipped there and the slot goes back."""
+        kept = self.kept[c]
+        if kept.device == grad.device:
+            self.kept[c] = grad
+            return kept
+        self.mover.ship(grad, kept, self.layout.chunks[c].used_elems)
+        return grad
 
     def _host_job(self, c, grad, ready, log: _Log, first: bool, last: bool, checked: bool = False) -> bool:
         """A host chunk's part of the step (on the worker, or inline on the CPU runtime)."""
