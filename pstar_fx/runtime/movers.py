@@ -114,8 +114,7 @@ class Mover:
         layout, dtype, cs = store.layout, store.compute_dtype, store.layout.chunk_size
         self.layout = layout
         # a device chunk with a 16-bit copy on the device (plan.keeps_compute_copies) computes on it: no slot
-        resident = {c: t for c, t in store.shadow.items() if t.device.type == store.device.type
-                    and plan.placement[c] == "device"}
+        resident = {c: t for c, t in store.shadow.items() if plan.placement[c] == "device"}
         self.slots = Pool([store.alloc("device", cs, dtype) for _ in range(plan.slots - len(resident))])
         self.grad_slots = Pool([store.alloc("device", cs, dtype) for _ in range(plan.grad_slots)])
         self._staging = (store.alloc("device", cs, torch.float32)
