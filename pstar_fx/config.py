@@ -138,10 +138,11 @@ class Config:
     again (free unless it triggers, then about 2x that step; dropout redraws the same masks, its ops being
     seeded per step). "two_pass": a first forward+backward measures the norm and updates nothing, the second
     applies exactly (2x the step's compute when clipping or loss scaling is on; no memory; an exception in
-    the second pass leaves the chunks it updated). "deferred": each chunk's gradient is kept as with
-    kept_grads but nothing is updated inside backward; after the verdict every update is applied from the
-    kept gradients, exactly (no speculation, no undo, 1x compute; the host Adam then runs after backward,
-    overlapping the next step's forward). "none": no protection (an exception or a non-finite
+    the second pass leaves the chunks it updated); with neither (and fp32 moments) there is nothing to measure:
+    one pass, a non-finite gradient or an exception rolled back as "replay" does. "deferred": each chunk's
+    gradient is kept as with kept_grads but nothing is updated inside backward; after the verdict every update
+    is applied from the kept gradients, exactly (no speculation, no undo, 1x compute; the host Adam then runs
+    after backward, overlapping the next step's forward). "none": no protection (an exception or a non-finite
     gradient leaves the chunks already updated; not allowed with grad_clip). "auto": the planner picks
     kept_grads when the host budget holds it, else replay; with optimizer_state "bf16" or "int8", deferred when
     the host budget holds the kept gradients, else two_pass."""

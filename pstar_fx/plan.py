@@ -85,6 +85,7 @@ class Plan:
     optimizer_state: str = "fp32"      # the moments' dtype (Config.optimizer_state)
     state_bytes_per_param: float = MASTER_STATE_BYTES   # chunk state per element: master + moments (+ int8 scales)
     transaction: str = "none"          # how a step stays provisional until it commits (runtime/step.py)
+    replayable: bool = True            # no unseeded random op: a step run again computes the same gradients
     transaction_cost: str = ""         # what that costs, and how much smaller it makes the largest model
     kept_on_device: bool = False       # kept_grads: device chunks keep their gradients on the device (room left)
     ship: list[str] = field(default_factory=list)  # per chunk, how its compute copy reaches the device:
@@ -603,7 +604,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         notes.append(f"data parallel over {world} ranks, chunks partitioned: {fetches} chunk broadcast(s) and "
                      f"{n_reduced} reduce(s) per micro-batch, {format_bytes(cs * compute_itemsize)} each, about "
                      f"{comm * 1e3:.1f} ms per micro-batch at a bus bandwidth of {rates.coll_bw / 1e9:.0f} GB/s")
-    plan.transaction = transaction
+    plan.transaction, plan.replayable = transaction, not random_ops
     plan.optimizer_state, plan.state_bytes_per_param = config.optimizer_state, config.state_bytes_per_param
     two_passes = transaction == "two_pass" and (config.grad_clip is not None or config.loss_scaler_spec is not None
                                                 or not config.moments_undoable)
@@ -735,6 +736,10 @@ def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_byte
                 "forward and backward again: free when it does not trigger, about one more step when it does; "
                 "a host Adam failure after the step returned cannot be undone")
     if transaction == "two_pass":
+        if not second_pass_s:
+            return ("nothing to measure first (no clipping, no loss scaling, fp32 moments): one pass, updates "
+                    "inside backward; a non-finite gradient or an exception rolls the step back by restoring the "
+                    "masters from the moments and running it again (as 'replay'); no memory")
         when = (f"on every step ({config.optimizer_state} moments cannot be undone)" if not config.moments_undoable
                 else "when clipping or loss scaling is on")
         return ("a first forward+backward measures the norm and updates nothing, the second applies exactly: "

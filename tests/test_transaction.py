@@ -259,19 +259,53 @@ def assert_state_equal(engine, weights, state):
     assert all(torch.equal(a, b) for a, b in zip(optimizer_state(engine), state))
 
 
-def test_a_skipped_step_changes_nothing_whatever_the_dtype():
+@pytest.mark.parametrize("transaction", ["auto", "two_pass"])
+def test_a_skipped_step_changes_nothing_whatever_the_dtype(transaction):
+    """Unclipped and unscaled, "two_pass" has nothing to measure and runs one pass: its skip rolls back as
+    replay's does (it used to leave the chunks updated before the non-finite one, as "none")."""
     torch.manual_seed(0)
     model = Regression()
     batches = regression_batches(3, overflow_at=(1,))
     engine = pstar_fx.compile(model, {"device": "cpu", "placement": "host", "chunk_size": 8192, "optimizer": OPT,
-                                      "lr_schedule": {"type": "linear", "warmup_steps": 1, "total_steps": 5}},
-                              batches[0])
+                                      "lr_schedule": {"type": "linear", "warmup_steps": 1, "total_steps": 5},
+                                      "transaction": transaction}, batches[0])
     engine.step(*batches[0])
     before, state, lr = engine.state_dict(), optimizer_state(engine), engine.lr
     with pytest.warns(RuntimeWarning, match="skipped"):
         engine.step(*batches[1])
     assert engine.last_step.skipped and engine.steps == 1 and engine.lr == lr
     assert_state_equal(engine, before, state)
+
+
+@pytest.mark.parametrize("transaction", ["two_pass", "kept_grads", "replay"])
+def test_a_gradient_non_finite_in_the_last_chunk_rolls_back_the_chunks_before_it(monkeypatch, transaction):
+    """Unclipped, unscaled, fp32: a NaN in the gradient of chunk 0, the last backward completes, comes after the
+    other chunks were updated inside backward; the skip restores them (two_pass with nothing to measure runs one
+    pass and rolls back as replay does; it used to leave them updated, as "none")."""
+    model = tiny_gpt()
+    batches = gpt_batches(3)
+    engine = pstar_fx.compile(model, {"device": "cpu", "placement": "device", "chunk_size": CHUNK, "optimizer": OPT,
+                                      "transaction": transaction}, batch())
+    assert len(engine.plan.placement) > 2
+    engine.step(*batches[0])
+    state = optimizer_state(engine)
+    real = engine.rt.mover.hand_over
+
+    def hand_over(c):
+        grad = real(c)
+        if c == 0 and not poisoned:
+            grad[0] = float("nan")
+            poisoned.append(c)
+        return grad
+    poisoned = []
+    with monkeypatch.context() as m:
+        undone = record_undos(m)
+        m.setattr(engine.rt.mover, "hand_over", hand_over)
+        with pytest.warns(RuntimeWarning, match="skipped"):
+            engine.step(*batches[1])
+    assert poisoned and engine.last_step.skipped and engine.steps == 1
+    assert len(undone) == len(engine.plan.placement) - 1       # every chunk but 0 had been updated, and undone
+    assert_state_restored(engine, state, undone, replayed=transaction != "kept_grads")
 
 
 # ---- failure atomicity --------------------------------------------------------------------------------------
@@ -349,8 +383,9 @@ def interrupt(monkeypatch, engine, where, at):
         monkeypatch.setattr(adam_module, "adam_step", adam_step)
 
 
-@pytest.mark.parametrize("transaction", ["kept_grads", "deferred", "replay"])
-@pytest.mark.parametrize("clip", [None, 0.05])
+@pytest.mark.parametrize("transaction,clip", [(t, c) for t in ("kept_grads", "deferred", "replay")
+                                              for c in (None, 0.05)]
+                         + [("two_pass", None)])    # two_pass unclipped: one pass, rolled back as replay's
 @pytest.mark.parametrize("where", ["forward", "backward", "host_adam"])
 def test_an_interrupted_step_leaves_the_state_as_before(monkeypatch, where, clip, transaction):
     model = tiny_gpt()
@@ -366,9 +401,10 @@ def test_an_interrupted_step_leaves_the_state_as_before(monkeypatch, where, clip
         with pytest.raises(Boom):
             engine.step(*batches[2])
     assert engine.steps == steps and engine.lr == lr and (where != "forward" or not undone)
-    assert_state_restored(engine, state, undone, replayed=transaction == "replay")
+    replayed = transaction in ("replay", "two_pass")
+    assert_state_restored(engine, state, undone, replayed=replayed)
     reports += run(engine, batches[2:])               # and the next steps equal an uninterrupted run
-    assert_run_matches(engine, reports, ref, ref_out, rel=REPLAY_REL if transaction == "replay" else None)
+    assert_run_matches(engine, reports, ref, ref_out, rel=REPLAY_REL if replayed else None)
 
 
 @pytest.mark.parametrize("clip", [None, 0.05])

@@ -11,7 +11,9 @@ A step's updates are provisional until it commits. The plan chose how (`plan.tra
   deferred    each chunk's gradient is kept and nothing updated inside backward; after the verdict every update
               is applied from the kept gradients, exactly (no undo: what bf16 and int8 moments need);
   two_pass    a first pass measures the verdict and updates nothing; a second pass applies exactly (always
-              two passes with bf16 or int8 moments, which cannot be undone: a skipped step changes nothing);
+              two passes with bf16 or int8 moments, which cannot be undone: a skipped step changes nothing).
+              With nothing to measure (no clipping, no loss scaling, fp32 moments) one pass, rolled back
+              like replay's when its gradient is non-finite or it fails;
   none        updates are applied as they come; a non-finite gradient or an exception leaves the chunks
               already updated (the engine warns);
   an accumulating step (grad_accum > 1) sums each chunk's gradients into fp32 accumulators over its
@@ -46,6 +48,11 @@ class StepReport:
     loss_scale: float        # the loss scale this step used (1.0 without loss scaling)
 
 
+def one_pass_suffices(config) -> bool:
+    """A "two_pass" step has nothing to measure first: no clipping, no loss scaling, moments it can undo."""
+    return config.grad_clip is None and config.loss_scaler_spec is None and config.moments_undoable
+
+
 class Stepper:
     """Runs optimizer steps on a runtime: owns the applied-update count, the schedule and the loss scaler."""
 
@@ -58,6 +65,11 @@ class Stepper:
         self.applied = 0                        # updates applied: Adam's step count and the schedule's position
         self._before_settling: tuple | None = None   # (applied, scaler state) before a step still settling
         self._last_coef = 1.0                   # the last applied step's clip coefficient: the next one's guess
+        # a step that must be rolled back or corrected is run again ("replay"); so is a "two_pass" step with
+        # nothing to measure first (no clipping, no loss scaling, undoable moments), which runs as one pass: its
+        # skip must change nothing all the same
+        two_pass_once = transaction == "two_pass" and one_pass_suffices(config)
+        self._replays = transaction == "replay" or (two_pass_once and rt.plan.replayable)
 
     @property
     def lr(self) -> float:
@@ -106,8 +118,7 @@ class Stepper:
                 norm, coef, finite = self._verdict(scale)
                 if finite:
                     up.apply_deferred(hyper.scaled(scale / coef))
-            elif self.transaction == "two_pass" and (cfg.grad_clip is not None or self.scaler.enabled
-                                                     or not cfg.moments_undoable):
+            elif self.transaction == "two_pass" and not one_pass_suffices(cfg):
                 saved = [b.clone() for b in self.buffers]   # the measuring pass must not move BatchNorm twice
                 up.open(hyper, "measure")
                 loss = self._run(micro_batches[0], tangent)
@@ -121,15 +132,15 @@ class Stepper:
                 # Speculate with the last step's clip coefficient: norms change slowly, so a correction then
                 # moves each update a little, and its undo loses nothing to cancellation (undoing a step
                 # speculated at 1 that should have been 0.01 would subtract nearly equal numbers)
-                if self.transaction == "replay":
+                if self._replays:
                     saved = [b.clone() for b in self.buffers]
                 guess = self._last_coef if cfg.grad_clip is not None else 1.0
                 up.open(hyper.scaled(scale / guess),
-                        "speculate" if self.transaction in ("kept_grads", "replay") else "apply")
+                        "speculate" if self.transaction == "kept_grads" or self._replays else "apply")
                 loss = self._run(micro_batches[0], tangent)
                 norm, coef, finite = self._verdict(scale)
                 right = hyper.scaled(scale / coef) if finite else None     # None: the step must not apply
-                if self.transaction == "replay":
+                if self._replays:
                     if right is None or coef != guess:
                         self._replay(micro_batches[0], tangent, saved, right)
                 elif right is None:
@@ -181,7 +192,7 @@ class Stepper:
         self.rt.clear()
         up = self.rt.updater
         log = up.log
-        if self.transaction == "replay" and log is not None and log.mode == "speculate" and micro_batches:
+        if self._replays and log is not None and log.mode == "speculate" and micro_batches:
             # nothing was kept: roll the applied updates back by replaying the step (only restoring); the
             # buffers were saved before the speculative pass opened this log
             try:
