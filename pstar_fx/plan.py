@@ -88,6 +88,7 @@ class Plan:
     replayable: bool = True            # no unseeded random op: a step run again computes the same gradients
     transaction_cost: str = ""         # what that costs, and how much smaller it makes the largest model
     kept_on_device: bool = False       # kept_grads: device chunks keep their gradients on the device (room left)
+    kept_in_shadow: bool = False       # deferred: a host chunk's gradient is kept in its 16-bit shadow (see plan())
     ship: list[str] = field(default_factory=list)  # per chunk, how its compute copy reaches the device:
     # "-" (state on the device), "shadow" (a 16-bit copy kept on the host, written by the host Adam in the
     # same pass: 2 B/param cross), "cast" (cast on the host at fetch: 2 B/param), "fp32" (4 B/param cross,
@@ -517,8 +518,16 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     if kept_bytes:                     # every host chunk's gradient lands in its own kept buffer: no pool
         host_grad_buffers = 0
     host_used += max(0, host_grad_buffers - 2) * cs * compute_itemsize + kept_bytes
-    # how each chunk's compute copy reaches its owner's device: the k-th host chunk of every owner alike
-    host_ship = _choose_shipping(n_own - n_device, config, cs, compute_itemsize, cuda, host_used=host_used)
+    # how each chunk's compute copy reaches its owner's device: the k-th host chunk of every owner alike.
+    # Deferred, 16-bit: a host chunk's kept gradient and its shadow are never needed at once (the gradient lands
+    # after backward's last read of the shadow, and the host Adam reads it where it writes the new 16-bit
+    # weights, element by element), so one buffer is both and every host chunk crosses in 16 bits for the
+    # kept gradient's bytes alone
+    host_ids = [c for c in range(n_chunks) if tier_of[c] == "host" and owner[c] == rank]
+    kept_in_shadow = (transaction == "deferred" and not fp32 and on is None and world == 1 and bool(host_ids)
+                      and all(layout.chunks[c].grad_spans() for c in host_ids))
+    host_ship = (["shadow"] * (n_own - n_device) if kept_in_shadow else
+                 _choose_shipping(n_own - n_device, config, cs, compute_itemsize, cuda, host_used=host_used))
     ship_of = ["-" if tier_of[c] == "device" else host_ship[c // world - n_device] for c in range(n_chunks)]
     ship = [ship_of[c] if owner[c] == rank else "remote" for c in range(n_chunks)]
     if on is not None:
@@ -555,7 +564,8 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     host = {
         "process overhead": CUDA_HOST_OVERHEAD_BYTES if cuda else 0,
         "chunk state": n_host * state_bytes,
-        "16-bit shadows": host_ship.count("shadow") * cs * compute_itemsize,
+        # (kept in a shadow, a host chunk's gradient is counted once, as a kept gradient)
+        "16-bit shadows": 0 if kept_in_shadow else host_ship.count("shadow") * cs * compute_itemsize,
         # gradients of host chunks queue here for the host Adam (CUDA: while backward goes on)
         "gradient staging": cs * compute_itemsize * host_grad_buffers,
         "cast staging": (cs * compute_itemsize) if "cast" in host_ship else 0,
@@ -570,7 +580,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
                 device_peak_bytes=sum(device.values()), host_peak_bytes=sum(host.values()),
                 device_breakdown=device, host_breakdown=host, activation_peak_bytes=act_peak,
                 fetches=fetches, budget_bytes=config.device_memory, host_budget_bytes=config.host_memory, notes=notes,
-                ship=ship, rates=rates, n_device=n_device, world=world, rank=rank)
+                ship=ship, rates=rates, n_device=n_device, world=world, rank=rank, kept_in_shadow=kept_in_shadow)
     tangent_users = {u for t in role_nodes(g, "tangent") for u in t.users}    # backward's first ops
     plan.profile = NodeProfile([n.name for n in nodes], act_per_node,
                                next((i for i, n in enumerate(nodes) if n in tangent_users), len(nodes)),
@@ -613,7 +623,8 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     kept_copy_s = 0.0 if plan.kept_on_device else n_updated_device * cs * compute_itemsize / rates.d2h_bw
     plan.transaction_cost = _transaction_cost(transaction, config, compute_itemsize, kept_bytes, accum_bytes,
                                               n_device, n_own - n_device, host_ship,
-                                              sum(node_secs) if two_passes else 0.0, kept_copy_s, plan.kept_on_device)
+                                              sum(node_secs) if two_passes else 0.0, kept_copy_s, plan.kept_on_device,
+                                              plan.kept_in_shadow)
     if adam_exposed > 1e-3:
         notes.append(f"host Adam the compute cannot hide: about {adam_exposed * 1e3:.0f} ms per step ("
                      + ("each host chunk's gradient in its own kept buffer" if kept_bytes or plan.kept_on_device
@@ -704,7 +715,7 @@ def _choose_transaction(config: Config, kept_total: int, host_free: int | None,
 
 def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_bytes: int, accum_bytes: int,
                       n_device: int, n_host: int, ship: list[str], second_pass_s: float, kept_copy_s: float,
-                      kept_on_device: bool) -> str:
+                      kept_on_device: bool, kept_in_shadow: bool = False) -> str:
     """What the chosen transaction costs, and how much smaller the largest model is for it."""
     shadow = itemsize if "shadow" in ship else 0
     state = round(config.state_bytes_per_param, 2)
@@ -716,10 +727,12 @@ def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_byte
                 f"the device and {host_base} -> {host_base + 4} on the host: the largest model is about "
                 f"{100 * 4 / (host_base + 4):.0f}% smaller")
     if transaction == "deferred":
-        return (f"each chunk's gradient kept until the verdict, {itemsize} B/param ({format_bytes(kept_bytes)} on "
-                "the host), nothing updated inside backward; every update is applied after the verdict from the "
-                "kept gradients, exactly: no undo (what bf16 and int8 moments need), the host Adam runs after "
-                "backward, into the next step's forward")
+        shadows = (", a host chunk's in its 16-bit shadow (free again before the host Adam writes the new weights "
+                   "there)" if kept_in_shadow else "")
+        return (f"each chunk's gradient kept until the verdict{shadows}, {itemsize} B/param "
+                f"({format_bytes(kept_bytes)} on the host), nothing updated inside backward; every update is applied "
+                "after the verdict from the kept gradients, exactly: no undo (what bf16 and int8 moments need), "
+                "the host Adam runs after backward, into the next step's forward")
     if transaction == "kept_grads":
         where = ("device chunks' on the device (spare room)" if kept_on_device else
                  f"device chunks' copied to the host (about {kept_copy_s * 1e3:.0f} ms of device->host copies, "

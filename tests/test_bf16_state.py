@@ -197,6 +197,25 @@ def test_plan_counts_8_bytes_per_param_and_picks_an_exact_transaction():
     assert tight.transaction == "two_pass", tight.summary()   # it does not: measure first
 
 
+def test_deferred_keeps_each_host_chunk_s_gradient_in_its_shadow():
+    """16-bit compute, deferred: a host chunk's kept gradient and its 16-bit shadow share one buffer, so at the
+    host memory of the state and the kept gradients alone every host chunk still crosses in 16 bits (before,
+    the shadows came on top, as room allowed, and the rest crossed as fp32 or were cast on the host)."""
+    model, inputs = small_gpt()
+    cfg = {"device": "cpu", "chunk_size": 16384, "placement": "host", "dtype": "bf16", "optimizer_state": "bf16"}
+    roomy = pstar_fx.plan(model, Config.from_dict(cfg), inputs)
+    n = len(roomy.placement)
+    assert roomy.transaction == "deferred" and roomy.kept_in_shadow and roomy.ship == ["shadow"] * n
+    assert roomy.host_breakdown["16-bit shadows"] == 0 and roomy.host_breakdown["kept gradients"] == n * 16384 * 2
+    assert "in its 16-bit shadow" in roomy.transaction_cost
+    # (the planner holds two chunks of 16-bit staging back when it checks that the kept gradients fit)
+    tight = pstar_fx.plan(model, Config.from_dict({**cfg, "host_memory": roomy.host_peak_bytes + 2 * 16384 * 2}),
+                          inputs)
+    assert tight.transaction == "deferred" and tight.ship == ["shadow"] * n and not tight.why
+    fp32 = pstar_fx.plan(model, Config.from_dict({**cfg, "dtype": "fp32"}), inputs)   # fp32 ships its masters
+    assert fp32.transaction == "deferred" and not fp32.kept_in_shadow
+
+
 # ---- the engine: a skipped step, checkpoints -------------------------------------------------------------
 
 def state_of(engine):
@@ -205,16 +224,26 @@ def state_of(engine):
                                                                    store.exp_avg_sq[c])]
 
 
+def assert_shadows_are_masters(engine):
+    """Every 16-bit shadow holds its master's weights, rounded (not a kept gradient)."""
+    store = engine.rt.store
+    for c, shadow in store.shadow.items():
+        assert torch.equal(shadow, store.master[c].to(shadow.dtype)), c
+
+
 @pytest.mark.parametrize("transaction", ["deferred", "two_pass"])
-@pytest.mark.parametrize("placement", ["device", "host"])
-def test_a_skipped_step_with_bf16_moments_changes_nothing(placement, transaction):
+@pytest.mark.parametrize("placement,dtype", [("device", "fp32"), ("host", "fp32"), ("host", "bf16")])
+def test_a_skipped_step_with_bf16_moments_changes_nothing(placement, dtype, transaction):
+    """(bf16 compute, host chunks, deferred: each host chunk's gradient lands in its 16-bit shadow; after the
+    skip the shadows hold the weights again.)"""
     from test_transaction import OPT, Regression, regression_batches
     torch.manual_seed(0)
     model = Regression()
     batches = regression_batches(3, overflow_at=(1,))
     engine = pstar_fx.compile(model, {"device": "cpu", "placement": placement, "chunk_size": 4096, "optimizer": OPT,
-                                      "optimizer_state": "bf16", "grad_clip": 1.0, "transaction": transaction},
-                              batches[0])
+                                      "optimizer_state": "bf16", "grad_clip": 1.0, "transaction": transaction,
+                                      "dtype": dtype}, batches[0])
+    assert engine.plan.kept_in_shadow == (dtype == "bf16" and transaction == "deferred")
     assert engine.plan.transaction == transaction and engine.rt.store.exp_avg[0].dtype == torch.bfloat16
     engine.step(*batches[0])
     before, st = engine.state_dict(), state_of(engine)
@@ -224,28 +253,63 @@ def test_a_skipped_step_with_bf16_moments_changes_nothing(placement, transaction
     after = engine.state_dict()
     assert all(torch.equal(after[k], before[k]) for k in before)
     assert all(torch.equal(a, b) for a, b in zip(state_of(engine), st))
+    assert_shadows_are_masters(engine)
     engine.step(*batches[2])
     assert engine.steps == 2
+    assert_shadows_are_masters(engine)
 
 
-@pytest.mark.parametrize("placement", ["device", "host"])
-def test_deferred_updates_equal_two_passes_bit_for_bit(placement):
-    """Both apply every update after the verdict, from the same gradients: the same bits, at half the compute."""
+@pytest.mark.parametrize("placement,dtype", [("device", "fp32"), ("host", "fp32"), ("host", "bf16")])
+def test_deferred_updates_equal_two_passes_bit_for_bit(placement, dtype):
+    """Both apply every update after the verdict, from the same gradients: the same bits, at half the compute.
+    bf16 compute on the host: deferred keeps each host chunk's gradient in its 16-bit shadow, where the host Adam
+    writes the new weights."""
     from test_transaction import OPT, gpt_batches, tiny_gpt
     batches = gpt_batches(4)
     runs = []
     for transaction in ("deferred", "two_pass"):
         engine = pstar_fx.compile(tiny_gpt(), {"device": "cpu", "placement": placement, "chunk_size": 16384,
                                                "optimizer": OPT, "optimizer_state": "bf16", "grad_clip": 0.05,
-                                               "transaction": transaction}, batches[0])
+                                               "transaction": transaction, "dtype": dtype}, batches[0])
+        in_shadow = dtype == "bf16" and transaction == "deferred"
+        assert engine.plan.kept_in_shadow == in_shadow
+        up, store = engine.rt.updater, engine.rt.store
+        assert in_shadow == (len(store.shadow) > 0 and all(up.kept.get(c) is store.shadow[c] for c in store.shadow))
         reports = []
         for b in batches:
             engine.step(*b)
             reports.append((engine.last_step.loss, engine.last_step.grad_norm, engine.last_step.clip_coef))
+        assert_shadows_are_masters(engine)
         runs.append((reports, engine.state_dict(), state_of(engine)))
     assert runs[0][0] == runs[1][0] and all(r[2] < 1 for r in runs[0][0])      # clipping triggered every step
     assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
     assert all(torch.equal(a, b) for a, b in zip(runs[0][2], runs[1][2]))
+
+
+def test_an_interrupted_deferred_step_gives_the_shadows_their_weights_back(monkeypatch):
+    """bf16 compute, host chunks, deferred: an exception in backward after some host chunks' gradients landed in
+    their shadows changes nothing (the shadows are cast from their masters again), and the run goes on to equal
+    an uninterrupted one bit for bit."""
+    from test_transaction import OPT, Boom, gpt_batches, interrupt, tiny_gpt
+    batches = gpt_batches(3)
+    cfg = {"device": "cpu", "placement": "host", "chunk_size": 16384, "optimizer": OPT, "optimizer_state": "bf16",
+           "dtype": "bf16", "transaction": "deferred"}
+    ref = pstar_fx.compile(tiny_gpt(), cfg, batches[0])
+    for b in batches:
+        ref.step(*b)
+    engine = pstar_fx.compile(tiny_gpt(), cfg, batches[0])
+    assert engine.plan.kept_in_shadow and len(engine.plan.placement) > 3
+    engine.step(*batches[0])
+    state = state_of(engine)
+    with monkeypatch.context() as m:
+        interrupt(m, engine, "backward", at=3)        # two chunks' gradients are in their shadows by then
+        with pytest.raises(Boom):
+            engine.step(*batches[1])
+    assert all(torch.equal(a, b) for a, b in zip(state_of(engine), state)) and engine.steps == 1
+    assert_shadows_are_masters(engine)
+    for b in batches[1:]:
+        engine.step(*b)
+    assert all(torch.equal(a, b) for a, b in zip(state_of(engine), state_of(ref)))
 
 
 def test_checkpoint_moves_between_fp32_and_bf16_state(tmp_path):

@@ -118,6 +118,8 @@ class Stepper:
                 norm, coef, finite = self._verdict(scale)
                 if finite:
                     up.apply_deferred(hyper.scaled(scale / coef))
+                else:
+                    up.skip_deferred()
             elif self.transaction == "two_pass" and not one_pass_suffices(cfg):
                 saved = [b.clone() for b in self.buffers]   # the measuring pass must not move BatchNorm twice
                 up.open(hyper, "measure")

@@ -110,9 +110,14 @@ class Updater:
         # kept gradients: every chunk's, on the host, until the step's verdict (an accumulating step keeps
         # its accumulators instead)
         self.kept: dict[int, torch.Tensor] = {}
+        # (plan.kept_in_shadow: a host chunk's gradient lands in its 16-bit shadow, which the host Adam then
+        # overwrites with the new weights; `_shadows_from_masters` rewrites them when that did not happen)
+        self._kept_in_shadow: list[int] = []
         if plan.transaction in ("kept_grads", "deferred") and not self.accumulates:
             where = lambda c: "device" if plan.kept_on_device and store.tier(c) == "device" else "host"  # noqa: E731
-            self.kept = {c: store.alloc(where(c), cs, dtype) for c in updated}
+            self._kept_in_shadow = [c for c in updated if plan.kept_in_shadow and store.tier(c) == "host"]
+            self.kept = {c: store.shadow[c] if c in self._kept_in_shadow else store.alloc(where(c), cs, dtype)
+                         for c in updated}
         self.acc = {c: store.alloc(store.tier(c), cs, torch.float32) for c in updated} if self.accumulates else {}
         staging = 0 if (self.kept or not host) else max(1, plan.host_grad_buffers)
         self.host_grads = Pool([store.alloc("host", cs, dtype) for _ in range(staging)], blocking=worker)
@@ -291,6 +296,18 @@ class Updater:
         """An accumulating step's updates, from the accumulators, now that the verdict allows them."""
         self._apply_after_verdict(hyper, "apply_accumulated", self.acc, check_host=True)
 
+    def skip_deferred(self) -> None:
+        """A deferred step's verdict was non-finite: nothing is applied; shadows holding gradients get their
+        weights back."""
+        self._shadows_from_masters()
+
+    def _shadows_from_masters(self) -> None:
+        """The shadows that hold a kept gradient instead of weights (a step that did not apply its updates, or
+        did not finish them) are cast again from their masters, once no copy writes into them."""
+        if self._kept_in_shadow:
+            self.copies.sync()
+            self.store.masters_changed(self._kept_in_shadow)
+
     def apply_deferred(self, hyper: Hyper) -> None:
         """A deferred step's updates, from the kept gradients, now that the verdict allows them (it found every
         gradient finite: no check)."""
@@ -394,6 +411,7 @@ class Updater:
         if self.log is not None:
             restored += self._undo(self.log, swallow=True)
             self.log = None
+        self._shadows_from_masters()
         return restored
 
     # ---- host updates in flight ---------------------------------------------------------------------
@@ -427,6 +445,7 @@ class Updater:
             raise e                                  # the running step's own update: its abandon undoes it
         self.settling = None
         self._undo(settling, swallow=True)
+        self._shadows_from_masters()
         if not settling.undoable:
             raise RuntimeError(f"the host Adam of an earlier step failed after that step returned ({type(e).__name__}: "
                                f"{e}); with nothing kept ('replay') that step cannot be undone: its other chunks stay "
