@@ -332,6 +332,30 @@ def _max_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def cpu_profile_step(step, batch, sync) -> dict:
+    """One step under cProfile: where the launching thread's time goes (what it does while the GPU has no work
+    queued shows as the GPU idle at the step's ends). The 30 functions of most own time, and the step's wall
+    time under the profiler (cProfile slows Python; compare functions with each other, not with step_s)."""
+    import cProfile
+    import pstats
+    sync()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    step(*batch)
+    sync()
+    prof.disable()
+    wall = time.perf_counter() - t0
+    stats = pstats.Stats(prof)
+    rows = sorted(((tt, ct, nc, f"{fn[0].rsplit('/', 2)[-1]}:{fn[1]} {fn[2]}") for fn, (_, nc, tt, ct, _) in
+                   stats.stats.items()), reverse=True)[:30]
+    print(f"cpu profile of one step: {wall:.3f} s under cProfile", file=sys.stderr)
+    for tt, ct, nc, name in rows[:15]:
+        print(f"  own {tt * 1e3:8.2f} ms  cum {ct * 1e3:8.2f} ms  x{nc:<6d} {name}", file=sys.stderr)
+    return {"wall_s": round(wall, 4), "top_own": [{"own_ms": round(tt * 1e3, 3), "cum_ms": round(ct * 1e3, 3),
+                                                    "calls": nc, "function": name} for tt, ct, nc, name in rows]}
+
+
 def profile_steps(step, batches, n: int) -> dict:
     """GPU kernel time of `n` steps by kind, every kernel (the 25 largest printed) and the stretches when no
     kernel ran on any stream, with the kernels either side (torch.profiler)."""
@@ -410,6 +434,8 @@ def main(argv=None):
                     help="pstar_fx Config.optimizer_state (the Adam moments' format)")
     ap.add_argument("--profile", type=int, default=0, help="after the steps, this many more under torch.profiler: "
                     "GPU time per kernel (the top 25, and totals by kind: matmul, attention, other)")
+    ap.add_argument("--cpu-profile", action="store_true", help="after the steps, one more under cProfile: the "
+                    "launching thread's own time by function (what keeps the GPU waiting at a step's ends)")
     ap.add_argument("--clip-sweep", default=None, help="pstar_fx: after the steps, --steps more at each of these "
                     "clip thresholds on the same engine (e.g. 1e9,1e-3: never / always triggers)")
     ap.add_argument("--checkpoint", choices=CHECKPOINT_CHOICES, default="all",
@@ -508,6 +534,8 @@ def main(argv=None):
                       host_max_rss_bytes=_max_rss())
         if args.profile and cuda:
             result["profile"] = profile_steps(step, batches, args.profile)
+        if args.cpu_profile:
+            result["cpu_profile"] = cpu_profile_step(step, batches[0], sync)
         if args.system == "torch" and args.compile:
             # dynamo + inductor run in the first step (forward, then backward); what the warm-up steps took
             # beyond a steady step is the compile
