@@ -51,6 +51,15 @@ def test_each_checkpoint_trains_the_same_losses(tmp_path):
         assert r["losses"] == pytest.approx(results["none"]["losses"], rel=1e-3)   # recompute is not new math
 
 
+def test_cpu_profile_reports_the_launching_thread_by_function(tmp_path):
+    r = run(tmp_path, "--system", "torch", "--checkpoint", "none", "--cpu-profile")[0]
+    prof = r["cpu_profile"]
+    assert prof["wall_s"] > 0 and 0 < len(prof["top_own"]) <= 30
+    own = [f["own_ms"] for f in prof["top_own"]]
+    assert own == sorted(own, reverse=True) and sum(own) <= prof["wall_s"] * 1e3 * 1.01
+    assert any("linear" in f["function"] for f in prof["top_own"])   # the model's matmuls ran under it
+
+
 def test_compile_reaches_torch_compile(tmp_path, monkeypatch):
     calls = []
     real = torch.compile
