@@ -294,6 +294,12 @@ class Config:
         return self.optimizer_state == "fp32"
 
     @property
+    def verdict_changes_updates(self) -> bool:
+        """Whether a step's verdict can change its updates, not only forbid them: clipping, loss scaling, or
+        moments that cannot be undone. Without any, "two_pass" has nothing to measure and runs one pass."""
+        return self.grad_clip is not None or self.loss_scaler_spec is not None or not self.moments_undoable
+
+    @property
     def state_bytes_per_param(self) -> float:
         """Chunk state per parameter: the fp32 master + the two moments (int8: + their two fp32 scales per
         block of quant8.BLOCK_ELEMS elements: 6.03). An average: `chunk_state_bytes` counts a chunk exactly."""

@@ -616,8 +616,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
                      f"{comm * 1e3:.1f} ms per micro-batch at a bus bandwidth of {rates.coll_bw / 1e9:.0f} GB/s")
     plan.transaction, plan.replayable = transaction, not random_ops
     plan.optimizer_state, plan.state_bytes_per_param = config.optimizer_state, config.state_bytes_per_param
-    two_passes = transaction == "two_pass" and (config.grad_clip is not None or config.loss_scaler_spec is not None
-                                                or not config.moments_undoable)
+    two_passes = transaction == "two_pass" and config.verdict_changes_updates
     if two_passes:
         plan.estimated_step_seconds += sum(node_secs)
     kept_copy_s = 0.0 if plan.kept_on_device else n_updated_device * cs * compute_itemsize / rates.d2h_bw

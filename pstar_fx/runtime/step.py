@@ -48,11 +48,6 @@ class StepReport:
     loss_scale: float        # the loss scale this step used (1.0 without loss scaling)
 
 
-def one_pass_suffices(config) -> bool:
-    """A "two_pass" step has nothing to measure first: no clipping, no loss scaling, moments it can undo."""
-    return config.grad_clip is None and config.loss_scaler_spec is None and config.moments_undoable
-
-
 class Stepper:
     """Runs optimizer steps on a runtime: owns the applied-update count, the schedule and the loss scaler."""
 
@@ -68,7 +63,7 @@ class Stepper:
         # a step that must be rolled back or corrected is run again ("replay"); so is a "two_pass" step with
         # nothing to measure first (no clipping, no loss scaling, undoable moments), which runs as one pass: its
         # skip must change nothing all the same
-        two_pass_once = transaction == "two_pass" and one_pass_suffices(config)
+        two_pass_once = transaction == "two_pass" and not config.verdict_changes_updates
         self._replays = transaction == "replay" or (two_pass_once and rt.plan.replayable)
 
     @property
@@ -120,7 +115,7 @@ class Stepper:
                     up.apply_deferred(hyper.scaled(scale / coef))
                 else:
                     up.skip_deferred()
-            elif self.transaction == "two_pass" and not one_pass_suffices(cfg):
+            elif self.transaction == "two_pass" and cfg.verdict_changes_updates:
                 saved = [b.clone() for b in self.buffers]   # the measuring pass must not move BatchNorm twice
                 up.open(hyper, "measure")
                 loss = self._run(micro_batches[0], tangent)
