@@ -174,6 +174,40 @@ def test_gpu_interrupted_step_leaves_the_state_as_before(monkeypatch, where, tra
     _close_to_reference(engine, reports, ref, ref_out)
 
 
+def test_gpu_deferred_bf16_keeps_host_gradients_in_their_shadows(monkeypatch):
+    """bf16 compute and moments, chunks on both tiers, deferred: each host chunk's gradient crosses into its 16-bit
+    shadow, where the host Adam writes the new weights. It equals `two_pass` bit for bit (both update from the same
+    gradients after the verdict), every shadow holds its master's weights after a step, and an interrupted
+    backward gives the shadows their weights back."""
+    from test_bf16_state import assert_shadows_are_masters, state_of
+    from test_transaction import Boom, interrupt
+    batches = gpt_batches(4)
+    runs = []
+    for transaction in ("deferred", "two_pass"):
+        torch.manual_seed(0)
+        engine = _mixed(GPT(gpt_config("tiny")), _on_gpu(batches[0]), dtype="bf16", optimizer_state="bf16",
+                        grad_clip=0.05, transaction=transaction)
+        assert engine.plan.transaction == transaction
+        assert engine.plan.kept_in_shadow == (transaction == "deferred")
+        reports = _run_gpu(engine, batches[:3])
+        if transaction == "deferred":
+            engine.drain()
+            state = state_of(engine)
+            with monkeypatch.context() as m:
+                interrupt(m, engine, "backward", at=3)
+                with pytest.raises(Boom):
+                    engine.step(*_on_gpu(batches[3]))
+            assert engine.steps == 3 and all(torch.equal(a, b) for a, b in zip(state_of(engine), state))
+            assert_shadows_are_masters(engine)
+        reports += _run_gpu(engine, batches[3:])
+        engine.drain()
+        assert_shadows_are_masters(engine)
+        runs.append(([(r.loss, r.grad_norm, r.clip_coef) for r in reports], engine.state_dict(), state_of(engine)))
+    assert runs[0][0] == runs[1][0] and all(r[2] < 1 for r in runs[0][0])      # clipping triggered every step
+    assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][2], runs[1][2]))
+
+
 def test_gpu_fp16_loss_scale_skips_like_grad_scaler():
     from test_transaction import Regression, regression_batches
     torch.manual_seed(0)
