@@ -174,38 +174,70 @@ def test_gpu_interrupted_step_leaves_the_state_as_before(monkeypatch, where, tra
     _close_to_reference(engine, reports, ref, ref_out)
 
 
-def test_gpu_deferred_bf16_keeps_host_gradients_in_their_shadows(monkeypatch):
+def _deferred_bf16(transaction, batches):
+    """bf16 compute and moments, chunks on both tiers, clipping that triggers every step."""
+    torch.manual_seed(0)
+    engine = _mixed(GPT(gpt_config("tiny")), _on_gpu(batches[0]), dtype="bf16", optimizer_state="bf16",
+                    grad_clip=0.05, transaction=transaction)
+    assert engine.plan.transaction == transaction
+    assert engine.plan.kept_in_shadow == (transaction == "deferred")
+    return engine
+
+
+def _assert_runs_equal(a, b):
+    """Two runs' (reports, engine) gave the same bits: losses, norms, clip coefficients, every chunk's state
+    (the message names the chunks that differ, and their tiers)."""
+    (ra, ea), (rb, eb) = a, b
+    from test_bf16_state import state_of
+    sa, sb, store = state_of(ea), state_of(eb), ea.rt.store
+    differ = [(i // 3, store.tier(i // 3), ("master", "exp_avg", "exp_avg_sq")[i % 3],
+               float((x.float() - y.float()).abs().max()))
+              for i, (x, y) in enumerate(zip(sa, sb)) if not torch.equal(x, y)]
+    assert [(r.loss, r.grad_norm, r.clip_coef) for r in ra] == [(r.loss, r.grad_norm, r.clip_coef) for r in rb], differ
+    assert not differ, differ
+    assert all(r.clip_coef < 1 for r in ra)                          # clipping triggered every step
+
+
+def test_gpu_deferred_bf16_keeps_host_gradients_in_their_shadows():
     """bf16 compute and moments, chunks on both tiers, deferred: each host chunk's gradient crosses into its 16-bit
     shadow, where the host Adam writes the new weights. It equals `two_pass` bit for bit (both update from the same
-    gradients after the verdict), every shadow holds its master's weights after a step, and an interrupted
-    backward gives the shadows their weights back."""
+    gradients after the verdict), and every shadow holds its master's weights after a step. (A second deferred
+    run first: the CUDA kernels give the same bits run to run, which the comparisons need.)"""
+    from test_bf16_state import assert_shadows_are_masters
+    batches = gpt_batches(4)
+    runs = []
+    for transaction in ("deferred", "deferred", "two_pass"):
+        engine = _deferred_bf16(transaction, batches)
+        reports = _run_gpu(engine, batches)
+        engine.drain()
+        assert_shadows_are_masters(engine)
+        runs.append((reports, engine))
+    _assert_runs_equal(runs[0], runs[1])
+    _assert_runs_equal(runs[0], runs[2])
+
+
+def test_gpu_interrupted_deferred_bf16_step_changes_nothing(monkeypatch):
+    """The same, interrupted in backward after some host chunks' gradients landed in their shadows: the state is
+    as before and the shadows hold their weights again; the run goes on to equal an uninterrupted one."""
     from test_bf16_state import assert_shadows_are_masters, state_of
     from test_transaction import Boom, interrupt
     batches = gpt_batches(4)
-    runs = []
-    for transaction in ("deferred", "two_pass"):
-        torch.manual_seed(0)
-        engine = _mixed(GPT(gpt_config("tiny")), _on_gpu(batches[0]), dtype="bf16", optimizer_state="bf16",
-                        grad_clip=0.05, transaction=transaction)
-        assert engine.plan.transaction == transaction
-        assert engine.plan.kept_in_shadow == (transaction == "deferred")
-        reports = _run_gpu(engine, batches[:3])
-        if transaction == "deferred":
-            engine.drain()
-            state = state_of(engine)
-            with monkeypatch.context() as m:
-                interrupt(m, engine, "backward", at=3)
-                with pytest.raises(Boom):
-                    engine.step(*_on_gpu(batches[3]))
-            assert engine.steps == 3 and all(torch.equal(a, b) for a, b in zip(state_of(engine), state))
-            assert_shadows_are_masters(engine)
-        reports += _run_gpu(engine, batches[3:])
-        engine.drain()
-        assert_shadows_are_masters(engine)
-        runs.append(([(r.loss, r.grad_norm, r.clip_coef) for r in reports], engine.state_dict(), state_of(engine)))
-    assert runs[0][0] == runs[1][0] and all(r[2] < 1 for r in runs[0][0])      # clipping triggered every step
-    assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
-    assert all(torch.equal(a, b) for a, b in zip(runs[0][2], runs[1][2]))
+    ref = _deferred_bf16("deferred", batches)
+    ref_reports = _run_gpu(ref, batches)
+    engine = _deferred_bf16("deferred", batches)
+    reports = _run_gpu(engine, batches[:3])
+    engine.drain()
+    state = state_of(engine)
+    with monkeypatch.context() as m:
+        interrupt(m, engine, "backward", at=3)
+        with pytest.raises(Boom):
+            engine.step(*_on_gpu(batches[3]))
+    assert engine.steps == 3 and all(torch.equal(a, b) for a, b in zip(state_of(engine), state))
+    assert_shadows_are_masters(engine)
+    reports += _run_gpu(engine, batches[3:])
+    ref.drain()
+    engine.drain()
+    _assert_runs_equal((ref_reports, ref), (reports, engine))
 
 
 def test_gpu_fp16_loss_scale_skips_like_grad_scaler():
