@@ -85,6 +85,25 @@ def _mixed(model, inputs, device_chunks=4, **cfg):
     return engine
 
 
+def _mixed_like(model, inputs, placement, **cfg):
+    """A CUDA engine whose chunks sit on the tiers of `placement` (another engine's): the Adam of each chunk runs
+    on the same tier in both, so two transactions can be compared bit for bit (the Triton and the C++ Adam round
+    differently). The smallest budget that gives `placement`, by bisection."""
+    base = dict(device="cuda", chunk_size=16384, optimizer=dict(OPT), **cfg)
+    n = placement.count("device")
+    lo = pstar_fx.plan(model, dict(base, placement="host"), inputs).device_peak_bytes
+    hi = 4 * pstar_fx.plan(model, dict(base, placement="device"), inputs).device_peak_bytes
+    while hi - lo > 4096:
+        mid = (lo + hi) // 2
+        if pstar_fx.plan(model, dict(base, device_memory=mid), inputs).placement.count("device") >= n:
+            hi = mid
+        else:
+            lo = mid
+    engine = pstar_fx.compile(model, dict(base, device_memory=hi), inputs)
+    assert engine.plan.placement == placement, (engine.plan.placement, placement)
+    return engine
+
+
 def _on_gpu(b):
     return tuple(x.cuda() for x in b)
 
@@ -174,11 +193,14 @@ def test_gpu_interrupted_step_leaves_the_state_as_before(monkeypatch, where, tra
     _close_to_reference(engine, reports, ref, ref_out)
 
 
-def _deferred_bf16(transaction, batches):
-    """bf16 compute and moments, chunks on both tiers, clipping that triggers every step."""
+def _deferred_bf16(transaction, batches, like=None):
+    """bf16 compute and moments, chunks on both tiers (`like`: on the tiers of that placement), clipping that
+    triggers every step."""
     torch.manual_seed(0)
-    engine = _mixed(GPT(gpt_config("tiny")), _on_gpu(batches[0]), dtype="bf16", optimizer_state="bf16",
-                    grad_clip=0.05, transaction=transaction)
+    model, cfg = GPT(gpt_config("tiny")), dict(dtype="bf16", optimizer_state="bf16", grad_clip=0.05,
+                                               transaction=transaction)
+    engine = (_mixed(model, _on_gpu(batches[0]), **cfg) if like is None else
+              _mixed_like(model, _on_gpu(batches[0]), like, **cfg))
     assert engine.plan.transaction == transaction
     assert engine.plan.kept_in_shadow == (transaction == "deferred")
     return engine
@@ -201,13 +223,14 @@ def _assert_runs_equal(a, b):
 def test_gpu_deferred_bf16_keeps_host_gradients_in_their_shadows():
     """bf16 compute and moments, chunks on both tiers, deferred: each host chunk's gradient crosses into its 16-bit
     shadow, where the host Adam writes the new weights. It equals `two_pass` bit for bit (both update from the same
-    gradients after the verdict), and every shadow holds its master's weights after a step. (A second deferred
-    run first: the CUDA kernels give the same bits run to run, which the comparisons need.)"""
+    gradients after the verdict, each chunk on the same tier in both), and every shadow holds its master's
+    weights after a step. (A second deferred run first: the CUDA kernels give the same bits run to run, which
+    the comparisons need.)"""
     from test_bf16_state import assert_shadows_are_masters
     batches = gpt_batches(4)
     runs = []
     for transaction in ("deferred", "deferred", "two_pass"):
-        engine = _deferred_bf16(transaction, batches)
+        engine = _deferred_bf16(transaction, batches, like=runs[0][1].plan.placement if runs else None)
         reports = _run_gpu(engine, batches)
         engine.drain()
         assert_shadows_are_masters(engine)
