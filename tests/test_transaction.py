@@ -430,6 +430,60 @@ def test_a_host_adam_failure_after_the_step_returned_rolls_that_step_back(monkey
     assert_run_matches(engine, reports, ref, ref_out)
 
 
+def _slow_host_adam(monkeypatch, engine, seconds):
+    """Each host chunk's update on the worker takes `seconds` longer (so the next step finds it running)."""
+    import time
+    store = engine.rt.store
+    host = [(m.data_ptr(), m.data_ptr() + m.nbytes) for c, m in enumerate(store.master) if store.tier(c) == "host"]
+    real = adam_module.adam_step
+
+    def adam_step(param, *a, **k):
+        if any(lo <= param.data_ptr() < hi for lo, hi in host):
+            time.sleep(seconds)
+        return real(param, *a, **k)
+    monkeypatch.setattr(adam_module, "adam_step", adam_step)
+
+
+def test_a_host_chunks_prefetch_does_not_wait_for_its_update(monkeypatch):
+    """The next step's forward reaches a host chunk whose update still runs on the worker: its prefetch returns at
+    once (the copy is started on the worker as the update ends) and its fetch waits for the update. The run
+    equals torch's; so does one whose step fails in forward while such copies wait and the step before is still
+    settling (that step stands: before, its updates were undone while it still counted as applied)."""
+    monkeypatch.setattr(runtime_module, "HOST_WORKER_ON_CPU", True)
+    model = tiny_gpt()
+    batches = gpt_batches(5)
+    ref, _, ref_out = reference(model, batches)
+    engine = compile_gpt(model)
+    rt = engine.rt
+    _slow_host_adam(monkeypatch, engine, 0.05)
+    early, n_early, prefetch, fetch = {}, [], rt.mover.prefetch, rt.mover.fetch
+
+    def watched_prefetch(c, after=None):
+        prefetch(c, after=after)
+        if after is not None and not after.done():
+            early[c] = after                          # returned while chunk c's update still ran
+            n_early.append(c)
+
+    def watched_fetch(c):
+        fetch(c)
+        assert c not in early or early.pop(c).done(), c   # the compute reads c only after its update
+    monkeypatch.setattr(rt.mover, "prefetch", watched_prefetch)
+    monkeypatch.setattr(rt.mover, "fetch", watched_fetch)
+    reports = run(engine, batches[:2])
+    assert n_early and not early, "no prefetch found its chunk's update running: the test shows nothing"
+    assert rt.telemetry.seconds["wait_for_host_adam"] > 0          # the fetches waited instead
+    with monkeypatch.context() as m:
+        undone = record_undos(m)
+        interrupt(m, engine, "forward", at=2)          # copies queued behind running updates are given up
+        with pytest.raises(Boom):
+            engine.step(*batches[2])
+    assert early, "the failed step left no copy waiting for its update: the test shows nothing"
+    # the step before returned: its updates still running stood (nothing undone), and it still counts
+    assert engine.steps == 2 and not undone
+    reports += run(engine, batches[2:])
+    assert_run_matches(engine, reports, ref, ref_out)
+
+
 # ---- configuration and what the plan says --------------------------------------------------------------------
 
 def test_config_checks_the_new_fields():

@@ -51,12 +51,17 @@ class ChunkRuntime:
 
     # ---- what the lowered graph calls ----------------------------------------------------------------
     def prefetch(self, c: int) -> None:
-        self.updater.wait_for(c)                 # the copy reads the master (or shadow) the host Adam writes
+        """The copy reads the master (or shadow) the host Adam writes: with that update still running, the copy
+        starts on the worker as it ends, where it can (the fetch then waits for the update); else here, after it."""
+        pending = self.updater.pending.get(c)
+        if pending is not None and self.mover.copies_alone(c):
+            self.mover.prefetch(c, after=pending)
+            return
+        self.updater.wait_for(c)
         self.mover.prefetch(c)
 
     def fetch(self, c: int) -> None:
-        if c not in self.mover.compute:
-            self.updater.wait_for(c)
+        self.updater.wait_for(c)                 # its update's outcome, on this thread (a failure raises here)
         self.mover.fetch(c)
 
     def release(self, c: int) -> None:

@@ -8,6 +8,8 @@
                with chunk-partitioned data parallelism only c's owner does that, then broadcasts the slot;
                (nothing, for a chunk whose compute copy stays on the device between steps: an fp32 device
                chunk's master, or the 16-bit copy its updates keep current, plan.keeps_compute_copies);
+               a host chunk whose update still runs on the worker: the copy is started there as the update
+               ends (`CopyAfter`), so the launching thread goes on queueing compute;
   fetch(c)     the compute waits until that copy has landed (prefetching first if the plan did not);
   release(c)   the slot is free once its last reader has run;
   param(i)     parameter i as a view of its chunk's compute copy;
@@ -23,7 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import warnings
+from concurrent.futures import Future
 
 import torch
 
@@ -107,6 +111,43 @@ class CudaCopies:
         torch.cuda.synchronize(self.device)
 
 
+class CopyAfter:
+    """A compute copy that must wait for a host chunk's update on the worker: `start` (which queues the copy on
+    the copy stream and returns its event) runs on the thread that finishes the update, as it finishes. Before,
+    the launching thread waited for the update at the prefetch, and every kernel it would have queued after it
+    waited too: at 18B with bf16 moments the GPU idled while the host Adam ran after the verdict."""
+
+    def __init__(self, update: Future, start):
+        self._lock = threading.Lock()
+        self._started = threading.Event()
+        self._start, self._event, self._error, self._cancelled = start, None, None, False
+        update.add_done_callback(self._run)      # at once, on this thread, if the update has finished
+
+    def _run(self, update: Future) -> None:
+        with self._lock:
+            try:
+                # a failed update leaves no copy to make: the fetch raises its error first (`wait_for`)
+                if not self._cancelled and not update.cancelled() and update.exception() is None:
+                    self._event = self._start()
+            except BaseException as e:  # noqa: BLE001 - raised on the launching thread, by `event`
+                self._error = e
+            finally:
+                self._started.set()
+
+    def event(self):
+        """The copy's event, once it was queued (its update has finished by now: the fetch waited for it)."""
+        self._started.wait()
+        if self._error is not None:
+            raise self._error
+        return self._event
+
+    def cancel(self) -> None:
+        """A failed step gives the slot back: a copy not yet queued is not queued (one queued is on the copy
+        stream, before any later use of the slot)."""
+        with self._lock:
+            self._cancelled = True
+
+
 class Mover:
     def __init__(self, store: ChunkStore, plan: Plan, copies, telemetry: Telemetry, dp=None):
         self.store, self.plan, self.copies, self.stats = store, plan, copies, telemetry.stats
@@ -133,22 +174,55 @@ class Mover:
         self.compute.update(resident)
 
     # ---- compute copies ------------------------------------------------------------------------------
-    def prefetch(self, c: int) -> None:
-        """(The runtime first waits for chunk c's pending host update: the copy reads its master.)"""
+    def prefetch(self, c: int, after: Future | None = None) -> None:
+        """`after`: chunk c's host update still running on the worker (the copy reads what it writes). The copy
+        then starts as it finishes, when it reads one buffer alone (`_copies_alone`); otherwise the runtime
+        waited for the update before calling this."""
         if c in self.pinned:                         # its compute copy is always there and current
             return
         buf = self.slots.take()
         n = self.layout.chunks[c].used_elems
-        with self.copies.on("h2d"):
-            self.copies.wait(self._slot_done.pop(buf.data_ptr(), None))
+        slot_free = self._slot_done.pop(buf.data_ptr(), None)
+        if after is not None:
+            assert self._copies_alone(c), c
+            self._count_in(c, n)
+            self._ready[c] = CopyAfter(after, lambda: self._start_copy(c, buf[:n], slot_free))
+        elif self.dp is None:
             if self.store.holds(c):
-                self._copy_in(c, buf[:n])
-            if self.dp is None:
-                self._ready[c] = self.copies.record()
-            else:                                # from the owner's slot into every rank's (after the copy in)
+                self._count_in(c, n)
+            self._ready[c] = self._start_copy(c, buf[:n], slot_free)
+        else:                                    # from the owner's slot into every rank's (after the copy in)
+            with self.copies.on("h2d"):
+                self.copies.wait(slot_free)
+                if self.store.holds(c):
+                    self._count_in(c, n)
+                    self._copy_in(c, buf[:n])
                 self._ready[c] = self.dp.broadcast_chunk(buf[:n], c)
                 self.stats.coll_bytes += n * buf.element_size()
         self.compute[c] = buf
+
+    def copies_alone(self, c: int) -> bool:
+        """Whether chunk c's copy in can start on another thread: it reads its shadow or master straight
+        into the slot, with no staging buffer that the copies of other chunks share."""
+        return self.dp is None and self._copies_alone(c)
+
+    def _copies_alone(self, c: int) -> bool:
+        how = self.plan.ship[c]
+        return how == "shadow" or (how == "fp32" and self._staging is None)
+
+    def _start_copy(self, c: int, dst: torch.Tensor, slot_free):
+        """Queue chunk c's copy into `dst` on the copy stream, after the slot's last reader; returns its event."""
+        with self.copies.on("h2d"):
+            self.copies.wait(slot_free)
+            if self.store.holds(c):
+                self._copy_in(c, dst)
+            return self.copies.record()
+
+    def _count_in(self, c: int, n: int) -> None:
+        """(Counted on the launching thread: a copy started on the worker must not race the count.)"""
+        how = self.plan.ship[c]
+        if how != "-":
+            self.stats.h2d_bytes += n * (4 if how == "fp32" else self.store.compute_dtype.itemsize)
 
     def _copy_in(self, c: int, dst: torch.Tensor) -> None:
         n, store = dst.numel(), self.store
@@ -167,12 +241,14 @@ class Mover:
             dst.copy_(self._staging[:n])
         else:
             dst.copy_(src, non_blocking=True)
-        self.stats.h2d_bytes += n * (4 if how == "fp32" else dst.element_size())
 
     def fetch(self, c: int) -> None:
         if c not in self.compute:
             self.prefetch(c)
-        self.copies.compute_waits(self._ready.pop(c, None))
+        ready = self._ready.pop(c, None)
+        if isinstance(ready, CopyAfter):
+            ready = ready.event()
+        self.copies.compute_waits(ready)
 
     def release(self, c: int) -> None:
         if c in self.pinned:
@@ -242,7 +318,9 @@ class Mover:
             self.grad_slots.give(buf)
         self.grads.clear()
         for ready in self._ready.values():
-            if hasattr(ready, "abandon"):        # a broadcast (dist.Pending) still writing into a slot given back
+            if isinstance(ready, CopyAfter):     # a copy waiting for its update: not into a slot given back
+                ready.cancel()
+            elif hasattr(ready, "abandon"):      # a broadcast (dist.Pending) still writing into a slot given back
                 ready.abandon()
         self._ready.clear()
 

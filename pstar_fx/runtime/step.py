@@ -204,6 +204,8 @@ class Stepper:
                                    f"keeps no gradients): {type(e).__name__}: {e}; the weights are partly "
                                    "updated") from e
         up.abandon()
+        if up.settling_rolled_back:
+            self.rolled_back()
         if up.not_undone:
             warnings.warn(f"the failed step had updated {len(self.rt.updater.not_undone)} chunk(s) that transaction "
                           f"{self.transaction!r} cannot undo; they stay updated", RuntimeWarning, stacklevel=4)

@@ -35,11 +35,12 @@ host in the same copy as its gradient and gates the C++ Adam, which so needs no 
 rollback never meets a NaN.
 
 Host chunks are updated by the C++ Adam on one worker thread while the GPU goes on. A step's host updates
-may still run after the step returned, into the next step's forward (a read of chunk c waits for c's
-update, `wait_for`): that step is "settling". If one of its updates fails, the settling step is rolled
-back from the gradients it kept (still intact: the next step overwrites them only in its backward, after
-its forward waited for every one of these updates) and the error is raised as `StepRolledBack`; a step that
-kept nothing (replay) cannot be, and the error says so.
+may still run after the step returned, into the next step's forward (chunk c's copy to the device starts on
+the worker as c's update ends, and the fetch of c waits for it, `wait_for`): that step is "settling". If one
+of its updates fails, the settling step is rolled back from the gradients it kept (still intact: the next
+step overwrites them only in its backward, after its forward waited for every one of these updates) and the
+error is raised as `StepRolledBack`; a step that kept nothing (replay) cannot be, and the error says so. An
+exception in the next step for another reason leaves the settling step standing once its updates finish.
 """
 from __future__ import annotations
 
@@ -136,6 +137,7 @@ class Updater:
         self._first_micro = self._last_micro = True
         self._replaying: dict[int, Hyper] = {}     # a replay: chunk -> the Hyper of the update it undoes
         self.not_undone: list[int] = []            # chunks a failed step updated and nothing could undo
+        self.settling_rolled_back = False          # abandon: the step before failed in its own update too
 
     # ---- the step's frame ----------------------------------------------------------------------------
     def open(self, hyper: Hyper, mode: str) -> None:
@@ -402,12 +404,19 @@ class Updater:
         self.log = None
 
     def abandon(self) -> list[int]:
-        """After an exception: every update of this step (and of a settling one) is undone if it can be.
-        Returns the chunks restored."""
+        """After an exception: every update of this step is undone if it can be. The step before returned, so
+        its updates still running stand once they finish; only if one of them failed is that step rolled back
+        too (`settling_rolled_back`: the stepper then counts it as not having happened). Returns the chunks
+        restored."""
         restored = []
+        self.settling_rolled_back = False
         if self.settling is not None:
-            restored += self._undo(self.settling, swallow=True)
-            self.settling = None
+            settling, self.settling = self.settling, None
+            try:
+                self._settle(settling)
+            except BaseException:  # noqa: BLE001 - its own failure: the exception raised is the step's
+                restored += self._undo(settling, swallow=True)
+                self.settling_rolled_back = settling.undoable
         if self.log is not None:
             restored += self._undo(self.log, swallow=True)
             self.log = None
