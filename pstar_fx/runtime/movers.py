@@ -135,7 +135,11 @@ class CopyAfter:
                 self._started.set()
 
     def event(self):
-        """The copy's event, once it was queued (its update has finished by now: the fetch waited for it)."""
+        """The copy's event, once it was queued (its update has finished by now: the fetch waited for it); None
+        for a copy cancelled before it was queued, which never will be."""
+        with self._lock:
+            if self._cancelled and not self._started.is_set():
+                return None
         self._started.wait()
         if self._error is not None:
             raise self._error
@@ -254,6 +258,11 @@ class Mover:
         if c in self.pinned:
             return
         buf = self.compute.pop(c)
+        unread = self._ready.pop(c, None)
+        if isinstance(unread, CopyAfter):
+            # prefetched, never fetched: its copy may not yet be queued, so the copy stream's order alone would
+            # not keep it before the slot's next copy; the slot is free once it has landed
+            self.copies.wait(unread.event())
         self._slot_done[buf.data_ptr()] = self.copies.record()
         self.slots.give(buf)
 
@@ -312,16 +321,16 @@ class Mover:
     # ---- the end of a step ---------------------------------------------------------------------------
     def clear(self) -> None:
         """After a step that failed midway: every compute slot and gradient slot back to its pool."""
-        for c in [c for c in self.compute if c not in self.pinned]:
-            self.release(c)
-        for buf in self.grads.values():
-            self.grad_slots.give(buf)
-        self.grads.clear()
         for ready in self._ready.values():
             if isinstance(ready, CopyAfter):     # a copy waiting for its update: not into a slot given back
                 ready.cancel()
             elif hasattr(ready, "abandon"):      # a broadcast (dist.Pending) still writing into a slot given back
                 ready.abandon()
+        for c in [c for c in self.compute if c not in self.pinned]:
+            self.release(c)
+        for buf in self.grads.values():
+            self.grad_slots.give(buf)
+        self.grads.clear()
         self._ready.clear()
 
     def check_idle(self) -> None:
