@@ -1,6 +1,7 @@
 """Data parallelism on the CPU with gloo: N processes started by the test, each its share of the batch, equal one
 process (torch.optim.AdamW) training on the whole batch as N micro-batches of loss / N; chunk-partitioned
 (each rank holding 1/N of the chunks' state) and replicated."""
+import copy
 import json
 import os
 import socket
@@ -119,6 +120,20 @@ def assert_ranks_agree(sds, runs, mode: str) -> None:
             assert [c for c, p in enumerate(run["placement"]) if p != "remote"] == list(range(r, n, world))
 
 
+_REFERENCES: dict = {}
+
+
+def _reference(steps: int, clip: float | None, accum: int):
+    """torch's run (test_transaction.reference) of the tiny GPT on `steps` whole batches of `accum` micro-batches:
+    (the model, its per-step outputs). Several cases train on the same batches with the same recipe (they differ
+    in how the ranks split the work), so each recipe's reference is computed once; the cases only read it."""
+    key = (steps, clip, accum)
+    if key not in _REFERENCES:
+        ref, _, ref_out = reference(tiny_gpt(), gpt_batches(steps, accum=accum), grad_clip=clip, accum=accum)
+        _REFERENCES[key] = ref, ref_out
+    return _REFERENCES[key]
+
+
 @pytest.mark.parametrize("mode,world,clip,accum,variant", CASES)
 def test_ranks_equal_one_process_on_the_whole_batch(tmp_path, mode, world, clip, accum, variant):
     """variant: "mixed" (each rank's chunks on both tiers, and compiled regions traced by Dynamo alone: the
@@ -135,8 +150,7 @@ def test_ranks_equal_one_process_on_the_whole_batch(tmp_path, mode, world, clip,
                                              "optimizer": OPT, "grad_clip": clip}, local, world=world)
         env["DEVICE_MEMORY"] = str(on_host.device_peak_bytes + 16384 * 12)
     _launch(world, out, steps, clip, accum, mode=mode, extra_env=env)
-    ref, _, ref_out = reference(tiny_gpt(), gpt_batches(steps, accum=world * accum), grad_clip=clip,
-                                accum=world * accum)
+    ref, ref_out = _reference(steps, clip, world * accum)
     sds, runs = _results(out, world)
     assert_ranks_agree(sds, runs, mode)
     if variant == "mixed":
@@ -150,7 +164,7 @@ def test_ranks_equal_one_process_on_the_whole_batch(tmp_path, mode, world, clip,
                                    rtol=1e-5, atol=0)
     assert_weights_close(sds[0], ref)
     if clip is None:                                 # each rank's eval loss of its own first batch, as torch's
-        ref.eval()
+        ref = copy.deepcopy(ref).eval()              # the shared reference itself stays as it trained
         with torch.no_grad():
             for r, run in enumerate(runs):
                 mine = tuple(x.chunk(world)[r] for x in gpt_batches(1, accum=world * accum)[0])
@@ -269,19 +283,36 @@ def test_a_checkpoint_saved_at_two_ranks_resumes_at_four_and_at_one(tmp_path, mo
     assert_weights_close(one.state_dict(), ref)
 
 
-def test_cli_nproc_trains_like_one_process_on_the_whole_batch(tmp_path):
+def test_cli_nproc_trains_like_one_process_on_the_whole_batch(tmp_path, monkeypatch, capsys):
     """`pstar-fx train --nproc 2` (torchrun, gloo): 2 ranks of --batch 2 print what one process of --batch 4 does."""
     import re
 
-    def run(*extra):
-        out = subprocess.run([sys.executable, "-m", "pstar_fx.cli", "train", "--model", "tiny", "--steps", "3",
-                              "--log-every", "1", "--device", "cpu", "--seq", "32", *extra], capture_output=True,
-                             text=True, timeout=240, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        assert out.returncode == 0, out.stderr[-3000:]
+    from pstar_fx.cli import main
+    common = ["train", "--model", "tiny", "--steps", "3", "--log-every", "1", "--device", "cpu", "--seq", "32"]
+
+    def steps(stdout):
         return [(float(a), float(b)) for a, b in re.findall(r"^step +\d+ +loss ([\d.]+) .* grad norm ([\d.]+)",
-                                                              out.stdout, re.M)], out.stdout
-    dp, text = run("--batch", "2", "--nproc", "2")
-    one, _ = run("--batch", "4")
+                                                            stdout, re.M)]
+    # The 2-rank run is its own process tree (the command, torchrun, the ranks); while its launcher starts up on
+    # one core, the one-process run of the same command goes on the other, in this process through the same
+    # `main` the console script calls, with one intra-op thread as OMP_NUM_THREADS=1 gives the ranks.
+    dp_proc = subprocess.Popen([sys.executable, "-m", "pstar_fx.cli", *common, "--batch", "2", "--nproc", "2"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                               env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        monkeypatch.chdir(tmp_path)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            assert main([*common, "--batch", "4"]) == 0
+        finally:
+            torch.set_num_threads(threads)
+        one = steps(capsys.readouterr().out)
+        text, err = dp_proc.communicate(timeout=240)
+    finally:
+        dp_proc.kill()
+    assert dp_proc.returncode == 0, err[-3000:]
+    dp = steps(text)
     assert "2 ranks of 64" in text and len(dp) == 3
     assert text.count("done: 3 steps") == 1                  # one rank reports
     torch.testing.assert_close(torch.tensor(dp), torch.tensor(one), rtol=2e-4, atol=0)   # 4 printed digits

@@ -1,5 +1,6 @@
 """The spine against plain PyTorch: compiled training under a device budget equals torch.optim.AdamW."""
 import copy
+import dataclasses
 import json
 import logging
 
@@ -19,15 +20,79 @@ def batch(vocab=256, b=2, t=32, seed=0):
     return (torch.randint(0, vocab, (b, t), generator=g), torch.randint(0, vocab, (b, t), generator=g))
 
 
+class _Uncacheable(Exception):
+    """Something in the key that cannot be told apart from another object by value: probe it every time."""
+
+
+def _fingerprint(obj):
+    """What a capture and plan can see of `obj`: a tensor's shape, strides, dtype, device and requires_grad (not
+    its values: capture traces fake tensors), containers and dataclasses field by field, plain values and
+    objects with their own repr (configs) by type and repr; a function, class or other object without a repr
+    of its own stands for itself (the key holds it, so it is never mistaken for another)."""
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", tuple(obj.shape), obj.stride(), str(obj.dtype), obj.device.type, obj.requires_grad)
+    if isinstance(obj, (tuple, list)):
+        return (type(obj), tuple(_fingerprint(x) for x in obj))
+    if isinstance(obj, (set, frozenset)):
+        return (type(obj), tuple(sorted(repr(_fingerprint(x)) for x in obj)))
+    if isinstance(obj, dict):
+        return (type(obj), tuple((_fingerprint(k), _fingerprint(v)) for k, v in obj.items()))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return (type(obj), tuple((f.name, _fingerprint(getattr(obj, f.name))) for f in dataclasses.fields(obj)))
+    if isinstance(obj, (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)):
+        return (type(obj), repr(obj))
+    if not callable(obj) and type(obj).__repr__ is not object.__repr__:
+        return (type(obj), repr(obj))
+    try:
+        hash(obj)
+    except TypeError:
+        raise _Uncacheable(type(obj)) from None
+    return ("object", obj)
+
+
+def _model_fingerprint(model: nn.Module):
+    """The model's structure as capture sees it: every submodule's class and attributes (configs, flags,
+    training mode, hooks), every parameter's and buffer's name, shape, dtype and device, and which are tied."""
+    modules = tuple((name, type(m), tuple((k, _fingerprint(v)) for k, v in vars(m).items()
+                                          if k not in ("_parameters", "_buffers", "_modules")))
+                    for name, m in model.named_modules(remove_duplicate=False))
+    first_name: dict[int, str] = {}
+    params = tuple((name, _fingerprint(p), first_name.setdefault(id(p), name))      # ties: the first alias
+                   for name, p in model.named_parameters(remove_duplicate=False))
+    buffers = tuple((name, _fingerprint(b), first_name.setdefault(id(b), name))
+                    for name, b in model.named_buffers(remove_duplicate=False))
+    return repr(model), modules, params, buffers
+
+
+# tight_budget's probe (a whole capture and plan, about a second) by what it depends on: the model's structure,
+# the inputs' shapes, the config, the cost model's rates and the launched world. The same key gives the same
+# graph and plan, so the budget is the same number it would compute again; many tests compile the same tiny
+# model at the same chunk size.
+_PROBES: dict = {}
+
+
 def tight_budget(model, inputs, device_chunks=1, **cfg):
     """A device budget that holds the working set plus `device_chunks` chunks' fp32 state, no more."""
+    from pstar_fx.costs import calibrate
     from pstar_fx.engine import Lowered
-    probe = Lowered(model, pstar_fx.Config(device="cpu", placement="host", **cfg), inputs)   # one capture
-    d, cs = probe.plan.device_breakdown, probe.layout.chunk_size
-    dtype_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[cfg.get("dtype", "fp32")]
-    working = (d["activations"] + d["buffers"] + d["gradient slots"] + d.get("workspace margin", 0)
-               + 3 * cs * dtype_bytes)
-    return working + device_chunks * 12 * cs, len(probe.plan.placement)
+    from pstar_fx.runtime.dist import world_from_env
+    config = pstar_fx.Config(device="cpu", placement="host", **cfg)
+    try:
+        key = (_model_fingerprint(model), _fingerprint(inputs), _fingerprint(cfg), _fingerprint(config),
+               _fingerprint(calibrate(torch.device(config.device), config.torch_dtype)), world_from_env())
+    except _Uncacheable:
+        key = None                               # probed every time
+    if key is None or key not in _PROBES:
+        probe = Lowered(model, config, inputs)   # one capture
+        d, cs = probe.plan.device_breakdown, probe.layout.chunk_size
+        dtype_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[cfg.get("dtype", "fp32")]
+        working = (d["activations"] + d["buffers"] + d["gradient slots"] + d.get("workspace margin", 0)
+                   + 3 * cs * dtype_bytes)
+        if key is None:
+            return working + device_chunks * 12 * cs, len(probe.plan.placement)
+        _PROBES[key] = (working, cs, len(probe.plan.placement))
+    working, cs, n_chunks = _PROBES[key]
+    return working + device_chunks * 12 * cs, n_chunks
 
 
 def reference_run(model, batches, opt_cfg, dtype=torch.float32, loss_of=lambda model, inputs: model(*inputs)):
