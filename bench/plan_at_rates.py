@@ -1,0 +1,44 @@
+"""Plan h4096 GPTs (GPT3_18B's shape, any depth) on the meta device at the H200 rates measured on the GPU, from a
+machine without one: what fits one H200 box, and the step the cost model estimates.
+
+    python bench/plan_at_rates.py 108,fp32,transaction=replay,host_memory=116GiB 148,int8
+
+Each argument: LAYERS,OPTIMIZER_STATE[,CONFIG_KEY=VALUE...] (Config fields; strings as written).
+"""
+import sys
+import time
+
+import torch
+
+import pstar_fx
+from pstar_fx.costs import assumed
+from pstar_fx.models import GPT, gpt_config
+
+# calibrated on the lent H200 (RESULTS, session 6): matmul rate, HBM, PCIe each way, host Adam by moments
+H200 = dict(flops=561.2e12, mem_bw=3.73e12, h2d_bw=53.8e9, d2h_bw=54.2e9, host_adam=5.82e9, host_adam_bf16=7.28e9,
+            host_adam_int8=4.15e9, workspace_bytes=34603008)
+BOX = dict(device="cuda", dtype="bf16", device_memory=149553283072, host_memory="110GiB", compute="inductor")
+
+
+def plan(layers: int, state: str, **overrides):
+    with torch.device("meta"):
+        model = GPT(gpt_config("GPT3_18B", n_layer=layers))
+    n = sum(p.numel() for p in model.parameters())
+    idx = torch.randint(0, 50304, (16, 1024), device="meta")
+    t0 = time.perf_counter()
+    with assumed(**H200):
+        p = pstar_fx.plan(model, dict(BOX, optimizer_state=state, **overrides), example_inputs=(idx, idx))
+    est = p.estimated_step_seconds
+    gib = 2**30
+    print(f"L{layers} {n / 1e9:.2f}B {state} {overrides}: fits={not p.why} estimated {est:.3f} s, "
+          f"{6 * n * 16384 / est / 1e12:.0f} TFLOPs; {p.placement.count('device')}/{len(p.placement)} chunks on the "
+          f"device, {p.transaction}, device peak {p.device_peak_bytes / gib:.1f} GiB, host "
+          f"{p.host_peak_bytes / gib:.1f} GiB ({time.perf_counter() - t0:.0f} s to plan)\n  recompute: {p.recompute}"
+          + (f"\n  why: {p.why}" if p.why else ""), flush=True)
+    return p
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:]:
+        layers, state, *rest = arg.split(",")
+        plan(int(layers), state, **dict(r.split("=", 1) for r in rest))
