@@ -139,7 +139,8 @@ class Config:
     seeded per step). "two_pass": a first forward+backward measures the norm and updates nothing, the second
     applies exactly (2x the step's compute when clipping or loss scaling is on; no memory; an exception in
     the second pass leaves the chunks it updated); with neither (and fp32 moments) there is nothing to measure:
-    one pass, a non-finite gradient or an exception rolled back as "replay" does. "deferred": each chunk's
+    one pass, a non-finite gradient or an exception rolled back as "replay" does (two passes all the same when
+    a random op is not seeded and a step cannot be replayed). "deferred": each chunk's
     gradient is kept as with kept_grads but nothing is updated inside backward; after the verdict every update
     is applied from the kept gradients, exactly (no speculation, no undo, 1x compute; the host Adam then runs
     after backward, overlapping the next step's forward). "none": no protection (an exception or a non-finite

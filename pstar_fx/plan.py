@@ -86,6 +86,7 @@ class Plan:
     state_bytes_per_param: float = MASTER_STATE_BYTES   # chunk state per element: master + moments (+ int8 scales)
     transaction: str = "none"          # how a step stays provisional until it commits (runtime/step.py)
     replayable: bool = True            # no unseeded random op: a step run again computes the same gradients
+    two_passes: bool = False           # "two_pass" that measures first: something to measure, or no replay
     transaction_cost: str = ""         # what that costs, and how much smaller it makes the largest model
     kept_on_device: bool = False       # kept_grads: device chunks keep their gradients on the device (room left)
     kept_in_shadow: bool = False       # deferred: a host chunk's gradient is kept in its 16-bit shadow (see plan())
@@ -616,7 +617,9 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
                      f"{comm * 1e3:.1f} ms per micro-batch at a bus bandwidth of {rates.coll_bw / 1e9:.0f} GB/s")
     plan.transaction, plan.replayable = transaction, not random_ops
     plan.optimizer_state, plan.state_bytes_per_param = config.optimizer_state, config.state_bytes_per_param
-    two_passes = transaction == "two_pass" and config.verdict_changes_updates
+    # "two_pass" with nothing to measure runs one pass that rolls back as a replay; a step that cannot be replayed
+    # (unseeded random ops) measures first all the same, so a skipped step still changes nothing
+    two_passes = plan.two_passes = transaction == "two_pass" and (config.verdict_changes_updates or bool(random_ops))
     if two_passes:
         plan.estimated_step_seconds += sum(node_secs)
     kept_copy_s = 0.0 if plan.kept_on_device else n_updated_device * cs * compute_itemsize / rates.d2h_bw
@@ -753,7 +756,8 @@ def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_byte
                     "inside backward; a non-finite gradient or an exception rolls the step back by restoring the "
                     "masters from the moments and running it again (as 'replay'); no memory")
         when = (f"on every step ({config.optimizer_state} moments cannot be undone)" if not config.moments_undoable
-                else "when clipping or loss scaling is on")
+                else "when clipping or loss scaling is on" if config.verdict_changes_updates
+                else "on every step (unseeded random ops: a step cannot be replayed)")
         return ("a first forward+backward measures the norm and updates nothing, the second applies exactly: "
                 f"+{second_pass_s:.3g} s/step of compute {when}; no memory; "
                 "an exception in the second pass leaves the chunks it updated")

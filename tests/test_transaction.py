@@ -277,6 +277,37 @@ def test_a_skipped_step_changes_nothing_whatever_the_dtype(transaction):
     assert_state_equal(engine, before, state)
 
 
+def test_two_pass_that_cannot_replay_measures_first(monkeypatch):
+    """Nothing to measure (unclipped, unscaled, fp32) but a random op left unseeded, so a step cannot be run again
+    alike: "two_pass" then measures first, and a skipped step changes nothing (it used to run one pass as "none"
+    does, warn, and leave the chunks updated before the non-finite gradient)."""
+    import warnings
+    import pstar_fx.engine as engine_mod
+
+    class Dropped(Regression):
+        def __init__(self):
+            super().__init__()
+            self.net.insert(1, nn.Dropout(0.25))
+    monkeypatch.setattr(engine_mod, "seed_random_ops", lambda gm: gm)      # dropout draws anew each time it runs
+    torch.manual_seed(0)
+    batches = regression_batches(3, overflow_at=(1,))
+    engine = pstar_fx.compile(Dropped(), {"device": "cpu", "placement": "host", "chunk_size": 4096,
+                                          "optimizer": OPT, "transaction": "two_pass"}, batches[0])
+    assert not engine.plan.replayable and engine.plan.two_passes, engine.plan.transaction_cost
+    assert "cannot be replayed" in engine.plan.transaction_cost
+    engine.step(*batches[0])
+    before, state = engine.state_dict(), optimizer_state(engine)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        engine.step(*batches[1])
+    assert [str(w.message) for w in seen if "none" in str(w.message)] == []
+    assert any("skipped" in str(w.message) for w in seen)
+    assert engine.last_step.skipped and engine.steps == 1
+    assert_state_equal(engine, before, state)
+    engine.step(*batches[2])
+    assert engine.steps == 2 and not engine.last_step.skipped
+
+
 @pytest.mark.parametrize("transaction", ["two_pass", "kept_grads", "replay"])
 def test_a_gradient_non_finite_in_the_last_chunk_rolls_back_the_chunks_before_it(monkeypatch, transaction):
     """Unclipped, unscaled, fp32: a NaN in the gradient of chunk 0, the last backward completes, comes after the

@@ -13,7 +13,8 @@ A step's updates are provisional until it commits. The plan chose how (`plan.tra
   two_pass    a first pass measures the verdict and updates nothing; a second pass applies exactly (always
               two passes with bf16 or int8 moments, which cannot be undone: a skipped step changes nothing).
               With nothing to measure (no clipping, no loss scaling, fp32 moments) one pass, rolled back
-              like replay's when its gradient is non-finite or it fails;
+              like replay's when its gradient is non-finite or it fails (two passes when it cannot be
+              replayed: plan.two_passes);
   none        updates are applied as they come; a non-finite gradient or an exception leaves the chunks
               already updated (the engine warns);
   an accumulating step (grad_accum > 1) sums each chunk's gradients into fp32 accumulators over its
@@ -61,10 +62,10 @@ class Stepper:
         self._before_settling: tuple | None = None   # (applied, scaler state) before a step still settling
         self._last_coef = 1.0                   # the last applied step's clip coefficient: the next one's guess
         # a step that must be rolled back or corrected is run again ("replay"); so is a "two_pass" step with
-        # nothing to measure first (no clipping, no loss scaling, undoable moments), which runs as one pass: its
-        # skip must change nothing all the same
-        two_pass_once = transaction == "two_pass" and not config.verdict_changes_updates
-        self._replays = transaction == "replay" or (two_pass_once and rt.plan.replayable)
+        # nothing to measure first (no clipping, no loss scaling, undoable moments) that can be replayed, which
+        # runs as one pass: its skip must change nothing all the same (plan.two_passes: the other two_pass steps)
+        self._two_passes = transaction == "two_pass" and rt.plan.two_passes
+        self._replays = transaction == "replay" or (transaction == "two_pass" and not self._two_passes)
 
     @property
     def lr(self) -> float:
@@ -115,7 +116,7 @@ class Stepper:
                     up.apply_deferred(hyper.scaled(scale / coef))
                 else:
                     up.skip_deferred()
-            elif self.transaction == "two_pass" and cfg.verdict_changes_updates:
+            elif self._two_passes:
                 saved = [b.clone() for b in self.buffers]   # the measuring pass must not move BatchNorm twice
                 up.open(hyper, "measure")
                 loss = self._run(micro_batches[0], tangent)
