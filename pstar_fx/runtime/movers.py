@@ -188,7 +188,7 @@ class Mover:
         n = self.layout.chunks[c].used_elems
         slot_free = self._slot_done.pop(buf.data_ptr(), None)
         if after is not None:
-            assert self._copies_alone(c), c
+            assert self.copies_alone(c), c
             self._count_in(c, n)
             self._ready[c] = CopyAfter(after, lambda: self._start_copy(c, buf[:n], slot_free))
         elif self.dp is None:
@@ -207,12 +207,10 @@ class Mover:
 
     def copies_alone(self, c: int) -> bool:
         """Whether chunk c's copy in can start on another thread: it reads its shadow or master straight
-        into the slot, with no staging buffer that the copies of other chunks share."""
-        return self.dp is None and self._copies_alone(c)
-
-    def _copies_alone(self, c: int) -> bool:
+        into the slot, with no staging buffer that the copies of other chunks share (and no broadcast, which
+        every rank must start in the same order)."""
         how = self.plan.ship[c]
-        return how == "shadow" or (how == "fp32" and self._staging is None)
+        return self.dp is None and (how == "shadow" or (how == "fp32" and self._staging is None))
 
     def _start_copy(self, c: int, dst: torch.Tensor, slot_free):
         """Queue chunk c's copy into `dst` on the copy stream, after the slot's last reader; returns its event."""
