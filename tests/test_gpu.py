@@ -263,6 +263,37 @@ def test_gpu_interrupted_deferred_bf16_step_changes_nothing(monkeypatch):
     _assert_runs_equal((ref_reports, ref), (reports, engine))
 
 
+def test_gpu_host_chunk_copies_start_on_the_worker(monkeypatch):
+    """The next step's forward reaches host chunks whose updates still run on the worker: their prefetches return
+    at once and the worker queues each copy on the copy stream as the update ends (the compute stream waits for
+    it at the fetch). The run equals the CPU reference; a step failing in forward meanwhile cancels the copies
+    still waiting, and the step before stands (nothing undone)."""
+    from test_transaction import Boom, _slow_host_adam, interrupt, record_undos
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny"))
+    batches = gpt_batches(5)
+    ref, _, ref_out = reference(model, batches)
+    engine = _mixed(model, _on_gpu(batches[0]))
+    _slow_host_adam(monkeypatch, engine, 0.05)      # backward on the GPU is far quicker than that
+    early, prefetch = [], engine.rt.mover.prefetch
+
+    def watched(c, after=None):
+        prefetch(c, after=after)
+        if after is not None and not after.done():
+            early.append(c)
+    monkeypatch.setattr(engine.rt.mover, "prefetch", watched)
+    reports = _run_gpu(engine, batches[:2])
+    assert early, "no prefetch found its chunk's update running: the test shows nothing"
+    with monkeypatch.context() as m:
+        undone = record_undos(m)
+        interrupt(m, engine, "forward", at=2)
+        with pytest.raises(Boom):
+            engine.step(*_on_gpu(batches[2]))
+    assert engine.steps == 2 and not undone
+    reports += _run_gpu(engine, batches[2:])
+    _close_to_reference(engine, reports, ref, ref_out)
+
+
 def test_gpu_fp16_loss_scale_skips_like_grad_scaler():
     from test_transaction import Regression, regression_batches
     torch.manual_seed(0)
