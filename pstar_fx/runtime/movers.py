@@ -180,7 +180,7 @@ class Mover:
     # ---- compute copies ------------------------------------------------------------------------------
     def prefetch(self, c: int, after: Future | None = None) -> None:
         """`after`: chunk c's host update still running on the worker (the copy reads what it writes). The copy
-        then starts as it finishes, when it reads one buffer alone (`_copies_alone`); otherwise the runtime
+        then starts as it finishes, when it reads one buffer alone (`copies_alone`); otherwise the runtime
         waited for the update before calling this."""
         if c in self.pinned:                         # its compute copy is always there and current
             return
