@@ -451,9 +451,11 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     budget = usable_budget(config.device_memory, cuda)
     notes: list[str] = []
     # with any chunk on the host: CUDA keeps at least 2 gradient buffers (it never casts on the host);
-    # the CPU runtime 1 gradient buffer and 1 cast staging buffer
-    host_staging = 2 * cs * compute_itemsize
-    host_staging += CUDA_HOST_OVERHEAD_BYTES if cuda else 0
+    # the CPU runtime 1 gradient buffer and 1 cast staging buffer. Kept gradients need no gradient buffer (each
+    # lands in its own): then only the CPU runtime's cast staging (16-bit compute) is held back
+    overhead = CUDA_HOST_OVERHEAD_BYTES if cuda else 0
+    kept_staging = 0 if cuda or compute_itemsize == 4 else cs * compute_itemsize
+    host_staging = 2 * cs * compute_itemsize + overhead
     host_room = (None if config.host_memory is None
                  else max(0, (config.host_memory - host_staging) // state_bytes))
 
@@ -480,8 +482,8 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
 
     n_device = place()
     random_ops = [n.name for n in nodes if n.op == "call_function" and is_random(n)]
-    host_free = (None if config.host_memory is None
-                 else config.host_memory - host_staging - (n_own - n_device) * state_bytes)
+    host_free = (None if config.host_memory is None       # for kept gradients
+                 else config.host_memory - overhead - kept_staging - (n_own - n_device) * state_bytes)
     transaction, kept_bytes = _choose_transaction(config, n_updated * cs * compute_itemsize, host_free=host_free,
                                                   random_ops=random_ops)
     if transaction in KEEPS and cuda and n_device and grad_slots < 2 and on is None:
@@ -518,7 +520,9 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
                                                           rates.host_adam_with(config.optimizer_state), cuda, room)
     if kept_bytes:                     # every host chunk's gradient lands in its own kept buffer: no pool
         host_grad_buffers = 0
-    host_used += max(0, host_grad_buffers - 2) * cs * compute_itemsize + kept_bytes
+        host_used = (n_own - n_device) * state_bytes + overhead + kept_staging + kept_bytes
+    else:
+        host_used += max(0, host_grad_buffers - 2) * cs * compute_itemsize
     # how each chunk's compute copy reaches its owner's device: the k-th host chunk of every owner alike.
     # Deferred, 16-bit: a host chunk's kept gradient and its shadow are never needed at once (the gradient lands
     # after backward's last read of the shadow, and the host Adam reads it where it writes the new 16-bit

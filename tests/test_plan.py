@@ -214,3 +214,23 @@ def test_16bit_shadows_ship_half_the_bytes_and_change_no_result():
     assert all(torch.equal(runs["shadow"][1][k], runs["cast"][1][k]) for k in runs["cast"][1])
     assert runs["shadow"][2]["h2d_bytes"] == runs["cast"][2]["h2d_bytes"]    # both cross 2 B/param ...
     assert runs["shadow"][2]["host_peak_bytes"] > runs["cast"][2]["host_peak_bytes"]  # ... shadows cost host
+
+
+@pytest.mark.parametrize("device,dtype", [("cpu", "fp32"), ("cuda", "fp32"), ("cuda", "bf16")])
+def test_kept_gradients_fit_at_the_plans_own_host_peak(device, dtype):
+    """The check that the host holds the kept gradients counts what the plan then allocates: at exactly its own
+    host peak a plan still keeps them (it used to hold back two chunks of gradient staging, which a plan with
+    kept gradients never allocates). "cuda" is planned without a GPU, at nominal rates."""
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny"))
+    cfg = {"device": device, "dtype": dtype, "placement": "host", "chunk_size": 16384, "grad_clip": 1.0}
+    roomy = pstar_fx.plan(model, cfg, batch())
+    assert roomy.transaction == "kept_grads" and roomy.host_breakdown["gradient staging"] == 0
+    at = pstar_fx.plan(model, dict(cfg, host_memory=roomy.host_peak_bytes), batch())
+    assert at.transaction == "kept_grads" and not at.why, at.summary()
+    assert at.host_breakdown == roomy.host_breakdown
+    # a byte less than the state and the kept gradients (16-bit shadows come after them: a chunk without one
+    # crosses as fp32)
+    short = pstar_fx.plan(model, dict(cfg, host_memory=roomy.host_peak_bytes - 1
+                                      - roomy.host_breakdown["16-bit shadows"]), batch())
+    assert short.transaction == "replay"

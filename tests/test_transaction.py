@@ -599,11 +599,15 @@ def test_a_step_with_dropout_replays_its_masks():
     """Dropout's masks are seeded per step (passes.seed_random): a replayed step redraws the same ones, so the
     planner may choose replay for it, and a replay that triggers (clipping) equals the exact two passes."""
     x, y = regression_batches(1)[0]
-    cfg = {"device": "cpu", "placement": "host", "chunk_size": 2048, "grad_clip": 1e-3}
+    cfg = {"device": "cpu", "placement": "host", "chunk_size": 1024, "grad_clip": 1e-3}
     torch.manual_seed(0)
     model = Dropout()
-    tight = pstar_fx.plan(model, dict(cfg, host_memory=45_000), (x, y))   # no room for kept gradients
-    assert tight.transaction == "replay", tight.transaction
+    roomy = pstar_fx.plan(model, cfg, (x, y))
+    h = roomy.host_breakdown
+    assert roomy.transaction == "kept_grads" and len(roomy.placement) == 2, roomy.summary()
+    # a byte short of the state and the kept gradients, with room for a replay's gradient buffer
+    tight = pstar_fx.plan(model, dict(cfg, host_memory=h["chunk state"] + h["kept gradients"] - 1), (x, y))
+    assert tight.transaction == "replay" and not tight.why, tight.summary()
     runs = {}
     for transaction in ("replay", "two_pass"):
         engine = pstar_fx.compile(copy.deepcopy(model), dict(cfg, transaction=transaction), (x, y))
