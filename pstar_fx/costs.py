@@ -138,16 +138,18 @@ def _calibrated(device: torch.device, dtype: torch.dtype) -> Rates:
     return rates
 
 
-def _timeit(fn, device: torch.device, reps: int = 3) -> float:
+def _timeit(fn, device: torch.device, reps: int = 3, at_least: float = 0.0) -> float:
+    """The best of `reps` timed runs after one warm-up, and of more until they took `at_least` seconds."""
     fn()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
-    best = float("inf")
-    for _ in range(reps):
+    best, spent, k = float("inf"), 0.0, 0
+    while k < reps or spent < at_least:
         t0 = time.perf_counter()
         fn()
         sync()
-        best = min(best, time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        best, spent, k = min(best, took), spent + took, k + 1
     return max(best, 1e-9)
 
 
@@ -214,16 +216,8 @@ def _host_adam_rate(state: str, n: int = 2**24, at_least: float = 0.25) -> float
     else:
         dtype = torch.bfloat16 if state == "bf16" else torch.float32
         m, v = torch.zeros(n, dtype=dtype), torch.zeros(n, dtype=dtype)
-    def step():
-        adam_step(p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, **scales)
-    step()                                   # the thread team starts, the pages are touched
-    best, spent = float("inf"), 0.0
-    while spent < at_least or best == float("inf"):
-        t0 = time.perf_counter()
-        step()
-        took = time.perf_counter() - t0
-        best, spent = min(best, took), spent + took
-    return n / max(best, 1e-9)
+    return n / _timeit(lambda: adam_step(p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                                         weight_decay=0.0, **scales), torch.device("cpu"), at_least=at_least)
 
 
 if __name__ == "__main__":     # python -m pstar_fx.costs DEVICE DTYPE KEY: one measurement, as JSON

@@ -64,7 +64,7 @@ class Stepper:
         # a step that must be rolled back or corrected is run again ("replay"); so is a "two_pass" step with
         # nothing to measure first (no clipping, no loss scaling, undoable moments) that can be replayed, which
         # runs as one pass: its skip must change nothing all the same (plan.two_passes: the other two_pass steps)
-        self._two_passes = transaction == "two_pass" and rt.plan.two_passes
+        self._two_passes = rt.plan.two_passes
         self._replays = transaction == "replay" or (transaction == "two_pass" and not self._two_passes)
 
     @property
