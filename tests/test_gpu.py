@@ -268,13 +268,14 @@ def test_gpu_host_chunk_copies_start_on_the_worker(monkeypatch):
     at once and the worker queues each copy on the copy stream as the update ends (the compute stream waits for
     it at the fetch). The run equals the CPU reference; a step failing in forward meanwhile cancels the copies
     still waiting, and the step before stands (nothing undone)."""
-    from test_transaction import Boom, _slow_host_adam, interrupt, record_undos
+    import time
+    from test_transaction import Boom, before_host_adam, interrupt, record_undos
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny"))
     batches = gpt_batches(5)
     ref, _, ref_out = reference(model, batches)
     engine = _mixed(model, _on_gpu(batches[0]))
-    _slow_host_adam(monkeypatch, engine, 0.05)      # backward on the GPU is far quicker than that
+    before_host_adam(monkeypatch, engine, lambda: time.sleep(0.05))   # backward on the GPU is far quicker
     early, prefetch = [], engine.rt.mover.prefetch
 
     def watched(c, after=None):

@@ -2,6 +2,7 @@
 accumulation as summed `loss / k` backward calls — and a step interrupted anywhere leaves the state as it was."""
 import copy
 import math
+import time
 
 import pytest
 import torch
@@ -401,17 +402,24 @@ def interrupt(monkeypatch, engine, where, at):
     elif where == "backward":                 # after `at - 1` chunks were updated
         monkeypatch.setattr(engine.rt, "adam", fail_on_call(engine.rt.adam))
     else:                                     # inside the host Adam, on a host chunk's master
-        store = engine.rt.store
-        host = [(m.data_ptr(), m.data_ptr() + m.nbytes) for c, m in enumerate(store.master) if store.tier(c) == "host"]
-        real = adam_module.adam_step
+        def count():
+            calls.append(1)
+            if len(calls) == at:
+                raise Boom(where)
+        before_host_adam(monkeypatch, engine, count)
 
-        def adam_step(param, *a, **k):
-            if any(lo <= param.data_ptr() < hi for lo, hi in host):
-                calls.append(1)
-                if len(calls) == at:
-                    raise Boom(where)
-            return real(param, *a, **k)
-        monkeypatch.setattr(adam_module, "adam_step", adam_step)
+
+def before_host_adam(monkeypatch, engine, hook):
+    """Call `hook()` before each host Adam pass over a host chunk's master (on the worker where there is one)."""
+    store = engine.rt.store
+    host = [(m.data_ptr(), m.data_ptr() + m.nbytes) for c, m in enumerate(store.master) if store.tier(c) == "host"]
+    real = adam_module.adam_step
+
+    def adam_step(param, *a, **k):
+        if any(lo <= param.data_ptr() < hi for lo, hi in host):
+            hook()
+        return real(param, *a, **k)
+    monkeypatch.setattr(adam_module, "adam_step", adam_step)
 
 
 @pytest.mark.parametrize("transaction,clip", [(t, c) for t in ("kept_grads", "deferred", "replay")
@@ -461,20 +469,6 @@ def test_a_host_adam_failure_after_the_step_returned_rolls_that_step_back(monkey
     assert_run_matches(engine, reports, ref, ref_out)
 
 
-def _slow_host_adam(monkeypatch, engine, seconds):
-    """Each host chunk's update on the worker takes `seconds` longer (so the next step finds it running)."""
-    import time
-    store = engine.rt.store
-    host = [(m.data_ptr(), m.data_ptr() + m.nbytes) for c, m in enumerate(store.master) if store.tier(c) == "host"]
-    real = adam_module.adam_step
-
-    def adam_step(param, *a, **k):
-        if any(lo <= param.data_ptr() < hi for lo, hi in host):
-            time.sleep(seconds)
-        return real(param, *a, **k)
-    monkeypatch.setattr(adam_module, "adam_step", adam_step)
-
-
 def test_a_host_chunks_prefetch_does_not_wait_for_its_update(monkeypatch):
     """The next step's forward reaches a host chunk whose update still runs on the worker: its prefetch returns at
     once (the copy is started on the worker as the update ends) and its fetch waits for the update. The run
@@ -486,7 +480,7 @@ def test_a_host_chunks_prefetch_does_not_wait_for_its_update(monkeypatch):
     ref, _, ref_out = reference(model, batches)
     engine = compile_gpt(model)
     rt = engine.rt
-    _slow_host_adam(monkeypatch, engine, 0.05)
+    before_host_adam(monkeypatch, engine, lambda: time.sleep(0.05))   # the next step finds the updates running
     early, n_early, prefetch, fetch = {}, [], rt.mover.prefetch, rt.mover.fetch
 
     def watched_prefetch(c, after=None):
