@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call on the H200 machine: build the C++ kernel there, then run the stages named as
-# arguments (kernels | tests | tests:PYTEST_K_EXPR (tests/test_gpu.py only) | probe | small_peak | checkpoint | gpt:MODEL:SYSTEM[:BATCH[:HOST_MEMORY[:LAYERS[:EXTRA ARGS]]]]).
+# arguments (kernels | host_adam[:ARGS] (bench/host_adam_bench.py ARGS, spaces as commas) | tests | tests:PYTEST_K_EXPR (tests/test_gpu.py only) | probe | small_peak | checkpoint | gpt:MODEL:SYSTEM[:BATCH[:HOST_MEMORY[:LAYERS[:EXTRA ARGS]]]]).
 # Output files land in $OUT. MODEL: a GPT name, llama/NAME or hf-llama/NAME (bench/gpt.py --model).
 # EXTRA ARGS go to bench/gpt.py as they are, e.g. gpt:GPT3_10B:pstar_fx:16:108GiB::--clip-sweep=none,1e9,1e-3
 # The strongest PyTorch peer: gpt:GPT_h3072_L36:torch-best:16 ({eager, compiled} x checkpoint {none, half, all}).
@@ -24,6 +24,8 @@ for stage in "$@"; do
     small_peak*) timeout 200 python3 bench/small_peak.py --snapshot "$OUT" ${stage#small_peak} 2>&1 | grep -v "^DEBUG" | tail -30 | tee -a "$OUT/small_peak.txt" ;;
     checkpoint) timeout 400 python3 bench/checkpoint_bench.py --json "$OUT/checkpoint.jsonl" 2>&1 | tail -30 | tee -a "$OUT/checkpoint.txt" ;;
     probe) timeout 120 python3 bench/peak_probe.py 2>&1 | grep -v "^DEBUG" | tail -45 | tee -a "$OUT/probe.txt" ;;
+    host_adam*) timeout 240 python3 bench/host_adam_bench.py --json "$OUT/host_adam.json" \
+             $( [[ $stage == host_adam:* ]] && echo "${stage#host_adam:}" | tr , ' ') 2>&1 | tee -a "$OUT/host_adam.txt" ;;
     kernels) timeout 240 python3 bench/kernels_gpu.py 2>&1 | tee -a "$OUT/kernels.txt" ;;
     tests) timeout 560 python3 -m pytest -q -rs -p no:logging --tb=short -o faulthandler_timeout=100 tests/test_gpu.py \
              tests/test_kernels.py -k "gpu or cuda or undo" --durations=15 2>&1 | tail -80 | tee -a "$OUT/tests.txt" ;;

@@ -4,6 +4,14 @@ kernels' extension), torch's fused CPU AdamW, and our C++ Adam in the engine's c
     python bench/host_adam_bench.py                      # 256M elements, the kernels' default threads
     python bench/host_adam_bench.py --elems 4M --rounds 3   # smoke test on a small machine
     python bench/host_adam_bench.py --sweep --json out.json # store / schedule / prefetch variants too
+    python bench/host_adam_bench.py --with-copies --moments bf16   # beside pinned PCIe copies (needs CUDA)
+
+--with-copies asks what issue 13's item 4 depends on: whether the host Adam and the PCIe copies share one limit,
+the host's memory. A thread keeps pinned host->device and device->host copies running (their own streams,
+both directions at once) while ours runs; each round times ours alone, the copies alone, and the two together.
+Were the Adam bound by its cores, the copies would take nothing from it; bound by memory, what the copies move
+is taken from what the Adam can. A host chunk updated on the GPU crosses PCIe twice (state in, state out) and
+so moves as many host bytes as the host Adam would: moving updates to the GPU pays only where memory has room.
 
 Bytes per element, as counted here:
   triad        12 B: read b, c, write a (STREAM's count; a plain store also reads a's line first, which STREAM
@@ -57,14 +65,57 @@ def _filled(n: int, dtype, scale: float, gen: torch.Generator) -> torch.Tensor:
     return t if dtype == torch.float32 else t.to(dtype)
 
 
+class Copies:
+    """Pinned host<->device copies of `nbytes` each way, queued on two streams in a loop by a background thread
+    while the context is open; `rate` is the bytes per second each direction moved over that time."""
+
+    def __init__(self, nbytes: int):
+        self.host_in = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(1)
+        self.host_out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(1)
+        self.dev_in = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        self.dev_out = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
+        self.h2d, self.d2h = torch.cuda.Stream(), torch.cuda.Stream()
+        self.nbytes, self.rate = nbytes, 0.0
+        self._round()                                 # warm: streams and copy engines up before anything is timed
+
+    def _round(self):
+        with torch.cuda.stream(self.h2d):
+            self.dev_in.copy_(self.host_in, non_blocking=True)
+        with torch.cuda.stream(self.d2h):
+            self.host_out.copy_(self.dev_out, non_blocking=True)
+        self.h2d.synchronize()
+        self.d2h.synchronize()
+
+    def _loop(self):
+        while not self._stop.is_set():
+            self._round()
+            self._moved += self.nbytes
+
+    def __enter__(self):
+        import threading
+        self._stop, self._moved = threading.Event(), 0
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._t0 = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.rate = self._moved / (time.perf_counter() - self._t0)
+
+
 class Bench:
-    def __init__(self, n: int, register: bool):
+    def __init__(self, n: int, register: bool, moments: str = "fp32"):
         gen = torch.Generator().manual_seed(0)
         self.n = n
         self.p = _filled(n, torch.float32, 1.0, gen)
         self.m = _filled(n, torch.float32, 1e-3, gen)
         self.v = _filled(n, torch.float32, 1e-6, gen).abs_()
         self.g32 = _filled(n, torch.float32, 1e-2, gen)
+        self.tb, self.tc = self.m, self.v     # the triad's b and c: fp32, as big as the master
+        if moments == "bf16":   # Config(optimizer_state="bf16"): torch's fused AdamW has no such state
+            self.m, self.v = self.m.to(torch.bfloat16), self.v.to(torch.bfloat16)
         self.g16 = self.g32.to(torch.bfloat16)
         self.out = torch.empty(n, dtype=torch.bfloat16)
         self.out.zero_()
@@ -72,6 +123,7 @@ class Bench:
             cudart = torch.cuda.cudart()
             for t in (self.p, self.m, self.v, self.g32, self.g16, self.out):
                 assert int(cudart.cudaHostRegister(t.data_ptr(), t.untyped_storage().nbytes(), 0)) == 0
+        self.moments = moments
         # torch's fused AdamW on the same param and moments (its state is ours: no second copy)
         self.param = torch.nn.Parameter(self.p, requires_grad=True)
         self.param.grad = self.g32
@@ -80,8 +132,8 @@ class Bench:
         self.step = 0
 
     def triad(self, threads: int, nt: bool, reps: int) -> float:
-        # a = master (rewritten by the next update anyway), b = m, c = v: not read by anything after
-        return cpu_adam.stream_triad(self.p, self.m, self.v, reps=reps, nt=nt, num_threads=threads, scalar=0.0)
+        # a = master (rewritten by the next update anyway), b and c: the fp32 moments, or their fp32 originals
+        return cpu_adam.stream_triad(self.p, self.tb, self.tc, reps=reps, nt=nt, num_threads=threads, scalar=0.0)
 
     def torch_fused(self, threads: int) -> float:
         torch.set_num_threads(threads)
@@ -101,6 +153,29 @@ class Bench:
         return dt
 
 
+def beside_copies(b: Bench, threads: int, rounds: int, copy_bytes: int, our_bytes: int) -> dict:
+    """Ours alone, the copies alone, and the two at once, interleaved round by round: the best of each."""
+    copies = Copies(copy_bytes)
+    alone = beside = float("inf")
+    copy_alone = copy_beside = 0.0
+    for _ in range(rounds):
+        with copies:
+            time.sleep(0.3)
+        copy_alone = max(copy_alone, copies.rate)
+        alone = min(alone, b.ours(threads, False, cpu_adam.STORES, cpu_adam.SCHEDULE, cpu_adam.PREFETCH_ELEMS))
+        with copies:
+            time.sleep(0.05)                          # both directions under way before the Adam starts
+            took = [b.ours(threads, False, cpu_adam.STORES, cpu_adam.SCHEDULE, cpu_adam.PREFETCH_ELEMS)
+                    for _ in range(3)]
+        beside, copy_beside = min(beside, min(took)), max(copy_beside, copies.rate)
+    n = b.n
+    return {"threads": threads, "config": "beside_copies", "copy_bytes": copy_bytes,
+            "alone_gparams_s": n / alone / 1e9, "beside_gparams_s": n / beside / 1e9,
+            "alone_copy_gb_s": copy_alone / 1e9, "beside_copy_gb_s": copy_beside / 1e9,
+            "alone_host_gb_s": our_bytes * n / alone / 1e9,
+            "beside_host_gb_s": (our_bytes * n / beside + 2 * copy_beside) / 1e9}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--elems", type=_elems, default=256 << 20, help="elements per buffer (e.g. 256M, 4M)")
@@ -109,6 +184,11 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true",
                     help="also time every store / schedule variant of ours, and software prefetch distances")
     ap.add_argument("--register", action="store_true", help="page-lock the buffers with cudaHostRegister (needs CUDA)")
+    ap.add_argument("--moments", choices=("fp32", "bf16"), default="fp32",
+                    help="ours' moments (Config.optimizer_state); bf16 leaves torch's fused AdamW out")
+    ap.add_argument("--with-copies", action="store_true",
+                    help="also time ours beside pinned PCIe copies in both directions (needs CUDA)")
+    ap.add_argument("--copy-bytes", type=_elems, default=1 << 30, help="bytes of each copy (--with-copies)")
     ap.add_argument("--json", metavar="PATH", help="write the rows and the machine's description here")
     args = ap.parse_args(argv)
     if not cpu_adam.available():
@@ -121,12 +201,13 @@ def main(argv=None) -> int:
         variants += [(cpu_adam.STORES, cpu_adam.SCHEDULE, pf) for pf in (512, 2048, -1024)]
         variants = list(dict.fromkeys(variants))
     torch_threads0 = torch.get_num_threads()
-    b = Bench(args.elems, args.register)
+    b = Bench(args.elems, args.register, args.moments)
+    our_bytes = OUR_BYTES if args.moments == "fp32" else OUR_BYTES - 8   # moments 2 B each way, not 4
     n = args.elems
     info = {"cpu": _cpu_model(), "cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
             "default_threads": cpu_adam.default_threads(), "torch": torch.__version__,
             "torch_threads": torch_threads0, "build": cpu_adam.extension().build_info(), "elems": n,
-            "rounds": args.rounds, "register": args.register,
+            "rounds": args.rounds, "register": args.register, "moments": args.moments,
             "thp": open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
             if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled") else None}
     print(f"# {info['cpu']}: {info['cpus']} CPUs, {info['default_threads']} physical cores in the affinity mask; "
@@ -135,8 +216,9 @@ def main(argv=None) -> int:
 
     rows = []
     for T in threads:
-        configs = {"triad": lambda: b.triad(T, False, 1), "triad_nt": lambda: b.triad(T, True, 1),
-                   "torch_fused": lambda: b.torch_fused(T)}
+        configs = {"triad": lambda: b.triad(T, False, 1), "triad_nt": lambda: b.triad(T, True, 1)}
+        if args.moments == "fp32":
+            configs["torch_fused"] = lambda: b.torch_fused(T)
         for st, sc, pf in variants:
             tag = "" if (st, sc, pf) == variants[0] else f" [{st}, {sc}, prefetch {pf}]"
             configs[f"ours_check{tag}"] = lambda st=st, sc=sc, pf=pf: b.ours(T, True, st, sc, pf)
@@ -148,27 +230,38 @@ def main(argv=None) -> int:
             for k, fn in configs.items():
                 best[k] = min(best[k], fn())
         triad_gbs = max(TRIAD_BYTES * n / best["triad"], TRIAD_BYTES * n / best["triad_nt"]) / 1e9
-        torch_pps = n / best["torch_fused"]
+        torch_pps = n / best["torch_fused"] if "torch_fused" in best else None
         for k, t in best.items():
-            counted = TRIAD_BYTES if k.startswith("triad") else TORCH_BYTES if k == "torch_fused" else OUR_BYTES
+            counted = TRIAD_BYTES if k.startswith("triad") else TORCH_BYTES if k == "torch_fused" else our_bytes
             moved = counted + (2 if k.startswith("ours_check") else 0)
             gbs = counted * n / t / 1e9
             rows.append({"threads": T, "config": k, "seconds": t, "gparams_s": n / t / 1e9,
                          "bytes_counted": counted, "bytes_moved": moved, "gb_s": gbs,
-                         "vs_torch": (n / t) / torch_pps if not k.startswith("triad") else None,
+                         "vs_torch": (n / t) / torch_pps if torch_pps and not k.startswith("triad") else None,
                          "vs_triad": gbs / triad_gbs})
+        if args.with_copies:
+            rows.append(beside_copies(b, T, args.rounds, args.copy_bytes, our_bytes))
     torch.set_num_threads(torch_threads0)
 
     print(f"{'threads':>7}  {'config':<44} {'ms':>9} {'G params/s':>10} {'B/elem':>6} {'GB/s':>7} "
           f"{'x torch':>7} {'x triad':>7}")
     for r in rows:
+        if r["config"] == "beside_copies":
+            continue
         vt = "" if r["vs_torch"] is None else f"{r['vs_torch']:.2f}"
         gp = "" if r["config"].startswith("triad") else f"{r['gparams_s']:.2f}"
         print(f"{r['threads']:>7}  {r['config']:<44} {r['seconds'] * 1e3:>9.2f} {gp:>10} {r['bytes_counted']:>6} "
               f"{r['gb_s']:>7.1f} {vt:>7} {r['vs_triad']:>7.2f}")
     print("# triad: a = b + s*c, 12 B/elem counted (STREAM's rule); x triad is against the better of the plain-"
-          "store and non-temporal triads. ours: bf16 grad in, bf16 copy out, 28 B counted (+2 B grad re-read "
-          "with the check).")
+          f"store and non-temporal triads. ours: bf16 grad in, bf16 copy out, {args.moments} moments, {our_bytes} B "
+          "counted (+2 B grad re-read with the check).")
+    for r in rows:
+        if r["config"] == "beside_copies":
+            print(f"# beside copies ({r['threads']} threads, {r['copy_bytes'] / 2**30:.2f} GiB each way per round): "
+                  f"ours {r['alone_gparams_s']:.2f} G params/s alone, {r['beside_gparams_s']:.2f} beside the "
+                  f"copies ({r['beside_gparams_s'] / r['alone_gparams_s']:.2f}x); copies {r['alone_copy_gb_s']:.1f} "
+                  f"GB/s each way alone, {r['beside_copy_gb_s']:.1f} beside ours; host memory moved "
+                  f"{r['alone_host_gb_s']:.1f} GB/s by ours alone, {r['beside_host_gb_s']:.1f} by both together")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": info, "rows": rows}, f, indent=1)

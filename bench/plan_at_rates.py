@@ -3,7 +3,8 @@ machine without one: what fits one H200 box, and the step the cost model estimat
 
     python bench/plan_at_rates.py 108,fp32,transaction=replay,host_memory=116GiB 148,int8
 
-Each argument: LAYERS,OPTIMIZER_STATE[,CONFIG_KEY=VALUE...] (Config fields; strings as written).
+Each argument: LAYERS,OPTIMIZER_STATE[,CONFIG_KEY=VALUE...] (Config fields; strings as written), and
+rates.FIELD=FLOAT for a rate other than the H200's below, e.g. 90,bf16,rates.host_adam_bf16=5.5e9
 """
 import sys
 import time
@@ -20,13 +21,13 @@ H200 = dict(flops=561.2e12, mem_bw=3.73e12, h2d_bw=53.8e9, d2h_bw=54.2e9, host_a
 BOX = dict(device="cuda", dtype="bf16", device_memory=149553283072, host_memory="110GiB", compute="inductor")
 
 
-def plan(layers: int, state: str, **overrides):
+def plan(layers: int, state: str, rates: dict | None = None, **overrides):
     with torch.device("meta"):
         model = GPT(gpt_config("GPT3_18B", n_layer=layers))
     n = sum(p.numel() for p in model.parameters())
     idx = torch.randint(0, 50304, (16, 1024), device="meta")
     t0 = time.perf_counter()
-    with assumed(**H200):
+    with assumed(**{**H200, **(rates or {})}):
         p = pstar_fx.plan(model, dict(BOX, optimizer_state=state, **overrides), example_inputs=(idx, idx))
     est = p.estimated_step_seconds
     gib = 2**30
@@ -41,4 +42,6 @@ def plan(layers: int, state: str, **overrides):
 if __name__ == "__main__":
     for arg in sys.argv[1:]:
         layers, state, *rest = arg.split(",")
-        plan(int(layers), state, **dict(r.split("=", 1) for r in rest))
+        fields = dict(r.split("=", 1) for r in rest)
+        rates = {k.removeprefix("rates."): float(fields.pop(k)) for k in list(fields) if k.startswith("rates.")}
+        plan(int(layers), state, rates, **fields)

@@ -69,7 +69,7 @@ _MEASURED: dict[str, Rates] = {}     # this process's measurements, when the cac
 
 def _cache_path(key: str) -> str:
     root = os.environ.get("PSTAR_FX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pstar_fx")
-    return os.path.join(root, f"rates-v4-{key}.json")
+    return os.path.join(root, f"rates-v5-{key}.json")
 
 
 def _device_key(device: torch.device) -> str:
@@ -196,28 +196,37 @@ def _measure(device: torch.device, dtype: torch.dtype, key: str) -> Rates:
     h = torch.empty(elems, pin_memory=pin)
     h2d = x.nbytes / _timeit(lambda: x.copy_(h, non_blocking=pin), device)
     d2h = x.nbytes / _timeit(lambda: h.copy_(x, non_blocking=pin), device)
-    adam = {state: _host_adam_rate(state) for state in ("fp32", "bf16", "int8")}
+    # a GPU box's host has a large last-level cache (2**24 elements fit); the CPU tier's host Adam is timed
+    # smaller, for the test machines' time and memory
+    n = 2**26 if device.type == "cuda" else 2**24
+    adam = {state: _host_adam_rate(state, dtype, n) for state in ("fp32", "bf16", "int8")}
     return Rates(key, flops, mem_bw, h2d, d2h, adam["fp32"], workspace, host_adam_bf16=adam["bf16"],
                  host_adam_int8=adam["int8"])
 
 
-def _host_adam_rate(state: str, n: int = 2**24, at_least: float = 0.25) -> float:
-    """Host Adam parameters/s over `n` elements (fp32: 256 MB of state, out of cache like a chunk's) with moments
-    stored as `state`: the best of repeats over at least `at_least` seconds. (Three repeats took about 10 ms on
-    the H200 box's 16 cores, so one passing disturbance spoilt them all: one calibration there read 1.12 G
-    params/s for int8 moments where training on the same box then ran them at 3.3.)"""
+def _host_adam_rate(state: str, dtype: torch.dtype, n: int, at_least: float = 0.25) -> float:
+    """Host Adam parameters/s over `n` elements with moments stored as `state`, as the engine runs it: the
+    gradient in the compute dtype, the 16-bit copy written when the compute is 16-bit, no non-finite pass (the
+    device measures each host chunk's gradient before it leaves); the best of repeats over at least `at_least`
+    seconds. `n` must put the state out of the last-level cache, as a chunk's is: on the H200 box 2**24 elements
+    (192-256 MB) calibrated bf16 moments at 11.6 G params/s where training then ran them at 5.5, and three
+    repeats of about 10 ms each let one passing disturbance spoil them all (1.12 G params/s read for int8
+    moments that training on the same box ran at 3.3)."""
     from pstar_fx.kernels import adam_step, quant8
-    p, g = torch.rand(n), torch.rand(n)
+    p = torch.rand(n)
+    g = torch.rand(n).to(dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32)
+    out = torch.empty(n, dtype=g.dtype) if g.dtype != torch.float32 else None
     scales = {}
     if state == "int8":
         m = torch.full((n,), quant8.SIGNED_ZERO, dtype=torch.uint8)
         v = torch.zeros(n, dtype=torch.uint8)
         scales = dict(exp_avg_absmax=torch.zeros(quant8.blocks(n)), exp_avg_sq_absmax=torch.zeros(quant8.blocks(n)))
     else:
-        dtype = torch.bfloat16 if state == "bf16" else torch.float32
-        m, v = torch.zeros(n, dtype=dtype), torch.zeros(n, dtype=dtype)
+        moments = torch.bfloat16 if state == "bf16" else torch.float32
+        m, v = torch.zeros(n, dtype=moments), torch.zeros(n, dtype=moments)
     return n / _timeit(lambda: adam_step(p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                                         weight_decay=0.0, **scales), torch.device("cpu"), at_least=at_least)
+                                         weight_decay=0.0, param_out=out, check_finite=False, **scales),
+                       torch.device("cpu"), at_least=at_least)
 
 
 if __name__ == "__main__":     # python -m pstar_fx.costs DEVICE DTYPE KEY: one measurement, as JSON
