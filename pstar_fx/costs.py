@@ -199,7 +199,13 @@ def _measure(device: torch.device, dtype: torch.dtype, key: str) -> Rates:
     # a GPU box's host has a large last-level cache (2**24 elements fit); the CPU tier's host Adam is timed
     # smaller, for the test machines' time and memory
     n = 2**26 if device.type == "cuda" else 2**24
-    adam = {state: _host_adam_rate(state, dtype, n) for state in ("fp32", "bf16", "int8")}
+    from pstar_fx.kernels import cpu_adam
+    # with the threads the runtime gives it: the CUDA runtime's host worker leaves a core to the launching thread
+    cpu_adam.set_threads(cpu_adam.worker_threads() if device.type == "cuda" else 0)
+    try:
+        adam = {state: _host_adam_rate(state, dtype, n) for state in ("fp32", "bf16", "int8")}
+    finally:
+        cpu_adam.set_threads(0)
     return Rates(key, flops, mem_bw, h2d, d2h, adam["fp32"], workspace, host_adam_bf16=adam["bf16"],
                  host_adam_int8=adam["int8"])
 

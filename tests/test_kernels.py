@@ -383,6 +383,28 @@ def test_default_threads_counts_physical_cores(monkeypatch):
         cpu_adam.default_threads.cache_clear()
 
 
+def test_the_host_worker_leaves_a_core_to_the_launching_thread(monkeypatch):
+    """worker_threads: one core fewer than the default beside the thread that launches GPU work, unless
+    OMP_NUM_THREADS is set or only two cores are there; set_threads applies to the calling Python thread alone."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for cores, worker in ((16, 15), (3, 2), (2, 2), (1, 1)):
+        monkeypatch.setattr(cpu_adam, "default_threads", lambda cores=cores: cores)
+        assert cpu_adam.worker_threads() == worker, cores
+    monkeypatch.setenv("OMP_NUM_THREADS", "16")     # the user's count stands (default_threads returns it)
+    monkeypatch.setattr(cpu_adam, "default_threads", lambda: 16)
+    assert cpu_adam.worker_threads() == 16
+    seen = {}
+    try:
+        cpu_adam.set_threads(5)
+        other = threading.Thread(target=lambda: seen.setdefault("other", cpu_adam._threads(0)))
+        other.start()
+        other.join()
+        assert cpu_adam._threads(0) == 5 and cpu_adam._threads(3) == 3 and seen["other"] == 16
+    finally:
+        cpu_adam.set_threads(0)
+    assert cpu_adam._threads(0) == 16
+
+
 @needs_ext
 def test_cpp_releases_the_gil():
     n = 8_000_000

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels import sq_norms
+from ..kernels import cpu_adam, sq_norms
 from ..optim import Hyper, chunk_undo, chunk_update
 from ..plan import Plan
 from .movers import Mover
@@ -130,7 +130,10 @@ class Updater:
                                         pin_memory=self.device.type == "cuda")
         self._sq = torch.zeros(len(layout.slots), dtype=torch.float64, device=self.device)   # per parameter
         self._flag_after = torch.zeros(len(layout.chunks), dtype=torch.float32, device=self.device)
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pstar_fx-adam") if worker and host else None
+        # the worker's host Adam leaves a core to the thread that launches GPU work (cpu_adam.worker_threads)
+        self.worker = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="pstar_fx-adam",
+                                          initializer=cpu_adam.set_threads, initargs=(cpu_adam.worker_threads(),))
+                       if worker and host else None)
         self.pending: dict[int, Future] = {}       # host chunk -> its update still on the worker
         self.log: _Log | None = None               # the step running now
         self.settling: _Log | None = None          # the step before, while some of its host updates run
