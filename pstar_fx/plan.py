@@ -608,6 +608,12 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         plan.device_peak_bytes += device_kept
         plan.host_peak_bytes -= device_kept
     plan.why = _why(plan, config, min_slots, budget)
+    if transaction == "deferred" and cuda:
+        # every update waits for the verdict: the host Adam runs into the next forward, not inside backward
+        back_s = 0.0 if plan.kept_on_device else n_updated_device * cs * compute_itemsize / rates.h2d_bw
+        adam_exposed = _after_verdict_exposed(planned, layout, node_secs, reads, adam_at,
+                                              rates.host_adam_with(config.optimizer_state),
+                                              cs * compute_itemsize / rates.h2d_bw, back_s)
     # step time = compute (recompute included) + copies not hidden + host Adam that compute can't hide
     plan.estimated_step_seconds = sum(node_secs) + sched.exposed_seconds + adam_exposed
     if chunked:
@@ -633,7 +639,12 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
                                               plan.kept_in_shadow)
     if adam_exposed > 1e-3:
         notes.append(f"host Adam the compute cannot hide: about {adam_exposed * 1e3:.0f} ms per step ("
-                     + ("each host chunk's gradient in its own kept buffer" if kept_bytes or plan.kept_on_device
+                     + ("every update after the verdict: the host Adam runs into the next forward, which waits "
+                        "where it reads a host chunk not yet updated" + (
+                            "; the device chunks' kept gradients come back from the host first" if cuda and
+                            not plan.kept_on_device and n_updated_device else "")
+                        if transaction == "deferred" and cuda else
+                        "each host chunk's gradient in its own kept buffer" if kept_bytes or plan.kept_on_device
                         else f"{host_grad_buffers} host gradient buffers") + ")")
     return plan
 
@@ -678,6 +689,29 @@ def _host_adam_pipeline(placement: list[str], layout: Layout, node_secs: list[fl
     cap = most if room is None else max(2, min(most, 2 + room))
     best = min(range(2, cap + 1), key=lambda k: (round(simulate(k), 3), k))
     return best, simulate(best)
+
+
+def _after_verdict_exposed(placement: list[str], layout: Layout, node_secs: list[float], reads: list[set[int]],
+                           adam_at: dict[int, int], host_adam: float, copy_s: float, back_s: float) -> float:
+    """Seconds a deferred step adds to the compute for updates that run after the verdict.
+
+    The verdict ends the step. The device chunks' kept gradients that wait on the host come back first, on the
+    compute stream (`back_s`), with their updates; the next forward starts after them. Meanwhile the worker runs
+    the host Adam chunk after chunk, in chunk order, from the verdict on; a host chunk's 16-bit copy crosses
+    (`copy_s`) once its update is done, and the forward stalls where it would read a chunk before that. A stall
+    delays every later read alike, so the step grows by the latest chunk's lateness (at least `back_s`).
+    """
+    host = sorted(c for c in adam_at if placement[c] == "host")
+    t, first_read = 0.0, {}
+    for i, r in enumerate(reads):
+        for c in r:
+            first_read.setdefault(c, t)
+        t += node_secs[i]
+    done, exposed = 0.0, back_s
+    for c in host:
+        done += layout.chunks[c].used_elems / host_adam
+        exposed = max(exposed, done + copy_s - first_read.get(c, t))
+    return exposed
 
 
 def _choose_shipping(n_host: int, config: Config, cs: int, itemsize: int, cuda: bool, host_used: int) -> list[str]:

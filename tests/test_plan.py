@@ -4,6 +4,8 @@ import random
 import sys
 import os
 
+import math
+
 import pytest
 import torch
 
@@ -234,3 +236,45 @@ def test_kept_gradients_fit_at_the_plans_own_host_peak(device, dtype):
     short = pstar_fx.plan(model, dict(cfg, host_memory=roomy.host_peak_bytes - 1
                                       - roomy.host_breakdown["16-bit shadows"]), batch())
     assert short.transaction == "replay"
+
+
+# ---- what a deferred step's updates cost ------------------------------------------------------------------
+
+def test_after_verdict_exposure_follows_the_next_forwards_reads():
+    """A deferred step's host Adam starts at the verdict and runs chunk after chunk; the next forward stalls where
+    it reads a host chunk whose update (and the copy after it) has not finished, and starts only once the device
+    chunks' kept gradients are back (`back_s`). Six nodes of 1 s: forward reads c0, c1, c2, backward c2, c1, c0."""
+    from types import SimpleNamespace
+
+    from pstar_fx.plan import _after_verdict_exposed
+    layout = SimpleNamespace(chunks=[SimpleNamespace(used_elems=10**9) for _ in range(3)])
+    args = (["device", "host", "host"], layout, [1.0] * 6, [{0}, {1}, {2}, {2}, {1}, {0}], {2: 3, 1: 4, 0: 5})
+    # 1 s of Adam a chunk: c1 done at 1 s (read at 1 s), c2 at 2 s (read at 2 s): late by the copy alone
+    assert math.isclose(_after_verdict_exposed(*args, host_adam=1e9, copy_s=0.1, back_s=0.0), 0.1)
+    assert math.isclose(_after_verdict_exposed(*args, host_adam=1e9, copy_s=0.1, back_s=0.5), 0.5)
+    # 2 s a chunk: c2 done at 4 s, copied by 4.1 s, read at 2 s
+    assert math.isclose(_after_verdict_exposed(*args, host_adam=0.5e9, copy_s=0.1, back_s=0.5), 2.1)
+
+
+def test_a_deferred_plan_charges_the_host_adam_it_cannot_overlap_with_backward():
+    """Planned for CUDA (without a GPU): every chunk on the host, the host Adam three times the step's compute.
+    Speculating (kept_grads), the Adam overlaps backward; deferred, it starts at the verdict and overlaps only the
+    next forward up to each chunk's first read: the estimate is larger, and grows by at least the Adam's seconds
+    less the compute's. (The planner once timed a deferred step's Adam as if it ran inside backward: the two
+    estimates were equal, 3.35 s for GPT3_18B with bf16 moments where the H200 ran 4.33 s.)"""
+    from pstar_fx.costs import Rates, assumed
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny"))
+    cfg = {"device": "cuda", "dtype": "bf16", "placement": "host", "chunk_size": 16384, "grad_clip": 1.0}
+    fast = pstar_fx.plan(model, dict(cfg, transaction="kept_grads"), batch())
+    compute = fast.estimated_step_seconds
+    updated = sum(p.numel() for p in model.parameters())      # no more than the chunks' elements the Adam reads
+    rate = updated / (3 * compute)
+    assert Rates.nominal(torch.device("cuda")).host_adam > rate
+    with assumed(host_adam=rate):
+        kept = pstar_fx.plan(model, dict(cfg, transaction="kept_grads"), batch())
+        deferred = pstar_fx.plan(model, dict(cfg, transaction="deferred"), batch())
+    assert kept.transaction == "kept_grads" and deferred.transaction == "deferred"
+    assert deferred.estimated_step_seconds > kept.estimated_step_seconds + 1e-3 * compute
+    assert deferred.estimated_step_seconds - fast.estimated_step_seconds >= updated / rate - compute - 1e-9
+    assert "after the verdict" in deferred.summary()

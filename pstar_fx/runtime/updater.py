@@ -320,15 +320,18 @@ class Updater:
         self._apply_after_verdict(hyper, "apply_deferred", self.kept, check_host=False)
 
     def _apply_after_verdict(self, hyper: Hyper, mode: str, grads: dict[int, torch.Tensor], check_host: bool) -> None:
-        """Every chunk's update from `grads` (chunk -> its gradient, kept until the verdict): device chunks now,
-        host chunks on the worker."""
+        """Every chunk's update from `grads` (chunk -> its gradient, kept until the verdict): host chunks on the
+        worker, queued first, so the host Adam (the longer of the two) starts at the verdict and does not wait
+        for the device chunks' gradients to come back from the host (at GPT3_18B 35 chunks, 0.35 s of copies
+        that blocked this thread); then device chunks, here."""
         self.log.hyper, self.log.mode = hyper, mode
         if any(self.store.tier(c) == "device" and g.device != self.device for c, g in grads.items()):
             self.copies.sync()                       # device chunks' gradients shipped to the host have landed
         for c in sorted(grads):
             if self.store.tier(c) == "host":
                 self._on_host(c, self.log, self._apply_host, c, self.log, grads[c], check_host)
-            else:
+        for c in sorted(grads):
+            if self.store.tier(c) != "host":
                 grad = self._kept_on_tier(c)
                 self._adam(c, grad, hyper, found_inf=self.found_inf, check_finite=False,
                            param_out=self.store.shadow.get(c))
