@@ -24,7 +24,8 @@ for stage in "$@"; do
     small_peak*) timeout 200 python3 bench/small_peak.py --snapshot "$OUT" ${stage#small_peak} 2>&1 | grep -v "^DEBUG" | tail -30 | tee -a "$OUT/small_peak.txt" ;;
     checkpoint) timeout 400 python3 bench/checkpoint_bench.py --json "$OUT/checkpoint.jsonl" 2>&1 | tail -30 | tee -a "$OUT/checkpoint.txt" ;;
     probe) timeout 120 python3 bench/peak_probe.py 2>&1 | grep -v "^DEBUG" | tail -45 | tee -a "$OUT/probe.txt" ;;
-    host_adam*) timeout 240 python3 bench/host_adam_bench.py --json "$OUT/host_adam.json" \
+    host_adam*) runs=$((${runs:-0} + 1))      # one JSON per stage: a second stage would overwrite the first
+       timeout 240 python3 bench/host_adam_bench.py --json "$OUT/host_adam-$runs.json" \
              $( [[ $stage == host_adam:* ]] && echo "${stage#host_adam:}" | tr , ' ') 2>&1 | tee -a "$OUT/host_adam.txt" ;;
     kernels) timeout 240 python3 bench/kernels_gpu.py 2>&1 | tee -a "$OUT/kernels.txt" ;;
     tests) timeout 560 python3 -m pytest -q -rs -p no:logging --tb=short -o faulthandler_timeout=100 tests/test_gpu.py \
