@@ -612,8 +612,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         # every update waits for the verdict: the host Adam runs into the next forward, not inside backward
         back_s = 0.0 if plan.kept_on_device else n_updated_device * cs * compute_itemsize / rates.h2d_bw
         adam_exposed = _after_verdict_exposed(planned, layout, node_secs, reads, adam_at,
-                                              rates.host_adam_with(config.optimizer_state),
-                                              cs * compute_itemsize / rates.h2d_bw, back_s)
+                                              rates.host_adam_with(config.optimizer_state), copy_seconds, back_s)
     # step time = compute (recompute included) + copies not hidden + host Adam that compute can't hide
     plan.estimated_step_seconds = sum(node_secs) + sched.exposed_seconds + adam_exposed
     if chunked:
@@ -692,14 +691,16 @@ def _host_adam_pipeline(placement: list[str], layout: Layout, node_secs: list[fl
 
 
 def _after_verdict_exposed(placement: list[str], layout: Layout, node_secs: list[float], reads: list[set[int]],
-                           adam_at: dict[int, int], host_adam: float, copy_s: float, back_s: float) -> float:
+                           adam_at: dict[int, int], host_adam: float, copy_s: dict[int, float],
+                           back_s: float) -> float:
     """Seconds a deferred step adds to the compute for updates that run after the verdict.
 
     The verdict ends the step. The device chunks' kept gradients that wait on the host come back first, on the
     compute stream (`back_s`), with their updates; the next forward starts after them. Meanwhile the worker runs
-    the host Adam chunk after chunk, in chunk order, from the verdict on; a host chunk's 16-bit copy crosses
-    (`copy_s`) once its update is done, and the forward stalls where it would read a chunk before that. A stall
-    delays every later read alike, so the step grows by the latest chunk's lateness (at least `back_s`).
+    the host Adam chunk after chunk, in chunk order, from the verdict on; a host chunk's compute copy crosses
+    (`copy_s[c]`: the schedule's copy seconds) once its update is done, and the forward stalls where it would
+    read a chunk before that. A stall delays every later read alike, so the step grows by the latest chunk's
+    lateness (at least `back_s`).
     """
     host = sorted(c for c in adam_at if placement[c] == "host")
     t, first_read = 0.0, {}
@@ -710,7 +711,7 @@ def _after_verdict_exposed(placement: list[str], layout: Layout, node_secs: list
     done, exposed = 0.0, back_s
     for c in host:
         done += layout.chunks[c].used_elems / host_adam
-        exposed = max(exposed, done + copy_s - first_read.get(c, t))
+        exposed = max(exposed, done + copy_s[c] - first_read.get(c, t))
     return exposed
 
 

@@ -250,10 +250,10 @@ def test_after_verdict_exposure_follows_the_next_forwards_reads():
     layout = SimpleNamespace(chunks=[SimpleNamespace(used_elems=10**9) for _ in range(3)])
     args = (["device", "host", "host"], layout, [1.0] * 6, [{0}, {1}, {2}, {2}, {1}, {0}], {2: 3, 1: 4, 0: 5})
     # 1 s of Adam a chunk: c1 done at 1 s (read at 1 s), c2 at 2 s (read at 2 s): late by the copy alone
-    assert math.isclose(_after_verdict_exposed(*args, host_adam=1e9, copy_s=0.1, back_s=0.0), 0.1)
-    assert math.isclose(_after_verdict_exposed(*args, host_adam=1e9, copy_s=0.1, back_s=0.5), 0.5)
+    assert math.isclose(_after_verdict_exposed(*args, host_adam=1e9, copy_s={1: 0.1, 2: 0.1}, back_s=0.0), 0.1)
+    assert math.isclose(_after_verdict_exposed(*args, host_adam=1e9, copy_s={1: 0.1, 2: 0.1}, back_s=0.5), 0.5)
     # 2 s a chunk: c2 done at 4 s, copied by 4.1 s, read at 2 s
-    assert math.isclose(_after_verdict_exposed(*args, host_adam=0.5e9, copy_s=0.1, back_s=0.5), 2.1)
+    assert math.isclose(_after_verdict_exposed(*args, host_adam=0.5e9, copy_s={1: 0.1, 2: 0.1}, back_s=0.5), 2.1)
 
 
 def test_a_deferred_plan_charges_the_host_adam_it_cannot_overlap_with_backward():
