@@ -516,8 +516,11 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     node_secs = [node_seconds(n, rates) for n in nodes]
     host_used = (n_own - n_device) * state_bytes + host_staging
     room = None if config.host_memory is None else (config.host_memory - host_used) // (cs * compute_itemsize)
-    host_grad_buffers, adam_exposed = _host_adam_pipeline(planned, layout, node_secs, reads, adam_at,
-                                                          rates.host_adam_with(config.optimizer_state), cuda, room)
+    # a deferred step's host Adam runs after the verdict: timed below (_after_verdict_exposed), once the copies'
+    # times and where the kept gradients live are known; it keeps every gradient in its own buffer (no pool)
+    after_verdict = transaction == "deferred" and cuda and bool(kept_bytes)
+    host_grad_buffers, adam_exposed = (0, 0.0) if after_verdict else _host_adam_pipeline(
+        planned, layout, node_secs, reads, adam_at, rates.host_adam_with(config.optimizer_state), cuda, room)
     if kept_bytes:                     # every host chunk's gradient lands in its own kept buffer: no pool
         host_grad_buffers = 0
         host_used = (n_own - n_device) * state_bytes + overhead + kept_staging + kept_bytes
@@ -608,7 +611,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         plan.device_peak_bytes += device_kept
         plan.host_peak_bytes -= device_kept
     plan.why = _why(plan, config, min_slots, budget)
-    if transaction == "deferred" and cuda:
+    if after_verdict:
         # every update waits for the verdict: the host Adam runs into the next forward, not inside backward
         back_s = 0.0 if plan.kept_on_device else n_updated_device * cs * compute_itemsize / rates.h2d_bw
         adam_exposed = _after_verdict_exposed(planned, layout, node_secs, reads, adam_at,
@@ -637,14 +640,16 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
                                               sum(node_secs) if two_passes else 0.0, kept_copy_s, plan.kept_on_device,
                                               plan.kept_in_shadow)
     if adam_exposed > 1e-3:
-        notes.append(f"host Adam the compute cannot hide: about {adam_exposed * 1e3:.0f} ms per step ("
-                     + ("every update after the verdict: the host Adam runs into the next forward, which waits "
-                        "where it reads a host chunk not yet updated" + (
-                            "; the device chunks' kept gradients come back from the host first" if cuda and
-                            not plan.kept_on_device and n_updated_device else "")
-                        if transaction == "deferred" and cuda else
-                        "each host chunk's gradient in its own kept buffer" if kept_bytes or plan.kept_on_device
-                        else f"{host_grad_buffers} host gradient buffers") + ")")
+        if after_verdict:
+            why = ("every update after the verdict: the host Adam runs into the next forward, which waits where it "
+                   "reads a host chunk not yet updated")
+            if not plan.kept_on_device and n_updated_device:
+                why += "; the device chunks' kept gradients come back from the host first"
+        elif kept_bytes or plan.kept_on_device:
+            why = "each host chunk's gradient in its own kept buffer"
+        else:
+            why = f"{host_grad_buffers} host gradient buffers"
+        notes.append(f"host Adam the compute cannot hide: about {adam_exposed * 1e3:.0f} ms per step ({why})")
     return plan
 
 

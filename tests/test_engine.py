@@ -82,16 +82,17 @@ def tight_budget(model, inputs, device_chunks=1, **cfg):
                _fingerprint(calibrate(torch.device(config.device), config.torch_dtype)), world_from_env())
     except _Uncacheable:
         key = None                               # probed every time
-    if key is None or key not in _PROBES:
+    if key is not None and key in _PROBES:
+        working, cs, n_chunks = _PROBES[key]
+    else:
         probe = Lowered(model, config, inputs)   # one capture
         d, cs = probe.plan.device_breakdown, probe.layout.chunk_size
         dtype_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[cfg.get("dtype", "fp32")]
         working = (d["activations"] + d["buffers"] + d["gradient slots"] + d.get("workspace margin", 0)
                    + 3 * cs * dtype_bytes)
-        if key is None:
-            return working + device_chunks * 12 * cs, len(probe.plan.placement)
-        _PROBES[key] = (working, cs, len(probe.plan.placement))
-    working, cs, n_chunks = _PROBES[key]
+        n_chunks = len(probe.plan.placement)
+        if key is not None:
+            _PROBES[key] = (working, cs, n_chunks)
     return working + device_chunks * 12 * cs, n_chunks
 
 
