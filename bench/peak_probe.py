@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import pstar_fx  # noqa: E402
 from pstar_fx.fxutil import role_nodes  # noqa: E402
 from pstar_fx.models import GPT, gpt_config  # noqa: E402
-from pstar_fx.plan import CUDA_BLOCK_BYTES, activation_profile, last_uses  # noqa: E402
+from pstar_fx.planning import CUDA_BLOCK_BYTES, activation_profile, last_uses  # noqa: E402
 
 
 def main():

@@ -12,7 +12,7 @@ import time
 import torch
 
 import pstar_fx
-from pstar_fx.costs import assumed
+from pstar_fx.planning.costs import assumed
 from pstar_fx.models import GPT, gpt_config
 
 # calibrated on the lent H200 (RESULTS, session 6): matmul rate, HBM, PCIe each way, host Adam by moments

@@ -2,7 +2,7 @@
 from .capture import CaptureError
 from .config import Config
 from .engine import Engine, compile, plan
-from .plan import BudgetError, Plan
+from .planning import BudgetError, Plan
 from .runtime import StepRolledBack
 from .runtime.step import StepReport
 

@@ -30,7 +30,7 @@ from torch import nn
 
 import pstar_fx
 from pstar_fx.config import Config, format_bytes, parse_bytes
-from pstar_fx.costs import NOMINAL_COLL_BW, assumed
+from pstar_fx.planning.costs import NOMINAL_COLL_BW, assumed
 from pstar_fx.data import (TEXT_SUFFIXES, TOKEN_DTYPES, batches, check_vocab, has_tokenizer, held_out,
                            load_tokenizer, read_tokens, vocab_size)
 from pstar_fx.runtime.dist import world_from_env

@@ -8,12 +8,10 @@ chunk memory is allocated). `Engine.graph` is the lowered step; `Engine.explain(
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import logging
 import os
-import time
 import warnings
 import weakref
 from collections import Counter
@@ -29,37 +27,18 @@ from .capture import Capture, capture
 from .config import Config, format_bytes
 from .fxutil import role_nodes, tag
 from .layout import Layout, build_layout
+from .phases import Phases
 from .passes import (build_regions, compile_regions, find_segments, fuse_optimizer, grads_in_place,
                      insert_chunk_ops, lean_cross_entropy, localize_param_views, recompute, seed_random_ops)
 from .passes.recompute import Segment, group_segments
 from .passes.recompute_ops import find_cheap_recomputes, op_segments
-from .costs import calibrate
-from .plan import CUDA_BLOCK_BYTES, BudgetError, Plan, make_plan, usable_budget
+from .planning import CUDA_BLOCK_BYTES, BudgetError, Plan, calibrate, make_plan, usable_budget
 from .runtime import ChunkRuntime, StepRolledBack, run_graph
 from .runtime.dist import DataParallel, init as init_dist, measure_bus_bandwidth, world_from_env
 from .runtime.step import StepReport, Stepper
 
 
 log = logging.getLogger("pstar_fx")
-
-
-class Phases:
-    """Seconds per compile phase. Each phase is logged (logger "pstar_fx", INFO) as it starts and ends: a
-    20B model takes minutes to capture, plan and pin, and should say where it is."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def __call__(self, name: str, what: str = ""):
-        log.info("%s%s ...", name, f" ({what})" if what else "")
-        t0 = time.perf_counter()
-        yield
-        self.seconds[name] = time.perf_counter() - t0
-        log.info("%s done in %.1f s", name, self.seconds[name])
-
-    def summary(self) -> str:
-        return ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items())
 
 
 class Lowered:

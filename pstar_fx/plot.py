@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 
 from .config import format_bytes
-from .plan import TIER_NAMES, Plan, Timeline
+from .planning import TIER_NAMES, Plan, Timeline
 
 TIER_COLOURS = ("#d4d4d4", "#2b6cb0", "#90cdf4", "#f08c00")   # host, device, copy on device, moving
 FORWARD_SHADE, BACKWARD_SHADE = "#fff4d6", "#ece8f7"

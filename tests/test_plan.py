@@ -12,7 +12,7 @@ import torch
 import pstar_fx
 from pstar_fx.layout import packed_waste, search_chunk_size
 from pstar_fx.models import GPT, Llama, gpt_config, llama_config
-from pstar_fx.schedule import belady, place_prefetches
+from pstar_fx.planning.schedule import belady, place_prefetches
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_engine import assert_matches_torch, batch  # noqa: E402
@@ -246,7 +246,7 @@ def test_after_verdict_exposure_follows_the_next_forwards_reads():
     chunks' kept gradients are back (`back_s`). Six nodes of 1 s: forward reads c0, c1, c2, backward c2, c1, c0."""
     from types import SimpleNamespace
 
-    from pstar_fx.plan import _after_verdict_exposed
+    from pstar_fx.planning.plan import _after_verdict_exposed
     layout = SimpleNamespace(chunks=[SimpleNamespace(used_elems=10**9) for _ in range(3)])
     args = (["device", "host", "host"], layout, [1.0] * 6, [{0}, {1}, {2}, {2}, {1}, {0}], {2: 3, 1: 4, 0: 5})
     # 1 s of Adam a chunk: c1 done at 1 s (read at 1 s), c2 at 2 s (read at 2 s): late by the copy alone
@@ -262,7 +262,7 @@ def test_a_deferred_plan_charges_the_host_adam_it_cannot_overlap_with_backward()
     next forward up to each chunk's first read: the estimate is larger, and grows by at least the Adam's seconds
     less the compute's. (The planner once timed a deferred step's Adam as if it ran inside backward: the two
     estimates were equal, 3.35 s for GPT3_18B with bf16 moments where the H200 ran 4.33 s.)"""
-    from pstar_fx.costs import Rates, assumed
+    from pstar_fx.planning.costs import Rates, assumed
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny"))
     cfg = {"device": "cuda", "dtype": "bf16", "placement": "host", "chunk_size": 16384, "grad_clip": 1.0}

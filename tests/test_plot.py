@@ -8,7 +8,7 @@ import pytest
 import pstar_fx
 from pstar_fx.cli import main
 from pstar_fx.models import GPT, gpt_config
-from pstar_fx.plan import (TIER_COPY_ON_DEVICE, TIER_DEVICE, TIER_HOST, TIER_MOVING, TIER_NAMES, NodeProfile,
+from pstar_fx.planning.plan import (TIER_COPY_ON_DEVICE, TIER_DEVICE, TIER_HOST, TIER_MOVING, TIER_NAMES, NodeProfile,
                            Plan)
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import pstar_fx
 import pstar_fx.engine as engine_mod
-from pstar_fx.costs import Rates
+from pstar_fx.planning.costs import Rates
 from pstar_fx.fxutil import is_random
 from pstar_fx.models import GPT, Llama, gpt_config, llama_config
 

@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from ..config import format_bytes
-from .. import plan as plan_mod        # a module reference: plan imports the passes package
+from .. import planning as plan_mod
 from ..fxutil import aliases_input, mutated_args, role_nodes
 
 BACKEND = "inductor"   # torch.compile's backend for the regions; tests use "eager" (Dynamo alone: the same ops)

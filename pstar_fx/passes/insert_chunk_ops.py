@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from ..fxutil import role_nodes
 from ..layout import Layout
-from ..plan import Plan
+from ..planning import Plan
 
 
 def insert_chunk_ops(gm: fx.GraphModule, layout: Layout, plan: Plan, dp: str | None = None) -> fx.GraphModule:

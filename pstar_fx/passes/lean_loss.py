@@ -48,7 +48,7 @@ def _(log_probs, grad_output, target, total_weight, reduction, ignore_index):
     return None
 
 
-_BLOCK_BYTES = 64 * 2**20     # the temporary of one block of rows (the planner counts it: scratch_bytes)
+_BLOCK_BYTES = 64 * 2**20     # the temporary of one block of rows (node.meta["scratch_bytes"], for the planner)
 
 
 @torch.library.custom_op("pstar_fx::log_softmax_", mutates_args=("x",))
@@ -66,8 +66,8 @@ def _(x):
 
 
 def scratch_bytes(node: fx.Node) -> int:
-    """Bytes an op this pass inserted allocates while it runs, besides its graph values (the planner adds
-    them at that node): log_softmax_'s one block of rows."""
+    """Bytes an op this pass inserted allocates while it runs, besides its graph values: log_softmax_'s one
+    block of rows. Written into the op's `node.meta["scratch_bytes"]`, where the planner reads it."""
     if node.op != "call_function" or node.target is not torch.ops.pstar_fx.log_softmax_.default:
         return 0
     x = node.args[0].meta.get("val")
@@ -102,7 +102,8 @@ def _lean_forward(g: fx.Graph) -> None:
                 or x.meta.get("val") is None or x.meta["val"].dtype != val.dtype):
             continue
         with g.inserting_before(ls):
-            g.call_function(torch.ops.pstar_fx.log_softmax_.default, (x,))
+            op = g.call_function(torch.ops.pstar_fx.log_softmax_.default, (x,))
+        op.meta["scratch_bytes"] = scratch_bytes(op)     # the planner reads it (planning/liveness.py)
         ls.replace_all_uses_with(x)
         g.erase_node(ls)
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from ..costs import Rates, node_seconds
+from ..planning.costs import Rates, node_seconds
 from ..fxutil import aliases_input, is_random, mutated_args, op_of, value_bytes
 from .recompute import Segment, _unsafe, backward_nodes
 

@@ -19,7 +19,7 @@ import torch
 
 from ..config import Config
 from ..layout import Layout
-from ..plan import Plan
+from ..planning import Plan
 from .movers import CpuCopies, CudaCopies, Mover
 from .rng import StepRandom
 from .runner import run_graph

@@ -31,7 +31,7 @@ from concurrent.futures import Future
 
 import torch
 
-from ..plan import Plan
+from ..planning import Plan
 from .store import ChunkStore, Pool
 from .telemetry import Telemetry
 

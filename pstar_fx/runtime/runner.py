@@ -5,7 +5,7 @@ import torch
 import torch.fx as fx
 
 from ..config import format_bytes
-from ..plan import LiveSet, last_uses
+from ..planning.liveness import LiveSet, last_uses
 
 
 def run_graph(gm: fx.GraphModule, args: list, rt, skip_args: int) -> tuple:

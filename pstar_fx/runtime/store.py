@@ -20,7 +20,7 @@ import torch
 from ..config import Config, format_bytes
 from ..kernels import cast_, quant8
 from ..layout import Layout
-from ..plan import Plan, keeps_compute_copies
+from ..planning import Plan, keeps_compute_copies
 from .telemetry import MemoryStats
 
 log = logging.getLogger("pstar_fx")

@@ -53,7 +53,7 @@ import torch
 
 from ..kernels import cpu_adam, sq_norms
 from ..optim import Hyper, chunk_undo, chunk_update
-from ..plan import Plan
+from ..planning import Plan
 from .movers import Mover
 from .store import ChunkStore, Pool
 from .telemetry import Telemetry

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.fx as fx
 
-from .fxutil import aliases_input, op_of
+from ..fxutil import aliases_input, op_of
 
 aten = torch.ops.aten
 
@@ -156,7 +156,7 @@ def _timeit(fn, device: torch.device, reps: int = 3, at_least: float = 0.0) -> f
 def _measure_in_child(device: torch.device, dtype: torch.dtype, key: str) -> Rates:
     import subprocess
     import sys
-    cmd = [sys.executable, "-m", "pstar_fx.costs", str(device), str(dtype).split(".")[-1], key]
+    cmd = [sys.executable, "-m", "pstar_fx.planning.costs", str(device), str(dtype).split(".")[-1], key]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout
         return Rates(**json.loads(out.strip().splitlines()[-1]))
@@ -235,7 +235,7 @@ def _host_adam_rate(state: str, dtype: torch.dtype, n: int, at_least: float = 0.
                        torch.device("cpu"), at_least=at_least)
 
 
-if __name__ == "__main__":     # python -m pstar_fx.costs DEVICE DTYPE KEY: one measurement, as JSON
+if __name__ == "__main__":     # python -m pstar_fx.planning.costs DEVICE DTYPE KEY: one measurement, as JSON
     import sys
     _dev, _dt, _key = sys.argv[1:4]
     print(json.dumps(asdict(_measure(torch.device(_dev), getattr(torch, _dt), _key))))

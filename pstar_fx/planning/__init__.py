@@ -1,0 +1,15 @@
+"""planning: what the step needs and where everything lives — the planner and the records it returns.
+
+It reads a fused graph (chunk reads, gradient writes and updates are nodes), the Layout and the Config, and
+imports nothing from `passes/`: a pass that knows something the planner must count writes it into `node.meta`.
+"""
+from .costs import NOMINAL_COLL_BW, Rates, assumed, calibrate, node_seconds
+from .liveness import LiveSet, activation_profile, last_uses, op_scratch_bytes
+from .plan import (CUDA_BLOCK_BYTES, TIER_NAMES, BudgetError, NodeProfile, Plan, PlanDelta, Timeline, fold,
+                   keeps_compute_copies, make_plan, usable_budget)
+from .schedule import Schedule, belady, place_prefetches
+
+__all__ = ["make_plan", "fold", "Plan", "PlanDelta", "NodeProfile", "Timeline", "TIER_NAMES", "BudgetError",
+           "CUDA_BLOCK_BYTES", "usable_budget", "keeps_compute_copies", "Rates", "calibrate", "assumed",
+           "node_seconds", "NOMINAL_COLL_BW", "LiveSet", "last_uses", "activation_profile", "op_scratch_bytes",
+           "Schedule", "belady", "place_prefetches"]
