@@ -32,7 +32,7 @@ from .passes import (build_regions, compile_regions, find_segments, fuse_optimiz
                      insert_chunk_ops, lean_cross_entropy, localize_param_views, recompute, seed_random_ops)
 from .passes.recompute import Segment, group_segments
 from .passes.recompute_ops import find_cheap_recomputes, op_segments
-from .planning import CUDA_BLOCK_BYTES, BudgetError, Plan, calibrate, make_plan, usable_budget
+from .planning import CUDA_BLOCK_BYTES, BudgetError, Plan, PlanDelta, calibrate, fold, make_plan, usable_budget
 from .runtime import ChunkRuntime, StepRolledBack, run_graph
 from .runtime.dist import DataParallel, init as init_dist, measure_bus_bandwidth, world_from_env
 from .runtime.step import StepReport, Stepper
@@ -72,9 +72,9 @@ class Lowered:
             self._run_pass("lean_cross_entropy", lean_cross_entropy, gm)
             self.graph, self.plan = self._plan_with_recompute(gm)
         if self.capture.traced_on != self.device:
-            self.plan.notes.append(f"traced on {self.capture.traced_on} for a {self.device.type} target (this torch "
+            self.plan = fold(self.plan, PlanDelta(notes=(f"traced on {self.capture.traced_on} for a {self.device.type} target (this torch "
                                    "has no CUDA): CPU attention kernels and autocast rules, so activation bytes "
-                                   "are an estimate")
+                                   "are an estimate",)))
         with phases("lower", "chunk ops into the graph"):
             self._run_pass("insert_chunk_ops", insert_chunk_ops, self.graph, self.layout, self.plan,
                            "chunked" if self.chunked else "replicated" if self.world > 1 else None)
@@ -83,6 +83,7 @@ class Lowered:
             with phases("regions", "the compute between chunk nodes, for Inductor (compiled at the first step)"):
                 self._run_pass("compile_regions", compile_regions, self.graph, self.plan,
                                cuda=self.device.type == "cuda")
+                self.plan = fold(self.plan, self.graph.meta.pop("plan_delta"))
 
     def _plan_with_recompute(self, gm: fx.GraphModule) -> tuple[fx.GraphModule, Plan]:
         """The least recompute that fits: first the values cheap to remake op by op (norms, activations,
@@ -186,12 +187,11 @@ class Lowered:
             return "; ".join(parts)
 
         g_k, plan = tried[best]
-        plan.recompute = summary()
-        if not plan.fits and (k or j):
-            tried_all = ([f"every forward segment ({len(singles)}, also in runs of "
-                          f"{', '.join(str(m) for m in runs if m > 1) or '-'})"] if singles else []) \
-                + ([f"every cheap value ({every})"] if every else [])
-            plan.why += f"; recomputing {' and '.join(tried_all)} was already tried"
+        tried_all = ([f"every forward segment ({len(singles)}, also in runs of "
+                      f"{', '.join(str(m) for m in runs if m > 1) or '-'})"] if singles else []) \
+            + ([f"every cheap value ({every})"] if every else [])
+        plan = fold(plan, PlanDelta(recompute=summary(), why=f"recomputing {' and '.join(tried_all)} was already "
+                                    "tried" if k or j else ""))
         self.graphs_before["recompute"] = gm.code
         self.graphs_before["fuse_optimizer"] = recomputed(j, m, k).code
         return g_k, plan

@@ -291,13 +291,12 @@ def compile_regions(gm: fx.GraphModule, plan, *, cuda: bool, backend: str | None
     gm.recompile()
 
     delta = max(0, peak - eager_peak)
-    plan.activation_peak_bytes += delta
-    plan.device_peak_bytes += delta
     n_ops = sum(len(ops) for _, ops, _ in chosen)
-    plan.notes.append(f"compute: {len(chosen)} regions of {n_ops} ops compiled by {backend} "
-                      f"({len(regions)} distinct functions)"
-                      + (f", {left_eager} left eager to stay in the budget" if left_eager else "")
-                      + f"; holding the regions' inputs to their ends: activation peak +{format_bytes(delta)}")
+    # what the plan must count now: the planner folds it in (planning.fold); a pass never writes the Plan
+    gm.meta["plan_delta"] = plan_mod.PlanDelta(activation_bytes=delta, notes=(
+        f"compute: {len(chosen)} regions of {n_ops} ops compiled by {backend} ({len(regions)} distinct functions)"
+        + (f", {left_eager} left eager to stay in the budget" if left_eager else "")
+        + f"; holding the regions' inputs to their ends: activation peak +{format_bytes(delta)}",))
     gm.meta["regions"] = list(regions.values())
     return gm
 
