@@ -69,11 +69,13 @@ class Config:
     or "auto" (cuda when available, else cpu)."""
 
     device_memory: Bytes = None
-    """Budget of the device tier in bytes or a string ("64MiB", "141GB"). None: the device's free memory
-    (cuda) or unlimited (cpu). Everything the step holds on the device counts: chunks, buffers, activations."""
+    """Budget of the device tier in bytes or a string ("64MiB", "141GB"). None: `compile()` takes the device's
+    free memory (cuda) or no limit (cpu); `pstar_fx.plan()` plans with no limit. Everything the step holds on
+    the device counts: chunks, buffers, activations."""
 
     host_memory: Bytes = None
-    """Budget of the host tier for model data (chunks and staging buffers). None: unlimited."""
+    """Budget of the host tier: chunks, staging buffers, kept gradients and, on CUDA, 4 GiB of the process's
+    own host memory (context, libraries, Python), which the planner charges to it. None: unlimited."""
 
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Compute dtype: the 16-bit (or fp32) copies the model's ops run on. Master weights and Adam moments
@@ -99,8 +101,9 @@ class Config:
     grad_clip: float | None = None
     """Max global L2 norm of the gradient over all trainable parameters: exactly
     `torch.nn.utils.clip_grad_norm_(params, grad_clip)` before the update. None: no clipping. Costs nothing
-    when it does not trigger (the norm is summed on the device as gradients are produced); when it
-    triggers, each chunk's speculative update is undone and redone (see `transaction`)."""
+    when it does not trigger (the norm is summed on the device as gradients are produced). When it triggers,
+    the cost depends on the `transaction`: kept_grads undoes and redoes each chunk's update, replay runs the step
+    again; deferred, two_pass and accumulate apply updates only after the norm is known, so nothing is undone."""
 
     grad_accum: int = 1
     """Micro-batches per optimizer step. `example_inputs` is one micro-batch; `engine.step(*inputs)` takes
@@ -130,43 +133,21 @@ class Config:
     """Seconds a collective may wait for the other ranks before the step fails (a dead or hung rank)."""
 
     transaction: Literal["auto", "kept_grads", "deferred", "replay", "two_pass", "none"] = "auto"
-    """How a step's updates stay provisional until it commits. "kept_grads": updates run speculatively
-    inside backward and each chunk's gradient is kept until the verdict (compute-dtype bytes per parameter,
-    on the device when it has room, else on the host); clipping that triggers, a skip or an exception
-    undoes them from it (within fp32 rounding). "replay": the same speculation with nothing kept; a step
-    that must be corrected or rolled back restores the masters from the moments and runs forward+backward
-    again (free unless it triggers, then about 2x that step; dropout redraws the same masks, its ops being
-    seeded per step). "two_pass": a first forward+backward measures the norm and updates nothing, the second
-    applies exactly (2x the step's compute when clipping or loss scaling is on; no memory; an exception in
-    the second pass leaves the chunks it updated); with neither (and fp32 moments) there is nothing to measure:
-    one pass, a non-finite gradient or an exception rolled back as "replay" does (two passes all the same when
-    a random op is not seeded and a step cannot be replayed). "deferred": each chunk's
-    gradient is kept as with kept_grads but nothing is updated inside backward; after the verdict every update
-    is applied from the kept gradients, exactly (no speculation, no undo, 1x compute; the host Adam then runs
-    after backward, overlapping the next step's forward). "none": no protection (an exception or a non-finite
-    gradient leaves the chunks already updated; not allowed with grad_clip). "auto": the planner picks
-    kept_grads when the host budget holds it, else replay; with optimizer_state "bf16" or "int8", deferred when
-    the host budget holds the kept gradients, else two_pass."""
+    """How a step's updates stay provisional until it commits (exact clipping, skips, rollback on an exception).
+    "kept_grads": speculative updates inside backward, each chunk's gradient kept (compute-dtype bytes per param);
+    a correction undoes and redoes them. "replay": the same with nothing kept; a correction runs the step again.
+    "deferred": gradients kept, every update applied after the verdict (1x compute, no undo). "two_pass": a first
+    pass measures, the second applies (2x compute when there is something to measure; no memory). "none": no
+    protection (not allowed with grad_clip). "auto": the planner picks by memory and cost (kept_grads, else replay;
+    with bf16/int8 moments deferred, else two_pass). README "The step as a transaction" has the details."""
 
     optimizer_state: Literal["fp32", "bf16", "int8"] = "fp32"
-    """How the Adam moments exp_avg and exp_avg_sq are stored in the chunks (the masters stay fp32). "fp32": 12
-    B/param of chunk state. "bf16": 8 B/param (a third less; the planner fits chunks accordingly): every Adam kernel
-    reads the moments from bf16, computes the step in fp32 and writes them back rounded to nearest even (torch's
-    .to(torch.bfloat16)). "int8": 6.03 B/param (half): blockwise 8-bit moments as bitsandbytes' AdamW8bit keeps them
-    (kernels/quant8.py: one code per element into a non-linear "dynamic" map, signed for exp_avg and unsigned for
-    exp_avg_sq, and an fp32 absmax per 256 elements of each parameter); every kernel dequantizes, computes the step
-    in fp32, updates the master from the unquantized moments and quantizes them again. Its moments keep about 2
-    significant digits at the top of a block and fewer below (an element under 3e-7 of its block's largest is stored
-    as 0); bench/RESULTS.md has its loss curve against fp32 and bf16. Checkpoints save the moments as fp32 by name
-    in every mode (int8: dequantized, plus the codes and scales themselves, so an int8 run resumes bit for bit, at
-    any chunk size); loading rounds or quantizes them, so a checkpoint moves between the modes. Cost: rounded or
-    quantized moments cannot be undone, so a step must not need an undo: with "bf16" or "int8" the transaction
-    "auto" is "deferred" (gradients kept, every update applied after the verdict: 1x compute, the kept gradients'
-    bytes) when the host holds them, else "two_pass", whose first forward+backward measures the verdict (norm,
-    finiteness) and updates nothing, the second applies exactly: 2x the step's compute on every step, clipping and
-    loss scaling on or off. Either way a skipped step changes nothing. "kept_grads" and "replay" (undo-based) are
-    refused; "none" is allowed (no second pass; a non-finite gradient then leaves the chunks already updated). With
-    grad_accum > 1 updates already run after the verdict (no undo, one pass)."""
+    """How the Adam moments exp_avg and exp_avg_sq are stored in the chunks (the masters stay fp32): "fp32" 12
+    B/param of chunk state; "bf16" 8 B/param (round to nearest even after each fp32 step); "int8" 6.03 B/param
+    (bitsandbytes-style blockwise 8-bit codes with an fp32 absmax per 256 elements; kernels/quant8.py). Rounded or
+    quantized moments cannot be undone: "kept_grads" and "replay" are refused and "auto" picks "deferred" (or
+    "two_pass" when the host cannot hold the kept gradients). Checkpoints hold fp32 moments in every mode, so a run
+    moves between modes; README "Compact optimizer state" has the accuracy and the loss curves."""
 
     compute: Literal["auto", "eager", "inductor"] = "auto"
     """How the step's compute between chunk nodes runs. "inductor": each run of ATen ops between two chunk

@@ -24,7 +24,6 @@ class LossScaler:
         else:
             self.rules = {}
             self.scale = 1.0 if spec is None else _f32(spec)
-        self.enabled = spec is not None
         self.growth_tracker = 0
 
     def update(self, found_inf: bool) -> None:

@@ -16,7 +16,6 @@ Skipped steps (non-finite gradients) do not advance it.
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 SCHEDULES = ("cosine", "linear", "constant")
 _KEYS = {"cosine": ("type", "warmup_steps", "total_steps", "min_lr"),
@@ -85,16 +84,3 @@ class LrSchedule:
     def lr(self, step: int) -> float:
         return self.base_lr * self.multiplier(step)
 
-    def describe(self) -> str:
-        spec = self.spec
-        if spec is None:
-            return f"constant lr {self.base_lr:g}"
-        if callable(spec):
-            return f"lr {self.base_lr:g} x {getattr(spec, '__name__', 'a user function')}(step)"
-        text = f"{spec['type']} lr {self.base_lr:g}, warm-up {spec['warmup_steps']} step(s)"
-        if spec["type"] != "constant":
-            text += f", to {spec['min_lr']:g} at step {spec['total_steps']}"
-        return text
-
-
-Multiplier = Callable[[int], float]
