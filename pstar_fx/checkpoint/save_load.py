@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from .kernels import quant8
+from ..kernels import quant8
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 WEIGHTS, INDEX, OPTIMIZER, STATE = "model.safetensors", "model.safetensors.index.json", "optimizer.safetensors", \
@@ -231,7 +231,7 @@ def save(engine, path, *, dtype: str = "fp32", max_shard_bytes: int = SHARD_BYTE
     """Write a checkpoint. With chunks partitioned over data-parallel ranks every rank calls it and writes the
     shards of the chunks it owns, in parallel, into one directory (on a file system the ranks share); rank 0
     writes the indexes and the loop state and renames the directory into place once every rank has synced."""
-    from . import __version__
+    from .. import __version__
     if dtype not in ("fp32", "bf16"):
         raise ValueError(f"dtype: {dtype!r} is not one of ['fp32', 'bf16']")
     engine.drain()
