@@ -563,7 +563,7 @@ class Engine:
         """Weights and buffers by name into chunk memory (the optimizer state is left as it is). Names or shapes
         that differ are an error listing them, raised before anything changes; `strict=False` allows
         missing and unexpected names, as in torch."""
-        checkpoint.load_state_dict(self, state_dict, strict=strict)
+        checkpoint.load_state_dict(self._checkpoint_parts(), state_dict, strict=strict)
 
     def export(self, model: nn.Module) -> nn.Module:
         """Write the trained fp32 weights and buffers into `model` (on any device, not meta), for inference or
@@ -591,7 +591,7 @@ class Engine:
         streamed tensor by tensor and renamed into place when whole; see pstar_fx.checkpoint."""
         replicated = self.dp is not None and not self.dp.chunked   # every rank holds the same state
         if not replicated or self.dp.rank == 0:       # partitioned: every rank writes the chunks it owns
-            checkpoint.save(self, path, dtype=dtype)
+            checkpoint.save(self._checkpoint_parts(), path, dtype=dtype)
         if replicated:
             self.dp.barrier()
 
@@ -599,7 +599,17 @@ class Engine:
         """Resume from a checkpoint `save` wrote, at any budget, chunk size or placement; or load a folder of
         safetensors weights (zeroed moments, step 0). Names or shapes that differ are an error listing them,
         raised before anything changes."""
-        checkpoint.load(self, path, strict=strict)
+        checkpoint.load(self._checkpoint_parts(), path, strict=strict)
+
+    def _checkpoint_parts(self) -> checkpoint.Parts:
+        """What a checkpoint saves and loads, handed over: the checkpoint never reads this engine's attributes."""
+        lowered = self.lowered
+        return checkpoint.Parts(
+            store=self.rt.store, params=tuple(lowered.capture.params),
+            param_chunks=tuple(s.chunk for s in lowered.layout.slots), owner=lowered.plan.owner, dp=self.dp,
+            buffers=self.persistent_buffers(), optimizer=self.config.optimizer,
+            lr_schedule=self.config.lr_schedule, hf_config=getattr(self._skeleton, "config", None),
+            loop_state=self.stepper.state_dict, load_loop_state=self.stepper.load_state_dict, drain=self.drain)
 
     def memory_stats(self) -> dict[str, int]:
         s = self.rt.stats

@@ -105,7 +105,7 @@ def test_a_save_that_dies_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
         if len(calls) == 2:
             raise KeyboardInterrupt
         return real(*a, **k)
-    monkeypatch.setattr(ckpt, "write_safetensors", dies)
+    monkeypatch.setattr(ckpt.save_load, "write_safetensors", dies)
     with pytest.raises(KeyboardInterrupt):
         engine.save(tmp_path / "ck")
     monkeypatch.undo()
@@ -188,7 +188,7 @@ real = ckpt.write_safetensors
 def slow(path, entries, meta, blocks=None):         # slow writes, so a kill lands inside one
     return real(path, [(n, d, s, (lambda p=p: (time.sleep(0.002), p())[1])) for n, d, s, p in entries], meta,
                 blocks)
-ckpt.write_safetensors = slow
+ckpt.save_load.write_safetensors = slow
 torch.manual_seed(0)
 g = torch.Generator().manual_seed(0)
 idx = torch.randint(0, 256, (2, 32), generator=g)
@@ -260,7 +260,7 @@ def test_not_enough_disk_is_said_before_writing(tmp_path, monkeypatch):
     model, batches = build("gpt")
     engine = engine_for(model, batches[0], 16384, 1)
     usage = collections.namedtuple("usage", "total used free")
-    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
+    monkeypatch.setattr(ckpt.save_load.shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
     with pytest.raises(OSError, match="not enough disk.*nothing was written"):
         engine.save(tmp_path / "ck")
     assert list(tmp_path.iterdir()) == []

@@ -358,7 +358,7 @@ def test_plan_holds_the_gpu_peak_of_small_models(case):
 def test_gpu_checkpoint_round_trip_through_blocks(tmp_path, monkeypatch, dtype):
     """Device and host chunks saved and loaded in blocks far smaller than a tensor: every bit comes back."""
     import pstar_fx.checkpoint as ckpt
-    monkeypatch.setattr(ckpt, "BLOCK_BYTES", 4096)
+    monkeypatch.setattr(ckpt.safetensors, "BLOCK_BYTES", 4096)
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny"))
     batches = _batches(3)
