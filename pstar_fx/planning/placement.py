@@ -100,9 +100,10 @@ def n_compute_slots(sizes: StepBytes, *, budget_bytes: int | None, fixed_bytes: 
     if not n_slot_chunks:
         return 0, None
     staging_bytes = sizes.device_staging_bytes if n_device < n_own else 0
-    spare = ((budget_bytes - fixed_bytes - staging_bytes - n_device * sizes.state_bytes) // sizes.compute_chunk_bytes
-             if budget_bytes is not None else n_slot_chunks)
-    slots = max(min_slots, min(n_slot_chunks, spare))
+    n_spare_slots = (n_slot_chunks if budget_bytes is None else
+                     (budget_bytes - fixed_bytes - staging_bytes - n_device * sizes.state_bytes)
+                     // sizes.compute_chunk_bytes)
+    slots = max(min_slots, min(n_slot_chunks, n_spare_slots))
     if slots < n_slot_chunks:
         return slots, f"{slots} compute slots for {n_slot_chunks} chunks: Belady eviction refetches the rest"
     return slots, None

@@ -56,7 +56,7 @@ class Shipping:
     ship: list[str] = field(default_factory=list)   # per chunk, how its compute copy reaches the device:
     # "-" (state on the device), "shadow" (a 16-bit copy kept on the host, written by the host Adam in the
     # same pass), "cast" (cast on the host at fetch), "fp32" (the master crosses, cast on the device);
-    # "remote" (another rank's). Bytes per parameter: shipping.SHIP_BYTES
+    # "remote" (another rank's). Bytes per parameter that cross: shipping.ship_bytes_per_elem
     keeps_compute_copies: bool = False   # each device chunk's 16-bit compute copy stays from step to step
 
 

@@ -111,8 +111,8 @@ def _why(memory: Memory, chunks: Placement, config: Config, min_slots: int, budg
     host_budget_bytes = config.host_memory
     placement = chunks.placement
     if budget_bytes is not None and memory.device_peak_bytes > budget_bytes:
-        owned = len(placement) - placement.count("remote")
-        tried = (f"{placement.count('host')} of {owned} chunks' state on the host"
+        n_owned = len(placement) - placement.count("remote")
+        tried = (f"{placement.count('host')} of {n_owned} chunks' state on the host"
                  + (f" (the chunks rank {chunks.rank} owns of {len(placement)})" if chunks.world > 1 else "") + ", "
                  f"the minimum of {min_slots} compute slot(s) (what one op reads at once)"
                  if config.placement != "device" else "placement='device' forces every chunk onto the device")

@@ -80,6 +80,7 @@ class Timeline:
             moving += [(c, i, i) for i in ev["offload"]]
         for c, first, last in moving:            # painted last: a move wins over residency in a shared cell
             paint(TIER_MOVING, c, first, last)
+        return strip
 
 
 def timeline_of(plan: Plan) -> Timeline:
