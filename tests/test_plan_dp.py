@@ -8,7 +8,7 @@ from test_engine import batch
 from test_transaction import CHUNK, OPT, tiny_gpt
 
 import pstar_fx
-from pstar_fx import costs
+from pstar_fx.planning import costs
 from pstar_fx.cli import main
 
 WORLDS = (1, 2, 4)
