@@ -43,7 +43,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     g = gm.graph
     nodes = list(g.nodes)
     param_nodes = role_nodes(g, "param")
-    n_chunks, cs = len(layout.chunks), layout.chunk_size
+    n_chunks, chunk_elems = len(layout.chunks), layout.chunk_size
     fp32, chunked, cuda = compute_itemsize == 4, world > 1, config.device.startswith("cuda")
     n_own = len(range(0, n_chunks, world))   # rank 0's chunks: the most any rank owns
     notes: list[str] = []
@@ -51,10 +51,11 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     # what each node reads and holds, and the byte sizes the stages share
     use = chunk_use(nodes, param_nodes, layout)
     skip = set(param_nodes) | set(role_nodes(g, "buffer")) | set(role_nodes(g, "rt"))
-    act_per_node, act_peak = activation_profile(g, skip=skip, round_to=CUDA_BLOCK_BYTES if cuda else 1, cuda=cuda)
+    act_bytes_per_node, act_peak_bytes = activation_profile(g, skip=skip, round_to=CUDA_BLOCK_BYTES if cuda else 1,
+                                                            cuda=cuda)
     rates = rates or calibrate(torch.device(config.device), config.torch_dtype)
     sizes = step_bytes(g, layout, config, compute_itemsize=compute_itemsize, buffer_bytes=buffer_bytes,
-                       activation_peak_bytes=act_peak, rates=rates, cuda=cuda)
+                       activation_peak_bytes=act_peak_bytes, rates=rates, cuda=cuda)
     budget_bytes = usable_budget(config.device_memory, cuda)
 
     # placement, then the transaction the host leaves room for (which may ask for a second gradient slot)
@@ -89,13 +90,13 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
 
     # the host Adam inside backward (a deferred step's runs after the verdict: timed once the copies are known)
     node_secs = [node_seconds(n, rates) for n in nodes]
-    host_adam = rates.host_adam_with(config.optimizer_state)
+    host_adam_rate = rates.host_adam_with(config.optimizer_state)
     host_used_bytes = n_host * sizes.state_bytes + sizes.host_staging_bytes
     n_spare_buffers = (None if config.host_memory is None
                        else (config.host_memory - host_used_bytes) // sizes.compute_chunk_bytes)
     after_verdict = transaction == "deferred" and cuda and bool(kept_bytes)
     n_host_grad, adam_exposed = (0, 0.0) if after_verdict else _host_adam_pipeline(
-        rank0_placement, layout, node_secs, use.reads, use.adam_at, host_adam, cuda, n_spare_buffers)
+        rank0_placement, layout, node_secs, use.reads, use.adam_at, host_adam_rate, cuda, n_spare_buffers)
     if kept_bytes:                     # every host chunk's gradient lands in its own kept buffer: no pool
         n_host_grad = 0
         host_used_bytes = (n_host * sizes.state_bytes + sizes.host_overhead_bytes + sizes.kept_staging_bytes
@@ -108,12 +109,12 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     in_shadow = kept_in_shadow(transaction, layout, host_ids, fp32=fp32, world=world,
                                scheduled_on_another=on is not None)
     host_ship = (["shadow"] * n_host if in_shadow else
-                 _choose_shipping(n_host, config, cs, compute_itemsize, cuda, host_used_bytes=host_used_bytes))
+                 _choose_shipping(n_host, config, chunk_elems, compute_itemsize, cuda, host_used_bytes=host_used_bytes))
     ship_of, ship = ship_codes(tier_of, host_ship, n_device=n_device, world=world, rank=rank)
     ship = list(on.ship) if on is not None else ship
     # (chunked: a ring broadcast or reduce moves the whole buffer through every link: bytes / bus bandwidth)
     coll_seconds = sizes.compute_chunk_bytes / rates.coll_bw if chunked else 0.0
-    copy_s = copy_seconds(ship_of, cs, compute_itemsize, rates, coll_seconds)
+    copy_s = copy_seconds(ship_of, chunk_elems, compute_itemsize, rates, coll_seconds)
     slot_reads = [{c for c in r if needs_slot[c]} for r in use.reads]
     sched = place_prefetches(belady(slot_reads, n_slots), n_slots, node_secs, copy_s) if n_slots else Schedule()
     if sched.exposed_seconds > 1e-4:
@@ -121,7 +122,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
 
     # memory: the breakdowns, and whether the device chunks' kept gradients stay on the device
     device = device_breakdown(sizes, n_device=n_device, n_slots=n_slots, n_grad_slots=n_grad, host_ship=host_ship,
-                              chunk_elems=cs, fp32=fp32)
+                              chunk_elems=chunk_elems, fp32=fp32)
     host = host_breakdown(sizes, n_host=n_host, n_host_grad_buffers=n_host_grad, host_ship=host_ship,
                           kept_in_shadow=in_shadow, kept_bytes=kept_bytes)
     keeps_copies = keeps_compute_copies(n_slots, n_chunks, world, config.torch_dtype)
@@ -133,15 +134,15 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         device, host = with_kept_on_device(device, host, device_kept_bytes)
         kept_bytes -= device_kept_bytes
     chunks = Placement(placement, n_device, world, rank)
-    memory = Memory(sum(device.values()), sum(host.values()), device, host, act_peak, config.optimizer_state,
+    memory = Memory(sum(device.values()), sum(host.values()), device, host, act_peak_bytes, config.optimizer_state,
                     config.state_bytes_per_param, budget_bytes=config.device_memory,
                     host_budget_bytes=config.host_memory)
 
     # the estimate: compute (recompute included) + copies not hidden + host Adam that compute can't hide
     if after_verdict:
         back_s = 0.0 if kept_on_device else n_updated_device * sizes.compute_chunk_bytes / rates.h2d_bw
-        adam_exposed = _after_verdict_exposed(rank0_placement, layout, node_secs, use.reads, use.adam_at, host_adam,
-                                              copy_s, back_s)
+        adam_exposed = _after_verdict_exposed(rank0_placement, layout, node_secs, use.reads, use.adam_at,
+                                              host_adam_rate, copy_s, back_s)
     step_seconds = sum(node_secs) + sched.exposed_seconds + adam_exposed
     if chunked:
         # every broadcast and reduce runs on one collective stream, in graph order: the step takes at least
@@ -164,9 +165,9 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
                                     n_host_grad_buffers=n_host_grad))
 
     tangent_users = {u for t in role_nodes(g, "tangent") for u in t.users}    # backward's first ops
-    profile = NodeProfile([n.name for n in nodes], act_per_node,
+    profile = NodeProfile([n.name for n in nodes], act_bytes_per_node,
                           next((i for i, n in enumerate(nodes) if n in tangent_users), len(nodes)),
-                          use.adam_at, chunk_elems=cs, param_elems=layout.param_elems)
+                          use.adam_at, chunk_elems=chunk_elems, param_elems=layout.param_elems)
     return Plan(
         chunks=chunks, buffers=Slots(n_slots, n_grad, n_host_grad),
         moves=Moves({nodes[i].name: ops for i, ops in sched.before.items()},
