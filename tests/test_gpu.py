@@ -6,7 +6,7 @@ import torch
 
 import pstar_fx
 from pstar_fx.models import GPT, gpt_config
-from pstar_fx.planning.plan import usable_budget
+from pstar_fx.planning.memory import usable_budget
 from pstar_fx.runtime import StepRolledBack
 from test_transaction import OPT, gpt_batches, hf_cosine, optimizer_state, reference
 

@@ -246,7 +246,7 @@ def test_after_verdict_exposure_follows_the_next_forwards_reads():
     chunks' kept gradients are back (`back_s`). Six nodes of 1 s: forward reads c0, c1, c2, backward c2, c1, c0."""
     from types import SimpleNamespace
 
-    from pstar_fx.planning.plan import _after_verdict_exposed
+    from pstar_fx.planning.host_adam import _after_verdict_exposed
     layout = SimpleNamespace(chunks=[SimpleNamespace(used_elems=10**9) for _ in range(3)])
     args = (["device", "host", "host"], layout, [1.0] * 6, [{0}, {1}, {2}, {2}, {1}, {0}], {2: 3, 1: 4, 0: 5})
     # 1 s of Adam a chunk: c1 done at 1 s (read at 1 s), c2 at 2 s (read at 2 s): late by the copy alone

@@ -8,8 +8,8 @@ import pytest
 import pstar_fx
 from pstar_fx.cli import main
 from pstar_fx.models import GPT, gpt_config
-from pstar_fx.planning.plan import (TIER_COPY_ON_DEVICE, TIER_DEVICE, TIER_HOST, TIER_MOVING, TIER_NAMES, NodeProfile,
-                           Plan)
+from pstar_fx.planning.plan import Memory, Moves, NodeProfile, Placement, Plan, Slots
+from pstar_fx.planning.timeline import TIER_COPY_ON_DEVICE, TIER_DEVICE, TIER_HOST, TIER_MOVING, TIER_NAMES
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from test_engine import batch, tight_budget  # noqa: E402
@@ -141,12 +141,12 @@ def synthetic_plan(n_nodes=10_000, n_chunks=3_000, n_device=300) -> Plan:
             after.setdefault(names[s + 2], []).append(("release", c))
             fetches += 1
     act = [min(i, n_nodes - i) * 2**20 for i in range(n_nodes)]
-    plan = Plan(["device"] * n_device + ["host"] * len(host), 8, 2, 4, before, after,
-                device_peak_bytes=10 * 2**30 + max(act), host_peak_bytes=100 * 2**30, device_breakdown={},
-                host_breakdown={}, activation_peak_bytes=max(act), fetches=fetches, budget_bytes=16 * 2**30)
-    plan.profile = NodeProfile(names, act, half, {c: n_nodes - 1 - c * half // n_chunks for c in range(n_chunks)},
-                               chunk_elems=2**26, param_elems=20 * 10**9)
-    return plan
+    return Plan(Placement(["device"] * n_device + ["host"] * len(host)), Slots(8, 2, 4), Moves(before, after, fetches),
+                Memory(device_peak_bytes=10 * 2**30 + max(act), host_peak_bytes=100 * 2**30, device_breakdown={},
+                       host_breakdown={}, activation_peak_bytes=max(act), optimizer_state="fp32",
+                       state_bytes_per_param=12, budget_bytes=16 * 2**30),
+                profile=NodeProfile(names, act, half, {c: n_nodes - 1 - c * half // n_chunks for c in range(n_chunks)},
+                                    chunk_elems=2**26, param_elems=20 * 10**9))
 
 
 def test_a_20b_sized_plan_draws_in_seconds(tmp_path):

@@ -235,12 +235,6 @@ def _host_adam_rate(state: str, dtype: torch.dtype, n: int, at_least: float = 0.
                        torch.device("cpu"), at_least=at_least)
 
 
-if __name__ == "__main__":     # python -m pstar_fx.planning.costs DEVICE DTYPE KEY: one measurement, as JSON
-    import sys
-    _dev, _dt, _key = sys.argv[1:4]
-    print(json.dumps(asdict(_measure(torch.device(_dev), getattr(torch, _dt), _key))))
-
-
 _MATMUL = {aten.mm.default: lambda a, b: 2 * a[0] * a[1] * b[1],
            aten.addmm.default: lambda c, a, b: 2 * a[0] * a[1] * b[1],
            aten.bmm.default: lambda a, b: 2 * a[0] * a[1] * a[2] * b[2],
@@ -293,3 +287,9 @@ def _flops(node: fx.Node, target) -> float:
             fwd = 4 * b * h * t * t * d
             return (2.5 if "backward" in name else 1.0) * fwd
     return 0.0
+
+
+if __name__ == "__main__":     # python -m pstar_fx.planning.costs DEVICE DTYPE KEY: one measurement, as JSON
+    import sys
+    _dev, _dt, _key = sys.argv[1:4]
+    print(json.dumps(asdict(_measure(torch.device(_dev), getattr(torch, _dt), _key))))

@@ -20,7 +20,7 @@ import torch
 from ..config import Config, format_bytes
 from ..kernels import cast_, quant8
 from ..layout import Layout
-from ..planning import Plan, keeps_compute_copies
+from ..planning import Plan
 from .telemetry import MemoryStats
 
 log = logging.getLogger("pstar_fx")
@@ -98,7 +98,7 @@ class ChunkStore:
         # a compute slot for good (plan.keeps_compute_copies), of every device chunk, on the device, where the copy
         # *is* the chunk's compute copy and takes the place of a slot: no fetch casts its master again
         self.shadow = {c: self.alloc("host", cs, compute_dtype) for c, how in enumerate(plan.ship) if how == "shadow"}
-        if keeps_compute_copies(plan, compute_dtype):
+        if plan.keeps_compute_copies:
             self.shadow.update({c: self.alloc("device", cs, compute_dtype) for c in range(n)
                                 if self.tier(c) == "device"})
 

@@ -1,0 +1,74 @@
+"""host_adam: how much of the host Adam the step cannot hide, by simulating it against the cost model's node
+times — inside backward with a pool of pinned gradient buffers (`_host_adam_pipeline`), or after the verdict, into
+the next step's forward, for a deferred step (`_after_verdict_exposed`).
+"""
+from __future__ import annotations
+
+from ..layout import Layout
+
+
+def _host_adam_pipeline(placement: list[str], layout: Layout, node_secs: list[float], reads: list[set[int]],
+                        adam_at: dict[int, int], host_adam: float, cuda: bool, n_spare_buffers: int | None,
+                        most: int = 32) -> tuple[int, float]:
+    """(host gradient buffers, seconds of host Adam the step cannot hide), by simulating the pipeline; `host_adam`:
+    the host Adam's parameters/s with the configured moments.
+
+    Backward hands each host chunk's gradient to one worker that runs the host Adam chunk after chunk.
+    A gradient waits in a host buffer until its Adam is done; with every buffer taken, the thread that
+    launches GPU work blocks, and the GPU runs dry. The Adam still running when the step ends overlaps
+    the next step's forward up to the first read of a host chunk. The smallest buffer count that never
+    blocks (within `n_spare_buffers` more than the 2 always counted, at most `most`) is chosen; the CPU runtime is
+    synchronous and uses one.
+    """
+    host = [c for c in sorted(adam_at, key=adam_at.__getitem__) if placement[c] == "host"]
+    if not host:
+        return (1 if "host" in placement else 0), 0.0
+    if not cuda:
+        return 1, sum(layout.chunks[c].used_elems for c in host) / host_adam
+    clock, t = [], 0.0
+    for s in node_secs:
+        t += s
+        clock.append(t)
+    first_host_read = next((clock[i] - node_secs[i] for i, r in enumerate(reads)
+                            if any(placement[c] == "host" for c in r)), 0.0)
+    adam_s = [layout.chunks[c].used_elems / host_adam for c in host]
+
+    def simulate(k: int) -> float:
+        delay, done = 0.0, []
+        for i, c in enumerate(host):
+            ready = clock[adam_at[c]] + delay
+            if i >= k and done[i - k] > ready:       # every buffer holds a gradient Adam has not read
+                delay += done[i - k] - ready
+                ready = done[i - k]
+            done.append(max(ready, done[-1] if done else 0.0) + adam_s[i])
+        tail = done[-1] - (clock[-1] + delay)          # Adam left when the step's compute ends
+        return delay + max(0.0, tail - first_host_read)
+
+    cap = most if n_spare_buffers is None else max(2, min(most, 2 + n_spare_buffers))
+    best = min(range(2, cap + 1), key=lambda k: (round(simulate(k), 3), k))
+    return best, simulate(best)
+
+
+def _after_verdict_exposed(placement: list[str], layout: Layout, node_secs: list[float], reads: list[set[int]],
+                           adam_at: dict[int, int], host_adam: float, copy_s: dict[int, float],
+                           back_s: float) -> float:
+    """Seconds a deferred step adds to the compute for updates that run after the verdict.
+
+    The verdict ends the step. The device chunks' kept gradients that wait on the host come back first, on the
+    compute stream (`back_s`), with their updates; the next forward starts after them. Meanwhile the worker runs
+    the host Adam chunk after chunk, in chunk order, from the verdict on; a host chunk's compute copy crosses
+    (`copy_s[c]`: the schedule's copy seconds) once its update is done, and the forward stalls where it would
+    read a chunk before that. A stall delays every later read alike, so the step grows by the latest chunk's
+    lateness (at least `back_s`).
+    """
+    host = sorted(c for c in adam_at if placement[c] == "host")
+    t, first_read = 0.0, {}
+    for i, r in enumerate(reads):
+        for c in r:
+            first_read.setdefault(c, t)
+        t += node_secs[i]
+    done, exposed = 0.0, back_s
+    for c in host:
+        done += layout.chunks[c].used_elems / host_adam
+        exposed = max(exposed, done + copy_s[c] - first_read.get(c, t))
+    return exposed

@@ -1,0 +1,143 @@
+"""memory: what the step's memory is made of, in bytes — the allocator's constants, the budget the plan may fill,
+the byte sizes every stage shares (`StepBytes`), and the device and host breakdowns the peaks are the sums of.
+
+The model counts what the runtime counts: chunk memory allocated once at start, buffers, and the live values of
+the graph (inputs, activations kept for backward, temporaries; liveness.py), each from the moment it is produced
+to its last use. Views cost nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from ..config import Config
+from ..fxutil import role_nodes, value_bytes
+from ..kernels import quant8
+from ..layout import Layout
+from .costs import Rates
+
+CUDA_BLOCK_BYTES = 512    # the CUDA caching allocator rounds every allocation up to this
+CUDA_STEP_SLACK_BYTES = 2 * 2**20   # a step's small allocations outside the graph: norm partials, flags, checks
+# Kernels that allocate more than their output's shape says (CPU mse_loss returns its 0-d loss on a
+# batch-sized buffer)
+CPU_STEP_SLACK_BYTES = 4096
+# Not counted in the peak (the allocator's allocated bytes) but kept free of the budget: what the caching
+# allocator's segments lose to fragmentation, and what the CUDA context grows by after compile (kernel modules
+# load at first use; the budget is the free memory read at compile). Plans closer to the GPU's free memory ran
+# out in their first step (bench/RESULTS.md, "the CUDA reserve").
+CUDA_FRAGMENTATION_RESERVE_BYTES = 768 * 2**20
+CUDA_HOST_OVERHEAD_BYTES = 4 * 2**30  # host memory of a CUDA process besides chunks: context, libraries, Python
+
+
+def usable_budget(budget: int | None, cuda: bool) -> int | None:
+    """The device budget the plan may fill: on CUDA less a reserve for fragmentation (1/64 of a small one)."""
+    if budget is None or not cuda:
+        return budget
+    return budget - min(CUDA_FRAGMENTATION_RESERVE_BYTES, budget // 64)
+
+
+def _max_overlap(intervals: list[tuple[int, int]]) -> int:
+    """The most intervals (first, last node, inclusive) open at one node."""
+    events = sorted([(s, 1) for s, _ in intervals] + [(e + 1, -1) for _, e in intervals])
+    cur = best = 0
+    for _, d in events:
+        cur += d
+        best = max(best, cur)
+    return best
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    """The byte sizes the stages share, for one layout, config and graph."""
+    activation_peak_bytes: int     # live graph values at their peak (liveness.activation_profile)
+    buffer_bytes: int              # the model's buffers, on the device
+    compute_chunk_bytes: int       # one chunk in the compute dtype: a compute or gradient slot, a shadow, a kept
+    #                                gradient, a host gradient buffer
+    accum_bytes: int               # one chunk's fp32 gradient accumulator (grad_accum > 1), on its tier
+    state_bytes: int               # one chunk's state: master, moments (+ int8 scales), accumulator
+    workspace_bytes: int           # the libraries' workspaces and the step's small allocations
+    device_staging_bytes: int      # CUDA, 16-bit compute: an fp32 buffer to cast in, when any chunk is on the host
+    batch_rest_bytes: int          # grad_accum > 1: the micro-batches the graph does not see, held all step
+    host_overhead_bytes: int       # CUDA: the process's host memory besides chunks
+    kept_staging_bytes: int        # CPU, 16-bit compute, kept gradients: the one cast staging buffer still held
+    host_staging_bytes: int        # 2 host buffers in the compute dtype, plus the process overhead
+
+    def device_fixed_bytes(self, n_grad_slots: int) -> int:
+        """Device bytes besides chunk state and compute slots."""
+        return (self.activation_peak_bytes + self.buffer_bytes + n_grad_slots * self.compute_chunk_bytes
+                + self.workspace_bytes + self.batch_rest_bytes)
+
+
+def step_bytes(g: fx.Graph, layout: Layout, config: Config, *, compute_itemsize: int, buffer_bytes: int,
+               activation_peak_bytes: int, rates: Rates, cuda: bool) -> StepBytes:
+    cs = layout.chunk_size
+    accum_bytes = cs * 4 if config.grad_accum > 1 else 0
+    # int8 moments: their block scales, as many as the chunk with the most blocks (each parameter's own) needs
+    scale_blocks = max((quant8.blocks_of(ch.param_spans()) for ch in layout.chunks), default=0)
+    # the libraries' workspaces (cuBLAS keeps one per handle for the process's life), measured with the rates
+    workspace_bytes = rates.workspace_bytes + CUDA_STEP_SLACK_BYTES if cuda else CPU_STEP_SLACK_BYTES
+    # an accumulating step holds its whole batch (grad_accum micro-batches) while the graph sees one
+    batch_rest_bytes = (config.grad_accum - 1) * sum(value_bytes(n.meta.get("val"), CUDA_BLOCK_BYTES if cuda else 1)
+                                                     for n in role_nodes(g, "input"))
+    # with any chunk on the host: CUDA keeps at least 2 gradient buffers (it never casts on the host);
+    # the CPU runtime 1 gradient buffer and 1 cast staging buffer. Kept gradients need no gradient buffer (each
+    # lands in its own): then only the CPU runtime's cast staging (16-bit compute) is held back
+    host_overhead_bytes = CUDA_HOST_OVERHEAD_BYTES if cuda else 0
+    return StepBytes(
+        activation_peak_bytes=activation_peak_bytes, buffer_bytes=buffer_bytes,
+        compute_chunk_bytes=cs * compute_itemsize, accum_bytes=accum_bytes,
+        state_bytes=config.chunk_state_bytes(cs, scale_blocks) + accum_bytes, workspace_bytes=workspace_bytes,
+        device_staging_bytes=cs * 4 if (cuda and compute_itemsize != 4) else 0, batch_rest_bytes=batch_rest_bytes,
+        host_overhead_bytes=host_overhead_bytes,
+        kept_staging_bytes=0 if cuda or compute_itemsize == 4 else cs * compute_itemsize,
+        host_staging_bytes=2 * cs * compute_itemsize + host_overhead_bytes)
+
+
+def device_breakdown(sizes: StepBytes, *, n_device: int, n_slots: int, n_grad_slots: int, host_ship: list[str],
+                     chunk_elems: int, fp32: bool) -> dict[str, int]:
+    """Device bytes by kind (their sum is the device peak), before kept gradients (`with_kept_on_device`)."""
+    device = {
+        "activations": sizes.activation_peak_bytes,
+        "buffers": sizes.buffer_bytes,
+        "chunk state": n_device * sizes.state_bytes,
+        "compute slots": n_slots * sizes.compute_chunk_bytes,
+        "gradient slots": n_grad_slots * sizes.compute_chunk_bytes,
+    }
+    if sizes.workspace_bytes:
+        device["workspace margin"] = sizes.workspace_bytes
+    if sizes.batch_rest_bytes:
+        device["other micro-batches"] = sizes.batch_rest_bytes
+    if not fp32 and "fp32" in host_ship:
+        device["copy staging"] = chunk_elems * 4   # chunks shipped in fp32 are cast on the device
+    if sizes.accum_bytes:
+        device["gradient accumulators"] = n_device * sizes.accum_bytes
+        device["chunk state"] -= n_device * sizes.accum_bytes
+    return device
+
+
+def host_breakdown(sizes: StepBytes, *, n_host: int, n_host_grad_buffers: int, host_ship: list[str],
+                   kept_in_shadow: bool, kept_bytes: int) -> dict[str, int]:
+    """Host bytes by kind (their sum is the host peak), with every kept gradient on the host."""
+    host = {
+        "process overhead": sizes.host_overhead_bytes,
+        "chunk state": n_host * sizes.state_bytes,
+        # (kept in a shadow, a host chunk's gradient is counted once, as a kept gradient)
+        "16-bit shadows": 0 if kept_in_shadow else host_ship.count("shadow") * sizes.compute_chunk_bytes,
+        # gradients of host chunks queue here for the host Adam (CUDA: while backward goes on)
+        "gradient staging": sizes.compute_chunk_bytes * n_host_grad_buffers,
+        "cast staging": sizes.compute_chunk_bytes if "cast" in host_ship else 0,
+        "kept gradients": kept_bytes,
+    }
+    if sizes.accum_bytes:
+        host["gradient accumulators"] = n_host * sizes.accum_bytes
+        host["chunk state"] -= n_host * sizes.accum_bytes
+    return host
+
+
+def with_kept_on_device(device: dict[str, int], host: dict[str, int],
+                        device_kept_bytes: int) -> tuple[dict[str, int], dict[str, int]]:
+    """The breakdowns with the device chunks' kept gradients moved from the host to the device."""
+    device = {**device, "kept gradients": device_kept_bytes}
+    host = {**host, "kept gradients": host["kept gradients"] - device_kept_bytes}
+    return device, host

@@ -1,0 +1,178 @@
+"""planner: `make_plan`, the stages in order — what each node reads and holds (placement.py, liveness.py), the bytes
+they share (memory.py), how many chunks sit on the device (placement.py), the transaction (transaction.py), the
+host Adam (host_adam.py), how host chunks cross (shipping.py), the chunk moves (schedule.py), the breakdowns
+(memory.py), the estimate (costs.py) and the words (report.py) — and the frozen Plan built once from their results.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..config import Config
+from ..fxutil import is_random, role_nodes
+from ..layout import Layout
+from .costs import Rates, calibrate, node_seconds
+from .host_adam import _after_verdict_exposed, _host_adam_pipeline
+from .liveness import activation_profile
+from .memory import (CUDA_BLOCK_BYTES, device_breakdown, host_breakdown, step_bytes, usable_budget,
+                     with_kept_on_device)
+from .placement import chunk_use, host_room_chunks, n_compute_slots, n_device_chunks, n_grad_slots, tiers
+from .plan import Estimate, Memory, Moves, NodeProfile, Placement, Plan, Remarks, Shipping, Slots, Transaction
+from .report import (KEEPS_COMPUTE_COPIES_NOTE, _transaction_cost, _why, cuda_memory_note, data_parallel_note,
+                     exposed_copies_note, host_adam_note)
+from .schedule import Schedule, belady, place_prefetches
+from .shipping import _choose_shipping, copy_seconds, keeps_compute_copies, kept_in_shadow, ship_codes
+from .transaction import KEEPS, _choose_transaction, keeps_on_device, n_grad_slots_to_keep, two_passes
+
+
+def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_itemsize: int,
+              buffer_bytes: int, on: Plan | None = None, world: int = 1, rank: int = 0,
+              rates: Rates | None = None) -> Plan:
+    """Placement and schedule for the fused graph under the config's budgets. Never raises for memory:
+    a plan that does not fit says so (`fits`, `why`); compile() turns that into a BudgetError.
+    `on`: schedule this graph on another plan's chunk memory (its placement, shipping and compute slots),
+    as evaluation does on the training step's.
+
+    `world` > 1: chunk-partitioned data parallelism. Chunk c is owned by rank c % world, which alone holds
+    its state; the others' chunks are "remote" in this rank's placement. The schedule is a collective
+    contract (every rank broadcasts and reduces the same chunks in the same order), so everything that
+    shapes it is planned for rank 0, which owns the most chunks (ceil(n / world)), and applied to every
+    rank by the chunk's index among its owner's chunks: the k-th chunk a rank owns sits on the same tier
+    on every rank. `rates` must then be the same on every rank (the engine broadcasts rank 0's). A rank that
+    owns fewer chunks than rank 0 is planned like it: its peaks are an upper bound of what it allocates."""
+    g = gm.graph
+    nodes = list(g.nodes)
+    param_nodes = role_nodes(g, "param")
+    n_chunks, chunk_elems = len(layout.chunks), layout.chunk_size
+    fp32, chunked, cuda = compute_itemsize == 4, world > 1, config.device.startswith("cuda")
+    n_own = len(range(0, n_chunks, world))   # rank 0's chunks: the most any rank owns
+    notes: list[str] = []
+
+    # what each node reads and holds, and the byte sizes the stages share
+    use = chunk_use(nodes, param_nodes, layout)
+    skip = set(param_nodes) | set(role_nodes(g, "buffer")) | set(role_nodes(g, "rt"))
+    act_bytes_per_node, act_peak_bytes = activation_profile(g, skip=skip, round_to=CUDA_BLOCK_BYTES if cuda else 1,
+                                                            cuda=cuda)
+    rates = rates or calibrate(torch.device(config.device), config.torch_dtype)
+    sizes = step_bytes(g, layout, config, compute_itemsize=compute_itemsize, buffer_bytes=buffer_bytes,
+                       activation_peak_bytes=act_peak_bytes, rates=rates, cuda=cuda)
+    budget_bytes = usable_budget(config.device_memory, cuda)
+
+    # placement, then the transaction the host leaves room for (which may ask for a second gradient slot)
+    n_grad = n_grad_slots(use, chunked)
+    fixed_bytes = sizes.device_fixed_bytes(n_grad)
+    room_chunks = host_room_chunks(sizes, config)
+
+    def place(fixed_bytes: int) -> int:
+        return n_device_chunks(sizes, config, budget_bytes=budget_bytes, fixed_bytes=fixed_bytes, n_own=n_own,
+                               min_slots=use.min_slots, fp32=fp32, chunked=chunked, host_room_chunks=room_chunks)
+
+    n_device = place(fixed_bytes)
+    random_ops = [n.name for n in nodes if n.op == "call_function" and is_random(n)]
+    host_free_bytes = (None if config.host_memory is None else config.host_memory - sizes.host_overhead_bytes
+                       - sizes.kept_staging_bytes - (n_own - n_device) * sizes.state_bytes)
+    n_updated = sum(1 for c, ch in enumerate(layout.chunks) if ch.grad_spans() and c % world == 0)
+    transaction, kept_bytes = _choose_transaction(config, n_updated * sizes.compute_chunk_bytes,
+                                                  host_free=host_free_bytes, random_ops=random_ops)
+    if on is None and n_grad_slots_to_keep(transaction, n_grad, cuda=cuda, n_device=n_device) != n_grad:
+        n_grad, fixed_bytes = 2, fixed_bytes + sizes.compute_chunk_bytes
+        n_device = place(fixed_bytes)
+    n_device = on.n_device if on is not None else n_device
+    n_host = n_own - n_device
+    tier_of, placement, rank0_placement = tiers(n_chunks, n_device, world, rank)
+    n_updated_device = sum(1 for c, ch in enumerate(layout.chunks)
+                           if ch.grad_spans() and rank0_placement[c] == "device")
+    needs_slot = [chunked or not (fp32 and tier_of[c] == "device") for c in range(n_chunks)]
+    n_slots, slots_note = n_compute_slots(sizes, budget_bytes=budget_bytes, fixed_bytes=fixed_bytes, n_device=n_device,
+                                          n_own=n_own, min_slots=use.min_slots, n_slot_chunks=sum(needs_slot))
+    notes += [slots_note] if slots_note else []
+    n_slots = on.slots if on is not None else n_slots
+
+    # the host Adam inside backward (a deferred step's runs after the verdict: timed once the copies are known)
+    node_secs = [node_seconds(n, rates) for n in nodes]
+    host_adam_rate = rates.host_adam_with(config.optimizer_state)
+    host_used_bytes = n_host * sizes.state_bytes + sizes.host_staging_bytes
+    n_spare_buffers = (None if config.host_memory is None
+                       else (config.host_memory - host_used_bytes) // sizes.compute_chunk_bytes)
+    after_verdict = transaction == "deferred" and cuda and bool(kept_bytes)
+    n_host_grad, adam_exposed = (0, 0.0) if after_verdict else _host_adam_pipeline(
+        rank0_placement, layout, node_secs, use.reads, use.adam_at, host_adam_rate, cuda, n_spare_buffers)
+    if kept_bytes:                     # every host chunk's gradient lands in its own kept buffer: no pool
+        n_host_grad = 0
+        host_used_bytes = (n_host * sizes.state_bytes + sizes.host_overhead_bytes + sizes.kept_staging_bytes
+                           + kept_bytes)
+    else:
+        host_used_bytes += max(0, n_host_grad - 2) * sizes.compute_chunk_bytes
+
+    # shipping and the chunk moves
+    host_ids = [c for c in range(n_chunks) if tier_of[c] == "host" and c % world == rank]
+    in_shadow = kept_in_shadow(transaction, layout, host_ids, fp32=fp32, world=world,
+                               scheduled_on_another=on is not None)
+    host_ship = (["shadow"] * n_host if in_shadow else
+                 _choose_shipping(n_host, config, chunk_elems, compute_itemsize, cuda, host_used_bytes=host_used_bytes))
+    ship_of, ship = ship_codes(tier_of, host_ship, n_device=n_device, world=world, rank=rank)
+    ship = list(on.ship) if on is not None else ship
+    # (chunked: a ring broadcast or reduce moves the whole buffer through every link: bytes / bus bandwidth)
+    coll_seconds = sizes.compute_chunk_bytes / rates.coll_bw if chunked else 0.0
+    copy_s = copy_seconds(ship_of, chunk_elems, compute_itemsize, rates, coll_seconds)
+    slot_reads = [{c for c in r if needs_slot[c]} for r in use.reads]
+    sched = place_prefetches(belady(slot_reads, n_slots), n_slots, node_secs, copy_s) if n_slots else Schedule()
+    if sched.exposed_seconds > 1e-4:
+        notes.append(exposed_copies_note(sched.exposed_seconds, rates))
+
+    # memory: the breakdowns, and whether the device chunks' kept gradients stay on the device
+    device = device_breakdown(sizes, n_device=n_device, n_slots=n_slots, n_grad_slots=n_grad, host_ship=host_ship,
+                              chunk_elems=chunk_elems, fp32=fp32)
+    host = host_breakdown(sizes, n_host=n_host, n_host_grad_buffers=n_host_grad, host_ship=host_ship,
+                          kept_in_shadow=in_shadow, kept_bytes=kept_bytes)
+    keeps_copies = keeps_compute_copies(n_slots, n_chunks, world, config.torch_dtype)
+    notes += [KEEPS_COMPUTE_COPIES_NOTE] if keeps_copies else []
+    notes += [cuda_memory_note(config, sizes.workspace_bytes, budget_bytes)] if cuda else []
+    device_kept_bytes = n_updated_device * sizes.compute_chunk_bytes if transaction in KEEPS else 0
+    kept_on_device = keeps_on_device(device_kept_bytes, sum(device.values()), budget_bytes)
+    if kept_on_device:
+        device, host = with_kept_on_device(device, host, device_kept_bytes)
+        kept_bytes -= device_kept_bytes
+    chunks = Placement(placement, n_device, world, rank)
+    memory = Memory(sum(device.values()), sum(host.values()), device, host, act_peak_bytes, config.optimizer_state,
+                    config.state_bytes_per_param, budget_bytes=config.device_memory,
+                    host_budget_bytes=config.host_memory)
+
+    # the estimate: compute (recompute included) + copies not hidden + host Adam that compute can't hide
+    if after_verdict:
+        back_s = 0.0 if kept_on_device else n_updated_device * sizes.compute_chunk_bytes / rates.h2d_bw
+        adam_exposed = _after_verdict_exposed(rank0_placement, layout, node_secs, use.reads, use.adam_at,
+                                              host_adam_rate, copy_s, back_s)
+    step_seconds = sum(node_secs) + sched.exposed_seconds + adam_exposed
+    if chunked:
+        # every broadcast and reduce runs on one collective stream, in graph order: the step takes at least
+        # their sum. The broadcasts' wait is in the schedule's exposed time; the reduces overlap backward.
+        n_reduced = sum(1 for ch in layout.chunks if ch.grad_spans())
+        comm_seconds = (sched.fetches + n_reduced) * coll_seconds      # per micro-batch, like the estimate
+        step_seconds = max(step_seconds, comm_seconds)
+        notes.append(data_parallel_note(world, sched.fetches, n_reduced, comm_seconds, sizes.compute_chunk_bytes,
+                                        rates))
+    measures_first = two_passes(transaction, config, random_ops)
+    if measures_first:
+        step_seconds += sum(node_secs)
+    kept_copy_s = 0.0 if kept_on_device else n_updated_device * sizes.compute_chunk_bytes / rates.d2h_bw
+    cost = _transaction_cost(transaction, config, compute_itemsize, kept_bytes, sizes.accum_bytes, n_device, n_host,
+                             host_ship, sum(node_secs) if measures_first else 0.0, kept_copy_s, kept_on_device,
+                             in_shadow)
+    if adam_exposed > 1e-3:
+        notes.append(host_adam_note(adam_exposed, after_verdict=after_verdict, kept_on_device=kept_on_device,
+                                    kept=bool(kept_bytes) or kept_on_device, n_updated_device=n_updated_device,
+                                    n_host_grad_buffers=n_host_grad))
+
+    tangent_users = {u for t in role_nodes(g, "tangent") for u in t.users}    # backward's first ops
+    profile = NodeProfile([n.name for n in nodes], act_bytes_per_node,
+                          next((i for i, n in enumerate(nodes) if n in tangent_users), len(nodes)),
+                          use.adam_at, chunk_elems=chunk_elems, param_elems=layout.param_elems)
+    return Plan(
+        chunks=chunks, buffers=Slots(n_slots, n_grad, n_host_grad),
+        moves=Moves({nodes[i].name: ops for i, ops in sched.before.items()},
+                    {nodes[i].name: ops for i, ops in sched.after.items()}, sched.fetches),
+        memory=memory, shipping=Shipping(ship, keeps_copies),
+        step_transaction=Transaction(transaction, not random_ops, measures_first, kept_on_device, in_shadow, cost),
+        estimate=Estimate(step_seconds, rates),
+        remarks=Remarks(notes, _why(memory, chunks, config, use.min_slots, budget_bytes)), profile=profile)

@@ -1,0 +1,173 @@
+"""report: the plan in words — its summary, why it does not fit, what the chosen transaction costs, and the
+planner's notes. Text only: every figure here was decided by another stage.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..config import Config, format_bytes
+from .costs import Rates
+from .memory import CUDA_BLOCK_BYTES
+
+if TYPE_CHECKING:
+    from .plan import Memory, Placement, Plan
+
+
+def summary(plan: Plan) -> str:
+    """The plan as `Plan.summary()` prints it."""
+    lines = ["plan:"]
+    lines.append(f"  device peak {format_bytes(plan.device_peak_bytes)}"
+                 + (f" of budget {format_bytes(plan.budget_bytes)}" if plan.budget_bytes else "")
+                 + ": " + ", ".join(f"{k} {format_bytes(v)}" for k, v in plan.device_breakdown.items()))
+    lines.append(f"  host peak {format_bytes(plan.host_peak_bytes)}: "
+                 + ", ".join(f"{k} {format_bytes(v)}" for k, v in plan.host_breakdown.items()))
+    n_dev, n_host = plan.placement.count("device"), plan.placement.count("host")
+    lines.append(f"  placement: {n_dev} chunk(s) on device, {n_host} on host"
+                 + (f", {len(plan.placement) - n_dev - n_host} owned by the other {plan.world - 1} rank(s) "
+                    f"(rank {plan.rank} of {plan.world}; chunk c is owned by rank c % {plan.world})"
+                    if plan.world > 1 else "") + ": " + _ranges(plan.placement))
+    crossing = {k: plan.ship.count(k) for k in ("shadow", "cast", "fp32") if k in plan.ship}
+    if crossing:
+        lines.append("  host chunks reach the device as: " + ", ".join(f"{k} {v}" for k, v in crossing.items())
+                     + " (shadow: 16-bit host copy written by the host Adam; fp32: cast on the device)")
+    lines.append(f"  {plan.slots} compute slot(s), {plan.grad_slots} gradient slot(s), "
+                 f"{plan.host_grad_buffers} host gradient buffer(s); "
+                 f"{plan.fetches} chunk fetch(es) per step; estimated step {plan.estimated_step_seconds:.3g} s")
+    if plan.recompute:
+        lines.append(f"  recompute: {plan.recompute}")
+    lines.append(f"  chunk state: {plan.state_bytes_per_param:.3g} B/param (fp32 master + {plan.optimizer_state} "
+                 "exp_avg and exp_avg_sq" + (", an fp32 scale per 256 elements each" if plan.optimizer_state
+                                             == "int8" else "") + ")")
+    lines.append(f"  step transaction: {plan.transaction}" + (f" ({plan.transaction_cost})"
+                                                             if plan.transaction_cost else ""))
+    lines += [f"  note: {n}" for n in plan.notes]
+    lines.append("  fits" if plan.fits else f"  DOES NOT FIT: {plan.why}")
+    return "\n".join(lines)
+
+
+def _ranges(placement: list[str]) -> str:
+    out, start = [], 0
+    for i in range(1, len(placement) + 1):
+        if i == len(placement) or placement[i] != placement[start]:
+            out.append(f"c{start}" + (f"-c{i - 1}" if i - 1 > start else "") + f"={placement[start]}")
+            start = i
+    return " ".join(out)
+
+
+def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_bytes: int, accum_bytes: int,
+                      n_device: int, n_host: int, ship: list[str], second_pass_s: float, kept_copy_s: float,
+                      kept_on_device: bool, kept_in_shadow: bool = False) -> str:
+    """What the chosen transaction costs, and how much smaller the largest model is for it."""
+    shadow = itemsize if "shadow" in ship else 0
+    state = round(config.state_bytes_per_param, 2)
+    host_base = round(state + shadow, 2)                      # bytes per parameter of a host chunk without it
+    if transaction == "accumulate":
+        return (f"gradients of {config.grad_accum} micro-batches summed in fp32 accumulators, 4 B/param on "
+                f"each chunk's tier ({format_bytes(accum_bytes * (n_device + n_host))}); every update runs after "
+                f"the verdict, exactly. Chunk state {state} -> {state + 4} B/param on "
+                f"the device and {host_base} -> {host_base + 4} on the host: the largest model is about "
+                f"{100 * 4 / (host_base + 4):.0f}% smaller")
+    if transaction == "deferred":
+        shadows = (", a host chunk's in its 16-bit shadow (free again before the host Adam writes the new weights "
+                   "there)" if kept_in_shadow else "")
+        return (f"each chunk's gradient kept until the verdict{shadows}, {itemsize} B/param "
+                f"({format_bytes(kept_bytes)} on the host), nothing updated inside backward; every update is applied "
+                "after the verdict from the kept gradients, exactly: no undo (what bf16 and int8 moments need), "
+                "the host Adam runs after backward, into the next step's forward")
+    if transaction == "kept_grads":
+        where = ("device chunks' on the device (spare room)" if kept_on_device else
+                 f"device chunks' copied to the host (about {kept_copy_s * 1e3:.0f} ms of device->host copies, "
+                 "overlapped)")
+        return (f"speculative updates inside backward; each chunk's gradient kept until the verdict, "
+                f"{itemsize} B/param ({format_bytes(kept_bytes)} on the host), {where}; clipping that triggers "
+                f"costs an undo + redo pass over every chunk; rollback within fp32 rounding. Host bytes per "
+                f"parameter of a host-bound model {host_base} -> {host_base + itemsize}: the largest model is "
+                f"about {100 * itemsize / (host_base + itemsize):.0f}% smaller")
+    if transaction == "replay":
+        return ("speculative updates inside backward, nothing kept (the host budget does not hold the "
+                f"{itemsize} B/param of kept gradients); a step that must be corrected (clipping that "
+                "triggers) or rolled back (a skip, an exception) restores the masters from the moments and runs "
+                "forward and backward again: free when it does not trigger, about one more step when it does; "
+                "a host Adam failure after the step returned cannot be undone")
+    if transaction == "two_pass":
+        if not second_pass_s:
+            return ("nothing to measure first (no clipping, no loss scaling, fp32 moments): one pass, updates "
+                    "inside backward; a non-finite gradient or an exception rolls the step back by restoring the "
+                    "masters from the moments and running it again (as 'replay'); no memory")
+        when = (f"on every step ({config.optimizer_state} moments cannot be undone)" if not config.moments_undoable
+                else "when clipping or loss scaling is on" if config.verdict_changes_updates
+                else "on every step (unseeded random ops: a step cannot be replayed)")
+        return ("a first forward+backward measures the norm and updates nothing, the second applies exactly: "
+                f"+{second_pass_s:.3g} s/step of compute {when}; no memory; "
+                "an exception in the second pass leaves the chunks it updated")
+    return ("updates applied as they come: an exception or a non-finite gradient leaves the chunks already "
+            "updated (the host budget does not hold kept gradients)")
+
+
+def _why(memory: Memory, chunks: Placement, config: Config, min_slots: int, budget_bytes: int | None) -> str:
+    """Empty when the plan fits; else what is missing, where the bytes go, and what was already tried.
+    `budget_bytes`: the usable device budget (`usable_budget`)."""
+    reasons = []
+    host_budget_bytes = config.host_memory
+    placement = chunks.placement
+    if budget_bytes is not None and memory.device_peak_bytes > budget_bytes:
+        n_owned = len(placement) - placement.count("remote")
+        tried = (f"{placement.count('host')} of {n_owned} chunks' state on the host"
+                 + (f" (the chunks rank {chunks.rank} owns of {len(placement)})" if chunks.world > 1 else "") + ", "
+                 f"the minimum of {min_slots} compute slot(s) (what one op reads at once)"
+                 if config.placement != "device" else "placement='device' forces every chunk onto the device")
+        reasons.append(
+            f"the step needs {format_bytes(memory.device_peak_bytes)} of device memory but device_memory is "
+            f"{format_bytes(config.device_memory)}"
+            + (f" ({format_bytes(budget_bytes)} usable: the rest is kept for the allocator's fragmentation)"
+               if budget_bytes != config.device_memory else "")
+            + f" ({format_bytes(memory.device_peak_bytes - budget_bytes)} missing). Device bytes: "
+            + ", ".join(f"{k} {format_bytes(v)}" for k, v in memory.device_breakdown.items())
+            + f". Already tried: {tried}")
+    if host_budget_bytes is not None and memory.host_peak_bytes > host_budget_bytes:
+        reasons.append(
+            f"the host tier needs {format_bytes(memory.host_peak_bytes)} but host_memory is "
+            f"{format_bytes(host_budget_bytes)} ({format_bytes(memory.host_peak_bytes - host_budget_bytes)} missing): "
+            + ", ".join(f"{k} {format_bytes(v)}" for k, v in memory.host_breakdown.items()))
+    return "; ".join(reasons)
+
+
+# ---- the planner's notes ----------------------------------------------------------------------------------
+
+KEEPS_COMPUTE_COPIES_NOTE = ("every chunk has a compute slot for good: a device chunk's 16-bit compute copy stays "
+                             "from step to step, written by its update, not cast from the master at each fetch")
+
+
+def exposed_copies_note(exposed_seconds: float, rates: Rates) -> str:
+    return (f"copies the compute cannot hide: about {exposed_seconds * 1e3:.1f} ms per step "
+            f"(rates: {rates.device})")
+
+
+def cuda_memory_note(config: Config, workspace_bytes: int, budget_bytes: int | None) -> str:
+    return (f"CUDA memory model: each value rounded up to {CUDA_BLOCK_BYTES} B (the caching allocator's "
+            f"block), plus {format_bytes(workspace_bytes)} for cuBLAS workspaces (measured) and the step's small "
+            "allocations outside the graph"
+            + (f"; the peak is kept {format_bytes(config.device_memory - budget_bytes)} under the budget for the "
+               "allocator's fragmentation" if budget_bytes is not None else ""))
+
+
+def data_parallel_note(world: int, n_fetches: int, n_reduced: int, comm_seconds: float, compute_chunk_bytes: int,
+                       rates: Rates) -> str:
+    return (f"data parallel over {world} ranks, chunks partitioned: {n_fetches} chunk broadcast(s) and "
+            f"{n_reduced} reduce(s) per micro-batch, {format_bytes(compute_chunk_bytes)} each, about "
+            f"{comm_seconds * 1e3:.1f} ms per micro-batch at a bus bandwidth of {rates.coll_bw / 1e9:.0f} GB/s")
+
+
+def host_adam_note(adam_exposed_seconds: float, *, after_verdict: bool, kept_on_device: bool, kept: bool,
+                   n_updated_device: int, n_host_grad_buffers: int) -> str:
+    """`kept`: host chunks' gradients land in kept buffers (or the device chunks' stay on the device)."""
+    if after_verdict:
+        why = ("every update after the verdict: the host Adam runs into the next forward, which waits where it "
+               "reads a host chunk not yet updated")
+        if not kept_on_device and n_updated_device:
+            why += "; the device chunks' kept gradients come back from the host first"
+    elif kept:
+        why = "each host chunk's gradient in its own kept buffer"
+    else:
+        why = f"{n_host_grad_buffers} host gradient buffers"
+    return f"host Adam the compute cannot hide: about {adam_exposed_seconds * 1e3:.0f} ms per step ({why})"

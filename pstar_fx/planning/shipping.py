@@ -1,0 +1,67 @@
+"""shipping: how each chunk's compute copy reaches the device, and what that costs per fetch — a host chunk crosses
+as a 16-bit shadow the host Adam keeps, cast on the host, or as its fp32 master cast on the device; a device chunk
+does not cross ("-"), and with a compute slot of its own keeps its 16-bit copy from step to step.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import Config
+from ..layout import Layout
+from .costs import Rates
+
+
+def ship_bytes_per_elem(code: str, compute_itemsize: int) -> int:
+    """Bytes per parameter that cross host->device for one fetch of a chunk shipped as `code`."""
+    return {"-": 0, "shadow": compute_itemsize, "cast": compute_itemsize, "fp32": 4}[code]
+
+
+def _choose_shipping(n_host: int, config: Config, cs: int, itemsize: int, cuda: bool,
+                     host_used_bytes: int) -> list[str]:
+    """How the compute copy of an owner's k-th host chunk (k < n_host) crosses to the device.
+
+    fp32 compute: the master itself crosses (4 B/param). 16-bit: a host-side 16-bit shadow, written by the
+    host Adam in the same pass that updates the master (no extra read), halves the bytes that cross, so
+    every host chunk gets one while host memory lasts. Without room, the CUDA runtime ships fp32 and
+    casts on the device (a cast on the host would stall the thread that launches GPU work), and the
+    CPU runtime casts on the host into a staging buffer.
+    """
+    if itemsize == 4:
+        return ["fp32"] * n_host
+    spare_bytes = float("inf") if config.host_memory is None else config.host_memory - host_used_bytes
+    shadows = n_host if spare_bytes == float("inf") else max(0, min(n_host, int(spare_bytes // (cs * itemsize))))
+    return ["shadow"] * shadows + ["fp32" if cuda else "cast"] * (n_host - shadows)
+
+
+def kept_in_shadow(transaction: str, layout: Layout, host_ids: list[int], *, fp32: bool, world: int,
+                   scheduled_on_another: bool) -> bool:
+    """Deferred, 16-bit: a host chunk's kept gradient and its shadow are never needed at once (the gradient lands
+    after backward's last read of the shadow, and the host Adam reads it where it writes the new 16-bit weights,
+    element by element), so one buffer is both and every host chunk crosses in 16 bits for the kept gradient's
+    bytes alone."""
+    return (transaction == "deferred" and not fp32 and not scheduled_on_another and world == 1 and bool(host_ids)
+            and all(layout.chunks[c].grad_spans() for c in host_ids))
+
+
+def ship_codes(tier_of: list[str], host_ship: list[str], *, n_device: int, world: int,
+               rank: int) -> tuple[list[str], list[str]]:
+    """(each chunk's code at its owner, this rank's view with "remote"): the k-th host chunk of every owner alike."""
+    ship_of = ["-" if tier_of[c] == "device" else host_ship[c // world - n_device] for c in range(len(tier_of))]
+    return ship_of, [ship_of[c] if c % world == rank else "remote" for c in range(len(tier_of))]
+
+
+def copy_seconds(ship_of: list[str], cs: int, compute_itemsize: int, rates: Rates,
+                 coll_seconds: float) -> dict[int, float]:
+    """Seconds to bring each chunk's compute copy to the device: its bytes across, a cast on the device, and
+    (chunked) its broadcast from the owner to every rank (`coll_seconds`)."""
+    return {c: cs * ship_bytes_per_elem(code, compute_itemsize) / rates.h2d_bw
+            + cs * (4 + compute_itemsize) / rates.mem_bw + coll_seconds for c, code in enumerate(ship_of)}
+
+
+def keeps_compute_copies(n_slots: int, n_chunks: int, world: int, compute_dtype: torch.dtype) -> bool:
+    """Whether each device chunk keeps its 16-bit compute copy from step to step: the plan gave every chunk a
+    compute slot (none is ever evicted), compute is 16-bit (fp32 device chunks compute on their masters), and
+    one rank holds every chunk (partitioned ranks broadcast their compute copies each step). The device Adam
+    then writes the copy as it updates the master (+2 B/param written) instead of each step's first fetch
+    casting it (6 B/param moved, one launch per chunk)."""
+    return compute_dtype.itemsize != 4 and world == 1 and n_slots >= n_chunks > 0

@@ -1,0 +1,52 @@
+"""transaction: how a step stays provisional until its verdict (see Config.transaction for the choices) — which
+transaction the host budget allows, what it keeps (every gradient, and whether the device chunks' stay on the
+device), and whether "two_pass" measures first.
+"""
+from __future__ import annotations
+
+from ..config import Config
+
+KEEPS = ("kept_grads", "deferred")   # the transactions that keep every chunk's gradient until the verdict
+
+
+def _choose_transaction(config: Config, kept_total: int, host_free: int | None,
+                        random_ops: list[str]) -> tuple[str, int]:
+    """(transaction, host bytes of kept gradients). See Config.transaction for the choices. A step with random
+    ops the seed_random pass did not seed (`random_ops`; normally none) cannot be replayed faithfully.
+    `kept_total`, `host_free`: bytes of every kept gradient, and of the host budget left for them."""
+    if config.grad_accum > 1:
+        return "accumulate", 0        # the accumulators keep the step's gradients; updates run after the verdict
+    choice = config.transaction
+    if choice == "replay" and random_ops:
+        raise ValueError(f"transaction 'replay' runs a step again, but this step draws random numbers "
+                         f"({', '.join(random_ops[:3])}{', ...' if len(random_ops) > 3 else ''}): a replay would "
+                         "draw others; use 'kept_grads' or 'two_pass'")
+    fits = host_free is None or kept_total <= host_free
+    if choice == "auto" and not config.moments_undoable:
+        # bf16 and int8 moments cannot be undone: keep the gradients and apply after the verdict, or measure first
+        choice = "deferred" if fits else "two_pass"
+    if choice == "auto":
+        choice = "kept_grads" if fits else "two_pass" if random_ops else "replay"
+    return choice, kept_total if choice in KEEPS else 0
+
+
+def n_grad_slots_to_keep(transaction: str, n_grad_slots: int, *, cuda: bool, n_device: int) -> int:
+    """Gradient slots once the transaction is known: a device chunk's kept gradient is copied to the host from its
+    slot, and a second slot lets backward go on meanwhile (bench/RESULTS.md: the compute stream waited for those
+    copies with one)."""
+    if transaction in KEEPS and cuda and n_device and n_grad_slots < 2:
+        return 2
+    return n_grad_slots
+
+
+def keeps_on_device(device_kept_bytes: int, device_peak_bytes: int, budget_bytes: int | None) -> bool:
+    """Whether the device chunks' kept gradients stay on the device: they fit beside the peak (no copies out, and an
+    undo needs none back)."""
+    return bool(device_kept_bytes) and (budget_bytes is None or device_peak_bytes + device_kept_bytes <= budget_bytes)
+
+
+def two_passes(transaction: str, config: Config, random_ops: list[str]) -> bool:
+    """Whether a "two_pass" step measures first. With nothing to measure it runs one pass that rolls back as a
+    replay; a step that cannot be replayed (unseeded random ops) measures first all the same, so a skipped step
+    still changes nothing."""
+    return transaction == "two_pass" and (config.verdict_changes_updates or bool(random_ops))
