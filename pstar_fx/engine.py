@@ -203,7 +203,8 @@ class Engine:
         self.drain()                     # host Adam of the last step may still be running
         out = {}
         params = self.lowered.capture.params
-        for ch, master in masters_by_chunk(self.rt.store, self.lowered.layout, self.dp):   # chunk-partitioned: collective, every rank gets all
+        # chunk-partitioned: collective, every rank gets all
+        for ch, master in masters_by_chunk(self.rt.store, self.lowered.layout, self.dp):
             for s in ch.slots:
                 w = master[s.offset: s.offset + s.numel].view(s.param.shape).detach().to("cpu", copy=True)
                 for name in params[s.index].aliases:

@@ -40,7 +40,7 @@ class PassContext:
     record: Callable[[str, "fx.GraphModule | Callable[[], str]"], None] = lambda name, graph: None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Pass:
     name: str
     run: Callable[[fx.GraphModule, PassContext], fx.GraphModule]
@@ -57,6 +57,9 @@ class Pass:
         return (f"{self.name}{' [' + ', '.join(flags) + ']' if flags else ''}: requires "
                 f"{', '.join(sorted(self.requires)) or '-'}; provides {', '.join(sorted(self.provides)) or '-'}")
 
+    def __repr__(self) -> str:                          # print(PIPELINE) reads as the compiler
+        return f"<{self}>"
+
 
 def check_pipeline(passes: list[Pass], have: frozenset[str] = frozenset({CAPTURED})) -> None:
     """Raise PassContractError at the first pass that requires what neither `have` nor an earlier pass provides."""
@@ -67,3 +70,8 @@ def check_pipeline(passes: list[Pass], have: frozenset[str] = frozenset({CAPTURE
             raise PassContractError(f"pass {p.name!r} (step {i}) requires {missing}, which no earlier pass provides; "
                                     f"passes so far: {[q.name for q in passes[:i]]}")
         provided |= p.provides
+
+
+def describe(passes: list[Pass]) -> str:
+    """The pipeline, one numbered pass a line, with its contract and why."""
+    return "\n".join(f"{i}. {p}\n     {p.why}" for i, p in enumerate(passes, 1))

@@ -66,9 +66,7 @@ class GraphRecords(Mapping):
 def run_pipeline(pipeline: list[Pass], gm: fx.GraphModule, ctx: PassContext,
                  phases: Phases | None = None) -> tuple[fx.GraphModule, PassContext]:
     """Apply `pipeline` to `gm`; returns the last pass's graph and the context holding the plan."""
-    off = set(ctx.config.disable_passes)
-    todo = [p for p in pipeline if not (p.optional and p.name in off)
-            and (p.only_if is None or getattr(ctx.config, p.only_if))]
+    todo = enabled(pipeline, ctx.config)
     check_pipeline(todo)
     log.debug("applying %d graph passes: %s", len(todo), ", ".join(f"{i}. {p.name}" for i, p in enumerate(todo, 1)))
     with contextlib.ExitStack() as in_phase:
@@ -93,6 +91,12 @@ def run_pipeline(pipeline: list[Pass], gm: fx.GraphModule, ctx: PassContext,
     return gm, ctx
 
 
+def enabled(pipeline: list[Pass], config: Config) -> list[Pass]:
+    """The passes of `pipeline` that run under `config`: not switched off, and asked for."""
+    return [p for p in pipeline if not (p.optional and p.name in config.disable_passes)
+            and (p.only_if is None or getattr(config, p.only_if))]
+
+
 def evaluation_passes(pipeline: list[Pass]) -> list[Pass]:
     """The passes a forward-only step runs: the training list up to insert_chunk_ops."""
     return pipeline[: [p.name for p in pipeline].index("insert_chunk_ops") + 1]
@@ -113,6 +117,7 @@ class Lowered:
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.phases = phases = phases or Phases()
+        check_pipeline(enabled(passes.PIPELINE, config))     # a broken list fails before minutes of capture
         with phases("capture", "forward + backward traced with fake tensors"):
             self.capture: Capture = capture(model, example_inputs, self.device, self.dtype)
             self.layout: Layout = build_layout(self.capture, config.chunk_size)
@@ -161,9 +166,10 @@ class Lowered:
                 budget = usable_budget(self.config.device_memory, self.device.type == "cuda")
                 if budget is not None and need > budget:
                     raise BudgetError(f"evaluation at input shapes {[tuple(x.shape) for x in inputs]} needs "
-                                      f"{format_bytes(need)} of device memory ({format_bytes(plan.activation_peak_bytes)}"
-                                      f" of activations on {format_bytes(held_bytes)} the engine holds) "
-                                      f"but device_memory is {format_bytes(budget)}; evaluate a smaller batch")
+                                      f"{format_bytes(need)} of device memory "
+                                      f"({format_bytes(plan.activation_peak_bytes)} of activations on "
+                                      f"{format_bytes(held_bytes)} the engine holds) but device_memory is "
+                                      f"{format_bytes(budget)}; evaluate a smaller batch")
                 gm.meta["plan"] = plan
                 return gm
 

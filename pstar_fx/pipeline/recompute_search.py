@@ -58,17 +58,19 @@ def plan_with_recompute(gm: fx.GraphModule, ctx: PassContext, rates: Rates, buff
     cheap = find_cheap_recomputes(gm, rates, CUDA_BLOCK_BYTES if ctx.device.type == "cuda" else 1, segments)
     every = len(cheap)
     tried: dict[Try, tuple[fx.GraphModule, Plan]] = {}
+    # what the tries' passes read; without the driver's hooks, which the record made on demand would keep alive
+    bare = dataclasses.replace(ctx, plan_step=None, record=lambda name, graph: None)
 
     def recomputed(t: Try) -> fx.GraphModule:
         g_k, nodes = _copy_graph(gm)
         whole = runs[t.run_len][:t.runs]  # a segment recomputed whole remakes its cheap values its own way
         ops = op_segments(cheap[:t.cheap], {n for s in whole for n in s.nodes})
         chosen = tuple(Segment(s.start, [nodes[n] for n in s.nodes]) for s in whole + ops)
-        return recompute.run(g_k, dataclasses.replace(ctx, segments=chosen))
+        return recompute.run(g_k, dataclasses.replace(bare, segments=chosen))
 
     def attempt(t: Try) -> Plan:
         if t not in tried:
-            g_k = fuse_optimizer.run(recomputed(t), ctx)
+            g_k = fuse_optimizer.run(recomputed(t), bare)
             tried[t] = (g_k, make_plan(g_k, ctx.layout, ctx.config, compute_itemsize=ctx.dtype.itemsize,
                                        buffer_bytes=buffer_bytes, rates=rates, **partition))
             p = tried[t][1]

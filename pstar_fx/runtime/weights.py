@@ -71,7 +71,8 @@ def masters_from_rank0(named: dict, store: ChunkStore, layout: Layout, cap: Capt
             store.master[ch.id][: ch.used_elems].copy_(tmp)
 
 
-def masters_by_chunk(store: ChunkStore, layout: Layout, dp: DataParallel | None) -> Iterator[tuple[Chunk, torch.Tensor]]:
+def masters_by_chunk(store: ChunkStore, layout: Layout,
+                     dp: DataParallel | None) -> Iterator[tuple[Chunk, torch.Tensor]]:
     """(chunk, its fp32 master) for every chunk, on every rank: a chunk another rank holds is broadcast from
     there into a temporary (a collective: every rank iterates to the end)."""
     for ch in layout.chunks:
