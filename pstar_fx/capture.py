@@ -370,3 +370,39 @@ def _user_frame(e: BaseException):
             best = fr
         e = e.__cause__ or e.__context__
     return best
+
+
+def check_inputs(cap: Capture, args: tuple, kwargs: dict, grad_accum: int,
+                 device: torch.device) -> list[list[torch.Tensor]]:
+    """A step's batch, checked against the shapes `cap` was captured for, on `device`, split into `grad_accum`
+    micro-batches."""
+    specs = cap.inputs
+    k = grad_accum
+    inputs = cap.signature.bind(args, kwargs)
+    out = []
+    for x, spec in zip(inputs, specs):
+        i = spec.name
+        if x.dtype != spec.dtype:
+            raise TypeError(f"{i}: dtype {x.dtype}, but the step was compiled for {spec.dtype}")
+        want = spec.shape if k == 1 else torch.Size((spec.shape[0] * k, *spec.shape[1:])) if spec.shape else None
+        if want is None:
+            raise ValueError(f"{i}: a 0-d input cannot be split into grad_accum={k} micro-batches")
+        if x.shape != want:
+            raise ValueError(f"{i}: shape {tuple(x.shape)}, but the step was compiled for "
+                             f"{tuple(want)}" + (f" (grad_accum={k} micro-batches of {tuple(spec.shape)})"
+                                                 if k > 1 else "") + "; compile again for another shape")
+        if spec.index_bound is not None and x.numel():
+            ok = (x >= 0) & (x < spec.index_bound)
+            if spec.ignore_index is not None:
+                ok |= x == spec.ignore_index
+            if not bool(ok.all()):
+                bad = x[~ok].flatten()[0].item()
+                raise ValueError(f"{i}: value {bad} is out of range; the model uses this input as ids "
+                                 f"in [0, {spec.index_bound})")
+        x = x.to(device, non_blocking=True)
+        if any(x is y for y in out):   # one tensor passed twice (labels=input_ids): the compiled regions were
+            x = x.view(x.shape)        # built for distinct inputs, and a repeated one would recompile them
+        out.append(x)
+    if k == 1:
+        return [out]
+    return [[x.chunk(k)[j] for x in out] for j in range(k)]

@@ -10,7 +10,7 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Union
+from typing import Any, Callable, Literal, Union, get_args
 
 import torch
 
@@ -19,6 +19,8 @@ from .optim.loss_scale import DYNAMIC_DEFAULTS
 from .optim.lr import check_schedule
 
 Bytes = Union[int, str, None]
+# the passes Config.disable_passes may name (the optional ones of pstar_fx.passes.PIPELINE)
+OptionalPass = Literal["lean_cross_entropy", "grads_in_place", "compile_regions"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -156,6 +158,13 @@ class Config:
     built at the first step. Chunk nodes stay where the plan put them and the plan counts what the regions
     hold (passes/compile_regions.py). "eager": op by op, as traced. "auto": inductor on CUDA, eager on CPU."""
 
+    disable_passes: tuple[OptionalPass, ...] = ()
+    """Optional graph passes to switch off, by name (pstar_fx.passes.PIPELINE lists them): "lean_cross_entropy"
+    (the loss then allocates its log-probabilities' gradients as ATen does: up to two more tensors of the
+    logits' fp32 size), "grads_in_place" (each matmul's weight gradient is then a tensor copied into its slot),
+    "compile_regions" (the compute then runs op by op, as compute="eager"). Results stay within rounding; the
+    passes the others need cannot be switched off."""
+
     def __post_init__(self):
         self.device = self._check_device(self.device)
         self.device_memory = parse_bytes(self.device_memory, "device_memory")
@@ -163,6 +172,11 @@ class Config:
         _choice("dtype", self.dtype, tuple(DTYPES))
         _choice("placement", self.placement, ("auto", "device", "host"))
         _choice("compute", self.compute, ("auto", "eager", "inductor"))
+        if isinstance(self.disable_passes, str) or not isinstance(self.disable_passes, (list, tuple)):
+            raise TypeError(f"disable_passes: expected a list of pass names, got {self.disable_passes!r}")
+        for name in self.disable_passes:
+            _choice("disable_passes", name, get_args(OptionalPass))
+        self.disable_passes = tuple(self.disable_passes)
         if self.chunk_size != "auto":
             if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int):
                 raise TypeError(f"chunk_size: expected an int (elements) or 'auto', got {self.chunk_size!r}")

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import pstar_fx
-from pstar_fx.engine import Lowered
+from pstar_fx.pipeline.lower import Lowered
 from pstar_fx.models import GPT, gpt_config
-import pstar_fx.passes.compile_regions  # noqa: F401  (the module; the package exports its function by that name)
+import pstar_fx.passes.compile_regions  # noqa: F401  (the module, whose BACKEND the tests set)
 from test_engine import assert_matches_torch, batch, tight_budget
 
 CHUNK = 16384

@@ -74,7 +74,7 @@ _PROBES: dict = {}
 def tight_budget(model, inputs, device_chunks=1, **cfg):
     """A device budget that holds the working set plus `device_chunks` chunks' fp32 state, no more."""
     from pstar_fx.planning.costs import calibrate
-    from pstar_fx.engine import Lowered
+    from pstar_fx.pipeline.lower import Lowered
     from pstar_fx.runtime.dist import world_from_env
     config = pstar_fx.Config(device="cpu", placement="host", **cfg)
     try:

@@ -197,7 +197,7 @@ def test_the_plan_times_the_host_adam_at_the_rate_of_its_moments():
     """The host Adam's seconds in the estimate are at the rate measured for the configured moments (int8's
     (de)quantization makes it several times slower than fp32's), not at fp32's."""
     from pstar_fx.planning.costs import assumed
-    from pstar_fx.engine import Lowered
+    from pstar_fx.pipeline.lower import Lowered
     model, inputs = small_gpt()
     cfg = Config.from_dict({"device": "cpu", "chunk_size": 16384, "placement": "host", "optimizer_state": "int8"})
     with assumed(host_adam=1e9, host_adam_int8=1e9):

@@ -51,7 +51,7 @@ def test_bf16_gpt_loss_peak_drops_by_one_to_two_log_prob_tensors(monkeypatch):
     cfg = {"device": "cpu", "dtype": "bf16"}
     lean = pstar_fx.plan(model, cfg, (idx, idx))
     skipped = []                                                     # the same plan without the pass
-    monkeypatch.setattr("pstar_fx.engine.lean_cross_entropy", lambda gm: skipped.append(gm) or gm)
+    monkeypatch.setattr("pstar_fx.passes.lean_loss.lean_cross_entropy", lambda gm: skipped.append(gm) or gm)
     plain = pstar_fx.plan(model, cfg, (idx, idx))
     assert skipped
     log_probs = 16 * 1024 * 50257 * 4

@@ -25,15 +25,10 @@ def engine():
     """The tiny GPT with one chunk's state on the device and the rest moving, after one step. The timeline is
     of the planned step, which is engine.graph as insert_chunk_ops made it: the passes after it (grads_in_place
     here, compile_regions on CUDA) rewrite ops the plan already counted, so they are left out to compare."""
-    import pstar_fx.engine
     model, inputs = GPT(gpt_config("tiny")), batch()
     budget, _ = tight_budget(model, inputs, device_chunks=1, chunk_size=16384)
-    rewrite, pstar_fx.engine.grads_in_place = pstar_fx.engine.grads_in_place, lambda gm, layout, dtype: gm
-    try:
-        eng = pstar_fx.compile(model, pstar_fx.Config(device="cpu", device_memory=budget, chunk_size=16384),
-                               example_inputs=inputs)
-    finally:
-        pstar_fx.engine.grads_in_place = rewrite
+    eng = pstar_fx.compile(model, pstar_fx.Config(device="cpu", device_memory=budget, chunk_size=16384,
+                                                  disable_passes=("grads_in_place",)), example_inputs=inputs)
     eng.step(*inputs)
     return eng
 

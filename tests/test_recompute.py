@@ -13,7 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import pstar_fx
-import pstar_fx.engine as engine_mod
+import pstar_fx.passes.seed_random as seed_random
+import pstar_fx.pipeline.recompute_search as search_mod
 from pstar_fx.planning.costs import Rates
 from pstar_fx.fxutil import is_random
 from pstar_fx.models import GPT, Llama, gpt_config, llama_config
@@ -39,13 +40,13 @@ def tight(free, activations_left=0.8):
 def picks_of(monkeypatch, model, config, inputs):
     """The plan, and the cheap values the planner was offered (find_cheap_recomputes' answer)."""
     seen = []
-    real = engine_mod.find_cheap_recomputes
+    real = search_mod.find_cheap_recomputes
 
     def record(*args, **kwargs):
         seen.append(real(*args, **kwargs))
         return seen[-1]
 
-    monkeypatch.setattr(engine_mod, "find_cheap_recomputes", record)
+    monkeypatch.setattr(search_mod, "find_cheap_recomputes", record)
     plan = pstar_fx.plan(model, config, inputs)
     monkeypatch.undo()
     return plan, seen[0]
@@ -79,7 +80,7 @@ def test_cheap_values_alone_fit_exactly_and_cost_less_than_segments(kind, monkey
     plan = engine.plan
     assert plan.fits and "cheap values" in plan.recompute and "segments" not in plan.recompute, plan.recompute
     assert plan.activation_peak_bytes < free.activation_peak_bytes
-    monkeypatch.setattr(engine_mod, "find_cheap_recomputes", lambda *a, **k: [])       # the planner before
+    monkeypatch.setattr(search_mod, "find_cheap_recomputes", lambda *a, **k: [])       # the planner before
     by_segments = pstar_fx.plan(model, {"device": "cpu", **config}, batches[0])
     monkeypatch.undo()
     assert by_segments.fits and "forward segments" in by_segments.recompute, by_segments.recompute
@@ -175,7 +176,7 @@ def test_seeded_dropout_is_replayed_and_unseeded_is_never_picked(monkeypatch):
     assert engine.memory_stats()["device_peak_bytes"] <= budget
 
     # without passes.seed_random a dropout draws new numbers each time it runs: no copy may contain one
-    monkeypatch.setattr(engine_mod, "seed_random_ops", lambda gm: gm)
+    monkeypatch.setattr(seed_random, "seed_random_ops", lambda gm: gm)
     _, picks = picks_of(monkeypatch, model, {"device": "cpu", "placement": "device"}, batches[0])
     assert picks and not any(is_random(n) for p in picks for n in p.nodes)
     assert "dropout" not in {p.kind for p in picks}

@@ -283,13 +283,13 @@ def test_two_pass_that_cannot_replay_measures_first(monkeypatch):
     alike: "two_pass" then measures first, and a skipped step changes nothing (it used to run one pass as "none"
     does, warn, and leave the chunks updated before the non-finite gradient)."""
     import warnings
-    import pstar_fx.engine as engine_mod
+    import pstar_fx.passes.seed_random as seed_random
 
     class Dropped(Regression):
         def __init__(self):
             super().__init__()
             self.net.insert(1, nn.Dropout(0.25))
-    monkeypatch.setattr(engine_mod, "seed_random_ops", lambda gm: gm)      # dropout draws anew each time it runs
+    monkeypatch.setattr(seed_random, "seed_random_ops", lambda gm: gm)      # dropout draws anew each time it runs
     torch.manual_seed(0)
     batches = regression_batches(3, overflow_at=(1,))
     engine = pstar_fx.compile(Dropped(), {"device": "cpu", "placement": "host", "chunk_size": 4096,

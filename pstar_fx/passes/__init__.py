@@ -1,38 +1,55 @@
-"""Graph passes. Each is `GraphModule -> GraphModule`, one file each, applied in this order:
+"""Graph passes: one file each, each opening with its NAME, its contract (`PASS`: what it requires and provides)
+and `run(gm, ctx) -> gm`. `PIPELINE` is the compiler, in order; `pipeline/lower.py` checks its contracts, then
+runs it (Config.disable_passes switches the optional ones off); `engine.graph_before(name)` prints the graph a
+pass received, and `engine.graph.code` is the result of the last.
 
-    seed_random_ops       needs: the captured joint graph.  provides: each random op draws from its own seed
-                          per step (Config.seed, step, micro-batch, op), so running it again redraws the same.
-    localize_param_views  needs: the captured joint graph.  provides: every view of a parameter is computed
-                          right before its one user, so a parameter is read only where an op reads it.
-    lean_cross_entropy    needs: the joint graph.  provides: cross-entropy's log_softmax runs in place on its
-                          fp32 input, and its backward overwrites the saved log-probabilities in place
-                          instead of allocating two more tensors of their size.
-    recompute             needs: localized views, a choice of segments.  provides: backward recomputes those
-                          segments' activations instead of keeping them (the planner chooses, only when
-                          memory demands it, so for a model that fits this pass changes nothing). Segments
-                          are whole forward spans (recompute.find_segments) or the copies of cheap values,
-                          remade op by op: norms, activations, attention's output, by seconds per byte saved
-                          (recompute_ops.find_cheap_recomputes, which the planner tries first).
-    fuse_optimizer        needs: localized views, a Layout.  provides: each gradient is written into its
-                          chunk (`rt.grad`) and each chunk is updated (`rt.adam`) right after its last use.
-    insert_chunk_ops      needs: fused optimizer, a Plan.  provides: `rt.fetch/prefetch/release/offload`
-                          and `rt.param` views; parameters are no longer graph inputs.
-    grads_in_place        needs: the lowered graph.  provides: a weight gradient a matmul makes is written by it
-                          into its chunk's gradient slot (`rt.grad_mm`), never a tensor of its own.
-    compile_regions       needs: the lowered graph, its Plan.  provides: each run of ATen ops between chunk
-                          nodes is one call of a function Inductor compiles (Config.compute); the plan's
-                          peaks count what the regions hold.
+    seed_random_ops       each random op draws from its own seed per step (Config.seed, step, micro-batch, op),
+                          so running it again redraws the same.
+    localize_param_views  every view of a parameter is computed right before its one user, so a parameter is
+                          read only where an op reads it.
+    lean_cross_entropy    cross-entropy's log_softmax runs in place on its fp32 input, and its backward
+                          overwrites the saved log-probabilities in place instead of allocating two more tensors
+                          of their size.
+    plan                  the driver's step (pipeline/recompute_search.py): for each try, `recompute` (backward
+                          recomputes chosen forward segments or cheap values instead of keeping them), then
+                          `fuse_optimizer` (each gradient written into its chunk, `rt.grad`, each chunk updated,
+                          `rt.adam`, right after its last use), then the planner; the least recompute that fits.
+    insert_chunk_ops      `rt.fetch/prefetch/release/offload` where the plan's schedule puts them, and `rt.param`
+                          views; parameters are no longer graph inputs.
+    grads_in_place        a weight gradient a matmul makes is written by it into its chunk's gradient slot
+                          (`rt.grad_mm`), never a tensor of its own.
+    compile_regions       each run of ATen ops between chunk nodes is one call of a function Inductor compiles
+                          (Config.compute); the plan's peaks count what the regions hold (a PlanDelta).
 
-`engine.graph_before(name)` prints the graph a pass received; `engine.graph.code` is the result of the last.
+Evaluation runs the same list up to insert_chunk_ops on a forward-only capture, its plan step planning on the
+training plan's placement (`pipeline/lower.py`).
 """
-from .fuse_optimizer import fuse_optimizer
-from .insert_chunk_ops import insert_chunk_ops
-from .lean_loss import lean_cross_entropy
-from .localize_views import localize_param_views
-from .recompute import find_segments, recompute
-from .compile_regions import build_regions, compile_regions
-from .grads_in_place import grads_in_place
-from .seed_random import seed_random_ops
+from __future__ import annotations
 
-__all__ = ["seed_random_ops", "localize_param_views", "lean_cross_entropy", "find_segments", "recompute",
-           "fuse_optimizer", "insert_chunk_ops", "grads_in_place", "compile_regions", "build_regions"]
+import torch.fx as fx
+
+from . import (compile_regions, fuse_optimizer, grads_in_place, insert_chunk_ops, lean_loss, localize_views,
+               recompute, seed_random)
+from .contract import PLANNED, Pass, PassContext
+
+
+def _plan(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    return ctx.plan_step(gm, ctx)
+
+
+PLAN = Pass("plan", _plan, requires=recompute.PASS.requires | fuse_optimizer.PASS.requires,
+            provides=recompute.PASS.provides | fuse_optimizer.PASS.provides | {PLANNED},
+            runs=(recompute.NAME, fuse_optimizer.NAME),
+            why="the least recompute that fits: each try recomputed, fused and planned (the driver's ctx.plan_step)")
+
+PIPELINE: list[Pass] = [
+    seed_random.PASS,
+    localize_views.PASS,
+    lean_loss.PASS,
+    PLAN,
+    insert_chunk_ops.PASS,
+    grads_in_place.PASS,
+    compile_regions.PASS,
+]
+
+__all__ = ["PIPELINE", "PLAN"]

@@ -34,6 +34,18 @@ import torch.fx as fx
 from ..config import format_bytes
 from .. import planning as plan_mod
 from ..fxutil import aliases_input, mutated_args, role_nodes
+from .contract import CHUNK_OPS, PLANNED, REGIONS, Pass, PassContext
+
+NAME = "compile_regions"
+
+
+def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """The regions, with the PlanDelta of what holding them costs in gm.meta["plan_delta"] (the runner folds it)."""
+    return compile_regions(gm, ctx.plan, cuda=ctx.device.type == "cuda")
+
+
+PASS = Pass(NAME, run, requires=frozenset({CHUNK_OPS, PLANNED}), provides=frozenset({REGIONS}), optional=True,
+            only_if="compiles_compute", why="the compute between chunk nodes fuses into fewer kernels (Inductor)")
 
 BACKEND = "inductor"   # torch.compile's backend for the regions; tests use "eager" (Dynamo alone: the same ops)
 

@@ -12,6 +12,17 @@ import torch.fx as fx
 
 from ..fxutil import role_nodes
 from ..layout import Layout
+from .contract import FUSED, VIEWS_LOCAL, Pass, PassContext
+
+NAME = "fuse_optimizer"
+
+
+def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    return fuse_optimizer(gm, ctx.layout)
+
+
+PASS = Pass(NAME, run, requires=frozenset({VIEWS_LOCAL}), provides=frozenset({FUSED}),
+            why="the update runs inside backward: whole-model gradients never exist at once")
 
 
 def fuse_optimizer(gm: fx.GraphModule, layout: Layout) -> fx.GraphModule:

@@ -19,6 +19,18 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from .contract import CHUNK_OPS, GRADS_IN_SLOTS, Pass, PassContext
+
+NAME = "grads_in_place"
+
+
+def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    return grads_in_place(gm, ctx.layout, ctx.dtype)
+
+
+PASS = Pass(NAME, run, requires=frozenset({CHUNK_OPS}), provides=frozenset({GRADS_IN_SLOTS}), optional=True,
+            why="a matmul writes its weight gradient into the chunk's slot: one write instead of three")
+
 _VIEWS = {torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
           torch.ops.aten.alias.default, torch.ops.aten.detach.default}
 

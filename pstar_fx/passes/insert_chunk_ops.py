@@ -19,6 +19,17 @@ import torch.fx as fx
 from ..fxutil import role_nodes
 from ..layout import Layout
 from ..planning import Plan
+from .contract import CHUNK_OPS, FUSED, PLANNED, Pass, PassContext
+
+NAME = "insert_chunk_ops"
+
+
+def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    return insert_chunk_ops(gm, ctx.layout, ctx.plan, ctx.dp)
+
+
+PASS = Pass(NAME, run, requires=frozenset({FUSED, PLANNED}), provides=frozenset({CHUNK_OPS}),
+            why="every chunk move is a node where the plan's schedule puts it")
 
 
 def insert_chunk_ops(gm: fx.GraphModule, layout: Layout, plan: Plan, dp: str | None = None) -> fx.GraphModule:

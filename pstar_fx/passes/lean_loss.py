@@ -22,6 +22,18 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from .contract import CAPTURED, LEAN_LOSS, Pass, PassContext
+
+NAME = "lean_cross_entropy"
+
+
+def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    return lean_cross_entropy(gm)
+
+
+PASS = Pass(NAME, run, requires=frozenset({CAPTURED}), provides=frozenset({LEAN_LOSS}), optional=True,
+            why="the loss's widest tensors are computed in the memory of its log-probabilities (before the plan)")
+
 aten = torch.ops.aten
 _REDUCTION_MEAN = 1                    # ATen's reduction enum: 0 none, 1 mean, 2 sum
 _ALIAS_OPS = (aten.detach.default, aten.alias.default)

@@ -11,6 +11,17 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..fxutil import aliases_input, role_nodes
+from .contract import CAPTURED, VIEWS_LOCAL, Pass, PassContext
+
+NAME = "localize_param_views"
+
+
+def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    return localize_param_views(gm)
+
+
+PASS = Pass(NAME, run, requires=frozenset({CAPTURED}), provides=frozenset({VIEWS_LOCAL}),
+            why="no view of a parameter outlives its chunk's compute buffer")
 
 
 def is_view(node: fx.Node) -> bool:

@@ -23,6 +23,17 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from ..fxutil import aliases_input, is_random, mutated_args, role_nodes, value_bytes
+from .contract import RECOMPUTED, VIEWS_LOCAL, Pass, PassContext
+
+NAME = "recompute"
+
+
+def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    return recompute(gm, list(ctx.segments)) if ctx.segments else gm
+
+
+PASS = Pass(NAME, run, requires=frozenset({VIEWS_LOCAL}), provides=frozenset({RECOMPUTED}),
+            why="backward remakes the activations of ctx.segments; the plan step chooses them, try by try")
 
 
 @dataclass

@@ -17,6 +17,17 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..fxutil import is_random, role_nodes
+from .contract import CAPTURED, RANDOM_SEEDED, Pass, PassContext
+
+NAME = "seed_random_ops"
+
+
+def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    return seed_random_ops(gm)
+
+
+PASS = Pass(NAME, run, requires=frozenset({CAPTURED}), provides=frozenset({RANDOM_SEEDED}),
+            why="a random op redraws the same numbers when recomputed or replayed")
 
 _WRAPPERS: dict = {}
 

@@ -136,3 +136,21 @@ class DataParallel:
 
     def barrier(self) -> None:
         dist.barrier()
+
+
+def launch(config):
+    """This process's place in a launch: one GPU per launched rank (`cuda:LOCAL_RANK` for "cuda"), the process
+    group joined, and a CUDA device's free memory as its budget when `config.device_memory` is None. Returns
+    (the Config with the device and budget resolved, rank, world)."""
+    import dataclasses
+    _, launched, local_rank = world_from_env()
+    if launched > 1:
+        if config.device in ("cuda", "auto") and torch.cuda.is_available():
+            config = dataclasses.replace(config, device=f"cuda:{local_rank}")   # one GPU per rank
+        if config.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(config.device))
+    rank, world = init(config.device, config.dist_timeout)
+    if config.device.startswith("cuda") and config.device_memory is None:
+        free, _ = torch.cuda.mem_get_info(torch.device(config.device))
+        config = dataclasses.replace(config, device_memory=free)
+    return config, rank, world

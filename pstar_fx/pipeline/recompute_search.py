@@ -1,0 +1,159 @@
+"""recompute_search: the least recompute that fits — the plan step of the training pipeline.
+
+Each try copies the graph, runs the `recompute` pass on it with the values it tries, then `fuse_optimizer`, then
+the planner (`make_plan`); the search keeps the try whose plan fits with the least recompute, or the cheapest
+estimated step among those that fit when recomputing more frees device memory worth more than its compute.
+It lives above `passes/` and `planning/` because it runs both.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
+
+from ..config import format_bytes
+from ..passes import fuse_optimizer, recompute
+from ..passes.contract import PassContext
+from ..passes.recompute import Segment, find_segments, group_segments
+from ..passes.recompute_ops import find_cheap_recomputes, op_segments
+from ..planning import CUDA_BLOCK_BYTES, Plan, PlanDelta, fold, make_plan
+
+if TYPE_CHECKING:
+    from ..planning import Rates
+
+log = logging.getLogger("pstar_fx")
+
+
+class Try(NamedTuple):
+    """One try of the search: the first `cheap` cheap values, then the first `runs` runs of `run_len` forward
+    segments, recomputed."""
+    cheap: int
+    run_len: int
+    runs: int
+
+
+def plan_with_recompute(gm: fx.GraphModule, ctx: PassContext, rates: Rates, buffer_bytes: int,
+                        partition: dict) -> tuple[fx.GraphModule, Plan]:
+    """The least recompute that fits: first the values cheap to remake op by op (norms, activations,
+    attention's output; `find_cheap_recomputes`), all of them, then on top of those whole forward segments,
+    the fewest that fit, earliest first (their activations live longest).
+
+    Segments are tried one at a time first, then joined in runs of 2 and 4 (`group_segments`): a run
+    keeps one boundary activation instead of 2 or 4, at no extra compute. A segment recomputed whole
+    remakes its cheap values with it. Among plans that fit, more recompute or larger runs win when the
+    cost model says the device memory they free (for chunk state and compute slots) saves more time than
+    the extra forward work costs.
+
+    `gm` is left as it was (each try is a copy). Records the graphs `recompute` and `fuse_optimizer` received
+    (`ctx.record`); the latter as a function that remakes the chosen try's copy only if it is read.
+    """
+    segments = find_segments(gm)
+    singles = [s for s in segments if s.recomputable]
+    runs = {m: group_segments(singles, m) for m in (1, 2, 4)}     # runs of 1: the segments themselves
+    runs = {m: r for m, r in runs.items() if m == 1 or len(r) < len(runs[1])}
+    cheap = find_cheap_recomputes(gm, rates, CUDA_BLOCK_BYTES if ctx.device.type == "cuda" else 1, segments)
+    every = len(cheap)
+    tried: dict[Try, tuple[fx.GraphModule, Plan]] = {}
+    # what the tries' passes read; without the driver's hooks, which the record made on demand would keep alive
+    bare = dataclasses.replace(ctx, plan_step=None, record=lambda name, graph: None)
+
+    def recomputed(t: Try) -> fx.GraphModule:
+        g_k, nodes = _copy_graph(gm)
+        whole = runs[t.run_len][:t.runs]  # a segment recomputed whole remakes its cheap values its own way
+        ops = op_segments(cheap[:t.cheap], {n for s in whole for n in s.nodes})
+        chosen = tuple(Segment(s.start, [nodes[n] for n in s.nodes]) for s in whole + ops)
+        return recompute.run(g_k, dataclasses.replace(bare, segments=chosen))
+
+    def attempt(t: Try) -> Plan:
+        if t not in tried:
+            g_k = fuse_optimizer.run(recomputed(t), bare)
+            tried[t] = (g_k, make_plan(g_k, ctx.layout, ctx.config, compute_itemsize=ctx.dtype.itemsize,
+                                       buffer_bytes=buffer_bytes, rates=rates, **partition))
+            p = tried[t][1]
+            log.info("  tried recomputing %d of %d cheap values and %d of %d %s: device peak %s, %s", t.cheap,
+                     every, t.runs, len(runs[t.run_len]),
+                     "segments" if t.run_len == 1 else f"runs of {t.run_len} segments",
+                     format_bytes(p.device_peak_bytes),
+                     f"fits, estimated {p.estimated_step_seconds:.2f} s/step" if p.fits else "does not fit")
+        return tried[t][1]
+
+    best = Try(0, 1, 0)
+    if not attempt(best).fits and (cheap or singles):
+        # every cheap value at once: each costs less per byte than whole segments do, the lot a few per cent
+        if cheap and attempt(Try(every, 1, 0)).fits:
+            best = Try(every, 1, 0)
+        elif singles:
+            fitting = [m for m in runs if attempt(Try(every, m, len(runs[m]))).fits]
+            if fitting:
+                m = fitting[0]
+                lo, hi = 1, len(runs[m])       # Try(every, m, hi) fits, Try(every, m, lo - 1) does not
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    lo, hi = (lo, mid) if attempt(Try(every, m, mid)).fits else (mid + 1, hi)
+                best = Try(every, m, lo)
+            else:                               # does not fit even so: report the smallest try
+                best = min((Try(every, m, len(r)) for m, r in runs.items()),
+                           key=lambda t: attempt(t).device_peak_bytes)
+        else:
+            best = Try(every, 1, 0)
+    if attempt(best).fits and "host" in attempt(best).placement:
+        # Recomputing more frees device memory for chunk state and compute slots, which saves copies
+        # and host Adam; the cost model says whether that pays for the extra forward work.
+        n = len(runs[best.run_len])
+        k = best.runs                   # every cheap value, with as many or more runs as the best so far
+        more = [Try(every, best.run_len, k2) for k2 in sorted({k, k + (n - k) // 4, k + (n - k) // 2, n})]
+        more += [Try(every, m2, len(runs[m2])) for m2 in runs if m2 > best.run_len]
+        for t in more:
+            if t != best and attempt(t).fits and \
+                    attempt(t).estimated_step_seconds < attempt(best).estimated_step_seconds:
+                best = t
+
+    def summary() -> str:
+        """What the plan recomputes, in the plan summary's words: the cheap values first, then segments."""
+        a0 = attempt(Try(0, 1, 0)).activation_peak_bytes
+        final = attempt(best).activation_peak_bytes
+        j, m, k = best
+        n_segments = len(runs[1])
+        if not j and not k:
+            return (f"none needed ({len(cheap)} cheap values and {n_segments} forward segments could be)"
+                    if cheap or n_segments else "")
+        parts = []
+        if j:
+            kinds = Counter(p.kind for p in cheap[:j])
+            ms = sum(p.seconds for p in cheap[:j]) * 1e3
+            ops_only = attempt(Try(j, 1, 0)).activation_peak_bytes
+            parts.append(f"{j} cheap values ({', '.join(f'{kind} {c}' for kind, c in kinds.most_common())}), "
+                         f"+{ms:.3g} ms: activation peak {format_bytes(a0)} -> {format_bytes(ops_only)}")
+            a0 = ops_only
+        if k:
+            unit = "forward segments" if m == 1 else f"runs of {m} forward segments"
+            whole_nodes = {n for s in runs[m][:k] for n in s.nodes}
+            inside = sum(1 for p in cheap[:j] if not whole_nodes.isdisjoint(p.nodes))
+            parts.append(("then " if j else "") + f"{k} of {len(runs[m])} {unit}, earliest first"
+                         + (f" ({inside} of the cheap values recomputed with them)" if inside else "")
+                         + f": activation peak {format_bytes(a0)} -> {format_bytes(final)}")
+        return "; ".join(parts)
+
+    g_k, plan = tried[best]
+    tried_all = ([f"every forward segment ({len(singles)}, also in runs of "
+                  f"{', '.join(str(m) for m in runs if m > 1) or '-'})"] if singles else []) \
+        + ([f"every cheap value ({every})"] if every else [])
+    plan = fold(plan, PlanDelta(recompute=summary(), why=f"recomputing {' and '.join(tried_all)} was already "
+                                "tried" if best.runs or best.cheap else ""))
+    ctx.record(recompute.NAME, gm)
+    ctx.record(fuse_optimizer.NAME, lambda: recomputed(best).code)
+    return g_k, plan
+
+
+def _copy_graph(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
+    """A copy to try a plan on. Lazy: its Python code is generated only if this copy is the one kept
+    (code generation was two thirds of planning time for an 18B model, over a dozen discarded tries)."""
+    g = fx.Graph()
+    g._codegen = gm.graph._codegen
+    nodes: dict[fx.Node, fx.Node] = {}
+    g.output(g.graph_copy(gm.graph, nodes))
+    return _LazyGraphModule(gm, g), nodes

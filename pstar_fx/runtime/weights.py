@@ -1,0 +1,86 @@
+"""weights: the model's weights into chunk memory and out of it — initialized on the meta device, broadcast from
+rank 0, or gathered by chunk — and the meta skeleton kept to capture the model again. Each function is handed
+the parts it works on (store, layout, capture, data-parallel group), never the engine.
+"""
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from ..capture import Capture
+    from ..layout import Chunk, Layout
+    from .dist import DataParallel
+    from .store import ChunkStore
+
+
+def skeleton(model: nn.Module) -> nn.Module:
+    """The model's structure with meta tensors for its parameters and buffers (ties kept): enough to capture
+    another graph of it later, without keeping its weights alive beside the chunks."""
+    memo: dict[int, object] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def materialize(model: nn.Module, store: ChunkStore, layout: Layout, cap: Capture, device: torch.device,
+                seed: int) -> None:
+    """A model built on the meta device gets its weights made directly in chunk memory: its parameters
+    become views of the fp32 masters (on their tier), then its own init runs on them. The model is
+    never whole in memory anywhere else, which is what lets a model larger than either tier start."""
+    owner = {alias: i for i, p in enumerate(cap.params) for alias in p.aliases}
+    # a parameter whose chunk another rank holds (chunk-partitioned) is initialized in a temporary on the
+    # host and dropped: every rank runs the model's whole init alike, so the owners' values agree with it
+    shared = [nn.Parameter(store.param_fp32(i) if store.holds(layout.slots[i].chunk)
+                           else torch.empty(p.shape), requires_grad=p.requires_grad)
+              for i, p in enumerate(cap.params)]
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        for name, p in list(mod._parameters.items()):
+            full = f"{mod_name}.{name}" if mod_name else name
+            if p is not None and full in owner:
+                mod._parameters[name] = shared[owner[full]]
+        for name, b in list(mod._buffers.items()):
+            if b is not None and b.is_meta:
+                mod._buffers[name] = torch.empty_like(b, device=device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        if hasattr(model, "init_weights"):
+            model.init_weights()
+        else:
+            for m in model.modules():
+                if hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+    store.masters_changed()
+
+
+def masters_from_rank0(named: dict, store: ChunkStore, layout: Layout, cap: Capture, dp: DataParallel) -> None:
+    """Chunk-partitioned: each chunk's master gets rank 0's weights of it (packed there from its model)."""
+    where = dp.scratch_device()
+    for ch in layout.chunks:
+        tmp = torch.zeros(ch.used_elems, dtype=torch.float32, device=where)
+        if dp.rank == 0:
+            for s in ch.slots:
+                tmp[s.offset: s.offset + s.numel].copy_(named[cap.params[s.index].name].detach().reshape(-1))
+        dp.broadcast_(tmp, 0)
+        if store.holds(ch.id):
+            store.master[ch.id][: ch.used_elems].copy_(tmp)
+
+
+def masters_by_chunk(store: ChunkStore, layout: Layout,
+                     dp: DataParallel | None) -> Iterator[tuple[Chunk, torch.Tensor]]:
+    """(chunk, its fp32 master) for every chunk, on every rank: a chunk another rank holds is broadcast from
+    there into a temporary (a collective: every rank iterates to the end)."""
+    for ch in layout.chunks:
+        if dp is None or not dp.chunked:
+            yield ch, store.master[ch.id][: ch.used_elems]
+            continue
+        tmp = torch.empty(ch.used_elems, dtype=torch.float32, device=dp.scratch_device())
+        if store.holds(ch.id):
+            tmp.copy_(store.master[ch.id][: ch.used_elems])
+        dp.broadcast_(tmp, dp.owner(ch.id))
+        yield ch, tmp

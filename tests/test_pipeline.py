@@ -1,0 +1,75 @@
+"""The pass list as data: printed in order with its contracts, an optional pass switched off by Config (and the step
+still equal to torch.optim.AdamW), and a pipeline whose order breaks a contract refused before any pass runs."""
+import dataclasses
+from typing import get_args
+
+import pytest
+import torch
+
+import pstar_fx
+import pstar_fx.passes
+from pstar_fx.config import OptionalPass
+from pstar_fx.models import GPT, gpt_config
+from pstar_fx.passes.contract import PassContractError, check_pipeline
+from test_engine import assert_matches_torch, batch
+
+PIPELINE = [
+    "seed_random_ops: requires captured; provides random_ops_seeded",
+    "localize_param_views: requires captured; provides param_views_local",
+    "lean_cross_entropy [optional]: requires captured; provides lean_loss",
+    "plan [runs recompute + fuse_optimizer]: requires param_views_local; "
+    "provides optimizer_fused, planned, recompute_chosen",
+    "insert_chunk_ops: requires optimizer_fused, planned; provides chunk_ops",
+    "grads_in_place [optional]: requires chunk_ops; provides grads_written_in_slots",
+    "compile_regions [optional, only if Config.compiles_compute]: requires chunk_ops, planned; "
+    "provides compiled_regions",
+]
+
+
+def test_the_pipeline_lists_its_passes_and_contracts_in_order():
+    assert [str(p) for p in pstar_fx.passes.PIPELINE] == PIPELINE
+    check_pipeline(pstar_fx.passes.PIPELINE)
+    optional = [p.name for p in pstar_fx.passes.PIPELINE if p.optional]
+    assert list(get_args(OptionalPass)) == optional          # what Config.disable_passes accepts
+    with pytest.raises(ValueError, match="disable_passes: 'grads_inplace' is not one of.*grads_in_place"):
+        pstar_fx.Config(disable_passes=("grads_inplace",))
+    with pytest.raises(ValueError, match="disable_passes: 'insert_chunk_ops' is not one of"):
+        pstar_fx.Config(disable_passes=["insert_chunk_ops"])  # the passes others need cannot be switched off
+
+
+def test_optional_passes_switched_off_still_train_like_torch():
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny"))
+    batches = [batch(seed=s) for s in range(3)]
+    engine = assert_matches_torch(model, batches, {
+        "placement": "host", "chunk_size": 16384, "optimizer": {"type": "adamw", "lr": 3e-3, "weight_decay": 0.1},
+        "disable_passes": ("lean_cross_entropy", "grads_in_place")})
+    code = engine.graph.code
+    assert "rt.fetch(" in code and "grad_mm" not in code and "cross_entropy_backward_" not in code
+    with pytest.raises(ValueError, match="unknown pass 'grads_in_place'"):
+        engine.graph_before("grads_in_place")
+    assert list(engine.lowered.graphs_before) == ["seed_random_ops", "localize_param_views", "recompute",
+                                                  "fuse_optimizer", "insert_chunk_ops"]
+    assert "rt.grad(" not in engine.graph_before("fuse_optimizer")
+    engine.evaluate(*batches[0])                                   # evaluation's list drops it too
+
+
+def test_a_broken_contract_fails_before_any_pass_runs(monkeypatch):
+    ran = []
+
+    def logged(p):
+        return dataclasses.replace(p, run=lambda gm, ctx: ran.append(p.name) or p.run(gm, ctx))
+
+    passes = [logged(p) for p in pstar_fx.passes.PIPELINE]
+    names = [p.name for p in passes]
+    plan, chunk_ops = names.index("plan"), names.index("insert_chunk_ops")
+    passes[plan], passes[chunk_ops] = passes[chunk_ops], passes[plan]     # chunk ops before there is a plan
+    in_order = [logged(p) for p in pstar_fx.passes.PIPELINE]
+    monkeypatch.setattr(pstar_fx.passes, "PIPELINE", passes)
+    with pytest.raises(PassContractError, match=r"pass 'insert_chunk_ops' \(step 3\) requires "
+                                                r"\['optimizer_fused', 'planned'\].*lean_cross_entropy'\]"):
+        pstar_fx.compile(GPT(gpt_config("tiny")), {"device": "cpu"}, batch())
+    assert ran == []
+    monkeypatch.setattr(pstar_fx.passes, "PIPELINE", in_order)
+    pstar_fx.plan(GPT(gpt_config("tiny")), {"device": "cpu"}, batch())   # the same wrappers run when in order
+    assert ran == names[:-1]                                             # compile_regions: not on the CPU
