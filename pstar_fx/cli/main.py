@@ -856,7 +856,3 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         progress.close()
         logger.removeHandler(progress)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
