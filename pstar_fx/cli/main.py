@@ -25,7 +25,8 @@ from . import bench, explain, plan, train
 from .args import one_line
 from .progress import Progress
 
-COMMANDS = {"train": train, "plan": plan, "explain": explain, "bench": bench}   # each: add_parser(sub), run(args, parser)
+# each adds its subparser (add_parser(sub)) and runs it (run(args, parser) -> exit code)
+COMMANDS = {"train": train, "plan": plan, "explain": explain, "bench": bench}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -68,10 +68,10 @@ def _job_summary(plan, args, config: Config, n_params: int, seq: int) -> str:
     if gpus > 1 and plan.world > 1:
         # the k-th chunk each rank owns sits on the same tier on every rank (make_plan): the first n_device
         # of a rank's chunks are on its device, the rest on its host
-        owned = {r: len(range(r, n_chunks, gpus)) for r in range(gpus)}
-        groups: dict[int, list[int]] = {}
-        for r, k in owned.items():
-            groups.setdefault(k, []).append(r)
+        owned = Counter(plan.owner(c) for c in range(n_chunks))
+        groups: dict[int, list[int]] = {}                   # chunks owned -> the ranks that own that many
+        for r in range(gpus):
+            groups.setdefault(owned[r], []).append(r)
         state_bytes = int(n_chunks * plan.profile.chunk_elems * plan.state_bytes_per_param)
         lines.append(f"data parallel: {gpus} ranks, chunks partitioned (chunk c's state on rank c % {gpus}); the "
                      "plan above is rank 0's, which holds the most")
@@ -101,8 +101,8 @@ def _job_summary(plan, args, config: Config, n_params: int, seq: int) -> str:
                 + ("--coll-bw" if args.coll_bw is not None else
                    f"nominal, not measured: {link}; --coll-bw sets it"
                    if r.coll_bw == NOMINAL_COLL_BW[kind] else "measured") + "), ") if plan.world > 1 else ""
-        lines.append(f"rates the estimate uses ({r.device}): {coll}host->device {_num(r.h2d_bw / 1e9)} GB/s, device->host "
-                     f"{_num(r.d2h_bw / 1e9)} GB/s, matmul {_num(r.flops / 1e12)} TFLOP/s, device memory "
+        lines.append(f"rates the estimate uses ({r.device}): {coll}host->device {_num(r.h2d_bw / 1e9)} GB/s, "
+                     f"device->host {_num(r.d2h_bw / 1e9)} GB/s, matmul {_num(r.flops / 1e12)} TFLOP/s, device memory "
                      f"{_num(r.mem_bw / 1e12)} TB/s, host Adam {_num(r.host_adam_with(plan.optimizer_state) / 1e9)} "
                      f"G params/s" + (f" ({plan.optimizer_state} moments)" if plan.optimizer_state != "fp32" else ""))
     return "\n".join(lines)
