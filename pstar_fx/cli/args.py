@@ -82,6 +82,11 @@ def _field_docs() -> dict[str, str]:
             and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)}
 
 
+@cache
+def _hints() -> dict:
+    return typing.get_type_hints(Config)
+
+
 def _summary(name: str) -> str:
     """The first sentence of a field's docstring."""
     doc = _field_docs().get(name, "")
@@ -103,8 +108,8 @@ def _config_value(name: str, members: tuple):
     value, an int, a float; else the text itself), checked by Config."""
     def convert(text: str):
         value = text
-        for kind in (int, float):
-            if kind in members and text not in members:
+        if text not in members:
+            for kind in (k for k in (int, float) if k in members):
                 try:
                     value = kind(text)
                     break
@@ -113,8 +118,8 @@ def _config_value(name: str, members: tuple):
         try:
             Config(**{name: value})
         except (ValueError, TypeError) as e:
-            message = str(e).removeprefix(f"{name}: ")
-            raise argparse.ArgumentTypeError(_WORDING.get(name, message).format(value=value)) from None
+            message = _WORDING[name].format(value=value) if name in _WORDING else str(e).removeprefix(f"{name}: ")
+            raise argparse.ArgumentTypeError(message) from None
         return value
     convert.__name__ = name
     return convert
@@ -124,7 +129,7 @@ def config_flag(p: argparse.ArgumentParser, name: str, note: str = "", **kwargs)
     """--NAME for Config field `name`: choices or type from its annotation, help from its docstring followed
     by `note` (what this command's default is). Given, it is written over --config's value (config_dict)."""
     assert name in CONFIG_FLAGS, name
-    members = _members(typing.get_type_hints(Config)[name])
+    members = _members(_hints()[name])
     text = " ".join(s for s in (_summary(name), note) if s).replace("%", "%%")
     if all(isinstance(m, str) for m in members):       # a Literal: argparse checks the choice
         p.add_argument("--" + name.replace("_", "-"), choices=list(members), help=text, **kwargs)
