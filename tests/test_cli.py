@@ -13,6 +13,7 @@ import torch
 from pstar_fx import cli
 from pstar_fx.cli import STEPS_ENV, main
 from pstar_fx.models import GPT, gpt_config
+from pstar_fx.phases import PhaseEvent
 from test_data import word_tokenizer
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -289,18 +290,20 @@ def test_flops_per_token_is_palms_count():
 
 def test_compile_phases_get_a_live_status_line_on_a_terminal(capsys):
     stream = io.StringIO()
-    handler = cli._Progress(live=True, stream=stream, tick_s=0.02)
+    handler = cli.progress.Progress(live=True, stream=stream, tick_s=0.02)
     log = logging.getLogger("pstar_fx.test_progress")
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     try:
-        log.info("%s%s ...", "capture", " (traced)")
+        log.info("%s%s ...", "capture", " (traced)")        # what phases.Phases logs and sends as a phase starts
+        handler.on_phase(PhaseEvent("capture", "start", "traced"))
         import time
         for _ in range(200):                               # until the ticker has rewritten the line once
             if stream.getvalue().count("\r  capture ... ") >= 2:
                 break
             time.sleep(0.01)
         log.info("%s done in %.1f s", "capture", 0.15)
+        handler.on_phase(PhaseEvent("capture", "end", "traced", seconds=0.15))
     finally:
         log.removeHandler(handler)
         handler.close()
@@ -309,9 +312,10 @@ def test_compile_phases_get_a_live_status_line_on_a_terminal(capsys):
     out = capsys.readouterr().out
     assert "capture (traced) ..." in out and "capture done in 0.1 s" in out
     quiet = io.StringIO()
-    handler = cli._Progress(live=False, stream=quiet)
+    handler = cli.progress.Progress(live=False, stream=quiet)
     log.addHandler(handler)
     log.info("%s%s ...", "plan", "")
+    handler.on_phase(PhaseEvent("plan", "start"))
     log.removeHandler(handler)
     handler.close()
     assert quiet.getvalue() == "" and "plan ..." in capsys.readouterr().out

@@ -1,0 +1,272 @@
+"""train: `pstar-fx train` — build a model, compile its step, train it on the stdlib's bytes or on --data."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import pstar_fx
+from pstar_fx.config import Config, format_bytes
+from pstar_fx.data import (TEXT_SUFFIXES, TOKEN_DTYPES, batches, check_vocab, held_out, load_tokenizer, read_tokens,
+                           vocab_size)
+from pstar_fx.pipeline import demo_budget
+from pstar_fx.runtime.dist import world_from_env
+
+from .args import (DEFAULT_STEPS, STEPS_ENV, TRAIN_SEQ_CAP, call, check_cuda, common, config_dict, config_flag,
+                   default_steps, example_inputs, positive_float, positive_int, seq_len)
+from .progress import Bar
+
+MiB = 2**20
+
+
+def add_parser(sub) -> None:
+    train = sub.add_parser("train", help="train a model on the Python stdlib's bytes or on your --data",
+                           description="Compile a model's training step and train it on --data (a text file, a "
+                                       "folder of text files or a token file), or without it on the bytes of the "
+                                       "Python standard library's source.")
+    common(train, "small")
+    train.add_argument("--data", metavar="PATH",
+                       help="a text file; a folder of text files (" + ", ".join("*" + x for x in TEXT_SUFFIXES)
+                            + ", recursively, in sorted path order); or a token file *.bin of raw token ids as "
+                            "nanoGPT writes them, memory-mapped (default: the Python stdlib's source)")
+    train.add_argument("--data-dtype", choices=list(TOKEN_DTYPES),
+                       help="a *.bin file's token type (default uint16, or uint32 when the model's vocabulary "
+                            "exceeds 65536)")
+    train.add_argument("--tokenizer", metavar="DIR",
+                       help="a local Hugging Face tokenizer directory for text data, or 'bytes' (vocabulary 256); "
+                            "default: an hf:DIR model's own tokenizer if it has one, else bytes")
+    train.add_argument("--seq", type=positive_int,
+                       help=f"sequence length (default the model's block_size, at most {TRAIN_SEQ_CAP})")
+    train.add_argument("--steps", type=positive_int, default=None,
+                       help=f"training steps (default {DEFAULT_STEPS}, or ${STEPS_ENV})")
+    train.add_argument("--lr", type=positive_float, help="learning rate (default 1e-3)")
+    config_flag(train, "grad_clip", "(default none)", metavar="NORM")
+    config_flag(train, "grad_accum", "Each of --batch rows (default 1).", metavar="K")
+    train.add_argument("--warmup", type=int, metavar="STEPS", help="linear warm-up, then cosine decay to 0 over "
+                       "--steps (Config.lr_schedule; --config takes any schedule)")
+    config_flag(train, "seed", "Here it also seeds the model's own weights and the batches (default 0).",
+                default=0)
+    train.add_argument("--log-every", type=positive_int, default=10, metavar="N", help="default 10")
+    train.add_argument("--save", metavar="DIR", help="a checkpoint directory (engine.save) written at the end, also "
+                       "when interrupted, and every --save-every steps; a path ending in .pt gets "
+                       "torch.save(engine.state_dict()) instead")
+    train.add_argument("--save-every", type=positive_int, metavar="N", help="also save every N steps")
+    train.add_argument("--resume", metavar="DIR", help="start from this checkpoint (or folder of safetensors weights)")
+    train.add_argument("--nproc", type=positive_int, default=1, metavar="N",
+                       help="data-parallel ranks on this machine (runs torchrun; --batch is per rank; default 1)")
+    train.add_argument("--eval-every", type=positive_int, metavar="N", help="every N steps, the loss of a held-out "
+                       "batch (the data's last 5%%, kept out of training), forward only (engine.evaluate)")
+    train.add_argument("--metrics", metavar="FILE.jsonl", help="append one JSON object per step (step, loss, lr, "
+                       "grad_norm, clip_coef, skipped, tokens_per_s, tflops, seconds; eval_loss when evaluated), "
+                       "flushed as it is written")
+    train.add_argument("--progress", choices=["auto", "bar", "lines"], default="auto",
+                       help="auto (default): a progress bar on stderr when it is a terminal, else lines only; "
+                            "the step lines on stdout are printed either way")
+
+
+def flops_per_token(n_params: int, n_layer: int, n_embd: int, seq: int) -> int:
+    """Training FLOPs per token of a causal LM, PaLM's count (Chowdhery et al. 2022, appendix B): 6 per parameter
+    (forward 2, backward 4; the embedding's parameters included) plus 12 * layers * width * seq for the attention
+    scores and their weighted sum over the whole (unmasked) seq x seq matrix. Recompute is not counted: these
+    are the model's FLOPs, not the hardware's."""
+    return 6 * n_params + 12 * n_layer * n_embd * seq
+
+def compile_model(args, parser, cap: int | None):
+    """Model, Engine and sequence length for train/explain; prints the device budget it chose, if it chose one."""
+    seq = seq_len(args, parser, cap)
+    config = Config.from_dict(config_dict(args))
+    check_cuda(config)
+    torch.manual_seed(args.seed)
+    model = args.model.build()
+    inputs = example_inputs(args, seq)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"{args.model}: {n_params:,} parameters; batch {args.batch} x seq {seq}; {config.dtype}; "
+          f"device {config.device}")
+    if not demo_budget.applies(config):
+        return model, pstar_fx.compile(model, config, inputs), seq
+    chosen = demo_budget.compile_in_demo_budget(model, config, inputs)
+    n_host, n_chunks = chosen.engine.plan.placement.count("host"), len(chosen.engine.plan.placement)
+    print(f"device memory: {format_bytes(chosen.budget_bytes)}, chosen for you: the whole step on the device would "
+          f"need {format_bytes(chosen.whole_step_bytes)}; "
+          + (f"in this budget {n_chunks - n_host} of {n_chunks} chunks' fp32 state fit on the device and "
+             f"{n_host} live on the host, so chunks move every step" if n_host else
+             "no smaller budget fit, so nothing moves")
+          + " (--device-memory sets the budget)")
+    return model, chosen.engine, seq
+
+
+def _mib(n: int) -> str:
+    return f"{n / MiB:,.1f} MiB"
+
+
+
+def _save(engine, path: str) -> None:
+    if path.endswith((".pt", ".pth")):
+        torch.save(engine.state_dict(), path)
+        print(f"saved: {path} (state_dict after {engine.steps} update(s); load with "
+              "model.load_state_dict(torch.load(path), strict=False))", flush=True)
+    else:
+        engine.save(path)
+        print(f"saved: {path} (checkpoint after {engine.steps} update(s); --resume {path} goes on from it)",
+              flush=True)
+
+
+def _train_tokens(args, seq: int):
+    """The training tokens and, with --eval-every, a held-out batch, checked against the model's vocabulary
+    before anything compiles; prints what they are."""
+    model_vocab = args.model.vocab_size
+    tok_dir = args.tokenizer if args.tokenizer is not None else args.model.tokenizer_dir
+    is_ids = args.data is not None and Path(args.data).suffix == ".bin" and not Path(args.data).is_dir()
+    if tok_dir == "bytes" or is_ids and args.tokenizer is None:
+        tok_dir = None                        # a token file holds ids already; an hf:DIR tokenizer does not apply
+    tokenizer = load_tokenizer(tok_dir) if tok_dir else None
+    vocab = vocab_size(tokenizer)
+    if not is_ids and vocab > model_vocab:
+        raise ValueError(f"{'tokenizer ' + tok_dir if tokenizer else 'byte data'} has a vocabulary of {vocab}, "
+                         f"but {args.model} has vocab_size {model_vocab}; use a model with at least {vocab} "
+                         "(or a smaller tokenizer)")
+    dtype = args.data_dtype or ("uint16" if model_vocab <= 2**16 else "uint32")
+    tokens = read_tokens(args.data, tokenizer, dtype)
+    source = args.data or "Python stdlib source"
+    check_vocab(tokens, model_vocab, f"data {source}")
+    unit = (f"{dtype} ids" if is_ids else f"tokenizer {tok_dir}, vocab {vocab:,}" if tokenizer
+            else "bytes, vocab 256")
+    print(f"data: {len(tokens):,} tokens ({unit}) of {source}" + (", memory-mapped" if is_ids else ""))
+    held = None
+    if args.eval_every:
+        tokens, rest = held_out(tokens)
+        if len(rest) < seq + 1:
+            raise ValueError(f"data {source}: the held-out last 5% is {len(rest):,} tokens, fewer than one window "
+                             f"of --seq {seq} + 1; give more data or a shorter --seq (or no --eval-every)")
+        held = next(batches(rest, args.batch, seq, seed=args.seed + 1))
+    if len(tokens) < seq + 1:
+        raise ValueError(f"data {source}: {len(tokens):,} training tokens, fewer than one window of --seq {seq} + 1; "
+                         "give more data or a shorter --seq")
+    return tokens, held
+
+
+def _torchrun(args) -> int:
+    """`--nproc N`: this command again under torchrun, as N ranks on this machine (each drops --nproc)."""
+    import subprocess
+    argv, skip = [], False
+    for a in args.argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            argv.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+           "-m", "pstar_fx.cli", *argv]
+    print("launching: " + " ".join(cmd), flush=True)
+    return subprocess.run(cmd).returncode
+
+def run(args, parser) -> int:
+    steps = args.steps if args.steps is not None else default_steps()
+    if args.save_every and not args.save:
+        parser.error("--save-every needs --save DIR")
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return _torchrun(args)
+    rank, world, _ = world_from_env()
+    if rank:                                   # one rank reports: the others' lines would repeat its own
+        sys.stdout = open(os.devnull, "w")
+        logging.getLogger("pstar_fx").setLevel(logging.WARNING)
+    tokens, held = _train_tokens(args, seq_len(args, parser, TRAIN_SEQ_CAP))     # bad data fails before compiling
+    model, engine, seq = compile_model(args, parser, TRAIN_SEQ_CAP)
+    if args.resume:
+        engine.load(args.resume)
+        print(f"resumed: {args.resume} at update {engine.steps}")
+    print(engine.explain())
+    k = engine.config.grad_accum
+    n_layer, n_embd = args.model.shape
+    flops = flops_per_token(sum(p.numel() for p in model.parameters()), n_layer, n_embd, seq)
+    print(f"training: {steps} steps of {args.batch * k * seq * world:,} tokens"
+          + (f" ({world} ranks of {args.batch * k * seq:,})" if world > 1 else "")
+          + f"; {flops:,} FLOPs per token (6 * parameters + 12 * layers * width * seq)")
+    # a step takes grad_accum micro-batches on each rank; every rank draws the whole batch and keeps its part
+    data = _rank_part(batches(tokens, args.batch * k * world, seq, seed=args.seed), rank, world)
+    first_step = engine.steps
+    for _ in range(first_step):                                     # resumed: the batches those updates saw
+        next(data)
+    tokens_per_step = args.batch * k * seq * world
+    metrics = open(args.metrics, "a") if args.metrics else None
+    bar = Bar(args.progress, first_step + steps, first_step)
+    first = last = None
+    in_step = interrupted = False
+    start = mark = time.perf_counter()
+    loss_sum, since = 0.0, 0
+    ran = 0
+    try:
+        for step in range(first_step + 1, first_step + steps + 1):   # numbered on from a resumed checkpoint
+            idx, tgt = next(data)
+            in_step = True
+            t0 = time.perf_counter()
+            loss = call(engine.step, args.model.inputs(idx, tgt))
+            seconds = time.perf_counter() - t0
+            in_step = False
+            ran += 1
+            loss_sum, since = loss_sum + loss, since + 1    # a tensor sum: no device sync until printed
+            r = engine.last_step
+            record = None if metrics is None else {
+                "step": step, "loss": float(loss), "lr": r.lr, "grad_norm": r.grad_norm, "clip_coef": r.clip_coef,
+                "skipped": r.skipped, "tokens_per_s": tokens_per_step / seconds,
+                "tflops": tokens_per_step * flops / seconds / 1e12, "seconds": seconds}
+            postfix = {}
+            if ran == 1 or step % args.log_every == 0 or ran == steps:
+                now = time.perf_counter()
+                mean = float(loss_sum) / since
+                first = mean if first is None else first
+                last = mean
+                rate = since * tokens_per_step / (now - mark)
+                bar.print(f"step {step:5d}  loss {mean:.4f}  {rate:,.0f} tok/s  {rate * flops / 1e12:.3g} TFLOPs  "
+                          f"lr {r.lr:.3g}  grad norm {r.grad_norm:.3g}" + (f" (clipped x{r.clip_coef:.3f})"
+                                                                             if r.clip_coef < 1 else ""))
+                postfix = {"loss": f"{mean:.4f}", "tok/s": f"{rate:,.0f}", "TFLOPs": f"{rate * flops / 1e12:.3g}"}
+                loss_sum, since, mark = 0.0, 0, now
+            if args.save_every and step % args.save_every == 0 and ran != steps:
+                _save(engine, args.save)
+            if held is not None and (step % args.eval_every == 0 or ran == steps):
+                eval_loss = call(engine.evaluate, args.model.inputs(*held)).item()
+                bar.print(f"step {step:5d}  eval loss {eval_loss:.4f} (held-out batch)")
+                if record is not None:
+                    record["eval_loss"] = eval_loss
+            if metrics is not None:
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+            bar.update(**postfix)
+    except KeyboardInterrupt:
+        interrupted = True
+        print(f"\ninterrupted after {ran} complete step(s)"
+              + ("; the step in flight was rolled back" if in_step else ""), file=sys.stderr)
+    finally:
+        bar.close()
+        if metrics is not None:
+            metrics.close()
+    elapsed = time.perf_counter() - start
+    if first is not None:
+        rate = ran * tokens_per_step / elapsed
+        print(f"done: {ran} steps in {elapsed:.1f} s ({rate:,.0f} tok/s, {rate * flops / 1e12:.3g} TFLOPs); "
+              f"loss {first:.4f} -> {last:.4f}")
+    s = engine.memory_stats()
+    print(f"memory: device peak {_mib(s['device_peak_bytes'])} measured, "
+          f"{_mib(s['predicted_device_peak_bytes'])} predicted"
+          + (f", budget {_mib(s['device_budget_bytes'])}" if s["device_budget_bytes"] else "")
+          + f"; host peak {_mib(s['host_peak_bytes'])}")
+    per_step = max(ran, 1)
+    print(f"moved: host->device {_mib(s['h2d_bytes'])} ({_mib(s['h2d_bytes'] // per_step)}/step), "
+          f"device->host {_mib(s['d2h_bytes'])} ({_mib(s['d2h_bytes'] // per_step)}/step)")
+    if args.save:
+        _save(engine, args.save)
+    return 130 if interrupted else 0
+
+
+def _rank_part(data, rank: int, world: int):
+    """This rank's rows of each batch, as tensors of their own (a view would keep the whole batch alive)."""
+    for idx, tgt in data:
+        yield (idx, tgt) if world == 1 else (idx.chunk(world)[rank].clone(), tgt.chunk(world)[rank].clone())
+
