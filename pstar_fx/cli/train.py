@@ -14,7 +14,7 @@ import pstar_fx
 from pstar_fx.config import Config, format_bytes
 from pstar_fx.data import (TEXT_SUFFIXES, TOKEN_DTYPES, batches, check_vocab, held_out, load_tokenizer, read_tokens,
                            vocab_size)
-from pstar_fx.pipeline import demo_budget
+from pstar_fx.cli import demo_budget
 from pstar_fx.runtime.dist import world_from_env
 
 from .args import (DEFAULT_STEPS, STEPS_ENV, TRAIN_SEQ_CAP, call, check_cuda, common, config_dict, config_flag,

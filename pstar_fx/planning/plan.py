@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from .costs import Rates
+from .report import summary
 from .timeline import Timeline, timeline_of
 
 
@@ -161,7 +162,6 @@ class Plan:
         return not self.why
 
     def summary(self) -> str:
-        from .report import summary
         return summary(self)
 
     def timeline(self) -> Timeline:

@@ -3,17 +3,15 @@ planner's notes. Text only: every figure here was decided by another stage.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..config import Config, format_bytes
 from .costs import Rates
 from .memory import CUDA_BLOCK_BYTES
 
-if TYPE_CHECKING:
-    from .plan import Memory, Placement, Plan
+# The functions read a Plan and its records (`plan.py`) by their fields; they do not import them, so that the
+# records can print themselves (`Plan.summary`) without a circle of imports.
 
 
-def summary(plan: Plan) -> str:
+def summary(plan) -> str:
     """The plan as `Plan.summary()` prints it."""
     lines = ["plan:"]
     lines.append(f"  device peak {format_bytes(plan.device_peak_bytes)}"
@@ -104,9 +102,10 @@ def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_byte
             "updated (the host budget does not hold kept gradients)")
 
 
-def _why(memory: Memory, chunks: Placement, config: Config, min_slots: int, budget_bytes: int | None) -> str:
+def _why(memory, chunks, config: Config, min_slots: int, budget_bytes: int | None) -> str:
     """Empty when the plan fits; else what is missing, where the bytes go, and what was already tried.
-    `budget_bytes`: the usable device budget (`usable_budget`)."""
+    `memory`, `chunks`: the plan's Memory and Placement records; `budget_bytes`: the usable device budget
+    (`usable_budget`)."""
     reasons = []
     host_budget_bytes = config.host_memory
     placement = chunks.placement

@@ -1,12 +1,9 @@
 """timeline: the plan along the step as plain data — bytes per tier, chunk moves and each chunk's tier, node by
-node (what `pstar_fx.plot` draws). `timeline_of(plan)` builds it from the Plan's NodeProfile and moves."""
+node (what `pstar_fx.plot` draws). `timeline_of(plan)` builds it from the Plan's NodeProfile and moves, reading
+the Plan by its fields (no import of plan.py: the Plan builds its timeline through this module)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .plan import Plan
 
 # Timeline.tiers() codes, in priority order: a downsampled cell shows the highest code among its nodes
 TIER_HOST, TIER_DEVICE, TIER_COPY_ON_DEVICE, TIER_MOVING = range(4)
@@ -83,7 +80,7 @@ class Timeline:
         return strip
 
 
-def timeline_of(plan: Plan) -> Timeline:
+def timeline_of(plan) -> Timeline:
     """The plan along the step: bytes per tier, chunk moves and each chunk's tier, node by node."""
     prof = plan.profile
     if prof is None:
