@@ -16,7 +16,6 @@ import pstar_fx.optim.adam as adam_module
 import pstar_fx.runtime as runtime_module
 import pstar_fx.runtime.chunk_ops as chunk_ops_module
 import pstar_fx.runtime.undo as undo_module
-import pstar_fx.runtime.updater as updater_module
 from pstar_fx.models import GPT, gpt_config
 from pstar_fx.optim import LrSchedule
 

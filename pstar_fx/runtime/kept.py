@@ -47,8 +47,8 @@ class KeptGradients:
     def keep(self, c: int, grad: torch.Tensor) -> torch.Tensor:
         """A device chunk's gradient kept until the verdict; returns the buffer for the gradient slot pool. Kept
         on the device, the slot itself becomes the kept buffer and the one it replaces (as large, and free: its
-        last reader was the last step's verdict) joins the pool: no copy. Kept on the host, the gradient is
-        shipped there and the slot goes back."""
+        last reader was the last step's verdict) joins the pool: no copy (bench/RESULTS.md, session 6). Kept on
+        the host, the gradient is shipped there and the slot goes back."""
         kept = self.grads[c]
         if kept.device == grad.device:
             self.grads[c] = grad

@@ -17,14 +17,14 @@ class StepRolledBack(RuntimeError):
 
 @dataclass(frozen=True)
 class Pass:
-    """What the updater does with each chunk's complete gradient during one pass of a step. Every pass but an
-    accumulating or a replayed one adds the gradient's squared norm to the verdict as it arrives."""
+    """What the updater does with each chunk's complete gradient during one pass of a step. A pass that neither
+    accumulates nor replays adds each gradient's squared norm to the verdict as it arrives."""
     name: str
     updates: bool = False       # the chunk is updated now, with the pass's Hyper
     keeps: bool = False         # the gradient waits for the verdict in the chunk's kept buffer
     accumulates: bool = False   # it is summed into the chunk's fp32 accumulator; the last micro-batch measures the sum
     replays: bool = False       # it restores the moments of a replayed step (and, correcting, applies the update)
-    undoable: bool = False      # what it applies can be undone: from the kept gradients, or nothing yet (accumulators)
+    undoable: bool = False      # what the step applies, now or after the verdict, can be undone from what it keeps
 
     @property
     def only_measures(self) -> bool:
@@ -33,7 +33,8 @@ class Pass:
 
 
 SPECULATE_KEEPING = Pass("speculate, keeping gradients", updates=True, keeps=True, undoable=True)
-SPECULATE = Pass("speculate", updates=True)          # nothing kept: a replay corrects or rolls it back
+SPECULATE = Pass("speculate", updates=True)          # nothing kept: a replay corrects or rolls it back (as APPLY
+                                                     # for the updater; the replay's rollback looks for this pass)
 APPLY = Pass("apply", updates=True)                  # the verdict is known, or nothing can undo it
 MEASURE = Pass("measure")                            # a two-pass step's first pass
 DEFER = Pass("defer", keeps=True)                    # updates wait for the verdict, from the kept gradients

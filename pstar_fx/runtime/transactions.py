@@ -29,6 +29,7 @@ class Outcome(NamedTuple):
 
 
 class Transaction:
+    """How a step runs its passes, what it keeps, how it commits and rolls back (the subclasses below)."""
     reruns = False       # the step may run forward again: the stepper saves the model's buffers first
 
     def __init__(self, name: str):

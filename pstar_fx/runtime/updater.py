@@ -162,7 +162,8 @@ class Updater:
     def _apply_after_verdict(self, hyper: Hyper, grads: dict[int, torch.Tensor], check_host: bool) -> None:
         """Every chunk's update from `grads` (chunk -> its gradient, kept until the verdict): host chunks on the
         worker, queued first, so the host Adam (the longer of the two) starts at the verdict and does not wait
-        for the device chunks' gradients to come back from the host; then device chunks, here."""
+        for the device chunks' gradients to come back from the host (bench/RESULTS.md, session 8: 0.35 s at
+        GPT3_18B); then device chunks, here."""
         log = self.step_log
         log.hyper, log.kind = hyper, AFTER_VERDICT
         if any(self.store.tier(c) == "device" and g.device != self.device for c, g in grads.items()):
