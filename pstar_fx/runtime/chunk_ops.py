@@ -93,7 +93,7 @@ class ChunkRuntime:
 
     def adam(self, c: int) -> None:
         """Chunk c's gradient is complete: the updater takes it (what it does with it is the open pass's:
-        step_log.Pass). A chunk another rank owns: its gradient went there; the slot is free."""
+        step_log.StepPass). A chunk another rank owns: its gradient went there; the slot is free."""
         self._reduced(c)
         if not self.store.holds(c):
             self.mover.give_back(self.mover.hand_over(c))

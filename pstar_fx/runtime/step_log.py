@@ -1,7 +1,8 @@
 """step_log: the kinds of pass a step runs, the record of what a step did, and StepRolledBack.
 
 A transaction (transactions.py) runs its step as one or more passes; each pass is opened with one of the
-`Pass` records below, which tell the updater what to do with each chunk's gradient as backward completes it.
+`StepPass` records below, which tell the updater what to do with each chunk's gradient as backward completes
+it.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ class StepRolledBack(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Pass:
+class StepPass:
     """What the updater does with each chunk's complete gradient during one pass of a step. A pass that neither
     accumulates nor replays adds each gradient's squared norm to the verdict as it arrives."""
     name: str
@@ -32,22 +33,22 @@ class Pass:
         return not (self.updates or self.keeps or self.replays)
 
 
-SPECULATE_KEEPING = Pass("speculate, keeping gradients", updates=True, keeps=True, undoable=True)
-SPECULATE = Pass("speculate", updates=True)          # nothing kept: a replay corrects or rolls it back (as APPLY
-                                                     # for the updater; the replay's rollback looks for this pass)
-APPLY = Pass("apply", updates=True)                  # the verdict is known, or nothing can undo it
-MEASURE = Pass("measure")                            # a two-pass step's first pass
-DEFER = Pass("defer", keeps=True)                    # updates wait for the verdict, from the kept gradients
-ACCUMULATE = Pass("accumulate", accumulates=True, undoable=True)   # a micro-batch of an accumulating step
-REPLAY = Pass("replay", replays=True)                # the step again, after restore_masters
-AFTER_VERDICT = Pass("apply after the verdict", updates=True)   # from kept gradients or accumulators
+SPECULATE_KEEPING = StepPass("speculate, keeping gradients", updates=True, keeps=True, undoable=True)
+SPECULATE = StepPass("speculate", updates=True)     # nothing kept: a replay corrects or rolls it back (for the updater
+                                                    # as APPLY; the replay's rollback looks for this pass)
+APPLY = StepPass("apply", updates=True)             # the verdict is known, or nothing can undo it
+MEASURE = StepPass("measure")                       # a two-pass step's first pass
+DEFER = StepPass("defer", keeps=True)               # updates wait for the verdict, from the kept gradients
+ACCUMULATE = StepPass("accumulate", accumulates=True, undoable=True)   # a micro-batch of an accumulating step
+REPLAY = StepPass("replay", replays=True)           # the step again, after restore_masters
+AFTER_VERDICT = StepPass("apply after the verdict", updates=True)   # from kept gradients or accumulators
 
 
 @dataclass
 class StepLog:
     """What one step did, as far as undoing it needs to know."""
     hyper: Hyper
-    kind: Pass                                             # the pass running now (or last)
+    kind: StepPass                                         # the pass running now (or last)
     device: list[int] = field(default_factory=list)        # device chunks whose update was launched
     host: dict[int, Future | bool] = field(default_factory=dict)   # host chunk -> applied (or its future)
     host_sq: dict[int, float] = field(default_factory=dict)   # parameter -> its squared norm, measured on the host

@@ -2,8 +2,8 @@
 commits and how it rolls back. The planner chose one (`plan.transaction`); `for_plan` builds its object once.
 
 Every transaction measures the verdict (verdict.py: the global norm and finiteness) as backward produces the
-gradients; a non-finite verdict skips the step. Each pass is opened with a `step_log.Pass`, which tells the
-updater what to do with each chunk's gradient. An exception anywhere in a step undoes what the step applied
+gradients; a non-finite verdict skips the step. Each pass is opened with a `step_log.StepPass`, which tells
+the updater what to do with each chunk's gradient. An exception anywhere in a step undoes what the step applied
 (what the transaction can undo), frees its buffers and re-raises (step.py).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from ..optim import Hyper
-from .step_log import (ACCUMULATE, APPLY, DEFER, MEASURE, SPECULATE, SPECULATE_KEEPING, Pass)
+from .step_log import ACCUMULATE, APPLY, DEFER, MEASURE, SPECULATE, SPECULATE_KEEPING, StepPass
 
 if TYPE_CHECKING:
     from .step import Stepper
@@ -46,7 +46,7 @@ class Transaction:
         return False
 
 
-def _speculate(st: Stepper, batch, hyper: Hyper, tangent, kind: Pass) -> tuple[float, Outcome]:
+def _speculate(st: Stepper, batch, hyper: Hyper, tangent, kind: StepPass) -> tuple[float, Outcome]:
     """One pass updating each chunk inside backward with a guessed clip coefficient; returns (guess, outcome).
     The guess is the last step's coefficient: norms change slowly, so a correction then moves each update a little,
     and its undo loses nothing to cancellation (undoing a step speculated at 1 that should have been 0.01 would

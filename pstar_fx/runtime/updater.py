@@ -1,8 +1,8 @@
 """updater: each chunk's update for the open step — the only caller of chunk_update.
 
 Each `rt.adam(c)` hands the updater chunk c's complete gradient (in a device gradient slot, or already on the
-host for a host chunk). What it does with it is what the open pass says (`step_log.Pass`), which the step's
-transaction chose (transactions.py). Its parts: the verdict (verdict.py), kept gradients and accumulators
+host for a host chunk). What it does with it is what the open pass says (`step_log.StepPass`), which the
+step's transaction chose (transactions.py). Its parts: the verdict (verdict.py), kept gradients and accumulators
 (kept.py), the host worker (host_worker.py) and what takes updates back (undo.py).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from ..planning import Plan
 from .host_worker import HostWorker
 from .kept import KeptGradients
 from .movers import Mover
-from .step_log import AFTER_VERDICT, REPLAY, Pass, StepLog
+from .step_log import AFTER_VERDICT, REPLAY, StepLog, StepPass
 from .store import ChunkStore
 from .telemetry import Telemetry
 from .undo import Undo
@@ -31,7 +31,7 @@ class Updater:
         dp = dp if dp is not None and dp.chunked else None   # partitioned: this rank updates its own chunks
         has_host = any(s and store.holds(c) and store.tier(c) == "host" for c, s in enumerate(store.grad_spans))
         self.kept = KeptGradients(store, plan, copies, mover, accumulates=grad_accum > 1, blocking=worker)
-        self.norms = Verdict(store.layout, self.device, dp)
+        self.norms = Verdict(store.layout, self.device, dp)   # the verdict: norm vector, finiteness flags
         self.host_worker = HostWorker(telemetry, threaded=worker and has_host)
         self.undo = Undo(store, self.kept, self.host_worker, self.norms, copies, telemetry)
         self.step_log: StepLog | None = None      # the step running now
@@ -49,7 +49,7 @@ class Updater:
         return self.host_worker.settling
 
     # ---- the step's frame ----------------------------------------------------------------------------
-    def open(self, hyper: Hyper, kind: Pass) -> None:
+    def open(self, hyper: Hyper, kind: StepPass) -> None:
         self.step_log = StepLog(hyper, kind, undoable=kind.undoable)
         self.undo.not_undone = []
         self.norms.reset()
