@@ -360,7 +360,7 @@ def test_grad_norm_is_bit_identical_across_chunk_sizes_and_placements(monkeypatc
     host chunks' partial sums measured inline or on the host worker (each mode meets the all-host layout at one
     of the two accumulation settings): the step's sum of squares (float64, before the fp32 norm rounds it) and
     its norm have the same bits."""
-    import pstar_fx.runtime as runtime_module
+    import pstar_fx.runtime.chunk_ops as chunk_ops_module
     import pstar_fx.runtime.updater as updater_module
     sums, verdict = [], updater_module.Updater.verdict
     monkeypatch.setattr(updater_module.Updater, "verdict", lambda self: sums.append(verdict(self)) or sums[-1])
@@ -370,7 +370,7 @@ def test_grad_norm_is_bit_identical_across_chunk_sizes_and_placements(monkeypatc
     worker = accum == 1
     for chunk_size, device_chunks, placement in [(16384, 1, None), (32768, 2, None), (24576, 0, "host")]:
         worker = not worker                  # accum 1: inline, worker, inline; accum 2: worker, inline, worker
-        monkeypatch.setattr(runtime_module, "HOST_WORKER_ON_CPU", worker)   # read when the runtime is built
+        monkeypatch.setattr(chunk_ops_module, "HOST_WORKER_ON_CPU", worker)   # read when the runtime is built
         cfg = {"grad_clip": 0.01, "grad_accum": accum} | ({"placement": placement} if placement else {})
         engine = clipped_engine(model, batches[0] if accum > 1 else x, chunk_size, max(device_chunks, 1), **cfg)
         placements.append(engine.plan.placement)

@@ -14,7 +14,8 @@ from test_engine import assert_losses_close, assert_weights_close, attach_truth,
 import pstar_fx
 import pstar_fx.optim.adam as adam_module
 import pstar_fx.runtime as runtime_module
-import pstar_fx.runtime.updater as updater_module
+import pstar_fx.runtime.chunk_ops as chunk_ops_module
+import pstar_fx.runtime.undo as undo_module
 from pstar_fx.models import GPT, gpt_config
 from pstar_fx.optim import LrSchedule
 
@@ -351,13 +352,13 @@ def optimizer_state(engine):
 def record_undos(monkeypatch):
     """What each undo started from (the state after the update it undoes), by the master's address."""
     seen = {}
-    real = updater_module.chunk_undo
+    real = undo_module.chunk_undo
 
     def chunk_undo(master, grad, exp_avg, exp_avg_sq, *a, **k):
         if master.data_ptr() not in seen:         # the first undo of a chunk starts from its updated state
             seen[master.data_ptr()] = [t.clone() for t in (master, exp_avg, exp_avg_sq)]
         return real(master, grad, exp_avg, exp_avg_sq, *a, **k)
-    monkeypatch.setattr(updater_module, "chunk_undo", chunk_undo)
+    monkeypatch.setattr(undo_module, "chunk_undo", chunk_undo)
     return seen
 
 
@@ -448,7 +449,7 @@ def test_an_interrupted_step_leaves_the_state_as_before(monkeypatch, where, clip
 
 @pytest.mark.parametrize("clip", [None, 0.05])
 def test_a_host_adam_failure_after_the_step_returned_rolls_that_step_back(monkeypatch, clip):
-    monkeypatch.setattr(runtime_module, "HOST_WORKER_ON_CPU", True)   # host Adam on its worker thread, as on CUDA
+    monkeypatch.setattr(chunk_ops_module, "HOST_WORKER_ON_CPU", True)   # host Adam on its worker thread, as on CUDA
     model = tiny_gpt()
     batches = gpt_batches(5)
     ref, _, ref_out = reference(model, batches, grad_clip=clip)
@@ -474,7 +475,7 @@ def test_a_host_chunks_prefetch_does_not_wait_for_its_update(monkeypatch):
     once (the copy is started on the worker as the update ends) and its fetch waits for the update. The run
     equals torch's; so does one whose step fails in forward while such copies wait and the step before is still
     settling (that step stands: before, its updates were undone while it still counted as applied)."""
-    monkeypatch.setattr(runtime_module, "HOST_WORKER_ON_CPU", True)
+    monkeypatch.setattr(chunk_ops_module, "HOST_WORKER_ON_CPU", True)
     model = tiny_gpt()
     batches = gpt_batches(5)
     ref, _, ref_out = reference(model, batches)

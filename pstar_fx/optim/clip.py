@@ -2,7 +2,7 @@
 
 torch computes the total norm in fp32 and multiplies every gradient by
 min(1, max_norm / (total_norm + 1e-6)) — also when that is exactly 1. The engine measures each parameter's
-sum of squares in float64 and adds them exactly (runtime/updater.py), so the total norm equals torch's to
+sum of squares in float64 and adds them exactly (runtime/verdict.py), so the total norm equals torch's to
 fp32 rounding, and has the same bits at any chunk size or placement: the coefficient, hence a clipped
 update, does not depend on how the model was laid out.
 """

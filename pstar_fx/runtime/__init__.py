@@ -1,144 +1,24 @@
-"""runtime: what runs the lowered step — small parts with one job each.
+"""runtime: what runs the lowered step — one owner per kind of state.
 
-    store      ChunkStore: each chunk's persistent fp32 state on its tier; every allocation, accounted
-    movers     Mover: compute copies into device slots, gradients out (CpuCopies: synchronous;
-               CudaCopies: copy streams and events)
-    updater    Updater: the only caller of the chunk update and its undo; the step's verdict; the host worker
-    step       Stepper: one optimizer step (micro-batches, verdict, commit or roll back) and its StepReport
-    dist       the process group and the collectives of data parallelism
-    runner     run_graph: the graph node by node with the CPU device tier's budget enforced
-    rng        StepRandom: the seeds of the step's random ops, from (seed, step, micro-batch, op)
-    telemetry  MemoryStats and seconds per phase
-
-`ChunkRuntime` is the `rt` the lowered graph calls; each of its methods is one chunk node and hands the
-work to the part that owns it. The graph is the same on every device.
+    chunk_ops     ChunkRuntime: the `rt` the lowered graph calls; each method hands its chunk to the owner below
+    store         ChunkStore: each chunk's persistent state on its tier; every allocation, accounted
+    movers        Mover: compute copies into device slots, gradients out (CpuCopies, CudaCopies)
+    transactions  one class per transaction: how a step runs its passes, keeps, commits and rolls back
+    step          Stepper: the step count, schedule and loss scale; delegates the step to its transaction
+    updater       Updater: each chunk's update for the open pass (step_log.Pass); the only chunk_update caller
+    verdict       the step's norm vector and finiteness flags, added up exactly
+    kept          kept gradients, accumulators, host gradient buffers
+    host_worker   the host Adam's worker thread, updates in flight, the step settling
+    undo          rollback, correction, a replay's restores: the only chunk_undo caller
+    step_log      the passes a step runs, what a step did (StepLog), StepRolledBack
+    dist          the process group and the collectives of data parallelism
+    runner        run_graph: the graph node by node with the CPU device tier's budget enforced
+    rng           StepRandom: the seeds of the step's random ops, from (seed, step, micro-batch, op)
+    telemetry     MemoryStats and seconds per phase
 """
-from __future__ import annotations
-
-import torch
-
-from ..config import Config
-from ..layout import Layout
-from ..planning import Plan
-from .movers import CpuCopies, CudaCopies, Mover
-from .rng import StepRandom
+from .chunk_ops import ChunkRuntime
 from .runner import run_graph
-from .store import ChunkStore
-from .telemetry import MemoryStats, Telemetry
-from .updater import StepRolledBack, Updater
-
-HOST_WORKER_ON_CPU = False   # the CPU runtime updates host chunks inline; tests flip this to run the worker
-
-
-class ChunkRuntime:
-    def __init__(self, layout: Layout, plan: Plan, config: Config, device: torch.device, compute_dtype: torch.dtype,
-                 dp=None):
-        self.layout, self.plan, self.config, self.device = layout, plan, config, device
-        self.telemetry = Telemetry()
-        self.stats: MemoryStats = self.telemetry.stats
-        cuda = device.type == "cuda"
-        self.copies = CudaCopies(device, self.telemetry) if cuda else CpuCopies()
-        self.store = ChunkStore(layout, plan, config, device, compute_dtype, self.stats)
-        self.dp = dp                             # runtime.dist.DataParallel with several ranks
-        self.mover = Mover(self.store, plan, self.copies, self.telemetry, dp)
-        self.updater = Updater(self.store, plan, self.copies, self.telemetry, self.mover,
-                               worker=cuda or HOST_WORKER_ON_CPU, grad_accum=config.grad_accum, dp=dp)
-        self._offloaded: dict[int, tuple] = {}
-        self._reducing: dict[int, object] = {}   # chunk -> its gradient's reduce to the owner, in flight
-        self.rng = StepRandom(device, config.seed)
-        if dp is not None:
-            self.rng.rank = dp.rank              # each rank's dropout draws its own masks
-
-    # ---- what the lowered graph calls ----------------------------------------------------------------
-    def prefetch(self, c: int) -> None:
-        """The copy reads the master (or shadow) the host Adam writes: with that update still running, the copy
-        starts on the worker as it ends, where it can (the fetch then waits for the update); else here, after it."""
-        pending = self.updater.pending.get(c)
-        if pending is not None and self.mover.copies_alone(c):
-            self.mover.prefetch(c, after=pending)
-            return
-        self.updater.wait_for(c)
-        self.mover.prefetch(c)
-
-    def fetch(self, c: int) -> None:
-        self.updater.wait_for(c)                 # its update's outcome, on this thread (a failure raises here)
-        self.mover.fetch(c)
-
-    def release(self, c: int) -> None:
-        self.mover.release(c)
-
-    def all_reduce(self, c: int) -> None:
-        """Chunk c's gradient summed over the data-parallel ranks, before its update."""
-        self.dp.sum_(self.mover.grads[c][: self.layout.chunks[c].used_elems])
-
-    def reduce(self, c: int) -> None:
-        """Chunk c's gradient summed over the ranks into its owner's gradient slot (chunk-partitioned data
-        parallelism); started here, waited for by the chunk's update, which the graph runs one chunk later."""
-        buf = self.mover.grads[c][: self.layout.chunks[c].used_elems]
-        self._reducing[c] = self.dp.reduce_chunk(buf, c)
-        self.stats.coll_bytes += buf.numel() * buf.element_size()
-
-    def _reduced(self, c: int) -> None:
-        self.copies.compute_waits(self._reducing.pop(c, None))
-
-    def seed_random(self, k: int) -> None:
-        """The next random op (the k-th in the graph) draws from its own seed for this step."""
-        self.rng.seed_op(k)
-
-    def param(self, index: int) -> torch.Tensor:
-        return self.mover.param(index)
-
-    def grad(self, index: int, g: torch.Tensor) -> None:
-        self.mover.grad(index, g)
-
-    def grad_mm(self, index: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        """Parameter `index`'s gradient is a @ b, computed straight into its chunk's gradient slot."""
-        self.mover.grad_mm(index, a, b)
-
-    def offload(self, c: int) -> None:
-        """A host chunk's gradients go to the host, where its state is updated."""
-        self._reduced(c)
-        flag = self.updater.measure_device(c, self.mover.grads[c])
-        dst = self.updater.host_slot(c)
-        self._offloaded[c] = (dst, self.mover.offload(c, dst, flag), flag is not None)
-
-    def adam(self, c: int) -> None:
-        """Chunk c's gradient is complete: the updater takes it (see updater.py for what it does). A chunk another
-        rank owns: its gradient went there; the slot is free."""
-        self._reduced(c)
-        if not self.store.holds(c):
-            self.mover.give_back(self.mover.hand_over(c))
-        elif c in self._offloaded:
-            dst, ready, checked = self._offloaded.pop(c)
-            self.updater.update(c, dst, ready, checked)
-        else:
-            self.updater.update(c, self.mover.hand_over(c))
-
-    # ---- for the engine ------------------------------------------------------------------------------
-    def owns(self, t: torch.Tensor) -> bool:
-        return self.store.owns(t)
-
-    def clear(self) -> None:
-        """After a step that failed midway: every slot back to its pool, nothing in flight."""
-        self.mover.clear()
-        for dst, *_ in self._offloaded.values():
-            if not any(dst is kept for kept in self.updater.kept.values()):
-                self.updater.host_grads.give(dst)
-        self._offloaded.clear()
-        for pending in self._reducing.values():   # nothing may still write into a slot handed out again
-            pending.abandon()
-        self._reducing.clear()
-
-    def drain(self) -> None:
-        self.updater.drain()
-
-    def timing(self) -> dict[str, float]:
-        """Seconds per step: the compute stream stalled on chunk copies; host Adam work (on the worker);
-        the launching thread waited for a free host gradient buffer; prefetches waited for a host chunk's
-        update; corrections of speculative updates (clipping that triggered)."""
-        self.drain()
-        self.copies.sync()
-        return self.telemetry.per_step()
-
+from .step_log import StepRolledBack
+from .telemetry import MemoryStats
 
 __all__ = ["ChunkRuntime", "MemoryStats", "StepRolledBack", "run_graph"]

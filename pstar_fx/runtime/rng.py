@@ -32,6 +32,14 @@ class StepRandom:
         self._device = device
         self._saved = None
 
+    def start_step(self, step: int) -> None:
+        """Optimizer step `step` (1 for the first) begins, at its first micro-batch."""
+        self.step, self.micro = step, 0
+
+    def start_micro(self, j: int) -> None:
+        """The step's j-th micro-batch begins."""
+        self.micro = j
+
     def _generator(self) -> torch.Generator:
         if self._device.type == "cuda":
             return torch.cuda.default_generators[self._device.index or 0]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -50,6 +51,18 @@ class Pool:
             self._free.put(buf)
 
 
+@dataclass(frozen=True)
+class ChunkState:
+    """One chunk's persistent state as its update, undo and correction read and write it."""
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    absmax: tuple[torch.Tensor, torch.Tensor] | None   # int8 moments: their block scales (exp_avg's, exp_avg_sq's)
+    shadow: torch.Tensor | None                          # its 16-bit copy, which every update keeps current
+    grad_spans: list[tuple[int, int]]                    # where its gradients lie: what an undo runs over
+    update_spans: list[tuple[int, int]]                  # what an update runs over (one span per parameter: int8)
+
+
 class ChunkStore:
     def __init__(self, layout: Layout, plan: Plan, config: Config, device: torch.device,
                  compute_dtype: torch.dtype, stats: MemoryStats):
@@ -61,6 +74,9 @@ class ChunkStore:
         self._ptrs: set[int] = set()
         cs, n = layout.chunk_size, len(layout.chunks)
         self.quantized = config.optimizer_state == "int8"
+        self.grad_spans = [ch.grad_spans() for ch in layout.chunks]
+        # int8 moments are quantized a parameter at a time: an update runs one span per parameter
+        self._update_spans = [ch.param_spans() for ch in layout.chunks] if self.quantized else self.grad_spans
         self.master, self.exp_avg, self.exp_avg_sq = [], [], []
         self.exp_avg_absmax: list[torch.Tensor | None] = []     # int8 only: the block scales
         self.exp_avg_sq_absmax: list[torch.Tensor | None] = []
@@ -140,6 +156,11 @@ class ChunkStore:
         for c, shadow in self.shadow.items():
             if chunks is None or c in chunks:
                 cast_(shadow, self.master[c])
+
+    def state(self, c: int) -> ChunkState:
+        """Chunk c's state, as one record (built on each call: its tensors are the store's, whatever replaced them)."""
+        return ChunkState(self.master[c], self.exp_avg[c], self.exp_avg_sq[c], self.absmax(c), self.shadow.get(c),
+                          self.grad_spans[c], self._update_spans[c])
 
     def absmax(self, c: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Chunk c's block scales (exp_avg's, exp_avg_sq's) with int8 moments; None otherwise."""

@@ -38,6 +38,9 @@ class Telemetry:
         self.steps = 0
         self._stalls: list = []
 
+    def count_step(self) -> None:
+        self.steps += 1
+
     def add(self, phase: str, seconds: float) -> None:
         self.seconds[phase] += seconds
 

@@ -1,0 +1,87 @@
+"""kept: gradients kept until the step's verdict, accumulators, and the host buffers gradients land in.
+
+A keeping transaction (kept_grads, deferred: `planning.transaction.KEEPS`) keeps every updated chunk's gradient until
+the verdict; an accumulating step sums each chunk's micro-batch gradients into an fp32 accumulator on its tier
+instead. Without kept buffers, host chunks' gradients land in a small pool of host buffers (`host_grads`).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..planning import Plan
+from ..planning.transaction import KEEPS
+from .movers import Mover
+from .store import ChunkStore, Pool
+
+
+class KeptGradients:
+    def __init__(self, store: ChunkStore, plan: Plan, copies, mover: Mover, *, accumulates: bool, blocking: bool):
+        self.store, self.copies, self.mover = store, copies, mover
+        cs, dtype = store.layout.chunk_size, store.compute_dtype
+        updated = [c for c, s in enumerate(store.grad_spans) if s and store.holds(c)]
+        host = [c for c in updated if store.tier(c) == "host"]
+        self.grads: dict[int, torch.Tensor] = {}
+        # (plan.kept_in_shadow: a host chunk's gradient lands in its 16-bit shadow, which the host Adam then
+        # overwrites with the new weights; `shadows_from_masters` rewrites them when that did not happen)
+        self.in_shadow: list[int] = []
+        if plan.transaction in KEEPS and not accumulates:
+            where = lambda c: "device" if plan.kept_on_device and store.tier(c) == "device" else "host"  # noqa: E731
+            self.in_shadow = [c for c in updated if plan.kept_in_shadow and store.tier(c) == "host"]
+            self.grads = {c: store.shadow[c] if c in self.in_shadow else store.alloc(where(c), cs, dtype)
+                          for c in updated}
+        self.acc = {c: store.alloc(store.tier(c), cs, torch.float32) for c in updated} if accumulates else {}
+        staging = 0 if (self.grads or not host) else max(1, plan.host_grad_buffers)
+        self.host_grads = Pool([store.alloc("host", cs, dtype) for _ in range(staging)], blocking=blocking)
+
+    def __contains__(self, c: int) -> bool:
+        """Whether chunk c's gradient is kept (in its own buffer) until the verdict."""
+        return c in self.grads
+
+    def get(self, c: int) -> torch.Tensor | None:
+        """Chunk c's kept gradient buffer."""
+        return self.grads.get(c)
+
+    def holds(self, buf: torch.Tensor) -> bool:
+        return any(buf is kept for kept in self.grads.values())
+
+    def keep(self, c: int, grad: torch.Tensor) -> torch.Tensor:
+        """A device chunk's gradient kept until the verdict; returns the buffer for the gradient slot pool. Kept
+        on the device, the slot itself becomes the kept buffer and the one it replaces (as large, and free: its
+        last reader was the last step's verdict) joins the pool: no copy (bench/RESULTS.md, session 6). Kept on
+        the host, the gradient is shipped there and the slot goes back."""
+        kept = self.grads[c]
+        if kept.device == grad.device:
+            self.grads[c] = grad
+            return kept
+        self.mover.ship(grad, kept, self.store.layout.chunks[c].used_elems)
+        return grad
+
+    def accumulate(self, c: int, grad: torch.Tensor, first: bool) -> None:
+        acc = self.acc[c]
+        for off, n in self.store.grad_spans[c]:
+            if first:
+                acc[off: off + n].copy_(grad[off: off + n])
+            else:
+                acc[off: off + n].add_(grad[off: off + n])
+
+    def on_tier(self, c: int) -> torch.Tensor:
+        """Chunk c's kept (or accumulated) gradient on the chunk's own tier (a device chunk's comes back from the
+        host into a gradient slot); `done_with` returns such a slot."""
+        src = self.acc[c] if c in self.acc else self.grads[c]
+        if src.device == self.store.master[c].device:
+            return src
+        buf = self.mover.grad_slots.take()
+        n = self.store.layout.chunks[c].used_elems
+        buf[:n].copy_(src[:n])
+        return buf
+
+    def done_with(self, grad: torch.Tensor, c: int) -> None:
+        if grad is not self.acc.get(c) and grad is not self.grads.get(c):
+            self.mover.give_back(grad)
+
+    def shadows_from_masters(self) -> None:
+        """The shadows that hold a kept gradient instead of weights (a step that did not apply its updates, or
+        did not finish them) are cast again from their masters, once no copy writes into them."""
+        if self.in_shadow:
+            self.copies.sync()
+            self.store.masters_changed(self.in_shadow)
