@@ -89,6 +89,18 @@ struct ScalarOps {
     static inline T abs(T a) { return __builtin_fabsf(a); }
     static inline T max(T a, T b) { return a > b ? a : b; }
     static inline float hmax(T a) { return a; }
+    // float64, for the undo (adam_undo_range): a float vector's values widened into kHalves vectors of doubles
+    // and narrowed back (round to nearest even). The quotient is IEEE division here: this level is the reference
+    // the vector levels' reciprocal steps reproduce, and the vector levels' tails.
+    typedef double D;
+    static constexpr int kHalves = 1;
+    static inline D widen(T x, int) { return (double)x; }
+    static inline T narrow(const D* d) { return (float)d[0]; }
+    static inline D dset(double x) { return x; }
+    static inline D dadd(D a, D b) { return a + b; }
+    static inline D dsub(D a, D b) { return a - b; }
+    static inline D dpos(D a) { return a > 0.0 ? a : 0.0; }      // NaN -> +0, as the old kernel's `vv > 0.0 ? ...`
+    static inline D quotient(D a, D b, D) { return a / b; }
 };
 
 #if PSTAR_SIMD == 2
@@ -152,6 +164,25 @@ struct VecOps {
         float r = f[0];
         for (int j = 1; j < 16; ++j) r = r > f[j] ? r : f[j];
         return r;
+    }
+    typedef __m512d D;
+    static constexpr int kHalves = 2;
+    static inline D widen(T x, int h) {
+        return _mm512_cvtps_pd(h == 0 ? _mm512_castps512_ps256(x) : _mm512_extractf32x8_ps(x, 1));
+    }
+    static inline T narrow(const D* d) {
+        return _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(d[0])), _mm512_cvtpd_ps(d[1]), 1);
+    }
+    static inline D dset(double x) { return _mm512_set1_pd(x); }
+    static inline D dadd(D a, D b) { return _mm512_add_pd(a, b); }
+    static inline D dsub(D a, D b) { return _mm512_sub_pd(a, b); }
+    static inline D dpos(D a) { return _mm512_maskz_mov_pd(_mm512_cmp_pd_mask(a, _mm512_setzero_pd(), _CMP_GT_OQ), a); }
+    // a / b rounded to nearest, for b > 0 with inv_b = RN(1/b): see quotient_steps below
+    static inline D quotient(D a, D b, D inv_b) {
+        D q = _mm512_mul_pd(a, inv_b);
+        q = _mm512_fmadd_pd(_mm512_fnmadd_pd(q, b, a), inv_b, q);
+        q = _mm512_fmadd_pd(_mm512_fnmadd_pd(q, b, a), inv_b, q);
+        return _mm512_or_pd(q, _mm512_and_pd(a, _mm512_set1_pd(-0.0)));
     }
 };
 #elif PSTAR_SIMD == 1
@@ -220,6 +251,24 @@ struct VecOps {
         float r = f[0];
         for (int j = 1; j < 8; ++j) r = r > f[j] ? r : f[j];
         return r;
+    }
+    typedef __m256d D;
+    static constexpr int kHalves = 2;
+    static inline D widen(T x, int h) {
+        return _mm256_cvtps_pd(h == 0 ? _mm256_castps256_ps128(x) : _mm256_extractf128_ps(x, 1));
+    }
+    static inline T narrow(const D* d) {
+        return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm256_cvtpd_ps(d[0])), _mm256_cvtpd_ps(d[1]), 1);
+    }
+    static inline D dset(double x) { return _mm256_set1_pd(x); }
+    static inline D dadd(D a, D b) { return _mm256_add_pd(a, b); }
+    static inline D dsub(D a, D b) { return _mm256_sub_pd(a, b); }
+    static inline D dpos(D a) { return _mm256_and_pd(a, _mm256_cmp_pd(a, _mm256_setzero_pd(), _CMP_GT_OQ)); }
+    static inline D quotient(D a, D b, D inv_b) {
+        D q = _mm256_mul_pd(a, inv_b);
+        q = _mm256_fmadd_pd(_mm256_fnmadd_pd(q, b, a), inv_b, q);
+        q = _mm256_fmadd_pd(_mm256_fnmadd_pd(q, b, a), inv_b, q);
+        return _mm256_or_pd(q, _mm256_and_pd(a, _mm256_set1_pd(-0.0)));
     }
 };
 #else
@@ -488,6 +537,186 @@ static void adam_range(float* p, const void* grad, int grad_dtype, M* m, M* v,
     if (grad_dtype == 0) adam_range_g<0>(p, grad, m, v, out, out_dtype, n, c);
     else if (grad_dtype == 1) adam_range_g<1>(p, grad, m, v, out, out_dtype, n, c);
     else adam_range_g<2>(p, grad, m, v, out, out_dtype, n, c);
+}
+
+// ---------------------------------------------------------------- Adam undo (and redo)
+
+// The inverse of adam_elems, given the state after a step and the grad it consumed (see adam_undo in
+// cpu_adam.cpp for the contract), and with REDO the step again with grad / redo_scale. The arithmetic is the
+// old scalar kernel's, operation for operation, so every level gives its bits:
+//   u  = step_size * (m1 / (sqrt(v1) * inv_bc2_sqrt + eps))         fp32, adam_elems' ops: the step's own u
+//   p0 = (float)(((double)p1 + (double)u) / decay)                   AdamW (L2: no quotient)
+//   g  = grad / grad_scale  (+ wd * p0 for L2)                       fp32
+//   m0 = (float)(((double)m1 - (double)((1 - b1) * g)) / b1)        0 after step 1
+//   v0 = (float)max(0, ((double)v1 - (double)((1 - b2) * g * g)) / b2)
+// then, with REDO, adam_elems from (p0, m0, v0) with grad / redo_scale.
+// The double sums of two floats and the conversions are single vector instructions. The three quotients by a
+// constant are the old kernel's cost (a vdivpd is ~16 cycles per 8 doubles on Xeons, and there are three per
+// element): the vector levels multiply by inv = RN(1/b) and correct the quotient twice with its remainder,
+// quotient_steps:
+//   q0 = RN(a * inv);  q1 = RN(q0 + RN(a - b*q0) * inv);  q2 = RN(q1 + (a - b*q1) * inv)   (each an FMA)
+// q0 is within 1.5 ulp of a/b; q1's error is that times |1 - b*inv| <= 2^-53, plus its own rounding, so q1 is
+// faithful (one of the two doubles around a/b); for a faithful q1 the remainder a - b*q1 is exact and q2 is
+// a/b rounded to nearest (Markstein's theorem; Muller et al., Handbook of Floating-Point Arithmetic, 2nd ed.,
+// Theorem 4.10). The conditions: b > 0 finite (1/b normal), no underflow or overflow - a is 0 or a double sum
+// of floats, |a| >= 2^-150, and |a/b| stays far inside the double range, whatever fp32 b is. A zero a gives
+// q2 = +0 for a = -0 (+0 + -0): the sign of a (b > 0) is put back. adam_undo runs the scalar level when a
+// constant breaks the condition (an AdamW decay 1 - lr*wd <= 0).
+//
+// Bytes per element: read p, m, v 12 B + grad 4 B (fp32) / 2 B (16-bit), write p, m, v 12 B: 28 / 26 B;
+// with REDO the same + 2 B for the 16-bit copy (non-temporal with ST, as the Adam's); part 1 (the master
+// only) reads p, m, v and writes p: 16 B. As much as the Adam moves (its 16-bit-grad step is 28 B): the
+// arithmetic is two Adam steps' fp32 ops plus 6 conversions and 3 x 5 FMA-unit ops on float64 halves per
+// float vector, ~2.5x the Adam's uops, which a core issues faster than memory feeds it.
+
+template <class O>
+struct UndoConsts {
+    typename O::T decay, l2_wd, b1, omb1, b2, omb2, inv_bc2_sqrt, step_size, eps, inv_scale, scale, inv_redo,
+        redo_scale, zero;
+    typename O::D decay_d, inv_decay, b1_d, inv_b1, b2_d, inv_b2;
+    bool decoupled, first, has_m, has_v, div_scale, div_redo;
+    explicit UndoConsts(const UndoCoeffs& c)
+        : decay(O::set(c.decay)), l2_wd(O::set(c.l2_wd)), b1(O::set(c.b1)), omb1(O::set(c.omb1)), b2(O::set(c.b2)),
+          omb2(O::set(c.omb2)), inv_bc2_sqrt(O::set(c.inv_bc2_sqrt)), step_size(O::set(c.step_size)),
+          eps(O::set(c.eps)), inv_scale(O::set(c.inv_scale)), scale(O::set(c.scale)), inv_redo(O::set(c.inv_redo)),
+          redo_scale(O::set(c.redo_scale)), zero(O::set(0.0f)), decay_d(O::dset((double)c.decay)),
+          inv_decay(O::dset(1.0 / (double)c.decay)), b1_d(O::dset((double)c.b1)), inv_b1(O::dset(1.0 / (double)c.b1)),
+          b2_d(O::dset((double)c.b2)), inv_b2(O::dset(1.0 / (double)c.b2)), decoupled(c.decoupled), first(c.first),
+          has_m(c.b1 > 0.0f), has_v(c.b2 > 0.0f), div_scale(c.div_scale), div_redo(c.div_redo) {}
+};
+
+// (float)(((double)p1 + (double)u) / decay), the quotient only for AdamW
+template <class O>
+static inline typename O::T undo_master(typename O::T p1, typename O::T u, const UndoConsts<O>& k) {
+    typename O::D h[O::kHalves];
+    for (int j = 0; j < O::kHalves; ++j) {
+        const typename O::D s = O::dadd(O::widen(p1, j), O::widen(u, j));
+        h[j] = k.decoupled ? O::quotient(s, k.decay_d, k.inv_decay) : s;
+    }
+    return O::narrow(h);
+}
+
+// (float)(((double)x1 - (double)t) / b), clamped at +0 for the second moment
+template <class O, bool kClamp>
+static inline typename O::T undo_moment(typename O::T x1, typename O::T t, typename O::D b, typename O::D inv_b) {
+    typename O::D h[O::kHalves];
+    for (int j = 0; j < O::kHalves; ++j) {
+        const typename O::D q = O::quotient(O::dsub(O::widen(x1, j), O::widen(t, j)), b, inv_b);
+        h[j] = kClamp ? O::dpos(q) : q;
+    }
+    return O::narrow(h);
+}
+
+// grad / scale: multiplied by the reciprocal when that is exact (a power of two, or 1), as adam_elems does
+template <class O>
+static inline typename O::T unscaled(typename O::T g, bool div, typename O::T scale, typename O::T inv) {
+    return div ? O::div(g, scale) : O::mul(g, inv);
+}
+
+// W consecutive elements. PART: 0 everything, 1 the master only (no grad), 2 the moments (the master restored).
+template <class O, int GK, int OK, bool REDO, int PART, int ST>
+static inline void undo_elems(float* p, const void* grad, float* m, float* v, uint16_t* out, int64_t i,
+                              const UndoConsts<O>& k) {
+    typedef typename O::T T;
+    const T m1 = O::load(m + i), v1 = O::load(v + i);
+    T p0 = O::load(p + i);
+    if (PART != 2) {
+        const T denom = O::add(O::mul(O::sqrt(v1), k.inv_bc2_sqrt), k.eps);
+        p0 = undo_master<O>(p0, O::mul(k.step_size, O::div(m1, denom)), k);
+    }
+    if (PART == 1) {
+        O::store(p + i, p0);
+        return;
+    }
+    const T graw = GK == 0 ? O::load(static_cast<const float*>(grad) + i)
+                 : GK == 1 ? O::load_bf16(static_cast<const uint16_t*>(grad) + i)
+                           : O::load_f16(static_cast<const uint16_t*>(grad) + i);
+    T g = unscaled<O>(graw, k.div_scale, k.scale, k.inv_scale);
+    if (!k.decoupled) g = O::add(g, O::mul(k.l2_wd, p0));
+    T m0 = k.zero, v0 = k.zero;
+    if (!k.first) {
+        if (k.has_m) m0 = undo_moment<O, false>(m1, O::mul(k.omb1, g), k.b1_d, k.inv_b1);
+        if (k.has_v) v0 = undo_moment<O, true>(v1, O::mul(O::mul(k.omb2, g), g), k.b2_d, k.inv_b2);
+    }
+    if (REDO) {  // adam_elems, from the restored state
+        T gr = unscaled<O>(graw, k.div_redo, k.redo_scale, k.inv_redo);
+        if (k.decoupled) p0 = O::mul(p0, k.decay);
+        else gr = O::add(gr, O::mul(k.l2_wd, p0));
+        m0 = O::add(O::mul(k.b1, m0), O::mul(k.omb1, gr));
+        v0 = O::add(O::mul(k.b2, v0), O::mul(O::mul(k.omb2, gr), gr));
+        const T denom = O::add(O::mul(O::sqrt(v0), k.inv_bc2_sqrt), k.eps);
+        p0 = O::sub(p0, O::mul(k.step_size, O::div(m0, denom)));
+    }
+    O::store(p + i, p0);
+    O::store(m + i, m0);
+    O::store(v + i, v0);
+    if (REDO && OK == 1) ST ? O::stream_bf16(out + i, p0) : O::store_bf16(out + i, p0);
+    else if (REDO && OK == 2) ST ? O::stream_f16(out + i, p0) : O::store_f16(out + i, p0);
+}
+
+// One block [0, n) of a chunk, pointers offset to its start; the head, prefetch and stores as adam_range_t's.
+template <int GK, int OK, bool REDO, int PART, int ST>
+static void undo_range_t(float* p, const void* grad, float* m, float* v, uint16_t* out, int64_t n,
+                         const UndoCoeffs& c) {
+    const UndoConsts<VecOps> kv(c);
+    const UndoConsts<ScalarOps> ks(c);
+    int64_t i = 0;
+    if (ST != 0)
+        for (; i < n && !aligned_to(out + i, VecOps::W * 2); ++i)
+            undo_elems<ScalarOps, GK, OK, REDO, PART, 0>(p, grad, m, v, out, i, ks);
+#if PSTAR_SIMD != 0
+    if (c.prefetch_elems != 0) {
+        const uintptr_t ahead = (uintptr_t)(c.prefetch_elems > 0 ? c.prefetch_elems : -c.prefetch_elems);
+        const uintptr_t gsize = GK == 0 ? 4 : 2;
+        const int64_t per_line = 16 / VecOps::W;
+        const int hint = c.prefetch_elems > 0 ? _MM_HINT_T0 : _MM_HINT_T1;
+        for (int64_t it = 0; i + VecOps::W <= n; i += VecOps::W, ++it) {
+            if (it % per_line == 0) {
+                const uintptr_t j = (uintptr_t)i + ahead;
+                const char* lines[4] = {(const char*)((uintptr_t)p + 4 * j), (const char*)((uintptr_t)m + 4 * j),
+                                        (const char*)((uintptr_t)v + 4 * j), (const char*)((uintptr_t)grad + gsize * j)};
+                const int count = PART == 1 || (gsize == 2 && (it / per_line) % 2 != 0) ? 3 : 4;
+                if (hint == _MM_HINT_T0) for (int l = 0; l < count; ++l) _mm_prefetch(lines[l], _MM_HINT_T0);
+                else for (int l = 0; l < count; ++l) _mm_prefetch(lines[l], _MM_HINT_T1);
+            }
+            undo_elems<VecOps, GK, OK, REDO, PART, ST>(p, grad, m, v, out, i, kv);
+        }
+    }
+#endif
+    for (; i + VecOps::W <= n; i += VecOps::W) undo_elems<VecOps, GK, OK, REDO, PART, ST>(p, grad, m, v, out, i, kv);
+    for (; i < n; ++i) undo_elems<ScalarOps, GK, OK, REDO, PART, 0>(p, grad, m, v, out, i, ks);
+    if (ST != 0) VecOps::fence();
+}
+
+template <int GK, int OK, bool REDO, int PART>
+static void undo_range_s(float* p, const void* grad, float* m, float* v, uint16_t* out, int64_t n,
+                         const UndoCoeffs& c) {
+    if constexpr (REDO && OK >= 1 && VecOps::kCanStream) {
+        if (c.stores == 1 && n >= 4 * VecOps::W) return undo_range_t<GK, OK, REDO, PART, 1>(p, grad, m, v, out, n, c);
+    }
+    undo_range_t<GK, OK, REDO, PART, 0>(p, grad, m, v, out, n, c);
+}
+
+template <int GK>
+static void undo_range_g(float* p, const void* grad, float* m, float* v, uint16_t* out, int out_dtype, int64_t n,
+                         const UndoCoeffs& c, int part, bool redo) {
+    if (!redo) return part == 2 ? undo_range_s<GK, -1, false, 2>(p, grad, m, v, out, n, c)
+                                : undo_range_s<GK, -1, false, 0>(p, grad, m, v, out, n, c);
+    if (out == nullptr) return part == 2 ? undo_range_s<GK, -1, true, 2>(p, grad, m, v, out, n, c)
+                                         : undo_range_s<GK, -1, true, 0>(p, grad, m, v, out, n, c);
+    if (out_dtype == 1) return part == 2 ? undo_range_s<GK, 1, true, 2>(p, grad, m, v, out, n, c)
+                                         : undo_range_s<GK, 1, true, 0>(p, grad, m, v, out, n, c);
+    return part == 2 ? undo_range_s<GK, 2, true, 2>(p, grad, m, v, out, n, c)
+                     : undo_range_s<GK, 2, true, 0>(p, grad, m, v, out, n, c);
+}
+
+// part 1 reads no grad and redoes nothing (adam_undo refuses a redo there)
+static void adam_undo_range(float* p, const void* grad, int grad_dtype, float* m, float* v, uint16_t* out,
+                            int out_dtype, int64_t n, const UndoCoeffs& c, int part, bool redo) {
+    if (part == 1) undo_range_t<0, -1, false, 1, 0>(p, grad, m, v, out, n, c);
+    else if (grad_dtype == 0) undo_range_g<0>(p, grad, m, v, out, out_dtype, n, c, part, redo);
+    else if (grad_dtype == 1) undo_range_g<1>(p, grad, m, v, out, out_dtype, n, c, part, redo);
+    else undo_range_g<2>(p, grad, m, v, out, out_dtype, n, c, part, redo);
 }
 
 // STREAM's triad a = b + s*c on float32, as the yardstick for the Adam: same compiler, flags, SIMD level
