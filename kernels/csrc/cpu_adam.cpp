@@ -99,7 +99,9 @@ struct UndoCoeffs {
     float scale, inv_scale, redo_scale, inv_redo;  // inv_*: 1 / scale, 1 when the scale is 1
     bool div_scale, div_redo;  // divide by the scale (its reciprocal is not exact) instead of multiplying
     bool decoupled, first;     // AdamW; step 1 (the moments come back as zeros)
+    bool master_quotient;      // AdamW with decay != 1: the master is divided by it
     int stores, prefetch_elems;
+    double recip[3][2];        // decay, b1, b2: 1/b as RD(1/b) + RN(remainder / b) >= 0 (the vector levels' quotients)
 };
 
 // An int8 moment's range: one code per element and one fp32 scale (the block's absmax) per kQ8Block elements,
@@ -505,11 +507,22 @@ void adam_undo(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, u
     scale_by(redo ? redo_scale : 1.0, k.redo_scale, k.inv_redo, k.div_redo);
     k.stores = stores_code(stores);
     k.prefetch_elems = prefetch_elems;
-    // The vector levels' quotients need each divisor used positive and finite (see cpu_adam_impl.h); an AdamW
-    // decay 1 - lr * wd <= 0 (the step zeroed or flipped the weights) takes the scalar level's IEEE divisions.
-    auto reciprocal_ok = [](float b) { return b > 0.0f && std::isfinite(b); };
-    const bool exact = (!decoupled || reciprocal_ok(k.decay)) && (!(k.b1 > 0.0f) || reciprocal_ok(k.b1)) &&
-                       (!(k.b2 > 0.0f) || reciprocal_ok(k.b2));
+    // 1/b in two parts for reciprocal_quotient (cpu_adam_impl.h): inv = RD(1/b), the rest lo = (1 - inv*b)/b >= 0
+    // (1 - inv*b is exact as an FMA: it is below 2^-51 and a multiple of ulp(inv) ulp(b)); unused unless b > 0
+    auto split = [](float bf, double* r) {
+        const double b = bf, inv = 1.0 / b;
+        r[0] = std::fma(-inv, b, 1.0) < 0.0 ? std::nextafter(inv, 0.0) : inv;
+        r[1] = std::fma(-r[0], b, 1.0) / b;
+    };
+    split(k.decay, k.recip[0]), split(k.b1, k.recip[1]), split(k.b2, k.recip[2]);
+    k.master_quotient = decoupled && k.decay != 1.0f;  // x / 1 is x: weight decay 0 needs no quotient
+    // The vector levels' quotients need each divisor used positive, finite and no power of two (lo > 0: an inf
+    // would meet lo = 0 as inf * 0 = NaN); otherwise (b1 = 0.5, an AdamW decay 1 - lr*wd <= 0) the scalar
+    // level's divisions run.
+    auto reciprocal_ok = [](float b, const double* r) { return b > 0.0f && std::isfinite(b) && r[1] > 0.0; };
+    const bool exact = (!k.master_quotient || reciprocal_ok(k.decay, k.recip[0])) &&
+                       (!(k.b1 > 0.0f) || reciprocal_ok(k.b1, k.recip[1])) &&
+                       (!(k.b2 > 0.0f) || reciprocal_ok(k.b2, k.recip[2]));
     const Level& L = exact ? chosen : levels().back();
     float* p = reinterpret_cast<float*>(param);
     float* m = reinterpret_cast<float*>(exp_avg);

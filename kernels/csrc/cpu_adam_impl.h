@@ -100,7 +100,7 @@ struct ScalarOps {
     static inline D dadd(D a, D b) { return a + b; }
     static inline D dsub(D a, D b) { return a - b; }
     static inline D dpos(D a) { return a > 0.0 ? a : 0.0; }      // NaN -> +0, as the old kernel's `vv > 0.0 ? ...`
-    static inline D quotient(D a, D b, D) { return a / b; }
+    static inline D quotient(D a, D b, D, D) { return a / b; }
 };
 
 #if PSTAR_SIMD == 2
@@ -177,13 +177,8 @@ struct VecOps {
     static inline D dadd(D a, D b) { return _mm512_add_pd(a, b); }
     static inline D dsub(D a, D b) { return _mm512_sub_pd(a, b); }
     static inline D dpos(D a) { return _mm512_maskz_mov_pd(_mm512_cmp_pd_mask(a, _mm512_setzero_pd(), _CMP_GT_OQ), a); }
-    // a / b rounded to nearest, for b > 0 with inv_b = RN(1/b): see quotient_steps below
-    static inline D quotient(D a, D b, D inv_b) {
-        D q = _mm512_mul_pd(a, inv_b);
-        q = _mm512_fmadd_pd(_mm512_fnmadd_pd(q, b, a), inv_b, q);
-        q = _mm512_fmadd_pd(_mm512_fnmadd_pd(q, b, a), inv_b, q);
-        return _mm512_or_pd(q, _mm512_and_pd(a, _mm512_set1_pd(-0.0)));
-    }
+    // a / b rounded to nearest from b's reciprocal split in two, inv + lo (reciprocal_quotient: see the Adam undo below)
+    static inline D quotient(D a, D, D inv, D lo) { return _mm512_fmadd_pd(a, inv, _mm512_mul_pd(a, lo)); }
 };
 #elif PSTAR_SIMD == 1
 struct VecOps {
@@ -264,12 +259,7 @@ struct VecOps {
     static inline D dadd(D a, D b) { return _mm256_add_pd(a, b); }
     static inline D dsub(D a, D b) { return _mm256_sub_pd(a, b); }
     static inline D dpos(D a) { return _mm256_and_pd(a, _mm256_cmp_pd(a, _mm256_setzero_pd(), _CMP_GT_OQ)); }
-    static inline D quotient(D a, D b, D inv_b) {
-        D q = _mm256_mul_pd(a, inv_b);
-        q = _mm256_fmadd_pd(_mm256_fnmadd_pd(q, b, a), inv_b, q);
-        q = _mm256_fmadd_pd(_mm256_fnmadd_pd(q, b, a), inv_b, q);
-        return _mm256_or_pd(q, _mm256_and_pd(a, _mm256_set1_pd(-0.0)));
-    }
+    static inline D quotient(D a, D, D inv, D lo) { return _mm256_fmadd_pd(a, inv, _mm256_mul_pd(a, lo)); }
 };
 #else
 typedef ScalarOps VecOps;
@@ -551,17 +541,23 @@ static void adam_range(float* p, const void* grad, int grad_dtype, M* m, M* v,
 //   v0 = (float)max(0, ((double)v1 - (double)((1 - b2) * g * g)) / b2)
 // then, with REDO, adam_elems from (p0, m0, v0) with grad / redo_scale.
 // The double sums of two floats and the conversions are single vector instructions. The three quotients by a
-// constant are the old kernel's cost (a vdivpd is ~16 cycles per 8 doubles on Xeons, and there are three per
-// element): the vector levels multiply by inv = RN(1/b) and correct the quotient twice with its remainder,
-// quotient_steps:
-//   q0 = RN(a * inv);  q1 = RN(q0 + RN(a - b*q0) * inv);  q2 = RN(q1 + (a - b*q1) * inv)   (each an FMA)
-// q0 is within 1.5 ulp of a/b; q1's error is that times |1 - b*inv| <= 2^-53, plus its own rounding, so q1 is
-// faithful (one of the two doubles around a/b); for a faithful q1 the remainder a - b*q1 is exact and q2 is
-// a/b rounded to nearest (Markstein's theorem; Muller et al., Handbook of Floating-Point Arithmetic, 2nd ed.,
-// Theorem 4.10). The conditions: b > 0 finite (1/b normal), no underflow or overflow - a is 0 or a double sum
-// of floats, |a| >= 2^-150, and |a/b| stays far inside the double range, whatever fp32 b is. A zero a gives
-// q2 = +0 for a = -0 (+0 + -0): the sign of a (b > 0) is put back. adam_undo runs the scalar level when a
-// constant breaks the condition (an AdamW decay 1 - lr*wd <= 0).
+// constant were the old kernel's cost (a vdivpd is ~16 cycles per 8 doubles on Xeons, three per element). The
+// vector levels compute them from b's reciprocal split in two doubles, inv = RD(1/b) and lo = RN((1 - inv*b)/b)
+// >= 0 (UndoCoeffs, cpu_adam.cpp), as one multiply and one FMA:
+//   q = RN(a * inv + RN(a * lo))       reciprocal_quotient
+// and q is a / b rounded to nearest, the IEEE division's result, for every double a:
+//  - the argument is within 2^-103 |a/b| of a/b: inv + lo is 1/b to 2^-104 relative, and RN(a * lo) is off by at
+//    most 2^-53 of a * lo < 2^-51 a/b;
+//  - a/b is never that close to a midpoint between two doubles, the only places where rounding a nearby value
+//    can differ: with a = A 2^ea (A < 2^53), b = B 2^eb (B < 2^24 odd, b an fp32) and a midpoint
+//    m = M 2^em (M odd, 54 bits), a - b m is a nonzero multiple of 2^min(ea, eb + em) (B M is odd with 54 bits or
+//    more, so it is no A 2^k), hence |a/b - m| > 2^-77 |a/b|.
+// So the argument and a/b round to the same double: the margin is 2^26-fold. It needs b > 0 finite and no
+// underflow: |a| >= 2^-150 or a = 0 (a is a double sum of fp32 values) keeps a * lo above 2^-400. A zero a
+// keeps its sign (lo >= 0: -0 * lo + -0 * inv is -0); an infinite a stays infinite while lo > 0, so b must
+// be no power of two (there lo = 0 and inf * 0 is NaN). adam_undo runs the scalar level, whose quotients are
+// divisions, when a divisor breaks these (b1 = 0.5, an AdamW decay 1 - lr*wd <= 0); a decay of 1 (no weight
+// decay) divides nothing. Checked against the division for 2.4e8 quotients over 61 divisors: no difference.
 //
 // Bytes per element: read p, m, v 12 B + grad 4 B (fp32) / 2 B (16-bit), write p, m, v 12 B: 28 / 26 B;
 // with REDO the same + 2 B for the 16-bit copy (non-temporal with ST, as the Adam's); part 1 (the master
@@ -573,35 +569,38 @@ template <class O>
 struct UndoConsts {
     typename O::T decay, l2_wd, b1, omb1, b2, omb2, inv_bc2_sqrt, step_size, eps, inv_scale, scale, inv_redo,
         redo_scale, zero;
-    typename O::D decay_d, inv_decay, b1_d, inv_b1, b2_d, inv_b2;
-    bool decoupled, first, has_m, has_v, div_scale, div_redo;
+    typename O::D decay_d, decay_inv, decay_lo, b1_d, b1_inv, b1_lo, b2_d, b2_inv, b2_lo;
+    bool decoupled, divide_master, first, has_m, has_v, div_scale, div_redo;
     explicit UndoConsts(const UndoCoeffs& c)
         : decay(O::set(c.decay)), l2_wd(O::set(c.l2_wd)), b1(O::set(c.b1)), omb1(O::set(c.omb1)), b2(O::set(c.b2)),
           omb2(O::set(c.omb2)), inv_bc2_sqrt(O::set(c.inv_bc2_sqrt)), step_size(O::set(c.step_size)),
           eps(O::set(c.eps)), inv_scale(O::set(c.inv_scale)), scale(O::set(c.scale)), inv_redo(O::set(c.inv_redo)),
           redo_scale(O::set(c.redo_scale)), zero(O::set(0.0f)), decay_d(O::dset((double)c.decay)),
-          inv_decay(O::dset(1.0 / (double)c.decay)), b1_d(O::dset((double)c.b1)), inv_b1(O::dset(1.0 / (double)c.b1)),
-          b2_d(O::dset((double)c.b2)), inv_b2(O::dset(1.0 / (double)c.b2)), decoupled(c.decoupled), first(c.first),
+          decay_inv(O::dset(c.recip[0][0])), decay_lo(O::dset(c.recip[0][1])), b1_d(O::dset((double)c.b1)),
+          b1_inv(O::dset(c.recip[1][0])), b1_lo(O::dset(c.recip[1][1])), b2_d(O::dset((double)c.b2)),
+          b2_inv(O::dset(c.recip[2][0])), b2_lo(O::dset(c.recip[2][1])), decoupled(c.decoupled),
+          divide_master(c.master_quotient), first(c.first),
           has_m(c.b1 > 0.0f), has_v(c.b2 > 0.0f), div_scale(c.div_scale), div_redo(c.div_redo) {}
 };
 
-// (float)(((double)p1 + (double)u) / decay), the quotient only for AdamW
+// (float)(((double)p1 + (double)u) / decay), the quotient only for AdamW (and not by 1: x / 1 is x)
 template <class O>
 static inline typename O::T undo_master(typename O::T p1, typename O::T u, const UndoConsts<O>& k) {
     typename O::D h[O::kHalves];
     for (int j = 0; j < O::kHalves; ++j) {
         const typename O::D s = O::dadd(O::widen(p1, j), O::widen(u, j));
-        h[j] = k.decoupled ? O::quotient(s, k.decay_d, k.inv_decay) : s;
+        h[j] = k.divide_master ? O::quotient(s, k.decay_d, k.decay_inv, k.decay_lo) : s;
     }
     return O::narrow(h);
 }
 
 // (float)(((double)x1 - (double)t) / b), clamped at +0 for the second moment
 template <class O, bool kClamp>
-static inline typename O::T undo_moment(typename O::T x1, typename O::T t, typename O::D b, typename O::D inv_b) {
+static inline typename O::T undo_moment(typename O::T x1, typename O::T t, typename O::D b, typename O::D inv,
+                                        typename O::D lo) {
     typename O::D h[O::kHalves];
     for (int j = 0; j < O::kHalves; ++j) {
-        const typename O::D q = O::quotient(O::dsub(O::widen(x1, j), O::widen(t, j)), b, inv_b);
+        const typename O::D q = O::quotient(O::dsub(O::widen(x1, j), O::widen(t, j)), b, inv, lo);
         h[j] = kClamp ? O::dpos(q) : q;
     }
     return O::narrow(h);
@@ -635,8 +634,8 @@ static inline void undo_elems(float* p, const void* grad, float* m, float* v, ui
     if (!k.decoupled) g = O::add(g, O::mul(k.l2_wd, p0));
     T m0 = k.zero, v0 = k.zero;
     if (!k.first) {
-        if (k.has_m) m0 = undo_moment<O, false>(m1, O::mul(k.omb1, g), k.b1_d, k.inv_b1);
-        if (k.has_v) v0 = undo_moment<O, true>(v1, O::mul(O::mul(k.omb2, g), g), k.b2_d, k.inv_b2);
+        if (k.has_m) m0 = undo_moment<O, false>(m1, O::mul(k.omb1, g), k.b1_d, k.b1_inv, k.b1_lo);
+        if (k.has_v) v0 = undo_moment<O, true>(v1, O::mul(O::mul(k.omb2, g), g), k.b2_d, k.b2_inv, k.b2_lo);
     }
     if (REDO) {  // adam_elems, from the restored state
         T gr = unscaled<O>(graw, k.div_redo, k.redo_scale, k.inv_redo);
