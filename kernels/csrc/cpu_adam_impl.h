@@ -95,11 +95,11 @@ struct ScalarOps {
     typedef double D;
     static constexpr int kHalves = 1;
     static inline D widen(T x, int) { return (double)x; }
+    static inline D widen_load(const float* p, int) { return (double)*p; }
     static inline T narrow(const D* d) { return (float)d[0]; }
     static inline D dset(double x) { return x; }
     static inline D dadd(D a, D b) { return a + b; }
     static inline D dsub(D a, D b) { return a - b; }
-    static inline D dpos(D a) { return a > 0.0 ? a : 0.0; }      // NaN -> +0, as the old kernel's `vv > 0.0 ? ...`
     static inline D quotient(D a, D b, D, D) { return a / b; }
 };
 
@@ -170,13 +170,13 @@ struct VecOps {
     static inline D widen(T x, int h) {
         return _mm512_cvtps_pd(h == 0 ? _mm512_castps512_ps256(x) : _mm512_extractf32x8_ps(x, 1));
     }
+    static inline D widen_load(const float* p, int h) { return _mm512_cvtps_pd(_mm256_loadu_ps(p + 8 * h)); }
     static inline T narrow(const D* d) {
         return _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(d[0])), _mm512_cvtpd_ps(d[1]), 1);
     }
     static inline D dset(double x) { return _mm512_set1_pd(x); }
     static inline D dadd(D a, D b) { return _mm512_add_pd(a, b); }
     static inline D dsub(D a, D b) { return _mm512_sub_pd(a, b); }
-    static inline D dpos(D a) { return _mm512_maskz_mov_pd(_mm512_cmp_pd_mask(a, _mm512_setzero_pd(), _CMP_GT_OQ), a); }
     // a / b rounded to nearest from b's reciprocal split in two, inv + lo (reciprocal_quotient: see the Adam undo below)
     static inline D quotient(D a, D, D inv, D lo) { return _mm512_fmadd_pd(a, inv, _mm512_mul_pd(a, lo)); }
 };
@@ -252,13 +252,13 @@ struct VecOps {
     static inline D widen(T x, int h) {
         return _mm256_cvtps_pd(h == 0 ? _mm256_castps256_ps128(x) : _mm256_extractf128_ps(x, 1));
     }
+    static inline D widen_load(const float* p, int h) { return _mm256_cvtps_pd(_mm_loadu_ps(p + 4 * h)); }
     static inline T narrow(const D* d) {
         return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm256_cvtpd_ps(d[0])), _mm256_cvtpd_ps(d[1]), 1);
     }
     static inline D dset(double x) { return _mm256_set1_pd(x); }
     static inline D dadd(D a, D b) { return _mm256_add_pd(a, b); }
     static inline D dsub(D a, D b) { return _mm256_sub_pd(a, b); }
-    static inline D dpos(D a) { return _mm256_and_pd(a, _mm256_cmp_pd(a, _mm256_setzero_pd(), _CMP_GT_OQ)); }
     static inline D quotient(D a, D, D inv, D lo) { return _mm256_fmadd_pd(a, inv, _mm256_mul_pd(a, lo)); }
 };
 #else
@@ -538,7 +538,7 @@ static void adam_range(float* p, const void* grad, int grad_dtype, M* m, M* v,
 //   p0 = (float)(((double)p1 + (double)u) / decay)                   AdamW (L2: no quotient)
 //   g  = grad / grad_scale  (+ wd * p0 for L2)                       fp32
 //   m0 = (float)(((double)m1 - (double)((1 - b1) * g)) / b1)        0 after step 1
-//   v0 = (float)max(0, ((double)v1 - (double)((1 - b2) * g * g)) / b2)
+//   v0 = (float)(((double)v1 - (double)((1 - b2) * g * g)) / b2), a NaN or a value <= 0 as +0
 // then, with REDO, adam_elems from (p0, m0, v0) with grad / redo_scale.
 // The double sums of two floats and the conversions are single vector instructions. The three quotients by a
 // constant were the old kernel's cost (a vdivpd is ~16 cycles per 8 doubles on Xeons, three per element). The
@@ -584,25 +584,23 @@ struct UndoConsts {
 };
 
 // (float)(((double)p1 + (double)u) / decay), the quotient only for AdamW (and not by 1: x / 1 is x)
+// (the updated values x1 are widened from memory: a load does the lane split, not a shuffle)
 template <class O>
-static inline typename O::T undo_master(typename O::T p1, typename O::T u, const UndoConsts<O>& k) {
+static inline typename O::T undo_master(const float* p1, typename O::T u, const UndoConsts<O>& k) {
     typename O::D h[O::kHalves];
     for (int j = 0; j < O::kHalves; ++j) {
-        const typename O::D s = O::dadd(O::widen(p1, j), O::widen(u, j));
+        const typename O::D s = O::dadd(O::widen_load(p1, j), O::widen(u, j));
         h[j] = k.divide_master ? O::quotient(s, k.decay_d, k.decay_inv, k.decay_lo) : s;
     }
     return O::narrow(h);
 }
 
-// (float)(((double)x1 - (double)t) / b), clamped at +0 for the second moment
-template <class O, bool kClamp>
-static inline typename O::T undo_moment(typename O::T x1, typename O::T t, typename O::D b, typename O::D inv,
+// (float)(((double)x1 - (double)t) / b)
+template <class O>
+static inline typename O::T undo_moment(const float* x1, typename O::T t, typename O::D b, typename O::D inv,
                                         typename O::D lo) {
     typename O::D h[O::kHalves];
-    for (int j = 0; j < O::kHalves; ++j) {
-        const typename O::D q = O::quotient(O::dsub(O::widen(x1, j), O::widen(t, j)), b, inv, lo);
-        h[j] = kClamp ? O::dpos(q) : q;
-    }
+    for (int j = 0; j < O::kHalves; ++j) h[j] = O::quotient(O::dsub(O::widen_load(x1, j), O::widen(t, j)), b, inv, lo);
     return O::narrow(h);
 }
 
@@ -621,7 +619,7 @@ static inline void undo_elems(float* p, const void* grad, float* m, float* v, ui
     T p0 = O::load(p + i);
     if (PART != 2) {
         const T denom = O::add(O::mul(O::sqrt(v1), k.inv_bc2_sqrt), k.eps);
-        p0 = undo_master<O>(p0, O::mul(k.step_size, O::div(m1, denom)), k);
+        p0 = undo_master<O>(p + i, O::mul(k.step_size, O::div(m1, denom)), k);
     }
     if (PART == 1) {
         O::store(p + i, p0);
@@ -634,8 +632,10 @@ static inline void undo_elems(float* p, const void* grad, float* m, float* v, ui
     if (!k.decoupled) g = O::add(g, O::mul(k.l2_wd, p0));
     T m0 = k.zero, v0 = k.zero;
     if (!k.first) {
-        if (k.has_m) m0 = undo_moment<O, false>(m1, O::mul(k.omb1, g), k.b1_d, k.b1_inv, k.b1_lo);
-        if (k.has_v) v0 = undo_moment<O, true>(v1, O::mul(O::mul(k.omb2, g), g), k.b2_d, k.b2_inv, k.b2_lo);
+        if (k.has_m) m0 = undo_moment<O>(m + i, O::mul(k.omb1, g), k.b1_d, k.b1_inv, k.b1_lo);
+        // the old kernel's vv > 0 ? (float)vv : 0, as max((float)vv, +0): (float) keeps the sign and NaN-ness
+        // of vv (a positive vv may round to +0), and max(x, +0) gives +0 for NaN and -0 (maxps' rule)
+        if (k.has_v) v0 = O::max(undo_moment<O>(v + i, O::mul(O::mul(k.omb2, g), g), k.b2_d, k.b2_inv, k.b2_lo), k.zero);
     }
     if (REDO) {  // adam_elems, from the restored state
         T gr = unscaled<O>(graw, k.div_redo, k.redo_scale, k.inv_redo);
