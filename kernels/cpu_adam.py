@@ -3,10 +3,9 @@ pstar_fx.kernels._cpu_adam). Hands the extension data pointers, element counts a
 
 Bytes per element (see cpu_adam.cpp): Adam 28 B (read p, m, v 12 B + grad 4 B fp32 / 2 B 16-bit; write p, m, v
 12 B; + 2 B for the optional 16-bit param copy; bf16 moments: 20 B + grad; int8 moments: 12 B + grad + 0.06 B of
-block scales) + the non-finite check's read of the grad (4 B / 2 B); Adam undo 28 B / 26 B (+ 2 B for the
-redo's 16-bit copy; the master alone 16 B); cast 6 B; sq_norm 4 B /
-2 B; the STREAM triad 12 B counted (read b, c, write a; a plain store also reads a's line first, which STREAM does
-not count).
+block scales) + the non-finite check's read of the grad (4 B / 2 B); Adam undo 28 B / 26 B (+ 2 B for the redo's
+16-bit copy; the master alone 16 B); cast 6 B; sq_norm 4 B / 2 B; the STREAM triad 12 B counted (read b, c, write a;
+a plain store also reads a's line first, which STREAM does not count).
 
 Threads: by default one per physical core this process may run on (`default_threads()`: hyperthread siblings
 share a core's load/store buffers and add nothing to a memory-bound loop), or OMP_NUM_THREADS when it is set;

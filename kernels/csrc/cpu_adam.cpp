@@ -8,6 +8,10 @@
 //              fp32 grads: 32 B (28 B of Adam + 4 B check); bf16 grads + bf16 copy: 30 B (28 B unchecked).
 //              bf16 moments: 8 B less. int8 moments (codes + a 4 B scale per 256 elements each): read p 4,
 //              codes 2, grad; write p 4, codes 2 (+ 0.06 B of scales): 16 B with fp32 grads, unchecked.
+//   adam_undo  read p, m, v (12 B) + grad (4 B / 2 B), write p, m, v (12 B): 28 B / 26 B; a correction (the
+//              redo) + 2 B for the 16-bit copy: 28 B with bf16 grads, as the Adam. The master alone: 16 B.
+//              Same levels, blocks, stores and prefetch as adam_step; all levels give the old scalar kernel's bits
+//              (its float64 quotients by the constants decay, b1, b2: see cpu_adam_impl.h).
 //   cast       read 4 B, write 2 B = 6 B.
 //   sq_sum     read 4 B (fp32) or 2 B (16-bit).
 //   triad      12 B as STREAM counts it (read b, c, write a); a plain store also reads a's line first.

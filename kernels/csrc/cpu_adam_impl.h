@@ -561,9 +561,13 @@ static void adam_range(float* p, const void* grad, int grad_dtype, M* m, M* v,
 //
 // Bytes per element: read p, m, v 12 B + grad 4 B (fp32) / 2 B (16-bit), write p, m, v 12 B: 28 / 26 B;
 // with REDO the same + 2 B for the 16-bit copy (non-temporal with ST, as the Adam's); part 1 (the master
-// only) reads p, m, v and writes p: 16 B. As much as the Adam moves (its 16-bit-grad step is 28 B): the
-// arithmetic is two Adam steps' fp32 ops plus 6 conversions and 3 x 5 FMA-unit ops on float64 halves per
-// float vector, ~2.5x the Adam's uops, which a core issues faster than memory feeds it.
+// only) reads p, m, v and writes p: 16 B. A correction with bf16 grads and copy moves 28 B, as the Adam does.
+// Its arithmetic does not fit in the Adam's time from cache: it needs two vdivps + vsqrtps pairs per vector (the
+// step's update term, recomputed bit for bit, then the new step's), where the Adam needs one (and is bound by it
+// in cache, ~22 cycles per 16 lanes), plus ~60 port-0/5 uops on float64 halves (18 fp32 <-> fp64 conversions, 6
+// sums, 3 quotients of 2 ops each per half). One core in cache (the 2-core AVX-512 VM): 0.66-0.71 G elem/s
+// against the Adam's 1.8-1.9 and the scalar level's (the old kernel) 0.13. It keeps up with the Adam where memory
+// binds the Adam below ~0.6 G elem/s a core (bench/host_undo_bench.py).
 
 template <class O>
 struct UndoConsts {
