@@ -3,9 +3,9 @@ pstar_fx.kernels._cpu_adam). Hands the extension data pointers, element counts a
 
 Bytes per element (see cpu_adam.cpp): Adam 28 B (read p, m, v 12 B + grad 4 B fp32 / 2 B 16-bit; write p, m, v
 12 B; + 2 B for the optional 16-bit param copy; bf16 moments: 20 B + grad; int8 moments: 12 B + grad + 0.06 B of
-block scales) + the non-finite check's read of the grad (4 B / 2 B); Adam undo 26-28 B; cast 6 B; sq_norm 4 B /
-2 B; the STREAM triad 12 B counted (read b, c, write a; a plain store also reads a's line first, which STREAM does
-not count).
+block scales) + the non-finite check's read of the grad (4 B / 2 B); Adam undo 28 B / 26 B (+ 2 B for the redo's
+16-bit copy; the master alone 16 B); cast 6 B; sq_norm 4 B / 2 B; the STREAM triad 12 B counted (read b, c, write a;
+a plain store also reads a's line first, which STREAM does not count).
 
 Threads: by default one per physical core this process may run on (`default_threads()`: hyperthread siblings
 share a core's load/store buffers and add nothing to a memory-bound loop), or OMP_NUM_THREADS when it is set;
@@ -137,14 +137,18 @@ def _scales(exp_avg, exp_avg_absmax, exp_avg_sq_absmax) -> tuple:
 
 
 def adam_undo(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, grad_scale,
-              decoupled_weight_decay, redo_scale=None, param_out=None, part=0, num_threads=0) -> None:
+              decoupled_weight_decay, redo_scale=None, param_out=None, part=0, num_threads=0, simd="auto",
+              stores=STORES, prefetch_elems=PREFETCH_ELEMS) -> None:
+    """simd, stores, prefetch_elems: as adam_step's (the redo's 16-bit copy is the one non-temporal store).
+    Every SIMD level gives the scalar level's bits, which are the pre-vector kernel's (cpu_adam.cpp)."""
     _ext().adam_undo(
         param.data_ptr(), 0 if grad is None else grad.data_ptr(),
         "float32" if grad is None else _DTYPE_NAMES[grad.dtype], exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
         param.numel(), int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
         float(grad_scale), bool(decoupled_weight_decay) or weight_decay == 0.0,
         0.0 if redo_scale is None else float(redo_scale), 0 if param_out is None else param_out.data_ptr(),
-        "" if param_out is None else _DTYPE_NAMES[param_out.dtype], part, _threads(num_threads),
+        "" if param_out is None else _DTYPE_NAMES[param_out.dtype], part, _threads(num_threads), simd, stores,
+        int(prefetch_elems),
     )
 
 

@@ -711,3 +711,67 @@ def test_adam_undo_backends_agree_with_cpp_bit_for_bit(other, grad_dtype, decoup
         K.adam_undo(*state[:1], grads[-1], *state[1:], step=3, redo_scale=redo_scale, backend=backend, **hyper)
         results[backend] = state
     assert all(torch.equal(a, b) for a, b in zip(results["cpp"], results[other]))
+
+
+def _undo_case(n, grad_dtype, seed):
+    """A stepped state with the undo's edge cases: zero grads of both signs, second moments near eps^2 and at zero,
+    signed zeros and subnormals in the master and the first moment."""
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.randn(n, generator=gen)
+    m = torch.randn(n, generator=gen) * 1e-2
+    v = torch.rand(n, generator=gen) * 1e-4
+    g = torch.randn(n, generator=gen) * 0.1
+    g[::5], g[1::17] = 0.0, -0.0
+    v[::7], v[2::19] = 1e-16, 0.0                 # sqrt(v) * inv_bc2_sqrt next to eps; v - (1 - b2) g^2 < 0 on undo
+    m[::11], p[::13], p[3::29], m[4::31] = -0.0, -0.0, 1e-41, -3e-42
+    return p, m, v, g.to(grad_dtype)
+
+
+@needs_ext
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["g32", "gbf16", "gf16"])
+def test_cpp_undo_every_simd_level_is_the_old_kernel_bit_for_bit(grad_dtype):
+    """Every SIMD level of adam_undo gives the scalar level's bits: the kernel before issue 24, whose float64
+    quotients are IEEE divisions (the vector levels' reciprocal quotients are proven equal to them in
+    cpu_adam_impl.h: the bound is 0 ulps, for the master, both moments and the 16-bit copy). The scalar level in
+    turn is torch_adam.adam_undo's float64 arithmetic bit for bit, and a correction in one pass is that undo
+    followed by adam_step with the new scale. Over parts, weight decay modes (AdamW, Adam-L2, none), loss scales
+    that multiply (1, 1024) and divide (3), redo scales, step 1 (zero moments) and 3, a large lr, and the
+    hyperparameters that take the scalar level everywhere (b1 = 0.5, decay 1 - lr*wd = 0.5 and <= 0)."""
+    from pstar_fx.kernels import torch_adam
+    levels = K.build_info()["cpu_adam"]["simd_supported"]
+    n = 70001  # two 64K blocks, and a tail for every vector width
+    cases = [dict(decoupled=True, wd=0.1, lr=1e-2, b1=0.9), dict(decoupled=False, wd=0.1, lr=1e-2, b1=0.9),
+             dict(decoupled=True, wd=0.0, lr=1e-2, b1=0.9), dict(decoupled=True, wd=0.1, lr=3.0, b1=0.9),
+             dict(decoupled=True, wd=0.1, lr=5.0, b1=0.9), dict(decoupled=True, wd=0.1, lr=12.0, b1=0.9),
+             dict(decoupled=False, wd=0.0, lr=1e-2, b1=0.5)]
+    for ci, case in enumerate(cases):
+        for step, scale, redo, part in ((3, 1.0, None, "all"), (3, 1024.0, 0.37, "all"), (3, 3.0, 4.0, "all"),
+                                        (1, 1.0, 2.0, "all"), (3, 1.0, None, "param"), (3, 3.0, 0.5, "moments"),
+                                        (1, 1.0, None, "moments")):
+            p, m, v, g = _undo_case(n, grad_dtype, seed=100 * ci + step)
+            hyper = dict(step=step, lr=case["lr"], beta1=case["b1"], beta2=0.999, eps=1e-8, weight_decay=case["wd"],
+                         decoupled_weight_decay=case["decoupled"])
+            g = (g.float() * scale).to(grad_dtype)
+            assert cpu_adam.adam_step(p, g, m, v, grad_scale=scale, param_out=None, **hyper)
+            code = {"all": 0, "param": 1, "moments": 2}[part]
+            if part == "moments":   # the master was restored first
+                cpu_adam.adam_undo(p, None, m, v, grad_scale=scale, part=1, simd="scalar", **hyper)
+            results = {}
+            for level in levels:
+                for threads, off in ((1, 0), (3, 1)):   # off: the 16-bit copy's start, unaligned to the vectors
+                    state = [t.clone() for t in (p, m, v)]
+                    out = torch.full((n + 1,), 7.0, dtype=torch.bfloat16)[off:off + n] if redo else None
+                    cpu_adam.adam_undo(state[0], None if part == "param" else g, state[1], state[2], grad_scale=scale,
+                                       redo_scale=redo, param_out=out, part=code, simd=level, num_threads=threads,
+                                       **hyper)
+                    results[level, threads, off] = [_bits(t) for t in state] + ([_bits(out)] if redo else [])
+            ref = results["scalar", 1, 0]
+            for key, got in results.items():
+                assert all(torch.equal(a, b) for a, b in zip(got, ref)), f"case {ci} step {step} {part}: {key} differs"
+            want = [t.clone() for t in (p, m, v)]
+            torch_adam.adam_undo(want[0], g, want[1], want[2], grad_scale=scale, part=code, **hyper)
+            if redo:
+                cpu_adam.adam_step(want[0], g, want[1], want[2], grad_scale=redo, simd="scalar", check_finite=False,
+                                   param_out=None, **hyper)
+                assert torch.equal(ref[3], _bits(ref[0].view(torch.float32).to(torch.bfloat16)))
+            assert all(torch.equal(a, _bits(b)) for a, b in zip(ref, want)), f"case {ci} step {step} {part}: reference"

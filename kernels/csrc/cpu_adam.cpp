@@ -8,6 +8,10 @@
 //              fp32 grads: 32 B (28 B of Adam + 4 B check); bf16 grads + bf16 copy: 30 B (28 B unchecked).
 //              bf16 moments: 8 B less. int8 moments (codes + a 4 B scale per 256 elements each): read p 4,
 //              codes 2, grad; write p 4, codes 2 (+ 0.06 B of scales): 16 B with fp32 grads, unchecked.
+//   adam_undo  read p, m, v (12 B) + grad (4 B / 2 B), write p, m, v (12 B): 28 B / 26 B; a correction (the
+//              redo) + 2 B for the 16-bit copy: 28 B with bf16 grads, as the Adam. The master alone: 16 B.
+//              Same levels, blocks, stores and prefetch as adam_step; all levels give the old scalar kernel's bits
+//              (its float64 quotients by the constants decay, b1, b2: see cpu_adam_impl.h).
 //   cast       read 4 B, write 2 B = 6 B.
 //   sq_sum     read 4 B (fp32) or 2 B (16-bit).
 //   triad      12 B as STREAM counts it (read b, c, write a); a plain store also reads a's line first.
@@ -93,6 +97,17 @@ struct AdamCoeffs {
     const int32_t *q8_signed_base, *q8_unsigned_base;
 };
 
+// adam_undo's coefficients, rounded to fp32 as adam_step rounds them (AdamCoeffs)
+struct UndoCoeffs {
+    float decay, l2_wd, b1, omb1, b2, omb2, inv_bc2_sqrt, step_size, eps;
+    float scale, inv_scale, redo_scale, inv_redo;  // inv_*: 1 / scale, 1 when the scale is 1
+    bool div_scale, div_redo;  // divide by the scale (its reciprocal is not exact) instead of multiplying
+    bool decoupled, first;     // AdamW; step 1 (the moments come back as zeros)
+    bool master_quotient;      // AdamW with decay != 1: the master is divided by it
+    int stores, prefetch_elems;
+    double recip[3][2];        // decay, b1, b2: 1/b as RD(1/b) + RN(remainder / b) >= 0 (the vector levels' quotients)
+};
+
 // An int8 moment's range: one code per element and one fp32 scale (the block's absmax) per kQ8Block elements,
 // blocks from the range's first element (kernels/quant8.py, BLOCK_ELEMS)
 constexpr int64_t kQ8Block = 256;
@@ -142,6 +157,7 @@ struct Level {
     void (*cast)(void*, int, const float*, int64_t);
     double (*sq_sum)(const void*, int, int64_t);
     void (*triad)(float*, const float*, const float*, float, int64_t, bool);
+    void (*undo)(float*, const void*, int, float*, float*, uint16_t*, int, int64_t, const UndoCoeffs&, int, bool);
 };
 
 bool always() { return true; }
@@ -163,14 +179,17 @@ const std::vector<Level>& levels() {
 #if PSTAR_X86_DISPATCH
         {"avx512", has_avx512, simd_avx512::adam_range<float>, simd_avx512::adam_range<uint16_t>,
          simd_avx512::adam_range<Q8>, simd_avx512::max_abs_bits, simd_avx512::cast_range,
-         simd_avx512::sq_sum_range, simd_avx512::triad_range},
+         simd_avx512::sq_sum_range, simd_avx512::triad_range,
+         simd_avx512::adam_undo_range},
         {"avx2", has_avx2, simd_avx2::adam_range<float>, simd_avx2::adam_range<uint16_t>,
          simd_avx2::adam_range<Q8>, simd_avx2::max_abs_bits, simd_avx2::cast_range,
-         simd_avx2::sq_sum_range, simd_avx2::triad_range},
+         simd_avx2::sq_sum_range, simd_avx2::triad_range,
+         simd_avx2::adam_undo_range},
 #endif
         {"scalar", always, simd_scalar::adam_range<float>, simd_scalar::adam_range<uint16_t>,
          simd_scalar::adam_range<Q8>, simd_scalar::max_abs_bits, simd_scalar::cast_range,
-         simd_scalar::sq_sum_range, simd_scalar::triad_range},
+         simd_scalar::sq_sum_range, simd_scalar::triad_range,
+         simd_scalar::adam_undo_range},
     };
     return all;
 }
@@ -439,7 +458,7 @@ double stream_triad(uintptr_t a, uintptr_t b, uintptr_t c, int64_t n, double sca
 // before it. The step's update term is recomputed from the updated moments in the same fp32 operations
 // adam_step used (so it is the same bits), and the subtractions are undone in double: the master comes
 // back to within an ulp or two; a moment loses only what rounding took from its updated value (after
-// step 1 the moments are restored to their exact zeros). Reads p, m, v, grad; writes p, m, v: 26-28 B.
+// step 1 the moments are restored to their exact zeros).
 //
 // part: 0 everything; 1 the master only, from the updated moments (no grad is read: the first half of a
 // replay, before the step runs again); 2 the moments only, the master being already restored (the second
@@ -447,82 +466,24 @@ double stream_triad(uintptr_t a, uintptr_t b, uintptr_t c, int64_t n, double sca
 //
 // With redo_scale > 0 the same pass then applies the step again with grad / redo_scale instead of
 // grad / grad_scale (a correction: the speculative step used a guessed clip coefficient), in adam_step's
-// arithmetic, writing the 16-bit copy too: one pass instead of two, 28-30 B.
-struct UndoCoeffs {
-    float decay, l2_wd, b1, omb1, b2, omb2, inv_bc2_sqrt, step_size, eps;
-    bool decoupled, first;
-};
-
-static inline float unscale(float g, float scale, float inv, int mode) {
-    return mode == 0 ? g : mode == 1 ? g * inv : g / scale;
-}
-
-static inline int scale_mode_of(float scale, float inv) {
-    int exponent;
-    const bool pow2 = std::frexp((double)scale, &exponent) == 0.5 && std::isnormal(inv);
-    return scale == 1.0f ? 0 : pow2 ? 1 : 2;
-}
-
-template <int GK, bool REDO, int PART>
-static void undo_range(float* p, const void* grad, float* m, float* v, uint16_t* out, int ok, int64_t lo, int64_t hi,
-                       const UndoCoeffs& k, float scale, float inv, int mode, float rscale, float rinv, int rmode) {
-    for (int64_t i = lo; i < hi; ++i) {
-        const float m1 = m[i], v1 = v[i];
-        float p0 = p[i];
-        if (PART != 2) {
-            const float denom = std::sqrt(v1) * k.inv_bc2_sqrt + k.eps;
-            const float u = k.step_size * (m1 / denom);
-            const double pd = (double)p0 + (double)u;
-            p0 = k.decoupled ? (float)(pd / (double)k.decay) : (float)pd;
-        }
-        if (PART == 1) {
-            p[i] = p0;
-            continue;
-        }
-        const float graw = GK == 0 ? reinterpret_cast<const float*>(grad)[i]
-                         : GK == 1 ? simd_scalar::bf16_to_f32(reinterpret_cast<const uint16_t*>(grad)[i])
-                                   : simd_scalar::f16_to_f32_soft(reinterpret_cast<const uint16_t*>(grad)[i]);
-        float g = unscale(graw, scale, inv, mode);
-        if (!k.decoupled) g = g + k.l2_wd * p0;
-        float m0 = 0.0f, v0 = 0.0f;
-        if (!k.first) {
-            if (k.b1 > 0.0f) m0 = (float)(((double)m1 - (double)(k.omb1 * g)) / (double)k.b1);
-            const float t = (k.omb2 * g) * g;
-            const double vv = k.b2 > 0.0f ? ((double)v1 - (double)t) / (double)k.b2 : 0.0;
-            v0 = vv > 0.0 ? (float)vv : 0.0f;
-        }
-        if (!REDO) {
-            p[i] = p0;
-            m[i] = m0;
-            v[i] = v0;
-            continue;
-        }
-        // adam_step's order (cpu_adam_impl.h, adam_elems), from the restored state
-        float gr = unscale(graw, rscale, rinv, rmode);
-        float pi = p0;
-        if (k.decoupled) pi = pi * k.decay;
-        else gr = gr + k.l2_wd * pi;
-        const float mi = k.b1 * m0 + k.omb1 * gr;
-        const float vi = k.b2 * v0 + (k.omb2 * gr) * gr;
-        const float den = std::sqrt(vi) * k.inv_bc2_sqrt + k.eps;
-        pi = pi - k.step_size * (mi / den);
-        p[i] = pi;
-        m[i] = mi;
-        v[i] = vi;
-        if (ok == 1) out[i] = simd_scalar::f32_to_bf16(pi);
-        else if (ok == 2) out[i] = simd_scalar::f32_to_f16_soft(pi);
-    }
-}
-
+// arithmetic, writing the 16-bit copy too: one pass instead of two.
+//
+// The kernel (cpu_adam_impl.h, adam_undo_range) runs at the Adam's SIMD levels, in the Adam's blocks, stores
+// and prefetch; its float64 quotients are exact reciprocal steps on the vector levels and IEEE divisions on
+// the scalar level, which give the same bits: every level gives the old scalar kernel's result bit for bit
+// (tests/test_kernels.py). Bytes per element: 28 B (fp32 grad) / 26 B (16-bit), + 2 B for the redo's
+// 16-bit copy; the master alone (part 1) 16 B.
 void adam_undo(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, uintptr_t exp_avg,
                uintptr_t exp_avg_sq, int64_t n, int64_t step, double lr, double beta1, double beta2, double eps,
                double weight_decay, double grad_scale, bool decoupled, double redo_scale, uintptr_t param_out,
-               const std::string& out_dtype, int part, int num_threads) {
+               const std::string& out_dtype, int part, int num_threads, const std::string& simd,
+               const std::string& stores, int prefetch_elems) {
     if (part < 0 || part > 2) throw py::value_error("adam_undo: part must be 0, 1 or 2");
     if (n < 0) throw py::value_error("adam_undo: negative element count");
     if (step < 1) throw py::value_error("adam_undo: step must be >= 1 (1-based, after increment)");
+    const Level& chosen = pick(simd);
     const int gcode = dtype_code(grad_dtype, true, "adam_undo grad");
-    const int ocode = param_out == 0 ? 0 : dtype_code(out_dtype, false, "adam_undo param_out");
+    const int ocode = param_out == 0 ? -1 : dtype_code(out_dtype, false, "adam_undo param_out");
     check_ptr(param, 4, n, "param");
     check_ptr(exp_avg, 4, n, "exp_avg");
     check_ptr(exp_avg_sq, 4, n, "exp_avg_sq");
@@ -537,28 +498,48 @@ void adam_undo(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, u
     k.eps = (float)eps;
     k.decoupled = decoupled;
     k.first = step == 1;
-    const float scale = (float)grad_scale, inv = 1.0f / scale;
-    const int mode = scale_mode_of(scale, inv);
-    const bool redo = redo_scale > 0.0;
-    const float rscale = redo ? (float)redo_scale : 1.0f, rinv = 1.0f / rscale;
-    const int rmode = scale_mode_of(rscale, rinv);
+    // grad / scale as adam_step takes it: times the reciprocal when that is exact (a power of two, or 1)
+    auto scale_by = [](double value, float& scale, float& inv, bool& div) {
+        scale = (float)value, inv = 1.0f / scale;
+        int exponent;
+        const bool pow2 = std::frexp((double)scale, &exponent) == 0.5 && std::isnormal(inv);
+        div = !(scale == 1.0f || pow2);
+        if (scale == 1.0f) inv = 1.0f;
+    };
+    const bool redo = redo_scale > 0.0 && part != 1;
+    scale_by(grad_scale, k.scale, k.inv_scale, k.div_scale);
+    scale_by(redo ? redo_scale : 1.0, k.redo_scale, k.inv_redo, k.div_redo);
+    k.stores = stores_code(stores);
+    k.prefetch_elems = prefetch_elems;
+    // 1/b in two parts for reciprocal_quotient (cpu_adam_impl.h): inv = RD(1/b), the rest lo = (1 - inv*b)/b >= 0
+    // (1 - inv*b is exact as an FMA: it is below 2^-51 and a multiple of ulp(inv) ulp(b)); unused unless b > 0
+    auto split = [](float bf, double* r) {
+        const double b = bf, inv = 1.0 / b;
+        r[0] = std::fma(-inv, b, 1.0) < 0.0 ? std::nextafter(inv, 0.0) : inv;
+        r[1] = std::fma(-r[0], b, 1.0) / b;
+    };
+    split(k.decay, k.recip[0]), split(k.b1, k.recip[1]), split(k.b2, k.recip[2]);
+    k.master_quotient = decoupled && k.decay != 1.0f;  // x / 1 is x: weight decay 0 needs no quotient
+    // The vector levels' quotients need each divisor used positive, finite and no power of two (lo > 0: an inf
+    // would meet lo = 0 as inf * 0 = NaN); otherwise (b1 = 0.5, an AdamW decay 1 - lr*wd <= 0) the scalar
+    // level's divisions run.
+    auto reciprocal_ok = [](float b, const double* r) { return b > 0.0f && std::isfinite(b) && r[1] > 0.0; };
+    const bool exact = (!k.master_quotient || reciprocal_ok(k.decay, k.recip[0])) &&
+                       (!(k.b1 > 0.0f) || reciprocal_ok(k.b1, k.recip[1])) &&
+                       (!(k.b2 > 0.0f) || reciprocal_ok(k.b2, k.recip[2]));
+    const Level& L = exact ? chosen : levels().back();
     float* p = reinterpret_cast<float*>(param);
     float* m = reinterpret_cast<float*>(exp_avg);
     float* v = reinterpret_cast<float*>(exp_avg_sq);
-    uint16_t* out = reinterpret_cast<uint16_t*>(param_out);
-    const void* g = reinterpret_cast<const void*>(grad);
     const Blocks blocks(n);
     const int nt = threads_for(n, num_threads);
+    const int es = element_size(gcode);
     py::gil_scoped_release no_gil;
 #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(dynamic, 1)
     for (int64_t b = 0; b < blocks.count; ++b) {
-        const int64_t lo = blocks.begin(b), hi = lo + blocks.size(b);
-        const auto run = part == 1 ? undo_range<0, false, 1>
-            : part == 2 ? (redo ? (gcode == 0 ? undo_range<0, true, 2> : gcode == 1 ? undo_range<1, true, 2> : undo_range<2, true, 2>)
-                                : (gcode == 0 ? undo_range<0, false, 2> : gcode == 1 ? undo_range<1, false, 2> : undo_range<2, false, 2>))
-                        : (redo ? (gcode == 0 ? undo_range<0, true, 0> : gcode == 1 ? undo_range<1, true, 0> : undo_range<2, true, 0>)
-                                : (gcode == 0 ? undo_range<0, false, 0> : gcode == 1 ? undo_range<1, false, 0> : undo_range<2, false, 0>));
-        run(p, g, m, v, out, param_out == 0 ? 0 : ocode, lo, hi, k, scale, inv, mode, rscale, rinv, rmode);
+        const int64_t i = blocks.begin(b);
+        L.undo(p + i, part == 1 ? nullptr : at<const char>(grad, i * es), gcode, m + i, v + i,
+               param_out == 0 ? nullptr : at<uint16_t>(param_out, i), ocode, blocks.size(b), k, part, redo);
     }
 }
 
@@ -642,7 +623,8 @@ PYBIND11_MODULE(_cpu_adam, m) {
           py::arg("exp_avg_sq"), py::arg("n"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
           py::arg("eps"), py::arg("weight_decay"), py::arg("grad_scale"), py::arg("decoupled"),
           py::arg("redo_scale") = 0.0, py::arg("param_out") = 0, py::arg("out_dtype") = "", py::arg("part") = 0,
-          py::arg("num_threads") = 0,
+          py::arg("num_threads") = 0, py::arg("simd") = "auto", py::arg("stores") = "plain",
+          py::arg("prefetch_elems") = 0,
           "Undo one adam_step given the grad it consumed; with redo_scale > 0 apply it again with that "
           "grad scale in the same pass (see cpu_adam.cpp).");
     m.def("cast", &cast, py::arg("dst"), py::arg("dst_dtype"), py::arg("src"), py::arg("n"),

@@ -89,6 +89,18 @@ struct ScalarOps {
     static inline T abs(T a) { return __builtin_fabsf(a); }
     static inline T max(T a, T b) { return a > b ? a : b; }
     static inline float hmax(T a) { return a; }
+    // float64, for the undo (adam_undo_range): a float vector's values widened into kHalves vectors of doubles
+    // and narrowed back (round to nearest even). The quotient is IEEE division here: this level is the reference
+    // the vector levels' reciprocal steps reproduce, and the vector levels' tails.
+    typedef double D;
+    static constexpr int kHalves = 1;
+    static inline D widen(T x, int) { return (double)x; }
+    static inline D widen_load(const float* p, int) { return (double)*p; }
+    static inline T narrow(const D* d) { return (float)d[0]; }
+    static inline D dset(double x) { return x; }
+    static inline D dadd(D a, D b) { return a + b; }
+    static inline D dsub(D a, D b) { return a - b; }
+    static inline D quotient(D a, D b, D, D) { return a / b; }
 };
 
 #if PSTAR_SIMD == 2
@@ -153,6 +165,20 @@ struct VecOps {
         for (int j = 1; j < 16; ++j) r = r > f[j] ? r : f[j];
         return r;
     }
+    typedef __m512d D;
+    static constexpr int kHalves = 2;
+    static inline D widen(T x, int h) {
+        return _mm512_cvtps_pd(h == 0 ? _mm512_castps512_ps256(x) : _mm512_extractf32x8_ps(x, 1));
+    }
+    static inline D widen_load(const float* p, int h) { return _mm512_cvtps_pd(_mm256_loadu_ps(p + 8 * h)); }
+    static inline T narrow(const D* d) {
+        return _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(d[0])), _mm512_cvtpd_ps(d[1]), 1);
+    }
+    static inline D dset(double x) { return _mm512_set1_pd(x); }
+    static inline D dadd(D a, D b) { return _mm512_add_pd(a, b); }
+    static inline D dsub(D a, D b) { return _mm512_sub_pd(a, b); }
+    // a / b rounded to nearest from b's reciprocal split in two, inv + lo (reciprocal_quotient: see the Adam undo below)
+    static inline D quotient(D a, D, D inv, D lo) { return _mm512_fmadd_pd(a, inv, _mm512_mul_pd(a, lo)); }
 };
 #elif PSTAR_SIMD == 1
 struct VecOps {
@@ -221,6 +247,19 @@ struct VecOps {
         for (int j = 1; j < 8; ++j) r = r > f[j] ? r : f[j];
         return r;
     }
+    typedef __m256d D;
+    static constexpr int kHalves = 2;
+    static inline D widen(T x, int h) {
+        return _mm256_cvtps_pd(h == 0 ? _mm256_castps256_ps128(x) : _mm256_extractf128_ps(x, 1));
+    }
+    static inline D widen_load(const float* p, int h) { return _mm256_cvtps_pd(_mm_loadu_ps(p + 4 * h)); }
+    static inline T narrow(const D* d) {
+        return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm256_cvtpd_ps(d[0])), _mm256_cvtpd_ps(d[1]), 1);
+    }
+    static inline D dset(double x) { return _mm256_set1_pd(x); }
+    static inline D dadd(D a, D b) { return _mm256_add_pd(a, b); }
+    static inline D dsub(D a, D b) { return _mm256_sub_pd(a, b); }
+    static inline D quotient(D a, D, D inv, D lo) { return _mm256_fmadd_pd(a, inv, _mm256_mul_pd(a, lo)); }
 };
 #else
 typedef ScalarOps VecOps;
@@ -488,6 +527,199 @@ static void adam_range(float* p, const void* grad, int grad_dtype, M* m, M* v,
     if (grad_dtype == 0) adam_range_g<0>(p, grad, m, v, out, out_dtype, n, c);
     else if (grad_dtype == 1) adam_range_g<1>(p, grad, m, v, out, out_dtype, n, c);
     else adam_range_g<2>(p, grad, m, v, out, out_dtype, n, c);
+}
+
+// ---------------------------------------------------------------- Adam undo (and redo)
+
+// The inverse of adam_elems, given the state after a step and the grad it consumed (see adam_undo in
+// cpu_adam.cpp for the contract), and with REDO the step again with grad / redo_scale. The arithmetic is the
+// old scalar kernel's, operation for operation, so every level gives its bits:
+//   u  = step_size * (m1 / (sqrt(v1) * inv_bc2_sqrt + eps))         fp32, adam_elems' ops: the step's own u
+//   p0 = (float)(((double)p1 + (double)u) / decay)                   AdamW (L2: no quotient)
+//   g  = grad / grad_scale  (+ wd * p0 for L2)                       fp32
+//   m0 = (float)(((double)m1 - (double)((1 - b1) * g)) / b1)        0 after step 1
+//   v0 = (float)(((double)v1 - (double)((1 - b2) * g * g)) / b2), a NaN or a value <= 0 as +0
+// then, with REDO, adam_elems from (p0, m0, v0) with grad / redo_scale.
+// The double sums of two floats and the conversions are single vector instructions. The three quotients by a
+// constant were the old kernel's cost (a vdivpd is ~16 cycles per 8 doubles on Xeons, three per element). The
+// vector levels compute them from b's reciprocal split in two doubles, inv = RD(1/b) and lo = RN((1 - inv*b)/b)
+// >= 0 (UndoCoeffs, cpu_adam.cpp), as one multiply and one FMA:
+//   q = RN(a * inv + RN(a * lo))       reciprocal_quotient
+// and q is a / b rounded to nearest, the IEEE division's result, for every double a:
+//  - the argument is within 2^-103 |a/b| of a/b: inv + lo is 1/b to 2^-104 relative, and RN(a * lo) is off by at
+//    most 2^-53 of a * lo < 2^-51 a/b;
+//  - a/b is never that close to a midpoint between two doubles, the only places where rounding a nearby value
+//    can differ: with a = A 2^ea (A < 2^53), b = B 2^eb (B < 2^24 odd, b an fp32) and a midpoint
+//    m = M 2^em (M odd, 54 bits), a - b m is a nonzero multiple of 2^min(ea, eb + em) (B M is odd with 54 bits or
+//    more, so it is no A 2^k), hence |a/b - m| > 2^-77 |a/b|.
+// So the argument and a/b round to the same double: the margin is 2^26-fold. It needs b > 0 finite and no
+// underflow: |a| >= 2^-150 or a = 0 (a is a double sum of fp32 values) keeps a * lo above 2^-400. A zero a
+// keeps its sign (lo >= 0: -0 * lo + -0 * inv is -0); an infinite a stays infinite while lo > 0, so b must
+// be no power of two (there lo = 0 and inf * 0 is NaN). adam_undo runs the scalar level, whose quotients are
+// divisions, when a divisor breaks these (b1 = 0.5, an AdamW decay 1 - lr*wd <= 0); a decay of 1 (no weight
+// decay) divides nothing. Checked against the division for 2.4e8 quotients over 61 divisors: no difference.
+//
+// Bytes per element: read p, m, v 12 B + grad 4 B (fp32) / 2 B (16-bit), write p, m, v 12 B: 28 / 26 B;
+// with REDO the same + 2 B for the 16-bit copy (non-temporal with ST, as the Adam's); part 1 (the master
+// only) reads p, m, v and writes p: 16 B. A correction with bf16 grads and copy moves 28 B, as the Adam does.
+// Its arithmetic does not fit in the Adam's time from cache: it needs two vdivps + vsqrtps pairs per vector (the
+// step's update term, recomputed bit for bit, then the new step's), where the Adam needs one (and is bound by it
+// in cache, ~22 cycles per 16 lanes), plus ~60 port-0/5 uops on float64 halves (18 fp32 <-> fp64 conversions, 6
+// sums, 3 quotients of 2 ops each per half). One core in cache (the 2-core AVX-512 VM): 0.66-0.71 G elem/s
+// against the Adam's 1.8-1.9 and the scalar level's (the old kernel) 0.13. It keeps up with the Adam where memory
+// binds the Adam below ~0.6 G elem/s a core (bench/host_undo_bench.py).
+
+template <class O>
+struct UndoConsts {
+    typename O::T decay, l2_wd, b1, omb1, b2, omb2, inv_bc2_sqrt, step_size, eps, inv_scale, scale, inv_redo,
+        redo_scale, zero;
+    typename O::D decay_d, decay_inv, decay_lo, b1_d, b1_inv, b1_lo, b2_d, b2_inv, b2_lo;
+    bool decoupled, divide_master, first, has_m, has_v, div_scale, div_redo;
+    explicit UndoConsts(const UndoCoeffs& c)
+        : decay(O::set(c.decay)), l2_wd(O::set(c.l2_wd)), b1(O::set(c.b1)), omb1(O::set(c.omb1)), b2(O::set(c.b2)),
+          omb2(O::set(c.omb2)), inv_bc2_sqrt(O::set(c.inv_bc2_sqrt)), step_size(O::set(c.step_size)),
+          eps(O::set(c.eps)), inv_scale(O::set(c.inv_scale)), scale(O::set(c.scale)), inv_redo(O::set(c.inv_redo)),
+          redo_scale(O::set(c.redo_scale)), zero(O::set(0.0f)), decay_d(O::dset((double)c.decay)),
+          decay_inv(O::dset(c.recip[0][0])), decay_lo(O::dset(c.recip[0][1])), b1_d(O::dset((double)c.b1)),
+          b1_inv(O::dset(c.recip[1][0])), b1_lo(O::dset(c.recip[1][1])), b2_d(O::dset((double)c.b2)),
+          b2_inv(O::dset(c.recip[2][0])), b2_lo(O::dset(c.recip[2][1])), decoupled(c.decoupled),
+          divide_master(c.master_quotient), first(c.first),
+          has_m(c.b1 > 0.0f), has_v(c.b2 > 0.0f), div_scale(c.div_scale), div_redo(c.div_redo) {}
+};
+
+// (float)(((double)p1 + (double)u) / decay), the quotient only for AdamW (and not by 1: x / 1 is x)
+// (the updated values x1 are widened from memory: a load does the lane split, not a shuffle)
+template <class O>
+static inline typename O::T undo_master(const float* p1, typename O::T u, const UndoConsts<O>& k) {
+    typename O::D h[O::kHalves];
+    for (int j = 0; j < O::kHalves; ++j) {
+        const typename O::D s = O::dadd(O::widen_load(p1, j), O::widen(u, j));
+        h[j] = k.divide_master ? O::quotient(s, k.decay_d, k.decay_inv, k.decay_lo) : s;
+    }
+    return O::narrow(h);
+}
+
+// (float)(((double)x1 - (double)t) / b)
+template <class O>
+static inline typename O::T undo_moment(const float* x1, typename O::T t, typename O::D b, typename O::D inv,
+                                        typename O::D lo) {
+    typename O::D h[O::kHalves];
+    for (int j = 0; j < O::kHalves; ++j) h[j] = O::quotient(O::dsub(O::widen_load(x1, j), O::widen(t, j)), b, inv, lo);
+    return O::narrow(h);
+}
+
+// grad / scale: multiplied by the reciprocal when that is exact (a power of two, or 1), as adam_elems does
+template <class O>
+static inline typename O::T unscaled(typename O::T g, bool div, typename O::T scale, typename O::T inv) {
+    return div ? O::div(g, scale) : O::mul(g, inv);
+}
+
+// W consecutive elements. PART: 0 everything, 1 the master only (no grad), 2 the moments (the master restored).
+template <class O, int GK, int OK, bool REDO, int PART, int ST>
+static inline void undo_elems(float* p, const void* grad, float* m, float* v, uint16_t* out, int64_t i,
+                              const UndoConsts<O>& k) {
+    typedef typename O::T T;
+    const T m1 = O::load(m + i), v1 = O::load(v + i);
+    T p0 = O::load(p + i);
+    if (PART != 2) {
+        const T denom = O::add(O::mul(O::sqrt(v1), k.inv_bc2_sqrt), k.eps);
+        p0 = undo_master<O>(p + i, O::mul(k.step_size, O::div(m1, denom)), k);
+    }
+    if (PART == 1) {
+        O::store(p + i, p0);
+        return;
+    }
+    const T graw = GK == 0 ? O::load(static_cast<const float*>(grad) + i)
+                 : GK == 1 ? O::load_bf16(static_cast<const uint16_t*>(grad) + i)
+                           : O::load_f16(static_cast<const uint16_t*>(grad) + i);
+    T g = unscaled<O>(graw, k.div_scale, k.scale, k.inv_scale);
+    if (!k.decoupled) g = O::add(g, O::mul(k.l2_wd, p0));
+    T m0 = k.zero, v0 = k.zero;
+    if (!k.first) {
+        if (k.has_m) m0 = undo_moment<O>(m + i, O::mul(k.omb1, g), k.b1_d, k.b1_inv, k.b1_lo);
+        // the old kernel's vv > 0 ? (float)vv : 0, as max((float)vv, +0): (float) keeps the sign and NaN-ness
+        // of vv (a positive vv may round to +0), and max(x, +0) gives +0 for NaN and -0 (maxps' rule)
+        if (k.has_v) v0 = O::max(undo_moment<O>(v + i, O::mul(O::mul(k.omb2, g), g), k.b2_d, k.b2_inv, k.b2_lo), k.zero);
+    }
+    if (REDO) {  // adam_elems, from the restored state
+        T gr = unscaled<O>(graw, k.div_redo, k.redo_scale, k.inv_redo);
+        if (k.decoupled) p0 = O::mul(p0, k.decay);
+        else gr = O::add(gr, O::mul(k.l2_wd, p0));
+        m0 = O::add(O::mul(k.b1, m0), O::mul(k.omb1, gr));
+        v0 = O::add(O::mul(k.b2, v0), O::mul(O::mul(k.omb2, gr), gr));
+        const T denom = O::add(O::mul(O::sqrt(v0), k.inv_bc2_sqrt), k.eps);
+        p0 = O::sub(p0, O::mul(k.step_size, O::div(m0, denom)));
+    }
+    O::store(p + i, p0);
+    O::store(m + i, m0);
+    O::store(v + i, v0);
+    if (REDO && OK == 1) ST ? O::stream_bf16(out + i, p0) : O::store_bf16(out + i, p0);
+    else if (REDO && OK == 2) ST ? O::stream_f16(out + i, p0) : O::store_f16(out + i, p0);
+}
+
+// One block [0, n) of a chunk, pointers offset to its start; the head, prefetch and stores as adam_range_t's.
+template <int GK, int OK, bool REDO, int PART, int ST>
+static void undo_range_t(float* p, const void* grad, float* m, float* v, uint16_t* out, int64_t n,
+                         const UndoCoeffs& c) {
+    const UndoConsts<VecOps> kv(c);
+    const UndoConsts<ScalarOps> ks(c);
+    int64_t i = 0;
+    if (ST != 0)
+        for (; i < n && !aligned_to(out + i, VecOps::W * 2); ++i)
+            undo_elems<ScalarOps, GK, OK, REDO, PART, 0>(p, grad, m, v, out, i, ks);
+#if PSTAR_SIMD != 0
+    if (c.prefetch_elems != 0) {
+        const uintptr_t ahead = (uintptr_t)(c.prefetch_elems > 0 ? c.prefetch_elems : -c.prefetch_elems);
+        const uintptr_t gsize = GK == 0 ? 4 : 2;
+        const int64_t per_line = 16 / VecOps::W;
+        const int hint = c.prefetch_elems > 0 ? _MM_HINT_T0 : _MM_HINT_T1;
+        for (int64_t it = 0; i + VecOps::W <= n; i += VecOps::W, ++it) {
+            if (it % per_line == 0) {
+                const uintptr_t j = (uintptr_t)i + ahead;
+                const char* lines[4] = {(const char*)((uintptr_t)p + 4 * j), (const char*)((uintptr_t)m + 4 * j),
+                                        (const char*)((uintptr_t)v + 4 * j), (const char*)((uintptr_t)grad + gsize * j)};
+                const int count = PART == 1 || (gsize == 2 && (it / per_line) % 2 != 0) ? 3 : 4;
+                if (hint == _MM_HINT_T0) for (int l = 0; l < count; ++l) _mm_prefetch(lines[l], _MM_HINT_T0);
+                else for (int l = 0; l < count; ++l) _mm_prefetch(lines[l], _MM_HINT_T1);
+            }
+            undo_elems<VecOps, GK, OK, REDO, PART, ST>(p, grad, m, v, out, i, kv);
+        }
+    }
+#endif
+    for (; i + VecOps::W <= n; i += VecOps::W) undo_elems<VecOps, GK, OK, REDO, PART, ST>(p, grad, m, v, out, i, kv);
+    for (; i < n; ++i) undo_elems<ScalarOps, GK, OK, REDO, PART, 0>(p, grad, m, v, out, i, ks);
+    if (ST != 0) VecOps::fence();
+}
+
+template <int GK, int OK, bool REDO, int PART>
+static void undo_range_s(float* p, const void* grad, float* m, float* v, uint16_t* out, int64_t n,
+                         const UndoCoeffs& c) {
+    if constexpr (REDO && OK >= 1 && VecOps::kCanStream) {
+        if (c.stores == 1 && n >= 4 * VecOps::W) return undo_range_t<GK, OK, REDO, PART, 1>(p, grad, m, v, out, n, c);
+    }
+    undo_range_t<GK, OK, REDO, PART, 0>(p, grad, m, v, out, n, c);
+}
+
+template <int GK>
+static void undo_range_g(float* p, const void* grad, float* m, float* v, uint16_t* out, int out_dtype, int64_t n,
+                         const UndoCoeffs& c, int part, bool redo) {
+    if (!redo) return part == 2 ? undo_range_s<GK, -1, false, 2>(p, grad, m, v, out, n, c)
+                                : undo_range_s<GK, -1, false, 0>(p, grad, m, v, out, n, c);
+    if (out == nullptr) return part == 2 ? undo_range_s<GK, -1, true, 2>(p, grad, m, v, out, n, c)
+                                         : undo_range_s<GK, -1, true, 0>(p, grad, m, v, out, n, c);
+    if (out_dtype == 1) return part == 2 ? undo_range_s<GK, 1, true, 2>(p, grad, m, v, out, n, c)
+                                         : undo_range_s<GK, 1, true, 0>(p, grad, m, v, out, n, c);
+    return part == 2 ? undo_range_s<GK, 2, true, 2>(p, grad, m, v, out, n, c)
+                     : undo_range_s<GK, 2, true, 0>(p, grad, m, v, out, n, c);
+}
+
+// part 1 reads no grad and redoes nothing (adam_undo refuses a redo there)
+static void adam_undo_range(float* p, const void* grad, int grad_dtype, float* m, float* v, uint16_t* out,
+                            int out_dtype, int64_t n, const UndoCoeffs& c, int part, bool redo) {
+    if (part == 1) undo_range_t<0, -1, false, 1, 0>(p, grad, m, v, out, n, c);
+    else if (grad_dtype == 0) undo_range_g<0>(p, grad, m, v, out, out_dtype, n, c, part, redo);
+    else if (grad_dtype == 1) undo_range_g<1>(p, grad, m, v, out, out_dtype, n, c, part, redo);
+    else undo_range_g<2>(p, grad, m, v, out, out_dtype, n, c, part, redo);
 }
 
 // STREAM's triad a = b + s*c on float32, as the yardstick for the Adam: same compiler, flags, SIMD level
