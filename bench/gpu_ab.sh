@@ -2,7 +2,8 @@
 # A/B in one device call: each `gpt:` stage runs on a baseline tree and on this tree, back to back, on one box.
 #   git archive REV | tar -x -C .base          (here; .base is ignored, so carry it: run(..., carry=[".base"]))
 #   bash bench/gpu_ab.sh "tests:K_EXPR" "gpt:MODEL:pstar_fx:16:::EXTRA ARGS" ...
-# Stages: tests[:PYTEST_K_EXPR] (tests/test_gpu.py on this tree only) and gpt:MODEL:SYSTEM[:BATCH[:HOST[:LAYERS[:EXTRA]]]]
+# Stages: tests[:PYTEST_K_EXPR] (tests/test_gpu.py on this tree only), undo[:ARGS] (bench/host_undo_bench.py ARGS,
+# spaces as commas, on this tree) and gpt:MODEL:SYSTEM[:BATCH[:HOST[:LAYERS[:EXTRA]]]]
 # as in gpu_run.sh. No pip install: each tree builds its C++ Adam in place and is put first on PYTHONPATH (its
 # pstar_fx/kernels and pstar_fx/models link to the top-level folders, as the install maps them).
 # Records: $OUT/base.jsonl and $OUT/head.jsonl (bench/gpt.py --json), logs beside them. STEPS (default 6).
@@ -23,6 +24,9 @@ for stage in "$@"; do
     tests*) k=${stage#tests}; k=${k#:}
        (cd "$HEAD" && PYTHONPATH="$HEAD" timeout 420 python3 -m pytest -q -rs -p no:logging --tb=short \
           -o faulthandler_timeout=100 tests/test_gpu.py ${k:+-k "$k"} --durations=10 2>&1 | tail -60 | tee -a "$OUT/tests.txt") ;;
+    undo*) a=${stage#undo}; a=${a#:}
+       (cd "$HEAD" && PYTHONPATH="$HEAD" timeout 200 python3 bench/host_undo_bench.py --json "$OUT/undo.json" \
+          $(echo "$a" | tr , ' ') 2>&1 | tail -20 | tee -a "$OUT/undo.txt") ;;
     gpt:*) IFS=: read -r _ model system batch host layers extra <<< "$stage"
        for side in base head; do
          tree=$HEAD; [[ $side == base ]] && tree=$BASE
