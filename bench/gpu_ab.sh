@@ -22,7 +22,7 @@ for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case "$stage" in
     tests*) k=${stage#tests}; k=${k#:}
-       (cd "$HEAD" && PYTHONPATH="$HEAD" timeout 420 python3 -m pytest -q -rs -p no:logging --tb=short \
+       (cd "$HEAD" && PYTHONPATH="$HEAD" timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -rs -p no:logging --tb=short \
           -o faulthandler_timeout=100 tests/test_gpu.py ${k:+-k "$k"} --durations=10 2>&1 | tail -60 | tee -a "$OUT/tests.txt") ;;
     undo*) a=${stage#undo}; a=${a#:}
        (cd "$HEAD" && PYTHONPATH="$HEAD" timeout 200 python3 bench/host_undo_bench.py --json "$OUT/undo.json" \
