@@ -254,8 +254,8 @@ def _profile(g: fx.Graph, runs: list, compiled: list, cuda: bool) -> tuple[list[
 
 def compile_regions(gm: fx.GraphModule, plan, *, cuda: bool, backend: str | None = None,
                     min_kernels: int = 2) -> fx.GraphModule:
-    """Compile `gm`'s runs of compute in place; `plan`'s activation and device peaks grow by what holding the
-    regions' inputs costs, and runs that would take it over its budget stay eager. A run with fewer than
+    """Compile `gm`'s runs of compute in place. What holding the regions' inputs costs goes to the planner as
+    `gm.meta["plan_delta"]` (planning.fold counts it); runs that would take the plan over its budget stay eager. A run with fewer than
     `min_kernels` ops Inductor would generate (a lone matmul between two chunk nodes) stays eager too."""
     backend = backend or BACKEND
     g = gm.graph

@@ -91,7 +91,7 @@ def assumed(**figures: float):
     `with assumed(coll_bw=45e9): pstar_fx.plan(...)` plans for ranks joined by 45 GB/s of collective bus
     bandwidth (InfiniBand between hosts) rather than the nominal NVLink figure. For sizing a machine that is
     not this one (`pstar-fx plan --coll-bw`); the cache's measurements are left as they are, and an engine
-    launched on partitioned ranks still measures its own bus bandwidth (engine.Lowered._rates). An unknown
+    launched on partitioned ranks still measures its own bus bandwidth (pipeline.lower.Lowered._rates). An unknown
     field is a TypeError that lists the valid ones."""
     names = [f.name for f in dataclasses.fields(Rates) if f.name != "device"]
     unknown = sorted(set(figures) - set(names))
