@@ -105,14 +105,20 @@ def reference_run(model, batches, opt_cfg, dtype=torch.float32, loss_of=lambda m
     kwargs = {k: v for k, v in opt_cfg.items() if k != "type"}
     opt = cls(ref.parameters(), **kwargs)
     losses = []
+    record = []              # per step: (lr, {param: (gradient, its magnitude)}), for `attach_gradient_reach`
     for inputs in batches:
         opt.zero_grad()
         loss = loss_of(ref, in_dtype(inputs, dtype))
         loss.backward()
+        record.append((opt.param_groups[0]["lr"], {p: (p.grad.clone(), p.grad.abs()) for p in ref.parameters()
+                                                   if p.grad is not None}))
         opt.step()
         losses.append(loss.item())
+    ref.__dict__["adam_record"] = record
     if dtype == torch.float32:
-        attach_truth(ref, *reference_run(model, batches, opt_cfg, torch.float64, loss_of), steps=len(batches))
+        truth, truth_losses = reference_run(model, batches, opt_cfg, torch.float64, loss_of)
+        attach_truth(ref, truth, truth_losses, steps=len(batches))
+        attach_gradient_reach(ref, truth, model, opt_cfg, accum=1)
     return ref, losses
 
 
@@ -157,15 +163,36 @@ def reference_run(model, batches, opt_cfg, dtype=torch.float32, loss_of=lambda m
 # the recipe's AdamW updates (its lr schedule, decay, bias corrections, eps) along the float64 run's
 # gradients: it is the element's amplification, lr·eps/(|g| + eps)² at step 1, about lr/(√v̂ + eps) later,
 # and it carries the error on through m and v. S_i,t = Σ_j |g_j| is the element's micro-batch gradients'
-# magnitude (|g| without accumulation); each micro-batch gradient is off by up to ρ·|g_j|, ρ the measured
-# relative rounding of the tensor's fp32 gradient at step 1 (torch's, against float64, from the same
-# weights), again up to REACH_FACTOR times as far for ours; adding k micro-batch gradients rounds by up to
-# (k − 1)·u·S. ‖δw‖ over the tensor's compared elements is added to the allowed distance. It is small unless
+# magnitude (|g| without accumulation). ρ is the measured relative rounding of the tensor's fp32 gradient
+# at step 1 (torch's, against float64, from the same weights; 4e-7 above, ours alike); it is a norm, and
+# single elements of one micro-batch gradient were seen up to 2ρ off, so each is taken to be off by up to
+# REACH_FACTOR·ρ·|g_j| (as the weights: ours up to twice as far as torch, 1 + 2); adding k micro-batch
+# gradients rounds by up to (k − 1)·u·S. ‖δw‖ over the tensor's compared elements is added to the allowed distance (both references
+# record what it needs: `reference_run`, k = 1, and test_transaction's `reference`). It is small unless
 # an element's gradient cancels (S ≫ |g|) or sits near eps: a wrong update still moves weights by ~lr per
 # step, and the elements the term widens are those whose rounding Adam amplifies by 1e4..1e5.
 
 FP32_U = 2.0 ** -24          # fp32 unit roundoff
 REACH_FACTOR = 3.0           # ours may round up to 2x as far from the truth as torch: 1 + 2
+
+
+def attach_gradient_reach(ref: nn.Module, truth: nn.Module, model: nn.Module, opt_cfg: dict, accum: int) -> None:
+    """`ref.__dict__["gradient_reach"]`: name -> the element-wise bound of `adam_gradient_reach`, from the float64
+    run's recorded gradients (`truth.__dict__["adam_record"]`) and, as ρ, each tensor's measured relative rounding
+    of the fp32 gradient at the first step (`ref`'s record; both runs start from the same weights there)."""
+    rec32, rec64 = ref.__dict__["adam_record"], truth.__dict__["adam_record"]
+    if not rec32 or not rec64:
+        return
+    named32 = list(ref.named_parameters(remove_duplicate=False))        # tied weights under each name
+    named64 = list(truth.named_parameters(remove_duplicate=False))
+    steps64 = [(lr, {n: grads[q] for n, q in named64 if q in grads}) for lr, grads in rec64]
+    rho = {}
+    for (_, p32), (n, _) in zip(named32, named64):
+        if p32 in rec32[0][1] and n in steps64[0][1]:
+            g32, g64 = rec32[0][1][p32][0], steps64[0][1][n][0]
+            rho[n] = ((g32.double() - g64).norm() / g64.norm().clamp_min(1e-300)).item()
+    init = dict(model.named_parameters(remove_duplicate=False))
+    ref.__dict__["gradient_reach"] = adam_gradient_reach({n: init[n] for n in rho}, steps64, opt_cfg, rho, accum)
 
 
 def adam_gradient_reach(init: dict, steps: list, opt_cfg: dict, rho: dict, accum: int) -> dict:
@@ -174,8 +201,8 @@ def adam_gradient_reach(init: dict, steps: list, opt_cfg: dict, rho: dict, accum
     init: name -> initial weight; steps: per step (lr, {name: (float64 gradient as applied, Σ_j |micro-batch
     gradient| scaled alike)}); rho: name -> the measured relative rounding of that tensor's fp32 gradient."""
     beta1, beta2 = opt_cfg.get("betas", (0.9, 0.999))
-    eps, wd = opt_cfg.get("eps", 1e-8), opt_cfg.get("weight_decay", 0.0)
     decoupled = opt_cfg.get("type", "adamw") == "adamw"
+    eps, wd = opt_cfg.get("eps", 1e-8), opt_cfg.get("weight_decay", 0.01 if decoupled else 0.0)   # torch's defaults
     out = {}
     for name, w0 in init.items():
         w = w0.detach().to(torch.float64).clone()
