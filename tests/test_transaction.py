@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_engine import adam_gradient_reach, assert_losses_close, assert_weights_close, attach_truth, batch, in_dtype, \
-    rounding_tolerance, tight_budget
+from test_engine import assert_losses_close, assert_weights_close, attach_gradient_reach, attach_truth, batch, \
+    in_dtype, rounding_tolerance, tight_budget
 
 import pstar_fx
 import pstar_fx.optim.adam as adam_module
@@ -83,7 +83,6 @@ def reference(model, batches, *, grad_clip=None, accum=1, lr_lambda=None, scaler
     # true gradient is zero; a sum of micro-batch gradients that cancel) get noise as gradient, which Adam
     # turns into lr-sized steps: assert_weights_close leaves out elements by their `.grad`, so hand it the
     # smallest magnitude each element had over the run.
-    first_grads = {p: g for p, (g, _) in record[0][1].items()} if record else {}
     for p, g in smallest.items():
         p.grad = g
     ref.__dict__["adam_record"] = record
@@ -91,20 +90,8 @@ def reference(model, batches, *, grad_clip=None, accum=1, lr_lambda=None, scaler
         truth, _, truth_out = reference(model, batches, grad_clip=grad_clip, accum=accum, lr_lambda=lr_lambda,
                                         dtype=torch.float64)
         attach_truth(ref, truth, truth_out, steps=len(batches))
-        # how far gradient rounding reaches through Adam, element by element (test_engine's comment above
-        # FP32_U): the float64 run's gradients, and the measured relative rounding of each tensor's fp32
-        # gradient at the first step (both runs start from the same weights there)
-        init = dict(model.named_parameters(remove_duplicate=False))
-        named64 = list(truth.named_parameters(remove_duplicate=False))      # tied weights under each name
-        steps64 = [(lr, {n: grads[q] for n, q in named64 if q in grads}) for lr, grads in truth.__dict__["adam_record"]]
-        rho = {}
-        for (n32, p32), (n64, p64) in zip(ref.named_parameters(remove_duplicate=False),
-                                           truth.named_parameters(remove_duplicate=False)):
-            if p32 in first_grads and n64 in steps64[0][1]:
-                g64 = steps64[0][1][n64][0]
-                rho[n64] = ((first_grads[p32].double() - g64).norm() / g64.norm().clamp_min(1e-300)).item()
-        reach = adam_gradient_reach({n: init[n] for n in rho}, steps64, OPT, rho, accum)
-        ref.__dict__["gradient_reach"] = reach
+        # how far gradient rounding reaches through Adam, element by element (test_engine's comment above FP32_U)
+        attach_gradient_reach(ref, truth, model, OPT, accum)
     return ref, opt, out
 
 
