@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_engine import assert_losses_close, assert_weights_close, attach_truth, batch, in_dtype, rounding_tolerance, \
-    tight_budget
+from test_engine import assert_losses_close, assert_weights_close, attach_gradient_reach, attach_truth, batch, \
+    in_dtype, rounding_tolerance, tight_budget
 
 import pstar_fx
 import pstar_fx.optim.adam as adam_module
@@ -44,19 +44,29 @@ def reference(model, batches, *, grad_clip=None, accum=1, lr_lambda=None, scaler
     scaler = torch.amp.GradScaler("cpu", **scaler_kw) if scaler_kw is not None else None
     out = []
     smallest = {p: None for p in ref.parameters()}
+    record = []              # per step: (lr, {param: (gradient as applied, Σ_j |micro-batch gradient| alike)})
     for whole in batches:
         opt.zero_grad(set_to_none=True)
         lr, scale = opt.param_groups[0]["lr"], (scaler.get_scale() if scaler else 1.0)
         total = 0.0
+        magnitude = {}
         for mb in zip(*(x.chunk(accum) for x in whole)):
+            before = {p: p.grad.clone() for p in ref.parameters() if p.grad is not None}
             with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
                 loss = ref(*in_dtype(mb, dtype))
             (scaler.scale(loss / accum) if scaler else loss / accum).backward()
             total += loss.item()
+            for p in ref.parameters():
+                if p.grad is not None:
+                    part = (p.grad - before[p] if p in before else p.grad).abs()
+                    magnitude[p] = magnitude[p] + part if p in magnitude else part
         if scaler:
             scaler.unscale_(opt)
         norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), grad_clip or float("inf")))
         if math.isfinite(norm):
+            coef = min(1.0, grad_clip / (norm + 1e-6)) if grad_clip else 1.0      # clip_grad_norm_'s factor
+            record.append((lr, {p: (p.grad.clone(), magnitude[p] * coef) for p in ref.parameters()
+                                if p.grad is not None}))
             for p in ref.parameters():
                 if p.grad is not None:
                     smallest[p] = p.grad.abs() if smallest[p] is None else torch.minimum(smallest[p], p.grad.abs())
@@ -76,10 +86,13 @@ def reference(model, batches, *, grad_clip=None, accum=1, lr_lambda=None, scaler
     # smallest magnitude each element had over the run.
     for p, g in smallest.items():
         p.grad = g
+    ref.__dict__["adam_record"] = record
     if dtype == torch.float32 and scaler_kw is None and autocast is None:
         truth, _, truth_out = reference(model, batches, grad_clip=grad_clip, accum=accum, lr_lambda=lr_lambda,
                                         dtype=torch.float64)
         attach_truth(ref, truth, truth_out, steps=len(batches))
+        # how far gradient rounding reaches through Adam, element by element (test_engine's comment above FP32_U)
+        attach_gradient_reach(ref, truth, model, OPT, accum)
     return ref, opt, out
 
 
