@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from ..optim import Hyper
 from .step_log import ACCUMULATE, APPLY, DEFER, MEASURE, SPECULATE, SPECULATE_KEEPING, StepPass
 
-if TYPE_CHECKING:
-    from .step import Stepper
+# Each transaction is handed the Stepper (`st`: the step's runner, verdict, updater and buffers) and reads it by
+# its fields; it does not import step.py, which picks the transaction (`for_plan`): the arrow runs one way.
 
 
 class Outcome(NamedTuple):
@@ -35,18 +35,18 @@ class Transaction:
     def __init__(self, name: str):
         self.name = name
 
-    def run(self, st: Stepper, batches: list, hyper: Hyper, tangent: torch.Tensor, saved: list | None) -> Outcome:
+    def run(self, st, batches: list, hyper: Hyper, tangent: torch.Tensor, saved: list | None) -> Outcome:
         """The step's passes and its verdict; on return the step is ready to commit. `hyper` has the loss scale
         as its grad_scale; `saved`: the model's buffers before the step (when `reruns`)."""
         raise NotImplementedError
 
-    def roll_back(self, st: Stepper, batches: list, tangent: torch.Tensor, saved: list | None) -> bool:
+    def roll_back(self, st, batches: list, tangent: torch.Tensor, saved: list | None) -> bool:
         """After an exception: True if the step was rolled back here; False leaves it to the updater's abandon,
         which undoes every update it can (the kept gradients or accumulators it needs are intact)."""
         return False
 
 
-def _speculate(st: Stepper, batch, hyper: Hyper, tangent, kind: StepPass) -> tuple[float, Outcome]:
+def _speculate(st, batch, hyper: Hyper, tangent, kind: StepPass) -> tuple[float, Outcome]:
     """One pass updating each chunk inside backward with a guessed clip coefficient; returns (guess, outcome).
     The guess is the last step's coefficient: norms change slowly, so a correction then moves each update a little,
     and its undo loses nothing to cancellation (undoing a step speculated at 1 that should have been 0.01 would
