@@ -278,3 +278,131 @@ def test_a_deferred_plan_charges_the_host_adam_it_cannot_overlap_with_backward()
     assert deferred.estimated_step_seconds > kept.estimated_step_seconds + 1e-3 * compute
     assert deferred.estimated_step_seconds - fast.estimated_step_seconds >= updated / rate - compute - 1e-9
     assert "after the verdict" in deferred.summary()
+
+
+# ---- what a step costs when clipping triggers ---------------------------------------------------------------
+
+# every field the planner reads, stated (planning for "cuda" starts from Rates.nominal, for "cpu" from this machine's
+# calibration: `assumed` replaces both)
+FIXED_RATES = dict(flops=3e11, mem_bw=1e11, h2d_bw=4e10, d2h_bw=2e10, host_adam=2e9, host_adam_bf16=2e9,
+                   host_adam_int8=8.5e8, workspace_bytes=0, coll_bw=2e9, host_undo=1.9e9)
+
+
+def test_triggered_step_arithmetic_per_transaction():
+    """`_triggered_seconds` on a made-up step: eight nodes of 1 s, forward reads c0..c3, backward c3..c0 and
+    updates each chunk after its read; c0, c1 on the device, c2, c3 on the host, 1e9 elements each. Every
+    correction job costs 1 s: 28 B x 1e9 at 28 GB/s on the device, 1e9 / host_undo on the host, and a kept
+    gradient coming back from the host 2 B x 1e9 at 2 GB/s."""
+    from types import SimpleNamespace
+
+    from pstar_fx.planning.costs import Rates
+    from pstar_fx.planning.planner import DEVICE_RESTORE_BYTES, _triggered_seconds, device_correction_bytes
+    assert device_correction_bytes(2) == device_correction_bytes(4) == 28 and DEVICE_RESTORE_BYTES == 16
+    layout = SimpleNamespace(chunks=[SimpleNamespace(used_elems=10**9) for _ in range(4)])
+    rates = Rates("made-up", 1e12, 28e9, 2e9, 2e9, 1e9, host_undo=1e9)
+    common = dict(cuda=True, placement=["device", "device", "host", "host"], layout=layout, node_secs=[1.0] * 8,
+                  reads=[{0}, {1}, {2}, {3}, {3}, {2}, {1}, {0}], adam_at={3: 4, 2: 5, 1: 6, 0: 7}, rates=rates,
+                  itemsize=2, copy_s={2: 0.1, 3: 0.1}, copies_exposed=0.25, adam_hidden=0.75, replay_host_exposed=0.5)
+
+    def triggered(transaction, **kw):
+        return _triggered_seconds(transaction, 10.0, **{**common, "kept_on_device": True, **kw})
+
+    # kept on the device: the device corrections take 2 s before the next forward; the worker corrects c3 (done at
+    # 1 s) and c2 (2 s), copied by 2.1 s, read at 2 + 2 s: no stall. Plus the Adam the step hid (0.75 s)
+    assert math.isclose(triggered("kept_grads"), 10 + 0.75 + 2)
+    # kept on the host: each device chunk's gradient comes back first (+1 s each, blocking the launching thread,
+    # which submits the host corrections at 4 s): c2 done at 6 s, copied by 6.1, read at 4 + 2 s: 0.1 s late
+    assert math.isclose(triggered("kept_grads", kept_on_device=False), 10 + 0.75 + 4 + 0.1)
+    # a host correction 4x slower: c2 done at 8 s, copied by 8.1, read at 2 + 2 s
+    slow = dict(rates=Rates("made-up", 1e12, 28e9, 2e9, 2e9, 1e9, host_undo=0.25e9))
+    assert math.isclose(triggered("kept_grads", **slow), 10 + 0.75 + 2 + 4.1)
+    # replay: the device masters restored at 16 B per element (8/7 s), host restores overlapping the forward, then
+    # one more forward+backward (8 s) with its exposed copies and host jobs (the pipeline at host_undo: 0.5 s)
+    assert math.isclose(triggered("replay"), 10 + 0.75 + 16 / 28 * 2 + 8 + 0.25 + 0.5)
+    assert triggered("replay", **slow) > triggered("replay")
+    # the CPU runtime runs every correction inline, the "device" chunks' too
+    assert math.isclose(triggered("kept_grads", cuda=False), 10 + 4)
+    assert math.isclose(triggered("replay", cuda=False), 10 + 4 + 8 + 0.25 + 0.5)
+    for transaction in ("deferred", "two_pass", "accumulate", "none"):
+        assert triggered(transaction) == triggered(transaction, **slow) == 10.0
+
+
+def _clip_plan(device, placement, transaction, grad_clip=1.0, **rates):
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny"))
+    cfg = {"device": device, "dtype": "bf16", "placement": placement, "chunk_size": 16384,
+           "transaction": transaction}
+    if grad_clip is not None:
+        cfg["grad_clip"] = grad_clip
+    from pstar_fx.planning.costs import assumed
+    with assumed(**{**FIXED_RATES, **rates}):
+        plan = pstar_fx.plan(model, cfg, batch())
+    assert plan.transaction == transaction, plan.summary()
+    return plan, sum(p.numel() for p in model.parameters())
+
+
+def test_a_plans_triggered_estimate_is_the_documented_arithmetic():
+    """kept_grads, planned for CUDA without a GPU: every chunk on the device, their gradients kept there, the
+    correction is 28 B per element at mem_bw; every chunk on the host, a host correction far slower than the step
+    is the step plus the elements at host_undo (and the next forward's few seconds' worth of reads); the CPU
+    runtime runs every correction inline. deferred's (and two_pass's) triggered step is its step."""
+    device, elems = _clip_plan("cuda", "device", "kept_grads")
+    assert device.kept_on_device and device.placement.count("host") == 0
+    assert math.isclose(device.estimated_triggered_step_seconds,
+                        device.estimated_step_seconds + elems * 28 / FIXED_RATES["mem_bw"], rel_tol=1e-12)
+    host, _ = _clip_plan("cuda", "host", "kept_grads", host_undo=1e3)
+    assert host.placement.count("device") == 0
+    assert math.isclose(host.estimated_triggered_step_seconds - host.estimated_step_seconds, elems / 1e3,
+                        rel_tol=1e-4)
+    cpu, _ = _clip_plan("cpu", "auto", "kept_grads")
+    assert math.isclose(cpu.estimated_triggered_step_seconds,
+                        cpu.estimated_step_seconds + elems / FIXED_RATES["host_undo"], rel_tol=1e-12)
+    for transaction in ("deferred", "two_pass"):
+        for device_type in ("cuda", "cpu"):
+            plan, _ = _clip_plan(device_type, "host", transaction)
+            assert plan.estimated_triggered_step_seconds == plan.estimated_step_seconds
+    assert "when clipping triggers" in cpu.summary()
+    assert "when clipping triggers" not in _clip_plan("cpu", "auto", "kept_grads", grad_clip=None)[0].summary()
+
+
+def test_a_triggered_replay_costs_at_least_one_more_forward_and_backward():
+    """A device-only plan without a transaction's extras estimates the forward+backward alone (nothing crosses,
+    no host Adam): a triggered replay adds at least that to its own step."""
+    fwd_bwd, _ = _clip_plan("cuda", "device", "none", grad_clip=None)
+    for placement in ("device", "host"):
+        replay, _ = _clip_plan("cuda", placement, "replay")
+        assert (replay.estimated_triggered_step_seconds
+                >= replay.estimated_step_seconds + fwd_bwd.estimated_step_seconds * (1 - 1e-9))
+
+
+def test_a_slower_host_correction_moves_only_the_triggered_estimate():
+    """host_undo prices the host corrections and nothing else: kept_grads' triggered step grows, its step and every
+    other figure stay; a replay's restores run the same kernel (adam_undo, the master alone), so its triggered
+    step grows too; deferred and two_pass plans are unchanged."""
+    import re
+    for transaction in ("kept_grads", "replay", "deferred", "two_pass"):
+        fast, _ = _clip_plan("cuda", "host", transaction, host_undo=2e9)
+        slow, _ = _clip_plan("cuda", "host", transaction, host_undo=2e8)
+        strip = lambda text: re.sub(r" \([0-9.e+-]+ s when clipping triggers\)", "", text)  # noqa: E731
+        assert strip(slow.summary()) == strip(fast.summary())
+        assert slow.estimated_step_seconds == fast.estimated_step_seconds
+        assert (slow.placement, slow.ship, slow.memory, slow.moves) == (fast.placement, fast.ship, fast.memory,
+                                                                       fast.moves)
+        if transaction in ("kept_grads", "replay"):
+            assert slow.estimated_triggered_step_seconds > fast.estimated_triggered_step_seconds
+        else:
+            assert slow.summary() == fast.summary()
+            assert slow.estimated_triggered_step_seconds == fast.estimated_triggered_step_seconds
+
+
+def test_rates_without_the_host_correction_still_load():
+    """A Rates record without host_undo (a cache file written before it: the cache's version changed, but a file
+    may be copied) loads, and the fp32 host Adam's rate stands in for the correction's."""
+    import dataclasses
+
+    from pstar_fx.planning import costs
+    old = {k: v for k, v in dataclasses.asdict(costs.Rates.nominal(torch.device("cuda"))).items() if k != "host_undo"}
+    rates = costs.Rates(**old)
+    assert rates.host_undo == 0.0 and rates.host_correction == rates.host_adam
+    assert costs.Rates.nominal(torch.device("cuda")).host_correction == 0.96 * 4.0e9
+    assert "rates-v6-" in costs._cache_path("x")

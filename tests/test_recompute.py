@@ -36,7 +36,7 @@ OPT = {"type": "adamw", "lr": 1e-3, "weight_decay": 0.1}
 # process either (with an empty cache the first compile calibrates in-process: a 512² matmul from the global
 # RNG, 256 MB of host Adam runs, the host Adam's thread setting), so a first run is the same as any other.
 CPU_RATES = dict(flops=3e11, mem_bw=1e11, h2d_bw=4e10, d2h_bw=2e10, host_adam=2e9, host_adam_bf16=2e9,
-                 host_adam_int8=8.5e8, workspace_bytes=0, coll_bw=2e9)
+                 host_adam_int8=8.5e8, workspace_bytes=0, coll_bw=2e9, host_undo=1.9e9)
 
 
 @pytest.fixture

@@ -5,7 +5,9 @@ behind (the nodes between a prefetch and the use). Node time is estimated from f
 longer of an op's FLOPs at the measured matmul rate (matmuls, attention, convolutions; zero for the rest) and
 its bytes read and written at the measured memory bandwidth. Rates come from a calibration of a second or
 so, cached per device in ~/.cache/pstar_fx/ (PSTAR_FX_CACHE overrides); `Rates.nominal(device)` gives fixed
-figures when no measurement is possible (planning for a CUDA device on a machine without one).
+figures when no measurement is possible (planning for a CUDA device on a machine without one). The host rates
+are the C++ kernels' in the engine's configuration: the host Adam by moment dtype, and the host correction (an undo
+and redo, what a kept_grads step runs when clipping triggers).
 """
 from __future__ import annotations
 
@@ -42,6 +44,11 @@ class Rates:
     # figure stands in. int8's (de)quantization costs compute: 2.5x fewer parameters/s than fp32 (2-core AVX2 VM)
     host_adam_bf16: float = 0.0
     host_adam_int8: float = 0.0
+    # the host correction's parameters/s (kernels adam_undo with a redo: undo a speculative update, apply it again
+    # with the clip coefficient; fp32 moments: bf16 and int8 moments are never undone); 0: not measured (Rates
+    # made without it), the fp32 host Adam's rate stands in (the vectorized correction ran at 0.96x of it on the
+    # H200 host, bench/host_undo_bench.py)
+    host_undo: float = 0.0
 
     def __post_init__(self):
         if not self.coll_bw:
@@ -52,11 +59,16 @@ class Rates:
         rate = {"bf16": self.host_adam_bf16, "int8": self.host_adam_int8}.get(optimizer_state, 0.0)
         return rate or self.host_adam
 
+    @property
+    def host_correction(self) -> float:
+        """Host correction parameters/s (`host_undo`, or the fp32 host Adam's rate where it was not measured)."""
+        return self.host_undo or self.host_adam
+
     @staticmethod
     def nominal(device: torch.device) -> "Rates":
         if device.type == "cuda":  # one H200 (shared/reference/h200.md): bf16 matmul, HBM copy, pinned PCIe
-            return Rates("cuda-nominal", 790e12, 4.2e12, 55e9, 55e9, 4.0e9, 32 * 2**20)
-        return Rates("cpu-nominal", 5e10, 1e10, 1e10, 1e10, 1.0e9)
+            return Rates("cuda-nominal", 790e12, 4.2e12, 55e9, 55e9, 4.0e9, 32 * 2**20, host_undo=0.96 * 4.0e9)
+        return Rates("cpu-nominal", 5e10, 1e10, 1e10, 1e10, 1.0e9, host_undo=0.96 * 1.0e9)
 
 
 # Assumed, not measured here (no multi-GPU machine has been lent): NCCL's ring bus bandwidth between the H200s of
@@ -69,7 +81,7 @@ _MEASURED: dict[str, Rates] = {}     # this process's measurements, when the cac
 
 def _cache_path(key: str) -> str:
     root = os.environ.get("PSTAR_FX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pstar_fx")
-    return os.path.join(root, f"rates-v5-{key}.json")
+    return os.path.join(root, f"rates-v6-{key}.json")
 
 
 def _device_key(device: torch.device) -> str:
@@ -204,10 +216,11 @@ def _measure(device: torch.device, dtype: torch.dtype, key: str) -> Rates:
     cpu_adam.set_threads(cpu_adam.worker_threads() if device.type == "cuda" else 0)
     try:
         adam = {state: _host_adam_rate(state, dtype, n) for state in ("fp32", "bf16", "int8")}
+        undo = _host_undo_rate(dtype, n)
     finally:
         cpu_adam.set_threads(0)
     return Rates(key, flops, mem_bw, h2d, d2h, adam["fp32"], workspace, host_adam_bf16=adam["bf16"],
-                 host_adam_int8=adam["int8"])
+                 host_adam_int8=adam["int8"], host_undo=undo)
 
 
 def _host_adam_rate(state: str, dtype: torch.dtype, n: int, at_least: float = 0.25) -> float:
@@ -232,6 +245,25 @@ def _host_adam_rate(state: str, dtype: torch.dtype, n: int, at_least: float = 0.
         m, v = torch.zeros(n, dtype=moments), torch.zeros(n, dtype=moments)
     return n / _timeit(lambda: adam_step(p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
                                          weight_decay=0.0, param_out=out, check_finite=False, **scales),
+                       torch.device("cpu"), at_least=at_least)
+
+
+def _host_undo_rate(dtype: torch.dtype, n: int, at_least: float = 0.25) -> float:
+    """Host correction parameters/s over `n` elements, as the engine runs one (runtime/undo.py `_correct_one`): an
+    undo of the speculative update with a redo in the same pass, fp32 moments, the kept gradient in the compute
+    dtype and the 16-bit copy written when the compute is 16-bit; the sizes, threads and repeats of
+    `_host_adam_rate`. AdamW at the Config defaults (weight decay 0.01: the master's quotient by the decay is part
+    of the work), a step past the first (the first restores the moments as zeros, computing nothing), and a
+    grad scale that is no power of two (the guessed and the true clip coefficients are not: the kernel divides
+    by it), the same for the undo and the redo, so that repeats leave the state where it was."""
+    from pstar_fx.kernels import adam_undo
+    gen = torch.Generator().manual_seed(0)      # (not the global RNG: a calibration draws nothing a model would)
+    p = torch.rand(n, generator=gen)
+    g = torch.rand(n, generator=gen).to(dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32)
+    out = torch.empty(n, dtype=g.dtype) if g.dtype != torch.float32 else None
+    m, v = torch.rand(n, generator=gen) * 1e-2, torch.rand(n, generator=gen) + 0.5
+    return n / _timeit(lambda: adam_undo(p, g, m, v, step=10, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                                         weight_decay=0.01, grad_scale=1.25, redo_scale=1.25, param_out=out),
                        torch.device("cpu"), at_least=at_least)
 
 

@@ -9,22 +9,24 @@ from ..layout import Layout
 
 def _host_adam_pipeline(placement: list[str], layout: Layout, node_secs: list[float], reads: list[set[int]],
                         adam_at: dict[int, int], host_adam: float, cuda: bool, n_spare_buffers: int | None,
-                        most: int = 32) -> tuple[int, float]:
-    """(host gradient buffers, seconds of host Adam the step cannot hide), by simulating the pipeline; `host_adam`:
-    the host Adam's parameters/s with the configured moments.
+                        most: int = 32) -> tuple[int, float, float]:
+    """(host gradient buffers, seconds of host Adam the step cannot hide, seconds of it hidden behind the next
+    forward), by simulating the pipeline; `host_adam`: the host Adam's parameters/s with the configured moments.
 
     Backward hands each host chunk's gradient to one worker that runs the host Adam chunk after chunk.
     A gradient waits in a host buffer until its Adam is done; with every buffer taken, the thread that
     launches GPU work blocks, and the GPU runs dry. The Adam still running when the step ends overlaps
     the next step's forward up to the first read of a host chunk. The smallest buffer count that never
     blocks (within `n_spare_buffers` more than the 2 always counted, at most `most`) is chosen; the CPU runtime is
-    synchronous and uses one.
+    synchronous and uses one. The third figure: the seconds of host Adam the estimate hides behind the next
+    forward (running when the step's compute ends, until the forward's first read of a host chunk): a correction
+    waits for every update first, and cannot (0 on the CPU runtime, whose Adam is inline).
     """
     host = [c for c in sorted(adam_at, key=adam_at.__getitem__) if placement[c] == "host"]
     if not host:
-        return (1 if "host" in placement else 0), 0.0
+        return (1 if "host" in placement else 0), 0.0, 0.0
     if not cuda:
-        return 1, sum(layout.chunks[c].used_elems for c in host) / host_adam
+        return 1, sum(layout.chunks[c].used_elems for c in host) / host_adam, 0.0
     clock, t = [], 0.0
     for s in node_secs:
         t += s
@@ -33,7 +35,7 @@ def _host_adam_pipeline(placement: list[str], layout: Layout, node_secs: list[fl
                             if any(placement[c] == "host" for c in r)), 0.0)
     adam_s = [layout.chunks[c].used_elems / host_adam for c in host]
 
-    def simulate(k: int) -> float:
+    def simulate(k: int, with_tail: bool = False):
         delay, done = 0.0, []
         for i, c in enumerate(host):
             ready = clock[adam_at[c]] + delay
@@ -42,11 +44,12 @@ def _host_adam_pipeline(placement: list[str], layout: Layout, node_secs: list[fl
                 ready = done[i - k]
             done.append(max(ready, done[-1] if done else 0.0) + adam_s[i])
         tail = done[-1] - (clock[-1] + delay)          # Adam left when the step's compute ends
-        return delay + max(0.0, tail - first_host_read)
+        exposed = delay + max(0.0, tail - first_host_read)
+        return (exposed, min(max(0.0, tail), first_host_read)) if with_tail else exposed
 
     cap = most if n_spare_buffers is None else max(2, min(most, 2 + n_spare_buffers))
     best = min(range(2, cap + 1), key=lambda k: (round(simulate(k), 3), k))
-    return best, simulate(best)
+    return (best, *simulate(best, with_tail=True))
 
 
 def _after_verdict_exposed(placement: list[str], layout: Layout, node_secs: list[float], reads: list[set[int]],
@@ -71,4 +74,29 @@ def _after_verdict_exposed(placement: list[str], layout: Layout, node_secs: list
     for c in host:
         done += layout.chunks[c].used_elems / host_adam
         exposed = max(exposed, done + copy_s[c] - first_read.get(c, t))
+    return exposed
+
+
+def _correction_exposed(placement: list[str], layout: Layout, node_secs: list[float], reads: list[set[int]],
+                        adam_at: dict[int, int], rate: float, copy_s: dict[int, float], device_s: float,
+                        host_start: float) -> float:
+    """Seconds the next forward stalls for host chunks' jobs submitted to the worker after the verdict, in update
+    order (a kept_grads correction, a replay's master restores: runtime/undo.py), at `rate` parameters/s each.
+
+    The next forward's GPU work starts `device_s` after the verdict (the device chunks' jobs, serial on the compute
+    stream before it); the worker starts `host_start` after the verdict (when the launching thread submitted the
+    host jobs) and runs them one after another; a chunk's compute copy crosses (`copy_s[c]`) once its job is done,
+    and the forward stalls where it reads a chunk before that. A stall delays every later read alike, so the
+    forward grows by the latest chunk's lateness (the worker is one thread, in backward's update order: the forward's
+    first host chunk is about the last one done)."""
+    host = [c for c in sorted(adam_at, key=adam_at.__getitem__) if placement[c] == "host"]
+    t, first_read = 0.0, {}
+    for i, r in enumerate(reads):
+        for c in r:
+            first_read.setdefault(c, t)
+        t += node_secs[i]
+    done, exposed = host_start, 0.0
+    for c in host:
+        done += layout.chunks[c].used_elems / rate
+        exposed = max(exposed, done + copy_s.get(c, 0.0) - (device_s + first_read.get(c, t)))
     return exposed

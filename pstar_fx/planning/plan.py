@@ -88,6 +88,11 @@ class Memory:
 class Estimate:
     step_seconds: float = 0.0        # from the cost model (costs.py); compares plans, not a promise
     rates: Rates | None = None       # the copy/compute/host-Adam rates it used
+    # the step when clipping triggers (the global norm above grad_clip): a kept_grads step's correction pass, a
+    # replay's second pass; the other transactions apply after the verdict, or measure first: step_seconds
+    # (planner.py `_triggered_seconds` says what each costs)
+    triggered_step_seconds: float = 0.0
+    clips: bool = False              # Config.grad_clip is set: the summary prints the triggered step
 
 
 @dataclass(frozen=True)
@@ -148,6 +153,7 @@ class Plan:
     optimizer_state = property(lambda self: self.memory.optimizer_state)
     state_bytes_per_param = property(lambda self: self.memory.state_bytes_per_param)
     estimated_step_seconds = property(lambda self: self.estimate.step_seconds)
+    estimated_triggered_step_seconds = property(lambda self: self.estimate.triggered_step_seconds)
     rates = property(lambda self: self.estimate.rates)
     notes = property(lambda self: self.remarks.notes)
     why = property(lambda self: self.remarks.why)

@@ -30,7 +30,9 @@ def summary(plan) -> str:
                      + " (shadow: 16-bit host copy written by the host Adam; fp32: cast on the device)")
     lines.append(f"  {plan.slots} compute slot(s), {plan.grad_slots} gradient slot(s), "
                  f"{plan.host_grad_buffers} host gradient buffer(s); "
-                 f"{plan.fetches} chunk fetch(es) per step; estimated step {plan.estimated_step_seconds:.3g} s")
+                 f"{plan.fetches} chunk fetch(es) per step; estimated step {plan.estimated_step_seconds:.3g} s"
+                 + (f" ({plan.estimated_triggered_step_seconds:.3g} s when clipping triggers)"
+                    if plan.estimate.clips else ""))
     if plan.recompute:
         lines.append(f"  recompute: {plan.recompute}")
     lines.append(f"  chunk state: {plan.state_bytes_per_param:.3g} B/param (fp32 master + {plan.optimizer_state} "
