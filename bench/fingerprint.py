@@ -7,6 +7,9 @@ records the machine's CPU capability, and a check on another refuses to compare.
 
     python bench/fingerprint.py --record bench/results/fingerprint-cf02e0f.json
     python bench/fingerprint.py --check bench/results/fingerprint-cf02e0f.json
+
+Recorded: `fingerprint-cf02e0f.json` (before the house step) and `fingerprint-house.json` (after it, with the
+triggered-step estimate in the clipped runs' plan text: the only field that differs between the two).
 """
 from __future__ import annotations
 
