@@ -296,7 +296,7 @@ def test_triggered_step_arithmetic_per_transaction():
     from types import SimpleNamespace
 
     from pstar_fx.planning.costs import Rates
-    from pstar_fx.planning.planner import DEVICE_RESTORE_BYTES, _triggered_seconds, device_correction_bytes
+    from pstar_fx.planning.correction import DEVICE_RESTORE_BYTES, _triggered_seconds, device_correction_bytes
     assert device_correction_bytes(2) == device_correction_bytes(4) == 28 and DEVICE_RESTORE_BYTES == 16
     layout = SimpleNamespace(chunks=[SimpleNamespace(used_elems=10**9) for _ in range(4)])
     rates = Rates("made-up", 1e12, 28e9, 2e9, 2e9, 1e9, host_undo=1e9)

@@ -1,6 +1,7 @@
 """host_adam: how much of the host Adam the step cannot hide, by simulating it against the cost model's node
 times — inside backward with a pool of pinned gradient buffers (`_host_adam_pipeline`), or after the verdict, into
-the next step's forward, for a deferred step (`_after_verdict_exposed`).
+the next step's forward, for a deferred step (`_after_verdict_exposed`); `worker_stall` is the after-verdict
+simulation that step and a correction (correction.py) share.
 """
 from __future__ import annotations
 
@@ -59,44 +60,27 @@ def _after_verdict_exposed(placement: list[str], layout: Layout, node_secs: list
 
     The verdict ends the step. The device chunks' kept gradients that wait on the host come back first, on the
     compute stream (`back_s`), with their updates; the next forward starts after them. Meanwhile the worker runs
-    the host Adam chunk after chunk, in chunk order, from the verdict on; a host chunk's compute copy crosses
-    (`copy_s[c]`: the schedule's copy seconds) once its update is done, and the forward stalls where it would
-    read a chunk before that. A stall delays every later read alike, so the step grows by the latest chunk's
-    lateness (at least `back_s`).
+    the host Adam chunk after chunk, in chunk order, from the verdict on (`worker_stall`). The step grows by the
+    latest chunk's lateness, at least `back_s`.
     """
     host = sorted(c for c in adam_at if placement[c] == "host")
+    return max(back_s, worker_stall(host, layout, node_secs, reads, host_adam, copy_s))
+
+
+def worker_stall(order: list[int], layout: Layout, node_secs: list[float], reads: list[set[int]], rate: float,
+                 copy_s: dict[int, float], worker_start: float = 0.0, forward_start: float = 0.0) -> float:
+    """Seconds the next forward stalls for host jobs the worker runs after the verdict, one chunk after another in
+    `order` at `rate` parameters/s, from `worker_start` on (seconds after the verdict); the forward's GPU work starts
+    at `forward_start`. A chunk's compute copy crosses (`copy_s[c]`: the schedule's copy seconds) once its job is
+    done, and the forward stalls where it would read the chunk before that. A stall delays every later read alike,
+    so the forward grows by the latest chunk's lateness (0 when none is late)."""
     t, first_read = 0.0, {}
     for i, r in enumerate(reads):
         for c in r:
             first_read.setdefault(c, t)
         t += node_secs[i]
-    done, exposed = 0.0, back_s
-    for c in host:
-        done += layout.chunks[c].used_elems / host_adam
-        exposed = max(exposed, done + copy_s[c] - first_read.get(c, t))
-    return exposed
-
-
-def _correction_exposed(placement: list[str], layout: Layout, node_secs: list[float], reads: list[set[int]],
-                        adam_at: dict[int, int], rate: float, copy_s: dict[int, float], device_s: float,
-                        host_start: float) -> float:
-    """Seconds the next forward stalls for host chunks' jobs submitted to the worker after the verdict, in update
-    order (a kept_grads correction, a replay's master restores: runtime/undo.py), at `rate` parameters/s each.
-
-    The next forward's GPU work starts `device_s` after the verdict (the device chunks' jobs, serial on the compute
-    stream before it); the worker starts `host_start` after the verdict (when the launching thread submitted the
-    host jobs) and runs them one after another; a chunk's compute copy crosses (`copy_s[c]`) once its job is done,
-    and the forward stalls where it reads a chunk before that. A stall delays every later read alike, so the
-    forward grows by the latest chunk's lateness (the worker is one thread, in backward's update order: the forward's
-    first host chunk is about the last one done)."""
-    host = [c for c in sorted(adam_at, key=adam_at.__getitem__) if placement[c] == "host"]
-    t, first_read = 0.0, {}
-    for i, r in enumerate(reads):
-        for c in r:
-            first_read.setdefault(c, t)
-        t += node_secs[i]
-    done, exposed = host_start, 0.0
-    for c in host:
+    done, stall = worker_start, 0.0
+    for c in order:
         done += layout.chunks[c].used_elems / rate
-        exposed = max(exposed, done + copy_s.get(c, 0.0) - (device_s + first_read.get(c, t)))
-    return exposed
+        stall = max(stall, done + copy_s.get(c, 0.0) - (forward_start + first_read.get(c, t)))
+    return stall

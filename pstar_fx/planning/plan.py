@@ -90,7 +90,7 @@ class Estimate:
     rates: Rates | None = None       # the copy/compute/host-Adam rates it used
     # the step when clipping triggers (the global norm above grad_clip): a kept_grads step's correction pass, a
     # replay's second pass; the other transactions apply after the verdict, or measure first: step_seconds
-    # (planner.py `_triggered_seconds` says what each costs)
+    # (correction.py `_triggered_seconds` says what each costs)
     triggered_step_seconds: float = 0.0
     clips: bool = False              # Config.grad_clip is set: the summary prints the triggered step
 
