@@ -249,7 +249,7 @@ class Config:
         if device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
         if device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", device):
-            raise ValueError(f"device: {device!r} is not one of 'auto', 'cpu', 'cuda', 'cuda:N'")
+            raise ValueError(f"device: {device!r} is not one of auto, cpu, cuda, cuda:N (N: a GPU's index)")
         return device
 
     @staticmethod
