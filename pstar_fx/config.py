@@ -143,6 +143,14 @@ class Config:
     protection (not allowed with grad_clip). "auto": the planner picks by memory and cost (kept_grads, else replay;
     with bf16/int8 moments deferred, else two_pass). README "The step as a transaction" has the details."""
 
+    expected_trigger_rate: float | None = None
+    """The share of steps whose clipping is expected to trigger, for a kept_grads plan chosen by "auto" with
+    grad_clip: the plan prices a step speculated (untriggered, and corrected when clipping triggers) and deferred
+    (updates after the verdict, from the same kept gradients), and a step defers while this rate is above the
+    break-even (`plan.defer_above`), else speculates; each is exact. None: measured, the share of the last 8 steps
+    whose clipping triggered, counting the steps not yet run as triggering (a run's first steps clip: norms start
+    far above 1.0). A number in [0, 1] fixes it (0: always speculate; 1: defer whenever deferring can pay)."""
+
     optimizer_state: Literal["fp32", "bf16", "int8"] = "fp32"
     """How the Adam moments exp_avg and exp_avg_sq are stored in the chunks (the masters stay fp32): "fp32" 12
     B/param of chunk state; "bf16" 8 B/param (round to nearest even after each fp32 step); "int8" 6.03 B/param
@@ -198,6 +206,9 @@ class Config:
         self.lr_schedule = check_schedule(self.lr_schedule)
         self.loss_scale = self._check_loss_scale(self.loss_scale)
         _choice("transaction", self.transaction, ("auto", "kept_grads", "deferred", "replay", "two_pass", "none"))
+        rate = self.expected_trigger_rate
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1):
+            raise ValueError(f"expected_trigger_rate: expected None (measured) or a number in [0, 1], got {rate!r}")
         _choice("optimizer_state", self.optimizer_state, tuple(MOMENT_DTYPES))
         if not self.moments_undoable and self.transaction in ("kept_grads", "replay"):
             raise ValueError(f"transaction: {self.transaction!r} undoes updates, and {self.optimizer_state} moments "

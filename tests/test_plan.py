@@ -243,17 +243,18 @@ def test_kept_gradients_fit_at_the_plans_own_host_peak(device, dtype):
 def test_after_verdict_exposure_follows_the_next_forwards_reads():
     """A deferred step's host Adam starts at the verdict and runs chunk after chunk; the next forward stalls where
     it reads a host chunk whose update (and the copy after it) has not finished, and starts only once the device
-    chunks' kept gradients are back (`back_s`). Six nodes of 1 s: forward reads c0, c1, c2, backward c2, c1, c0."""
+    chunks' updates are done (`device_s`), which delays its reads alike. Six nodes of 1 s: forward reads c0, c1, c2,
+    backward c2, c1, c0."""
     from types import SimpleNamespace
 
     from pstar_fx.planning.host_adam import _after_verdict_exposed
     layout = SimpleNamespace(chunks=[SimpleNamespace(used_elems=10**9) for _ in range(3)])
     args = (["device", "host", "host"], layout, [1.0] * 6, [{0}, {1}, {2}, {2}, {1}, {0}], {2: 3, 1: 4, 0: 5})
     # 1 s of Adam a chunk: c1 done at 1 s (read at 1 s), c2 at 2 s (read at 2 s): late by the copy alone
-    assert math.isclose(_after_verdict_exposed(*args, host_adam=1e9, copy_s={1: 0.1, 2: 0.1}, back_s=0.0), 0.1)
-    assert math.isclose(_after_verdict_exposed(*args, host_adam=1e9, copy_s={1: 0.1, 2: 0.1}, back_s=0.5), 0.5)
-    # 2 s a chunk: c2 done at 4 s, copied by 4.1 s, read at 2 s
-    assert math.isclose(_after_verdict_exposed(*args, host_adam=0.5e9, copy_s={1: 0.1, 2: 0.1}, back_s=0.5), 2.1)
+    assert math.isclose(_after_verdict_exposed(*args, host_adam=1e9, copy_s={1: 0.1, 2: 0.1}, device_s=0.0), 0.1)
+    assert math.isclose(_after_verdict_exposed(*args, host_adam=1e9, copy_s={1: 0.1, 2: 0.1}, device_s=0.5), 0.5)
+    # 2 s a chunk: c2 done at 4 s, copied by 4.1 s, read at 0.5 + 2 s
+    assert math.isclose(_after_verdict_exposed(*args, host_adam=0.5e9, copy_s={1: 0.1, 2: 0.1}, device_s=0.5), 2.1)
 
 
 def test_a_deferred_plan_charges_the_host_adam_it_cannot_overlap_with_backward():
@@ -305,17 +306,21 @@ def test_triggered_step_arithmetic_per_transaction():
                   itemsize=2, copy_s={2: 0.1, 3: 0.1}, copies_exposed=0.25, adam_hidden=0.75, replay_host_exposed=0.5)
 
     def triggered(transaction, **kw):
-        return _triggered_seconds(transaction, 10.0, **{**common, "kept_on_device": True, **kw})
+        return _triggered_seconds(transaction, 10.0, **{**common, "kept_on_device": 2, **kw})
 
-    # kept on the device: the device corrections take 2 s before the next forward; the worker corrects c3 (done at
-    # 1 s) and c2 (2 s), copied by 2.1 s, read at 2 + 2 s: no stall. Plus the Adam the step hid (0.75 s)
-    assert math.isclose(triggered("kept_grads"), 10 + 0.75 + 2)
-    # kept on the host: each device chunk's gradient comes back first (+1 s each, blocking the launching thread,
-    # which submits the host corrections at 4 s): c2 done at 6 s, copied by 6.1, read at 4 + 2 s: 0.1 s late
-    assert math.isclose(triggered("kept_grads", kept_on_device=False), 10 + 0.75 + 4 + 0.1)
-    # a host correction 4x slower: c2 done at 8 s, copied by 8.1, read at 2 + 2 s
+    # kept on the device: the device corrections take 2 s before the next forward; the worker, still busy with the
+    # Adam the step hid (0.75 s), corrects c2 (done at 1.75 s) then c3 (2.75 s), in the forward's order, copied by
+    # 1.85 and 2.85 s, read at 2 + 2 and 2 + 3 s: no stall
+    assert math.isclose(triggered("kept_grads"), 10 + 2)
+    # kept on the host, coming back at 1 GB/s (2 s a chunk) while the kernels run: the copies bound the device part
+    # (4 s); with the first chunk's kept on the device, the kernels do again (2 s)
+    slow_copies = dict(rates=Rates("made-up", 1e12, 28e9, 1e9, 2e9, 1e9, host_undo=1e9))
+    assert math.isclose(triggered("kept_grads", kept_on_device=0, **slow_copies), 10 + 4)
+    assert math.isclose(triggered("kept_grads", kept_on_device=1, **slow_copies), 10 + 2)
+    # a host correction 4x slower: c2 done at 0.75 + 4 s, copied by 4.85, read at 2 + 2 s; c3 done at 8.75, copied by
+    # 8.85, read at 2 + 3 s: 3.85 s late
     slow = dict(rates=Rates("made-up", 1e12, 28e9, 2e9, 2e9, 1e9, host_undo=0.25e9))
-    assert math.isclose(triggered("kept_grads", **slow), 10 + 0.75 + 2 + 4.1)
+    assert math.isclose(triggered("kept_grads", **slow), 10 + 2 + 3.85)
     # replay: the device masters restored at 16 B per element (8/7 s), host restores overlapping the forward, then
     # one more forward+backward (8 s) with its exposed copies and host jobs (the pipeline at host_undo: 0.5 s)
     assert math.isclose(triggered("replay"), 10 + 0.75 + 16 / 28 * 2 + 8 + 0.25 + 0.5)

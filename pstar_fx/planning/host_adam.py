@@ -55,16 +55,16 @@ def _host_adam_pipeline(placement: list[str], layout: Layout, node_secs: list[fl
 
 def _after_verdict_exposed(placement: list[str], layout: Layout, node_secs: list[float], reads: list[set[int]],
                            adam_at: dict[int, int], host_adam: float, copy_s: dict[int, float],
-                           back_s: float) -> float:
+                           device_s: float) -> float:
     """Seconds a deferred step adds to the compute for updates that run after the verdict.
 
-    The verdict ends the step. The device chunks' kept gradients that wait on the host come back first, on the
-    compute stream (`back_s`), with their updates; the next forward starts after them. Meanwhile the worker runs
-    the host Adam chunk after chunk, in chunk order, from the verdict on (`worker_stall`). The step grows by the
-    latest chunk's lateness, at least `back_s`.
+    The verdict ends the step. The device chunks' updates run first, on the compute stream, their kept gradients
+    that wait on the host coming back meanwhile (`device_s`: correction.py `device_after_verdict_seconds`); the next
+    forward starts after them. Meanwhile the worker runs the host Adam chunk after chunk, in chunk order, from the
+    verdict on (`worker_stall`). The step grows by `device_s` and the latest chunk's lateness.
     """
     host = sorted(c for c in adam_at if placement[c] == "host")
-    return max(back_s, worker_stall(host, layout, node_secs, reads, host_adam, copy_s))
+    return device_s + worker_stall(host, layout, node_secs, reads, host_adam, copy_s, forward_start=device_s)
 
 
 def worker_stall(order: list[int], layout: Layout, node_secs: list[float], reads: list[set[int]], rate: float,

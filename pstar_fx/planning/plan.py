@@ -66,7 +66,10 @@ class Transaction:
     name: str = "none"               # how a step stays provisional until it commits (runtime/step.py)
     replayable: bool = True          # no unseeded random op: a step run again computes the same gradients
     two_passes: bool = False         # "two_pass" that measures first: something to measure, or no replay
-    kept_on_device: bool = False     # kept_grads/deferred: device chunks keep their gradients on the device
+    kept_on_device: int = 0          # kept_grads/deferred: how many device chunks keep their gradients on the
+    # device (the first ones a rank owns, which the next forward reads first); the others' go to the host
+    defer_above: float | None = None  # kept_grads chosen by "auto" with clipping: a step defers its updates (as
+    # "deferred", on the same kept buffers) while the expected trigger rate is above this (runtime/transactions.py)
     kept_in_shadow: bool = False     # deferred: a host chunk's gradient is kept in its 16-bit shadow
     cost: str = ""                   # what it costs, and how much smaller it makes the largest model
 
@@ -93,6 +96,7 @@ class Estimate:
     # (correction.py `_triggered_seconds` says what each costs)
     triggered_step_seconds: float = 0.0
     clips: bool = False              # Config.grad_clip is set: the summary prints the triggered step
+    deferred_step_seconds: float | None = None   # with Transaction.defer_above: the step deferred, same buffers
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,7 @@ class Plan:
     two_passes = property(lambda self: self.step_transaction.two_passes)
     kept_on_device = property(lambda self: self.step_transaction.kept_on_device)
     kept_in_shadow = property(lambda self: self.step_transaction.kept_in_shadow)
+    defer_above = property(lambda self: self.step_transaction.defer_above)
     transaction_cost = property(lambda self: self.step_transaction.cost)
     device_peak_bytes = property(lambda self: self.memory.device_peak_bytes)
     host_peak_bytes = property(lambda self: self.memory.host_peak_bytes)

@@ -12,7 +12,7 @@ from ..config import Config
 from ..fxutil import is_random, role_nodes
 from ..layout import Layout
 from .costs import Rates, calibrate, node_seconds
-from .correction import _triggered_seconds
+from .correction import _triggered_seconds, device_after_verdict_seconds
 from .host_adam import _after_verdict_exposed, _host_adam_pipeline
 from .liveness import activation_profile
 from .memory import (CUDA_BLOCK_BYTES, device_breakdown, host_breakdown, step_bytes, usable_budget,
@@ -23,7 +23,8 @@ from .report import (KEEPS_COMPUTE_COPIES_NOTE, _transaction_cost, _why, cuda_me
                      exposed_copies_note, host_adam_note)
 from .schedule import Schedule, belady, place_prefetches
 from .shipping import _choose_shipping, copy_seconds, keeps_compute_copies, kept_in_shadow, ship_codes
-from .transaction import KEEPS, _choose_transaction, keeps_on_device, n_grad_slots_to_keep, two_passes
+from .transaction import (KEEPS, _choose_transaction, defer_above, n_grad_slots_to_keep, n_kept_on_device,
+                          two_passes)
 
 
 def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_itemsize: int,
@@ -129,21 +130,30 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     keeps_copies = keeps_compute_copies(n_slots, n_chunks, world, config.torch_dtype)
     notes += [KEEPS_COMPUTE_COPIES_NOTE] if keeps_copies else []
     notes += [cuda_memory_note(config, sizes.workspace_bytes, budget_bytes)] if cuda else []
-    device_kept_bytes = n_updated_device * sizes.compute_chunk_bytes if transaction in KEEPS else 0
-    kept_on_device = keeps_on_device(device_kept_bytes, sum(device.values()), budget_bytes)
+    kept_on_device = (n_kept_on_device(n_updated_device, sizes.compute_chunk_bytes, sum(device.values()), budget_bytes)
+                      if transaction in KEEPS else 0)
     if kept_on_device:
-        device, host = with_kept_on_device(device, host, device_kept_bytes)
-        kept_bytes -= device_kept_bytes
+        device, host = with_kept_on_device(device, host, kept_on_device * sizes.compute_chunk_bytes)
+        kept_bytes -= kept_on_device * sizes.compute_chunk_bytes
+    # device chunks' work after the verdict (a correction, or a deferred step's updates): their elements whose kept
+    # gradient is on the device (the first `kept_on_device`), and those whose comes back from the host
+    updated_device = [c for c in sorted(use.adam_at) if rank0_placement[c] == "device"]
+    elems = lambda cs: sum(layout.chunks[c].used_elems for c in cs)  # noqa: E731
+    after_verdict_device_s = device_after_verdict_seconds(elems(updated_device[:kept_on_device]),
+                                                          elems(updated_device[kept_on_device:]), compute_itemsize,
+                                                          rates)
     chunks = Placement(placement, n_device, world, rank)
     memory = Memory(sum(device.values()), sum(host.values()), device, host, act_peak_bytes, config.optimizer_state,
                     config.state_bytes_per_param, budget_bytes=config.device_memory,
                     host_budget_bytes=config.host_memory)
 
     # the estimate: compute (recompute included) + copies not hidden + host Adam that compute can't hide
+    # (the CPU runtime runs every host Adam inline, after the verdict or inside backward alike)
+    deferred_exposed = (_after_verdict_exposed(rank0_placement, layout, node_secs, use.reads, use.adam_at,
+                                               host_adam_rate, copy_s, after_verdict_device_s) if cuda
+                        else adam_exposed)
     if after_verdict:
-        back_s = 0.0 if kept_on_device else n_updated_device * sizes.compute_chunk_bytes / rates.h2d_bw
-        adam_exposed = _after_verdict_exposed(rank0_placement, layout, node_secs, use.reads, use.adam_at,
-                                              host_adam_rate, copy_s, back_s)
+        adam_exposed = deferred_exposed
     step_seconds = sum(node_secs) + sched.exposed_seconds + adam_exposed
     if chunked:
         # every broadcast and reduce runs on one collective stream, in graph order: the step takes at least
@@ -165,12 +175,19 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         reads=use.reads, adam_at=use.adam_at, rates=rates, itemsize=compute_itemsize, copy_s=copy_s,
         kept_on_device=kept_on_device, copies_exposed=sched.exposed_seconds, adam_hidden=adam_hidden,
         replay_host_exposed=replay_host_exposed)
-    kept_copy_s = 0.0 if kept_on_device else n_updated_device * sizes.compute_chunk_bytes / rates.d2h_bw
+    # kept_grads chosen by "auto" with clipping: price the same step deferred, on the same buffers, and let the
+    # runtime defer while the expected trigger rate is above the break-even (not yet with data parallelism)
+    adaptive = (transaction == "kept_grads" and config.transaction == "auto" and config.grad_clip is not None
+                and not chunked)
+    deferred_seconds = sum(node_secs) + sched.exposed_seconds + deferred_exposed if adaptive else None
+    switch = defer_above(step_seconds, triggered_seconds, deferred_seconds) if adaptive else None
+    kept_copy_s = (n_updated_device - kept_on_device) * sizes.compute_chunk_bytes / rates.d2h_bw
     cost = _transaction_cost(transaction, config, compute_itemsize, kept_bytes, sizes.accum_bytes, n_device, n_host,
-                             host_ship, sum(node_secs) if measures_first else 0.0, kept_copy_s, kept_on_device,
-                             in_shadow)
+                             host_ship, sum(node_secs) if measures_first else 0.0, kept_copy_s,
+                             (kept_on_device, n_updated_device), in_shadow, switch)
     if adam_exposed > 1e-3:
-        notes.append(host_adam_note(adam_exposed, after_verdict=after_verdict, kept_on_device=kept_on_device,
+        notes.append(host_adam_note(adam_exposed, after_verdict=after_verdict,
+                                    kept_on_device=kept_on_device == n_updated_device,
                                     kept=bool(kept_bytes) or kept_on_device, n_updated_device=n_updated_device,
                                     n_host_grad_buffers=n_host_grad))
 
@@ -183,7 +200,8 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         moves=Moves({nodes[i].name: ops for i, ops in sched.before.items()},
                     {nodes[i].name: ops for i, ops in sched.after.items()}, sched.fetches),
         memory=memory, shipping=Shipping(ship, keeps_copies),
-        step_transaction=Transaction(transaction, not random_ops, measures_first, kept_on_device, in_shadow, cost),
-        estimate=Estimate(step_seconds, rates, triggered_seconds, config.grad_clip is not None),
+        step_transaction=Transaction(transaction, not random_ops, measures_first, kept_on_device, switch, in_shadow,
+                                     cost),
+        estimate=Estimate(step_seconds, rates, triggered_seconds, config.grad_clip is not None, deferred_seconds),
         remarks=Remarks(notes, _why(memory, chunks, config, use.min_slots, budget_bytes)), profile=profile)
 

@@ -31,8 +31,9 @@ def summary(plan) -> str:
     lines.append(f"  {plan.slots} compute slot(s), {plan.grad_slots} gradient slot(s), "
                  f"{plan.host_grad_buffers} host gradient buffer(s); "
                  f"{plan.fetches} chunk fetch(es) per step; estimated step {plan.estimated_step_seconds:.3g} s"
-                 + (f" ({plan.estimated_triggered_step_seconds:.3g} s when clipping triggers)"
-                    if plan.estimate.clips else ""))
+                 + (f" ({plan.estimated_triggered_step_seconds:.3g} s when clipping triggers"
+                    + (f", {plan.estimate.deferred_step_seconds:.3g} s deferred" if plan.defer_above is not None
+                       else "") + ")" if plan.estimate.clips else ""))
     if plan.recompute:
         lines.append(f"  recompute: {plan.recompute}")
     lines.append(f"  chunk state: {plan.state_bytes_per_param:.3g} B/param (fp32 master + {plan.optimizer_state} "
@@ -56,8 +57,10 @@ def _ranges(placement: list[str]) -> str:
 
 def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_bytes: int, accum_bytes: int,
                       n_device: int, n_host: int, ship: list[str], second_pass_s: float, kept_copy_s: float,
-                      kept_on_device: bool, kept_in_shadow: bool = False) -> str:
-    """What the chosen transaction costs, and how much smaller the largest model is for it."""
+                      kept_on_device: tuple[int, int], kept_in_shadow: bool = False,
+                      defer_above: float | None = None) -> str:
+    """What the chosen transaction costs, and how much smaller the largest model is for it. `kept_on_device`:
+    (device chunks whose kept gradient stays on the device, device chunks updated)."""
     shadow = itemsize if "shadow" in ship else 0
     state = round(config.state_bytes_per_param, 2)
     host_base = round(state + shadow, 2)                      # bytes per parameter of a host chunk without it
@@ -75,12 +78,19 @@ def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_byte
                 "after the verdict from the kept gradients, exactly: no undo (what bf16 and int8 moments need), "
                 "the host Adam runs after backward, into the next step's forward")
     if transaction == "kept_grads":
-        where = ("device chunks' on the device (spare room)" if kept_on_device else
+        n_here, n_updated = kept_on_device
+        where = ("device chunks' on the device (spare room)" if n_here == n_updated else
                  f"device chunks' copied to the host (about {kept_copy_s * 1e3:.0f} ms of device->host copies, "
-                 "overlapped)")
+                 "overlapped)" if not n_here else
+                 f"{n_here} of {n_updated} device chunks' on the device (spare room), the others' copied to the host "
+                 f"(about {kept_copy_s * 1e3:.0f} ms of device->host copies, overlapped)")
+        switch = ("" if defer_above is None else
+                  f"; a step defers its updates to the verdict instead (as 'deferred', on the same buffers: no "
+                  f"correction) while the expected trigger rate (Config.expected_trigger_rate) is above "
+                  f"{defer_above:.0%}")
         return (f"speculative updates inside backward; each chunk's gradient kept until the verdict, "
                 f"{itemsize} B/param ({format_bytes(kept_bytes)} on the host), {where}; clipping that triggers "
-                f"costs an undo + redo pass over every chunk; rollback within fp32 rounding. Host bytes per "
+                f"costs an undo + redo pass over every chunk{switch}; rollback within fp32 rounding. Host bytes per "
                 f"parameter of a host-bound model {host_base} -> {host_base + itemsize}: the largest model is "
                 f"about {100 * itemsize / (host_base + itemsize):.0f}% smaller")
     if transaction == "replay":

@@ -39,10 +39,24 @@ def n_grad_slots_to_keep(transaction: str, n_grad_slots: int, *, cuda: bool, n_d
     return n_grad_slots
 
 
-def keeps_on_device(device_kept_bytes: int, device_peak_bytes: int, budget_bytes: int | None) -> bool:
-    """Whether the device chunks' kept gradients stay on the device: they fit beside the peak (no copies out, and an
-    undo needs none back)."""
-    return bool(device_kept_bytes) and (budget_bytes is None or device_peak_bytes + device_kept_bytes <= budget_bytes)
+def n_kept_on_device(n_updated_device: int, chunk_bytes: int, device_peak_bytes: int, budget_bytes: int | None) -> int:
+    """How many device chunks keep their gradients on the device: as many as fit beside the peak (no copy out, and
+    none back for a correction or an update after the verdict); the rest go to the host. Whole-or-nothing left a
+    Llama-3-8B-shaped step copying every device chunk's gradient back before it could correct any (issue 24)."""
+    if budget_bytes is None:
+        return n_updated_device
+    return max(0, min(n_updated_device, (budget_bytes - device_peak_bytes) // chunk_bytes))
+
+
+def defer_above(speculated: float, triggered: float, deferred: float) -> float | None:
+    """The expected trigger rate above which a kept_grads step is cheaper deferred (on the same kept buffers): at
+    rate r speculating costs `speculated` + r * (`triggered` - `speculated`), deferring costs `deferred` whatever
+    the norm. None: speculating never costs more (a correction is as cheap as deferring)."""
+    if deferred >= triggered:
+        return None
+    if deferred <= speculated:
+        return 0.0
+    return (deferred - speculated) / (triggered - speculated)
 
 
 def two_passes(transaction: str, config: Config, random_ops: list[str]) -> bool:

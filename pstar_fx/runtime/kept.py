@@ -6,6 +6,9 @@ instead. Without kept buffers, host chunks' gradients land in a small pool of ho
 """
 from __future__ import annotations
 
+from collections import deque
+from typing import Iterator
+
 import torch
 
 from ..planning import Plan
@@ -25,7 +28,10 @@ class KeptGradients:
         # overwrites with the new weights; `shadows_from_masters` rewrites them when that did not happen)
         self.in_shadow: list[int] = []
         if plan.transaction in KEEPS and not accumulates:
-            where = lambda c: "device" if plan.kept_on_device and store.tier(c) == "device" else "host"  # noqa: E731
+            # the first `plan.kept_on_device` updated device chunks keep theirs on the device: the ones the next
+            # forward reads first (the planner counted them beside the device peak)
+            here = set([c for c in updated if store.tier(c) == "device"][:plan.kept_on_device])
+            where = lambda c: "device" if c in here else "host"  # noqa: E731
             self.in_shadow = [c for c in updated if plan.kept_in_shadow and store.tier(c) == "host"]
             self.grads = {c: store.shadow[c] if c in self.in_shadow else store.alloc(where(c), cs, dtype)
                           for c in updated}
@@ -67,13 +73,55 @@ class KeptGradients:
     def on_tier(self, c: int) -> torch.Tensor:
         """Chunk c's kept (or accumulated) gradient on the chunk's own tier (a device chunk's comes back from the
         host into a gradient slot); `done_with` returns such a slot."""
-        src = self.acc[c] if c in self.acc else self.grads[c]
+        src = self._source(c)
         if src.device == self.store.master[c].device:
             return src
         buf = self.mover.grad_slots.take()
         n = self.store.layout.chunks[c].used_elems
         buf[:n].copy_(src[:n])
         return buf
+
+    def on_device_in_order(self, chunks: list[int]) -> Iterator[tuple[int, torch.Tensor]]:
+        """Yields (c, c's kept gradient on the device) for each of `chunks` (device chunks), in order; the caller
+        queues c's kernel before asking for the next. Those kept on the device come first, while the others come
+        back from the host on the copy stream into the gradient slots, each copy queued as soon as a slot's last
+        reader is: the launching thread never waits for a copy, and the compute stream waits only for the one it
+        reads next (with one blocking copy per chunk, a correction at Llama-3-8B's shape spent 0.25-0.36 s on the
+        launching thread: issue 24)."""
+        here = [c for c in chunks if self._source(c).device == self.device]
+        back = [c for c in chunks if self._source(c).device != self.device]
+        coming: deque = deque()
+        if back:
+            self.copies.copies_in_after_copies_out()    # the gradients shipped to the host in backward have landed
+        start = lambda c: coming.append((c, *self.mover.bring_back(self._source(c), self._used(c))))  # noqa: E731
+        ahead = iter(back)
+        try:
+            for c in back[:max(1, self.mover.grad_slots.free)]:
+                start(next(ahead))
+            for c in here:
+                yield c, self._source(c)
+            while coming:
+                c, buf, copied = coming[0]
+                self.copies.compute_waits(copied)
+                yield c, buf
+                coming.popleft()
+                self.mover.read_back_done(buf)
+                nxt = next(ahead, None)
+                if nxt is not None:
+                    start(nxt)
+        finally:                                        # an exception in a caller's kernel: the slots go back
+            for _, buf, _ in coming:
+                self.mover.read_back_done(buf)
+
+    @property
+    def device(self) -> torch.device:
+        return self.store.device
+
+    def _source(self, c: int) -> torch.Tensor:
+        return self.acc[c] if c in self.acc else self.grads[c]
+
+    def _used(self, c: int) -> int:
+        return self.store.layout.chunks[c].used_elems
 
     def done_with(self, grad: torch.Tensor, c: int) -> None:
         if grad is not self.acc.get(c) and grad is not self.grads.get(c):

@@ -56,6 +56,9 @@ class CpuCopies:
     def host_waits(self, event) -> None:
         """The calling host thread waits for `event`."""
 
+    def copies_in_after_copies_out(self) -> None:
+        """Copies to the device queued from now on start after every copy to the host queued so far."""
+
     def start_step(self) -> None:
         pass
 
@@ -101,6 +104,9 @@ class CudaCopies:
     def host_waits(self, event) -> None:
         if event is not None:
             event.synchronize()
+
+    def copies_in_after_copies_out(self) -> None:
+        self.streams["h2d"].wait_stream(self.streams["d2h"])
 
     def start_step(self) -> None:
         """Copies of this step may read masters the compute stream updated in the last one."""
@@ -170,6 +176,7 @@ class Mover:
         self._ready: dict[int, object] = {}          # chunk -> its copy-in event
         self._slot_done: dict[int, object] = {}      # slot data_ptr -> its last reader finished
         self._grad_done: dict[int, object] = {}      # gradient slot data_ptr -> its last copy out finished
+        self._grad_read: dict[int, object] = {}      # gradient slot data_ptr -> its last reader (`read_back_done`)
         self.pinned = {c for c in range(len(layout.chunks))
                        if plan.placement[c] == "device" and dtype == torch.float32 and self.dp is None}
         for c in self.pinned:
@@ -292,6 +299,25 @@ class Mover:
         return self.grads.pop(c)
 
     def give_back(self, buf: torch.Tensor) -> None:
+        self.grad_slots.give(buf)
+
+    def bring_back(self, src: torch.Tensor, n: int):
+        """A kept gradient `src[:n]` on the host copied into a gradient slot on the copy stream, after the slot's last
+        reader on the compute stream; returns (slot, the copy's event). The launching thread does not wait: the
+        compute stream waits for the event where it reads the slot, and `read_back_done` gives the slot back."""
+        buf = self.grad_slots.take()
+        after = self._grad_read.pop(buf.data_ptr(), None) or self.copies.record()   # every compute use so far
+        with self.copies.on("h2d"):
+            self.copies.wait(after)
+            self.copies.wait(self._grad_done.get(buf.data_ptr()))                   # a copy out of it
+            buf[:n].copy_(src[:n], non_blocking=True)
+            copied = self.copies.record()
+        return buf, copied
+
+    def read_back_done(self, buf: torch.Tensor) -> None:
+        """The kernels queued so far on the compute stream are the last readers of `buf` (a slot `bring_back`
+        filled): it goes back to the pool, and the next copy into it waits for them."""
+        self._grad_read[buf.data_ptr()] = self.copies.record()
         self.grad_slots.give(buf)
 
     def ship(self, buf: torch.Tensor, dst: torch.Tensor, n: int, also=None):

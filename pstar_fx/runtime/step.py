@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -28,6 +29,12 @@ class StepReport:
     skipped: bool            # a non-finite gradient: nothing was updated
     lr: float                # the learning rate this step used
     loss_scale: float        # the loss scale this step used (1.0 without loss scaling)
+    deferred: bool = False   # its updates waited for the verdict (a kept_grads plan that may defer: plan.defer_above)
+
+
+# The expected trigger rate, measured (Config.expected_trigger_rate None): the share of the last TRIGGER_WINDOW
+# applied steps whose clipping triggered, the steps not yet run counted as triggering (a run's first steps clip).
+TRIGGER_WINDOW = 8
 
 
 class Stepper:
@@ -36,13 +43,14 @@ class Stepper:
     def __init__(self, rt: ChunkRuntime, config, transaction: str,
                  run: Callable[[list, torch.Tensor], torch.Tensor], buffers: list[torch.Tensor]):
         self.rt, self.config, self._run = rt, config, run
-        self.transaction = for_plan(transaction, rt.plan.two_passes)
+        self.transaction = for_plan(transaction, rt.plan.two_passes, rt.plan.defer_above)
         self.buffers = buffers
         self.schedule = LrSchedule(config.lr_schedule, config.optimizer["lr"])
         self.scaler = LossScaler(config.loss_scaler_spec)
         self.applied = 0                        # updates applied: Adam's step count and the schedule's position
         self._before_settling: tuple | None = None   # (applied, scaler state) before a step still settling
         self.last_coef = 1.0                    # the last applied step's clip coefficient: the next one's guess
+        self.recent_clips: deque[bool] = deque(maxlen=TRIGGER_WINDOW)   # whether each recent step's clipping triggered
 
     @property
     def lr(self) -> float:
@@ -54,13 +62,15 @@ class Stepper:
 
     def state_dict(self) -> dict:
         """The loop state a resume needs (a checkpoint's JSON)."""
-        return {"step": self.applied, "loss_scale": self.scaler.state_dict(), "last_clip_coef": self.last_coef}
+        return {"step": self.applied, "loss_scale": self.scaler.state_dict(), "last_clip_coef": self.last_coef,
+                "recent_clips": list(self.recent_clips)}
 
     def load_state_dict(self, state: dict | None) -> None:
         """`None`: a fresh start (step 0, the initial loss scale)."""
         state = state or {}
         self.applied = int(state.get("step", 0))
         self.last_coef = float(state.get("last_clip_coef", 1.0))
+        self.recent_clips = deque((bool(x) for x in state.get("recent_clips", [])), maxlen=TRIGGER_WINDOW)
         self.scaler = LossScaler(self.config.loss_scaler_spec)
         self.scaler.load_state_dict(state.get("loss_scale", {}))
         self._before_settling = None
@@ -98,11 +108,19 @@ class Stepper:
         if finite:
             self.applied += 1
             self.last_coef = coef
+            self.recent_clips.append(coef < 1.0)
         rt.telemetry.count_step()
         return StepReport(loss=loss_value, grad_norm=norm, clip_coef=coef if finite else 1.0, skipped=not finite,
-                          lr=lr, loss_scale=scale)
+                          lr=lr, loss_scale=scale, deferred=self.transaction.deferring)
 
     # ---- for the transactions ------------------------------------------------------------------------
+    def expected_trigger_rate(self) -> float:
+        """The share of steps whose clipping is expected to trigger: Config.expected_trigger_rate, or measured over
+        the last TRIGGER_WINDOW steps (those not yet run count as triggering)."""
+        if self.config.expected_trigger_rate is not None:
+            return self.config.expected_trigger_rate
+        return (sum(self.recent_clips) + TRIGGER_WINDOW - len(self.recent_clips)) / TRIGGER_WINDOW
+
     def run_pass(self, inputs: list[torch.Tensor], tangent: torch.Tensor) -> torch.Tensor:
         """Forward and backward over one micro-batch (the chunk updates run inside backward); returns the loss."""
         return self._run(inputs, tangent)

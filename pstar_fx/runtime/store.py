@@ -44,6 +44,11 @@ class Pool:
             return self._free.pop()
         return self._free.get()
 
+    @property
+    def free(self) -> int:
+        """Buffers not handed out now."""
+        return len(self._free) if isinstance(self._free, list) else self._free.qsize()
+
     def give(self, buf: torch.Tensor) -> None:
         if isinstance(self._free, list):
             self._free.append(buf)

@@ -31,6 +31,7 @@ class Outcome(NamedTuple):
 class Transaction:
     """How a step runs its passes, what it keeps, how it commits and rolls back (the subclasses below)."""
     reruns = False       # the step may run forward again: the stepper saves the model's buffers first
+    deferring = False    # the step running (or last run) applies its updates after the verdict: `MayDefer`
 
     def __init__(self, name: str):
         self.name = name
@@ -183,12 +184,31 @@ class Accumulate(Transaction):
         return out
 
 
+class MayDefer(Transaction):
+    """kept_grads chosen by "auto" with clipping (`plan.defer_above`): each step either speculates (KeptGrads) or
+    defers (Deferred), by the expected trigger rate (Stepper.expected_trigger_rate): above the plan's break-even,
+    deferring costs less than the corrections expected. Both keep every gradient in the same buffers (the plan
+    keeps none in a shadow), so a step may switch without recompiling and changes no result: each is exact."""
+
+    def __init__(self, name: str, defer_above: float):
+        super().__init__(name)
+        self.defer_above = defer_above
+        self._speculate, self._defer = KeptGrads(name), Deferred(name)
+
+    def run(self, st, batches, hyper, tangent, saved):
+        self.deferring = st.expected_trigger_rate() > self.defer_above
+        return (self._defer if self.deferring else self._speculate).run(st, batches, hyper, tangent, saved)
+
+
 _BY_NAME = {"kept_grads": KeptGrads, "replay": Replay, "deferred": Deferred, "two_pass": TwoPass,
             "none": NoTransaction, "accumulate": Accumulate}
 
 
-def for_plan(transaction: str, two_passes: bool) -> Transaction:
-    """The object for `plan.transaction`; a "two_pass" plan that measures nothing first runs as a replay."""
+def for_plan(transaction: str, two_passes: bool, defer_above: float | None = None) -> Transaction:
+    """The object for `plan.transaction`; a "two_pass" plan that measures nothing first runs as a replay, and a
+    kept_grads plan with `plan.defer_above` may defer step by step."""
     if transaction == "two_pass" and not two_passes:
         return Replay(transaction)
+    if transaction == "kept_grads" and defer_above is not None:
+        return MayDefer(transaction, defer_above)
     return _BY_NAME[transaction](transaction)

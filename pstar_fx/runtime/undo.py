@@ -11,6 +11,7 @@ updates) and the error is raised as `StepRolledBack`; a step that kept nothing c
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 
 import torch
 
@@ -66,28 +67,43 @@ class Undo:
         return applied
 
     def correct(self, log: StepLog, hyper: Hyper) -> None:
-        """The speculative updates used a guessed clip coefficient: undo each and apply it with `hyper`'s.
-        Device chunks are corrected now, on the compute stream; host chunks on the worker, so their
-        corrections overlap the next step's forward like their updates do (a read waits for its chunk)."""
+        """The speculative updates used a guessed clip coefficient: undo each and apply it with `hyper`'s. The
+        verdict found every gradient finite, so every update launched was applied. Host chunks first, each queued on
+        the worker behind its own update, in the order the next forward reads them (chunk order: the layout fills
+        chunks in the order the forward first uses their parameters), so the forward's first host chunk is corrected
+        first and the host work starts at the verdict; their corrections overlap the next forward as their updates
+        do (a read waits for its chunk). Then the device chunks, on the compute stream, their kept gradients
+        coming back from the host on the copy stream (`KeptGradients.on_device_in_order`)."""
         t0 = time.perf_counter()
         speculated = log.hyper
-        for c in self.applied_chunks(log):
-            if self.store.tier(c) == "host":
-                self.worker.run(c, log, self._correct_one, log, c, speculated, hyper)
-            else:
-                self._correct_one(log, c, speculated, hyper)
+        updates = dict(log.host)                           # each host chunk's update: its future, or its outcome
+        for c in sorted(updates):
+            self.worker.run(c, log, self._correct_host, log, c, updates, speculated, hyper)
+        for c, grad in self.kept.on_device_in_order(sorted(log.device)):
+            self._correct_one(log, c, grad, speculated, hyper)
         self.telemetry.add("correction", time.perf_counter() - t0)
 
-    def _correct_one(self, log: StepLog, c: int, speculated: Hyper, hyper: Hyper) -> bool:
+    def _correct_host(self, log: StepLog, c: int, updates: dict, speculated: Hyper, hyper: Hyper) -> bool:
+        """A host chunk's correction, on the worker after every host update of the step (one thread, in order:
+        `updates` are done). Its own update failed: its error is raised here (it changed nothing). Another's failed:
+        the step will be rolled back, so this chunk is left as its update left it, and the rollback undoes that one
+        update (undoing a correction too would add its rounding)."""
+        outcome = {k: u.exception() if isinstance(u, Future) else None for k, u in updates.items()}
+        if outcome[c] is not None:
+            raise outcome[c]
+        if not (updates[c].result() if isinstance(updates[c], Future) else updates[c]):
+            return False                                   # not applied: nothing to correct
+        if any(e is not None for e in outcome.values()):
+            return True
         t0 = time.perf_counter()
+        self._correct_one(log, c, self.kept.on_tier(c), speculated, hyper)
+        self.telemetry.add("host_adam", time.perf_counter() - t0)
+        return True
+
+    def _correct_one(self, log: StepLog, c: int, grad: torch.Tensor, speculated: Hyper, hyper: Hyper) -> None:
         log.hyper_of[c] = speculated                       # applied with the guess, until the undo below
-        grad = self.kept.on_tier(c)
         self._chunk_undo(c, grad, speculated, redo=hyper)
         log.hyper_of[c] = hyper
-        self.kept.done_with(grad, c)
-        if self.store.tier(c) == "host":
-            self.telemetry.add("host_adam", time.perf_counter() - t0)
-        return True
 
     def restore_masters(self, log: StepLog) -> dict[int, Hyper]:
         """The first half of a replay: every chunk the (speculative, nothing kept) step updated gets its master

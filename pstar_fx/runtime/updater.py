@@ -163,19 +163,15 @@ class Updater:
         """Every chunk's update from `grads` (chunk -> its gradient, kept until the verdict): host chunks on the
         worker, queued first, so the host Adam (the longer of the two) starts at the verdict and does not wait
         for the device chunks' gradients to come back from the host (bench/RESULTS.md, session 8: 0.35 s at
-        GPT3_18B); then device chunks, here."""
+        GPT3_18B); then device chunks, here, their kept gradients coming back on the copy stream
+        (`KeptGradients.on_device_in_order`)."""
         log = self.step_log
         log.hyper, log.kind = hyper, AFTER_VERDICT
-        if any(self.store.tier(c) == "device" and g.device != self.device for c, g in grads.items()):
-            self.copies.sync()                       # device chunks' gradients shipped to the host have landed
         for c in sorted(grads):
             if self.store.tier(c) == "host":
                 self.host_worker.run(c, log, self._apply_host, c, log, grads[c], check_host)
-        for c in sorted(grads):
-            if self.store.tier(c) != "host":
-                grad = self.kept.on_tier(c)
-                self._update_device(c, grad, hyper)
-                self.kept.done_with(grad, c)
+        for c, grad in self.kept.on_device_in_order([c for c in sorted(grads) if self.store.tier(c) != "host"]):
+            self._update_device(c, grad, hyper)
 
     def _apply_host(self, c: int, log: StepLog, grad: torch.Tensor, check: bool) -> bool:
         t0 = time.perf_counter()
