@@ -828,3 +828,28 @@ def test_device_chunks_keeping_some_gradients_on_the_device_train_exactly():
     reports = run(engine, batches)
     assert all(r.clip_coef < 1.0 for r in reports)
     assert_run_matches(engine, reports, ref, ref_out)
+
+
+def test_a_replay_plan_measures_first_while_clipping_is_expected(monkeypatch):
+    """A host budget without room for kept gradients: "auto" picks replay, and with clipping a step may instead
+    measure first (as two_pass: no buffer a replay lacks) when triggering is expected, the break-even between a
+    replayed step and one more pass. By turns, the run equals clip_grad_norm_ + AdamW (a replay's rounding)."""
+    model = tiny_gpt()
+    batches = gpt_batches(4)
+    _, _, free = reference(model, batches)
+    clip = sorted(o[1] for o in free)[0] * 0.5
+    ref, _, ref_out = reference(model, batches, grad_clip=clip)
+    cfg = {"device": "cpu", "placement": "host", "chunk_size": CHUNK, "optimizer": OPT, "grad_clip": clip}
+    roomy = pstar_fx.plan(model, cfg, batch())
+    state = roomy.host_breakdown["chunk state"] + roomy.host_breakdown["16-bit shadows"]
+    engine = pstar_fx.compile(model, dict(cfg, host_memory=state + 4 * 2**20 // 16), example_inputs=batch())
+    est = engine.plan.estimate
+    assert engine.plan.transaction == "replay" and 0 < engine.plan.defer_above < 1
+    assert est.step_seconds < est.deferred_step_seconds < est.triggered_step_seconds
+    assert "measures first instead" in engine.plan.transaction_cost
+    rates = iter([1.0, 0.0, 1.0, 0.0])
+    monkeypatch.setattr(engine.stepper, "expected_trigger_rate", lambda: next(rates))
+    reports = run(engine, batches)
+    assert [r.deferred for r in reports] == [True, False, True, False]
+    assert all(r.clip_coef < 1.0 for r in reports)
+    assert_run_matches(engine, reports, ref, ref_out, rel=REPLAY_REL)
