@@ -174,7 +174,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         transaction, step_seconds, cuda=cuda, placement=rank0_placement, layout=layout, node_secs=node_secs,
         reads=use.reads, adam_at=use.adam_at, rates=rates, itemsize=compute_itemsize, copy_s=copy_s,
         kept_on_device=kept_on_device, copies_exposed=sched.exposed_seconds, adam_hidden=adam_hidden,
-        replay_host_exposed=replay_host_exposed)
+        replay_host_exposed=replay_host_exposed, host_adam_rate=host_adam_rate)
     # kept_grads or replay chosen by "auto" with clipping: price the same step with its updates waiting for the
     # verdict, on the same buffers (kept_grads: deferred; replay: two_pass, measuring first, which keeps nothing
     # either), and let the runtime defer while the expected trigger rate is above the break-even (not yet with
