@@ -885,3 +885,19 @@ def test_a_host_update_not_started_at_a_correction_applies_the_verdict_directly(
     n_device = len(store.master) - n_host
     assert corrected.count("device") == len(batches) * n_device
     assert corrected.count("host") < len(batches) * n_host / 2, (corrected.count("host"), n_host)
+
+
+@pytest.mark.parametrize("transaction", ["deferred", "kept_grads"])
+def test_a_host_job_runs_as_the_pass_that_queued_it(monkeypatch, transaction):
+    """Host jobs on a worker that is behind (each waits 50 ms for its gradient): a deferred step's backward jobs
+    run after its verdict has opened the updates, and must still only keep their gradients (read at run time,
+    the pass said "update", and each host chunk was updated twice: a race CPU runs hit now and then, and a CUDA
+    run whenever the worker trailed backward). The run equals clip_grad_norm_ + AdamW."""
+    monkeypatch.setattr(chunk_ops_module, "HOST_WORKER_ON_CPU", True)
+    model = tiny_gpt()
+    batches = gpt_batches(3)
+    ref, _, ref_out = reference(model, batches, grad_clip=0.05)
+    engine = compile_gpt(model, grad_clip=0.05, transaction=transaction)
+    monkeypatch.setattr(engine.rt.updater.copies, "host_waits", lambda ready: time.sleep(0.05))
+    reports = run(engine, batches)
+    assert_run_matches(engine, reports, ref, ref_out)

@@ -82,8 +82,8 @@ class Updater:
         self.wait_for(c)
         log = self.step_log
         if self.store.tier(c) == "host":
-            self.host_worker.run(c, log, self._host_job, c, grad, ready, log, self._first_micro, self._last_micro,
-                                 checked)
+            self.host_worker.run(c, log, self._host_job, c, grad, ready, log, log.kind, self._first_micro,
+                                 self._last_micro, checked)
             return
         kind, back = log.kind, grad                  # back: what the gradient slot pool gets back
         if kind.replays:
@@ -107,26 +107,28 @@ class Updater:
         self.norms.launched(c)
         self.step_log.device.append(c)
 
-    def _host_job(self, c, grad, ready, log: StepLog, first: bool, last: bool, checked: bool = False) -> bool:
-        """A host chunk's part of the step (on the worker, or inline on the CPU runtime)."""
+    def _host_job(self, c, grad, ready, log: StepLog, kind, first: bool, last: bool, checked: bool = False) -> bool:
+        """A host chunk's part of the step (on the worker, or inline on the CPU runtime), as the pass that queued it
+        (`kind`) says: by the time the worker runs it, the step may have moved on (a deferred step's verdict sets
+        `log.kind` to AFTER_VERDICT, and a job of its backward read then would have updated its chunk twice)."""
         try:
             self.copies.host_waits(ready)             # the gradient (and its finite flag) have landed
             t0 = time.perf_counter()
             applied = False
-            if log.kind.replays:
+            if kind.replays:
                 applied = self.undo.replay_moments(c, grad, log)
-            elif log.kind.accumulates:
+            elif kind.accumulates:
                 self.kept.accumulate(c, grad, first)
                 if last:
                     log.host_sq.update(self.norms.host_squares(c, self.kept.acc[c]))
-            elif log.kind.updates:                    # (measured on the device; deferred: it waits in its kept buffer)
+            elif kind.updates:                    # (measured on the device; deferred: it waits in its kept buffer)
                 if checked and not self.norms.host_finite(c):
                     applied = False                   # non-finite on the device: the step will be skipped
                 else:
                     # a speculative update that starts after its step's correction was decided applies the
                     # verdict's coefficient at once: no undo + redo for it (the update the worker had not reached
                     # when clipping triggered, often most host chunks': their updates run into the next forward)
-                    right = log.verdict_hyper if log.kind.keeps else None
+                    right = log.verdict_hyper if kind.keeps else None
                     applied = self._adam(c, grad, right or log.hyper, check_finite=not checked)
                     if right is not None and applied:
                         log.hyper_of[c] = right
