@@ -1,6 +1,7 @@
 """train: `pstar-fx train` — build a model, compile its step, train it on the stdlib's bytes or on --data."""
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -15,6 +16,8 @@ from pstar_fx.config import Config, format_bytes
 from pstar_fx.data import (TEXT_SUFFIXES, TOKEN_DTYPES, batches, check_vocab, held_out, load_tokenizer, read_tokens,
                            vocab_size)
 from pstar_fx.cli import demo_budget
+from pstar_fx.records import (IGNORE_INDEX, encode_records, eval_batches, held_out_records, is_records, pack_rows,
+                              pad_id, pad_rows, read_records, row_batches)
 from pstar_fx.runtime.dist import world_from_env
 
 from .args import (DEFAULT_STEPS, STEPS_ENV, TRAIN_SEQ_CAP, call, check_cuda, common, config_dict, config_flag,
@@ -33,7 +36,12 @@ def add_parser(sub) -> None:
     train.add_argument("--data", metavar="PATH",
                        help="a text file; a folder of text files (" + ", ".join("*" + x for x in TEXT_SUFFIXES)
                             + ", recursively, in sorted path order); or a token file *.bin of raw token ids as "
-                            "nanoGPT writes them, memory-mapped (default: the Python stdlib's source)")
+                            "nanoGPT writes them (*.bin, *.dat), memory-mapped; or FILE.jsonl of instruction or chat "
+                            "records ({\"prompt\", \"completion\"} or {\"messages\": [...]}), trained on the "
+                            "completions / assistant turns only (default: the Python stdlib's source)")
+    train.add_argument("--pack", action=argparse.BooleanOptionalAction, default=None,
+                       help="JSONL records: several whole records to a row of --seq tokens (default), or with "
+                            "--no-pack one record a row, padded")
     train.add_argument("--data-dtype", choices=list(TOKEN_DTYPES),
                        help="a *.bin file's token type (default uint16, or uint32 when the model's vocabulary "
                             "exceeds 65536)")
@@ -60,10 +68,13 @@ def add_parser(sub) -> None:
     train.add_argument("--nproc", type=positive_int, default=1, metavar="N",
                        help="data-parallel ranks on this machine (runs torchrun; --batch is per rank; default 1)")
     train.add_argument("--eval-every", type=positive_int, metavar="N", help="every N steps, the loss of a held-out "
-                       "batch (the data's last 5%%, kept out of training), forward only (engine.evaluate)")
+                       "batch (the data's last 5%%, kept out of training; of JSONL data, the last 5%% of the "
+                       "records, all of them evaluated), forward only (engine.evaluate); the same batch and the "
+                       "same mean whatever --nproc")
     train.add_argument("--metrics", metavar="FILE.jsonl", help="append one JSON object per step (step, loss, lr, "
                        "grad_norm, clip_coef, skipped, tokens_per_s, tflops, seconds; eval_loss when evaluated), "
-                       "flushed as it is written")
+                       "flushed as it is written; loss is the step's own (the printed lines show the mean "
+                       "over --log-every steps); written by rank 0 only")
     train.add_argument("--progress", choices=["auto", "bar", "lines"], default="auto",
                        help="auto (default): a progress bar on stderr when it is a terminal, else lines only; "
                             "the step lines on stdout are printed either way")
@@ -76,14 +87,15 @@ def flops_per_token(n_params: int, n_layer: int, n_embd: int, seq: int) -> int:
     are the model's FLOPs, not the hardware's."""
     return 6 * n_params + 12 * n_layer * n_embd * seq
 
-def compile_model(args, parser, cap: int | None):
-    """Model, Engine and sequence length for train/explain; prints the device budget it chose, if it chose one."""
+def compile_model(args, parser, cap: int | None, inputs=None):
+    """Model, Engine and sequence length for train/explain (compiled for `inputs`, or a batch of zeros);
+    prints the device budget it chose, if it chose one."""
     seq = seq_len(args, parser, cap)
     config = Config.from_dict(config_dict(args))
     check_cuda(config)
     torch.manual_seed(args.seed)
     model = args.model.build()
-    inputs = example_inputs(args, seq)
+    inputs = example_inputs(args, seq) if inputs is None else inputs
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{args.model}: {n_params:,} parameters; batch {args.batch} x seq {seq}; {config.dtype}; "
           f"device {config.device}")
