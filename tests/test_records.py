@@ -73,3 +73,125 @@ def chat_jsonl(path, n, seed=0, bad=()):
         for line in bad:
             f.write(line + "\n")
     return path
+
+
+def rows_of(path, seq, pack=True):
+    tok = chat_tokenizer()
+    found, problems = records.read_records(path)
+    examples, problems = records.encode_records(found, tok, seq, problems)
+    return (records.pack_rows if pack else records.pad_rows)(examples, seq, records.pad_id(tok)), examples
+
+
+# ---- records to tokens: masks, bad records ---------------------------------------------------------------
+
+def test_chat_records_train_on_assistant_turns_only_and_render_as_the_template_does():
+    tok = chat_tokenizer()
+    chat = {"messages": [{"role": "system", "content": "yes"}, {"role": "user", "content": "what did the cat do"},
+                         {"role": "assistant", "content": "the cat sat"}, {"role": "user", "content": "why"},
+                         {"role": "assistant", "content": "it ran"}]}
+    ids, labels = records.encode_record(chat, tok)
+    # the tokens are those of the whole rendering, as generation would see them
+    assert ids == tok(tok.apply_chat_template(chat["messages"], tokenize=False), add_special_tokens=False)["input_ids"]
+    trained = [t if lab != IGNORE_INDEX else None for t, lab in zip(tok.convert_ids_to_tokens(ids), labels)]
+    assert [t for t in trained if t] == ["the", "cat", "sat", "<eos>", "it", "ran", "<eos>"]
+    assert all(lab in (IGNORE_INDEX, i) for i, lab in zip(ids, labels))
+    # every trained token of a turn, in order; the generation prompt "<|assistant|>" itself is not trained
+    first = tok.convert_ids_to_tokens(ids).index("<|assistant|>")
+    assert labels[first] == IGNORE_INDEX and labels[first + 1:first + 5] == ids[first + 1:first + 5]
+    ids, labels = records.encode_record({"prompt": "who sat", "completion": "the dog"}, tok)
+    assert tok.convert_ids_to_tokens(ids) == ["who", "sat", "the", "dog", "<eos>"]
+    assert labels == [IGNORE_INDEX, IGNORE_INDEX, *ids[2:]]
+
+
+def test_bad_records_are_counted_by_kind_and_reported_in_one_line(tmp_path):
+    bad = ['{"prompt": "a"}', '{"prompt": "a", "completion": 3}', '{"prompt": "a", "completion": ""}',
+           "not json", '[1, 2]', '{"messages": [{"role": "user", "content": "a"}]}',
+           '{"messages": [{"role": "assistant"}]}', '{"prompt": "' + "the " * 40 + '", "completion": "a"}',
+           '{"prompt": "b"}']
+    path = chat_jsonl(tmp_path / "mixed.jsonl", 6, bad=bad)
+    found, problems = records.read_records(path)
+    examples, problems = records.encode_records(found, chat_tokenizer(), 32, problems)
+    assert len(examples) == 6 and problems.total() == len(bad)
+    assert problems.counts == {"missing keys": 3, "non-string": 1, "empty completion": 2, "not JSON": 1,
+                               "not a JSON object": 1, "longer than --seq 32": 1}
+    summary = problems.summary()
+    assert summary.startswith("9 bad records skipped: 3 missing keys (first at line 7)") and "\n" not in summary
+    assert "1 not JSON (line 10)" in summary and "1 longer than --seq 32 (line 14)" in summary
+
+
+# ---- rows: packing, padding, the held-out split, batches -------------------------------------------------
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_rows_hold_whole_records_with_their_labels_and_padding_masked(tmp_path, pack):
+    rows, examples = rows_of(chat_jsonl(tmp_path / "c.jsonl", 20), 32, pack)
+    assert rows.input_ids.shape[1] == 32 and sum(rows.records) == len(examples)
+    assert (len(rows) < len(examples)) if pack else (len(rows) == len(examples))
+    # read the rows back: each row is its records' tokens one after the other, then padding (id 2, -100, mask 0)
+    it = iter(examples)
+    for r, n in enumerate(rows.records):
+        got = [next(it) for _ in range(n)]
+        ids = sum((e.ids for e in got), [])
+        labels = sum((e.labels for e in got), [])
+        k = len(ids)
+        assert rows.input_ids[r, :k].tolist() == ids and rows.labels[r, :k].tolist() == labels
+        assert (rows.attention_mask[r, :k] == 1).all() and (rows.attention_mask[r, k:] == 0).all()
+        assert (rows.input_ids[r, k:] == 2).all() and (rows.labels[r, k:] == IGNORE_INDEX).all()
+        if pack and r + 1 < len(rows):     # the next record did not fit in what was left
+            assert k + len(examples[sum(rows.records[:r + 1])].ids) > 32
+
+
+def test_held_out_is_by_record_and_batches_cover_every_row_each_epoch(tmp_path):
+    _, examples = rows_of(chat_jsonl(tmp_path / "c.jsonl", 41), 32)
+    train, held = records.held_out_records(examples)
+    assert train + held == examples and len(held) == 2          # 5% of 41, whole records, the last ones
+    rows = records.pack_rows(train, 32, 2)
+    batches = records.row_batches(rows, 4, seed=3)
+    epoch = torch.cat([next(batches).input_ids for _ in range(len(rows) // 4)])
+    all_rows = {tuple(r) for r in rows.input_ids.tolist()}
+    assert len(all_rows) == len(rows)                            # random sentences: no two rows alike
+    as_set = {tuple(r) for r in epoch.tolist()}
+    assert len(as_set) == len(epoch) and as_set <= all_rows      # an epoch's batches: each row at most once
+    again = records.row_batches(rows, 4, seed=3)
+    assert torch.equal(next(again).input_ids, epoch[:4])
+    # evaluation: every held-out row once, the last batch filled with rows that train nothing
+    full = records.eval_batches(records.pack_rows(held, 32, 2), 4, 2)
+    assert len(full) == 1 and (full[0].labels[len(records.pack_rows(held, 32, 2)):] == IGNORE_INDEX).all()
+    with pytest.raises(ValueError, match="at least 2"):
+        records.held_out_records(examples[:1])
+
+
+# ---- through the engine: the loss and the training of the eager Hugging Face model with -100 labels ---------
+
+def test_packed_and_padded_batches_train_like_the_eager_hf_model_with_masked_labels(tmp_path):
+    import pstar_fx
+    from test_engine import assert_losses_close, assert_weights_close, tight_budget
+    from test_hf import eager
+    from pstar_fx.cli.models import model_arg
+    path = chat_jsonl(tmp_path / "c.jsonl", 24)
+    spec = model_arg(f"hf:{tiny_llama_dir(tmp_path / 'llama')}")
+    assert spec.takes_attention_mask
+    # one run, packed and padded batches in turn (both are rows of 32)
+    packed = records.row_batches(rows_of(path, 32, pack=True)[0], 3, seed=0)
+    padded = records.row_batches(rows_of(path, 32, pack=False)[0], 3, seed=0)
+    data = [spec.row_inputs(next(packed if t % 2 == 0 else padded)) for t in range(4)]
+    assert set(data[0]) == {"input_ids", "labels", "attention_mask"}
+    assert all((b["attention_mask"] == 0).any() and (b["labels"] == IGNORE_INDEX).any() for b in data)
+    model = tiny_llama()
+    opt = {"type": "adamw", "lr": 3e-3, "weight_decay": 0.1}
+    ref, ref_losses = eager(model, data, opt)
+    # the eager loss is the mean over the batch's trained tokens, which is what the records' labels say
+    with torch.no_grad():
+        b = data[0]
+        logits = model(**b).logits[:, :-1].flatten(0, 1)
+        target = b["labels"][:, 1:].flatten()
+        kept = target != IGNORE_INDEX
+        by_hand = torch.nn.functional.cross_entropy(logits[kept], target[kept], reduction="sum") / kept.sum()
+    assert ref_losses[0] == pytest.approx(by_hand.item(), rel=1e-6)
+    cfg = {"chunk_size": 2048, "optimizer": opt}
+    budget, n_chunks = tight_budget(model, data[0], device_chunks=1, **cfg)
+    engine = pstar_fx.compile(model, pstar_fx.Config(device="cpu", device_memory=budget, **cfg),
+                              example_inputs=data[0])
+    assert engine.plan.placement.count("host") > n_chunks // 2, engine.plan.placement
+    losses = [engine.step(**b).item() for b in data]
+    assert_losses_close(losses, ref_losses, ref.__dict__["float64_truth"][2])
+    assert_weights_close(engine.state_dict(), ref)
