@@ -195,3 +195,84 @@ def test_packed_and_padded_batches_train_like_the_eager_hf_model_with_masked_lab
     losses = [engine.step(**b).item() for b in data]
     assert_losses_close(losses, ref_losses, ref.__dict__["float64_truth"][2])
     assert_weights_close(engine.state_dict(), ref)
+
+
+# ---- pstar-fx train --data FILE.jsonl ---------------------------------------------------------------------
+
+def test_train_on_chat_records_evaluates_saves_and_resumes_exactly(tmp_path, capsys):
+    from safetensors.torch import load_file
+    from test_cli import _metrics, _steps
+    from test_engine import rounding_tolerance
+    from pstar_fx.cli import main
+    hf = tiny_llama_dir(tmp_path / "llama")
+    data = chat_jsonl(tmp_path / "chat.jsonl", 40, bad=['{"prompt": "who"}', '{"messages": []}'])
+    common = ["train", "--model", f"hf:{hf}", "--data", str(data), "--batch", "2", "--seq", "32", "--lr", "0.01",
+              "--device-memory", "512KiB",                        # one compile, not the demo budget search
+              "--eval-every", "2", "--log-every", "2"]
+    whole = tmp_path / "whole"
+    assert main(common + ["--steps", "4", "--save", str(whole), "--metrics", str(tmp_path / "w.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert (f"data: 40 records of {data} (tokenizer {hf}, vocab 23); 2 bad records skipped: 1 missing keys (line 41), "
+            "1 non-list messages (line 42)") in out
+    assert "packed rows of 32 tokens" in out and "held out: 2 records in 1 row(s)" in out
+    assert "step     4  loss " in out and "(mean of steps 3-4)" in out
+    assert "(step 1) -> " in out and "(mean of steps 3-4)\n" in out.split("done: ")[1]
+    ran = _metrics(tmp_path / "w.jsonl")
+    assert [r["step"] for r in ran] == [1, 2, 3, 4] and [r["step"] for r in ran if "eval_loss" in r] == [2, 4]
+    # the eval loss is the eager model's mean over every trained token of the held-out records (the last 2)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(whole), dtype=torch.float32).eval()
+    tok = chat_tokenizer()
+    found, _ = records.read_records(data)
+    held = records.pack_rows(records.encode_records(found, tok, 32)[0][-2:], 32, 2)
+
+    def mean_loss(m, dtype):
+        with torch.no_grad():
+            logits = m.to(dtype)(input_ids=held.input_ids, attention_mask=held.attention_mask).logits
+            target = held.labels[:, 1:].flatten()
+            return float(torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), target, reduction="sum")
+                         / (target != IGNORE_INDEX).sum())
+    eager32 = mean_loss(model, torch.float32)
+    truth = mean_loss(model, torch.float64)
+    assert ran[-1]["eval_loss"] == pytest.approx(eager32, rel=rounding_tolerance(eager32, truth, 1), abs=0)
+    # 2 steps, save; 2 more resumed: the same losses, eval losses and weights as 4 in one go
+    half, m = tmp_path / "half", tmp_path / "m.jsonl"
+    assert main(common + ["--steps", "2", "--save", str(half), "--metrics", str(m)]) == 0
+    assert main(common + ["--steps", "2", "--resume", str(half), "--save", str(half), "--metrics", str(m)]) == 0
+    resumed = _metrics(m)
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in ran]
+    assert [r.get("eval_loss") for r in resumed] == [r.get("eval_loss") for r in ran]
+    assert _steps(capsys.readouterr().out, "eval loss")[4] == round(ran[-1]["eval_loss"], 4)
+    a, b = load_file(str(half / "model.safetensors")), load_file(str(whole / "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("lines, extra, message", [
+    (['{"prompt": "a"}', "oops"], [], "data {p}: no usable record (2 bad records skipped: 1 missing keys (line 1), "
+                                      "1 not JSON (line 2))"),
+    (['{"prompt": "' + "the " * 40 + '", "completion": "a"}'], [], "1 longer than --seq 32 (line 1)"),
+    (['{"prompt": "a", "completion": "b"}'], ["--tokenizer", "bytes"], "JSONL records need a tokenizer"),
+    (['{"prompt": "a", "completion": "b"}'], ["--eval-every", "1"], "holding some out for evaluation needs at least 2"),
+])
+def test_unusable_records_are_a_clear_error_before_compiling(tmp_path, capsys, lines, extra, message):
+    from pstar_fx.cli import main
+    hf = tiny_llama_dir(tmp_path / "llama")
+    p = tmp_path / "bad.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    assert main(["train", "--model", f"hf:{hf}", "--data", str(p), "--seq", "32", "--steps", "1", *extra]) == 1
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.startswith("pstar-fx train: error:") and message.format(p=p) in err and "\n" not in err
+    assert "parameters;" not in captured.out
+
+
+def test_no_pack_pads_one_record_a_row_and_pack_is_for_records_only(tmp_path, capsys):
+    from pstar_fx.cli import main
+    hf = tiny_llama_dir(tmp_path / "llama")
+    data = chat_jsonl(tmp_path / "chat.jsonl", 12)
+    assert main(["train", "--model", f"hf:{hf}", "--data", str(data), "--seq", "32", "--batch", "2", "--steps", "1",
+                 "--no-pack"]) == 0
+    assert "rows: 12 padded rows of 32 tokens" in capsys.readouterr().out
+    (tmp_path / "t.txt").write_text("the cat sat " * 50)
+    assert main(["train", "--model", f"hf:{hf}", "--data", str(tmp_path / "t.txt"), "--seq", "32", "--steps", "1",
+                 "--pack"]) == 1
+    assert "--pack / --no-pack apply to JSONL records" in capsys.readouterr().err

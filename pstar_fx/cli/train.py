@@ -170,10 +170,10 @@ def _train_data(args, seq: int, world: int, k: int):
 
 def _train_records(args, seq: int):
     """(training rows, held-out rows or None, the pad id) of a JSONL file of records; prints what they are."""
-    tokenizer, tok_dir = _tokenizer(args)
-    if tokenizer is None:
+    if (args.tokenizer or args.model.tokenizer_dir or "bytes") == "bytes":
         raise ValueError(f"data {args.data}: JSONL records need a tokenizer (--tokenizer DIR, or an hf:DIR model "
                          "with its own tokenizer files)")
+    tokenizer, tok_dir = _tokenizer(args)
     records, problems = read_records(args.data)
     examples, problems = encode_records(records, tokenizer, seq, problems)
     if not examples:
