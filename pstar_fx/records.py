@@ -53,10 +53,12 @@ class Problems:
     first_line: dict[str, int] = field(default_factory=dict)
 
     def add(self, kind: str, line: int) -> None:
+        """Count one record of this kind, at this line."""
         self.counts[kind] += 1
         self.first_line.setdefault(kind, line)
 
     def total(self) -> int:
+        """Records skipped, all kinds."""
         return sum(self.counts.values())
 
     def summary(self) -> str:
@@ -139,7 +141,12 @@ def _pieces(tokenizer, texts_trained: list[tuple[str, bool]]) -> tuple[list[int]
 
 
 class TemplateError(ValueError):
-    """The chat template renders a conversation's prefix as something other than the start of the whole."""
+    """A conversation the chat template rejects (a template may raise, e.g. on roles that do not alternate), or
+    whose prefixes it renders as something other than the start of the whole; `kind` is what Problems counts."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
 
 
 def encode_record(record: dict, tokenizer) -> tuple[list[int], list[int]]:
@@ -157,8 +164,11 @@ def encode_record(record: dict, tokenizer) -> tuple[list[int], list[int]]:
     messages = record["messages"]
 
     def render(upto: int, generation_prompt: bool) -> str:
-        return tokenizer.apply_chat_template(messages[:upto], tokenize=False,
-                                             add_generation_prompt=generation_prompt)
+        try:
+            return tokenizer.apply_chat_template(messages[:upto], tokenize=False,
+                                                 add_generation_prompt=generation_prompt)
+        except Exception as e:        # jinja's errors and the template's own raise_exception(...) alike
+            raise TemplateError("rejected by the chat template", f"the chat template rejects it: {e}") from None
     whole = render(len(messages), False)
     cuts, at = [], 0                                # (start, end) of each assistant turn in `whole`
     for i, m in enumerate(messages):
@@ -166,7 +176,7 @@ def encode_record(record: dict, tokenizer) -> tuple[list[int], list[int]]:
             continue
         start, end = len(render(i, True)), len(render(i + 1, False))
         if not (whole.startswith(render(i, True)) and whole.startswith(render(i + 1, False)) and at <= start < end):
-            raise TemplateError("the chat template does not render a conversation's beginning as the beginning "
+            raise TemplateError("not splittable by the chat template", "the chat template does not render a conversation's beginning as the beginning "
                                 "of the whole conversation, so its assistant turns cannot be found")
         cuts.append((start, end))
         at = end
@@ -187,8 +197,8 @@ def encode_records(records: list[tuple[int, dict]], tokenizer, seq: int,
     for line, record in records:
         try:
             ids, labels = encode_record(record, tokenizer)
-        except TemplateError:
-            problems.add("not splittable by the chat template", line)
+        except TemplateError as e:
+            problems.add(e.kind, line)
             continue
         if len(ids) > seq:
             problems.add(f"longer than --seq {seq}", line)
@@ -285,6 +295,8 @@ def row_batches(rows: Rows, batch: int, seed: int = 0) -> Iterator[Rows]:
     (same seed, same batches); an epoch's last rows go on into the next epoch's batch."""
     if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
         raise ValueError(f"batch: expected a positive int, got {batch!r}")
+    if not len(rows):
+        raise ValueError("no rows to draw batches from")
     gen = torch.Generator().manual_seed(seed)
     queue = torch.empty(0, dtype=torch.int64)
     while True:

@@ -117,6 +117,16 @@ def test_bad_records_are_counted_by_kind_and_reported_in_one_line(tmp_path):
     summary = problems.summary()
     assert summary.startswith("9 bad records skipped: 3 missing keys (first at line 7)") and "\n" not in summary
     assert "1 not JSON (line 10)" in summary and "1 longer than --seq 32 (line 14)" in summary
+    # a template that raises on a conversation, or renders its beginning unlike the whole: counted too
+    tok = chat_tokenizer()
+    tok.chat_template = ("{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('user first') }}{% endif %}"
+                         + TEMPLATE)
+    rejected = {"messages": [{"role": "assistant", "content": "a"}]}
+    tok2 = chat_tokenizer()
+    tok2.chat_template = "{% for m in messages|reverse %}{{ m['content'] }} {% endfor %}"     # newest turn first
+    unsplittable = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "the cat"}]}
+    assert records.encode_records([(1, rejected)], tok, 32)[1].counts == {"rejected by the chat template": 1}
+    assert records.encode_records([(1, unsplittable)], tok2, 32)[1].counts == {"not splittable by the chat template": 1}
 
 
 # ---- rows: packing, padding, the held-out split, batches -------------------------------------------------
@@ -138,6 +148,11 @@ def test_rows_hold_whole_records_with_their_labels_and_padding_masked(tmp_path, 
         assert (rows.input_ids[r, k:] == 2).all() and (rows.labels[r, k:] == IGNORE_INDEX).all()
         if pack and r + 1 < len(rows):     # the next record did not fit in what was left
             assert k + len(examples[sum(rows.records[:r + 1])].ids) > 32
+    # our own models take targets: the labels shifted by one, -100 past each row's end (cross_entropy ignores it)
+    from pstar_fx.cli.models import model_arg
+    idx, tgt = model_arg("tiny").row_inputs(rows)
+    assert torch.equal(idx, rows.input_ids) and torch.equal(tgt[:, :-1], rows.labels[:, 1:])
+    assert (tgt[:, -1] == IGNORE_INDEX).all()
 
 
 def test_held_out_is_by_record_and_batches_cover_every_row_each_epoch(tmp_path):

@@ -13,8 +13,8 @@ import torch
 
 import pstar_fx
 from pstar_fx.config import Config, format_bytes
-from pstar_fx.data import (TEXT_SUFFIXES, TOKEN_DTYPES, TOKEN_SUFFIXES, batches, check_vocab, held_out, load_tokenizer, read_tokens,
-                           vocab_size)
+from pstar_fx.data import (TEXT_SUFFIXES, TOKEN_DTYPES, TOKEN_SUFFIXES, batches, check_vocab, held_out,
+                           load_tokenizer, read_tokens, vocab_size)
 from pstar_fx.cli import demo_budget
 from pstar_fx.records import (IGNORE_INDEX, encode_records, eval_batches, held_out_records, is_records, pack_rows,
                               pad_id, pad_rows, read_records, row_batches)
@@ -30,20 +30,20 @@ MiB = 2**20
 def add_parser(sub) -> None:
     train = sub.add_parser("train", help="train a model on the Python stdlib's bytes or on your --data",
                            description="Compile a model's training step and train it on --data (a text file, a "
-                                       "folder of text files or a token file), or without it on the bytes of the "
-                                       "Python standard library's source.")
+                                       "folder of text files, a token file or JSONL instruction / chat records), "
+                                       "or without it on the bytes of the Python standard library's source.")
     common(train, "small")
     train.add_argument("--data", metavar="PATH",
                        help="a text file; a folder of text files (" + ", ".join("*" + x for x in TEXT_SUFFIXES)
-                            + ", recursively, in sorted path order); or a token file *.bin of raw token ids as "
-                            "nanoGPT writes them (*.bin, *.dat), memory-mapped; or FILE.jsonl of instruction or chat "
+                            + ", recursively, in sorted path order); or a token file *.bin or *.dat of raw "
+                            "token ids as nanoGPT writes them, memory-mapped; or FILE.jsonl of instruction or chat "
                             "records ({\"prompt\", \"completion\"} or {\"messages\": [...]}), trained on the "
                             "completions / assistant turns only (default: the Python stdlib's source)")
     train.add_argument("--pack", action=argparse.BooleanOptionalAction, default=None,
                        help="JSONL records: several whole records to a row of --seq tokens (default), or with "
                             "--no-pack one record a row, padded")
     train.add_argument("--data-dtype", choices=list(TOKEN_DTYPES),
-                       help="a *.bin file's token type (default uint16, or uint32 when the model's vocabulary "
+                       help="a *.bin / *.dat file's token type (default uint16, or uint32 when the model's vocabulary "
                             "exceeds 65536)")
     train.add_argument("--tokenizer", metavar="DIR",
                        help="a local Hugging Face tokenizer directory for text data, or 'bytes' (vocabulary 256); "
@@ -291,14 +291,14 @@ def run(args, parser) -> int:
             if ran == 1 or step % args.log_every == 0 or ran == steps:
                 now = time.perf_counter()
                 mean = float(loss_sum) / since
-                # the printed loss is the mean over the steps since the last line; the metrics file has each step's
-                window = f" (step {step})" if since == 1 else f" (mean of steps {step - since + 1}-{step})"
-                first = (mean, window) if first is None else first
-                last = (mean, window)
-                window = "" if since == 1 else window
+                # the printed loss is the mean over the steps since the last line (the metrics file has each
+                # step's own), and says so: a window mean and a step's loss differ by the step-to-step noise
+                window = f" (mean of steps {step - since + 1}-{step})" if since > 1 else ""
+                first = (mean, window or f" (step {step})") if first is None else first
+                last = (mean, window or f" (step {step})")
                 rate = since * tokens_per_step / (now - mark)
-                bar.print(f"step {step:5d}  loss {mean:.4f}{window}  {rate:,.0f} tok/s  {rate * flops / 1e12:.3g} TFLOPs  "
-                          f"lr {r.lr:.3g}  grad norm {r.grad_norm:.3g}" + (f" (clipped x{r.clip_coef:.3f})"
+                bar.print(f"step {step:5d}  loss {mean:.4f}{window}  {rate:,.0f} tok/s  "
+                          f"{rate * flops / 1e12:.3g} TFLOPs  lr {r.lr:.3g}  grad norm {r.grad_norm:.3g}" + (f" (clipped x{r.clip_coef:.3f})"
                                                                              if r.clip_coef < 1 else ""))
                 postfix = {"loss": f"{mean:.4f}", "tok/s": f"{rate:,.0f}", "TFLOPs": f"{rate * flops / 1e12:.3g}"}
                 loss_sum, since, mark = 0.0, 0, now
