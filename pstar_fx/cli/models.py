@@ -64,8 +64,13 @@ class ModelSpec:
         if self.family != "hf":
             return False
         import inspect
-        from transformers import AutoModelForCausalLM
-        cls = AutoModelForCausalLM._model_mapping[type(self.config)]
+        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+        try:
+            cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(self.config)]
+        except KeyError:
+            # a class transformers does not map (remote code): its forward is unknown, and a causal LM's loss on
+            # rows padded at the end is the same without the mask (no record token attends to a later pad)
+            return False
         return "attention_mask" in inspect.signature(cls.forward).parameters
 
     @property
