@@ -266,7 +266,7 @@ def run(args, parser) -> int:
         next(data)
     tokens_per_step = args.batch * k * seq * world
     metrics = open(args.metrics, "a") if args.metrics and rank == 0 else None     # one rank writes the file
-    bar = Bar(args.progress, first_step + steps, first_step)
+    bar = Bar(args.progress if rank == 0 else "lines", first_step + steps, first_step)   # one bar, rank 0's
     first = last = None
     in_step = interrupted = False
     start = mark = time.perf_counter()
