@@ -298,8 +298,8 @@ def run(args, parser) -> int:
                 last = (mean, window or f" (step {step})")
                 rate = since * tokens_per_step / (now - mark)
                 bar.print(f"step {step:5d}  loss {mean:.4f}{window}  {rate:,.0f} tok/s  "
-                          f"{rate * flops / 1e12:.3g} TFLOPs  lr {r.lr:.3g}  grad norm {r.grad_norm:.3g}" + (f" (clipped x{r.clip_coef:.3f})"
-                                                                             if r.clip_coef < 1 else ""))
+                          f"{rate * flops / 1e12:.3g} TFLOPs  lr {r.lr:.3g}  grad norm {r.grad_norm:.3g}"
+                          + (f" (clipped x{r.clip_coef:.3f})" if r.clip_coef < 1 else ""))
                 postfix = {"loss": f"{mean:.4f}", "tok/s": f"{rate:,.0f}", "TFLOPs": f"{rate * flops / 1e12:.3g}"}
                 loss_sum, since, mark = 0.0, 0, now
             if args.save_every and step % args.save_every == 0 and ran != steps:
