@@ -4,8 +4,10 @@ Sources (`read_tokens`):
     None         the Python standard library's top-level `*.py` files in name order (`stdlib_tokens`): a text
                  every machine has, the same tokens for the same Python version everywhere. Nothing is downloaded.
     FILE.bin     token ids as nanoGPT's prepare.py writes them: raw little-endian uint16 (the default) or uint32,
-                 memory-mapped (numpy.memmap), never read whole.
-    FILE         any other file is UTF-8 text (bytes that are not UTF-8 are replaced when a tokenizer reads them).
+    FILE.dat     memory-mapped (numpy.memmap), never read whole; a size that is not a whole number of ids is an
+                 error, and so is an id outside the model's vocabulary (`check_vocab`).
+    FILE         any other file is UTF-8 text: bytes that are not UTF-8 are an error naming the file and offset
+                 (binary data given as text would otherwise train silently as byte soup).
     DIR          every text file under DIR (`TEXT_SUFFIXES`, recursively, hidden names skipped) in sorted path
                  order, concatenated; with a tokenizer that has an end-of-text token, it separates the files.
 Text becomes bytes (vocabulary 256) or, with a tokenizer (`load_tokenizer`: a local Hugging Face tokenizer
@@ -25,6 +27,7 @@ import torch
 DEFAULT_MAX_BYTES = 4 * 2**20
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")   # what a --data folder contributes; other files are skipped
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+TOKEN_SUFFIXES = (".bin", ".dat")                 # a --data file of raw token ids (nanoGPT's train.bin, a memmap)
 HELD_OUT_FRACTION = 0.05
 SCAN_ELEMS = 2**24                                # check_vocab reads a memory-mapped file this many tokens at a time
 
@@ -73,18 +76,30 @@ def read_tokens(path: str | os.PathLike | None, tokenizer=None, dtype: str = "ui
         files = text_files(path)
         if not files:
             raise ValueError(f"data: no text files ({', '.join('*' + s for s in TEXT_SUFFIXES)}) under {path}")
-    elif path.suffix == ".bin":
+    elif path.suffix in TOKEN_SUFFIXES:
         if tokenizer is not None:
             raise ValueError(f"data: {path} holds token ids already; a tokenizer applies to text only")
         return token_file(path, dtype)
     else:
         files = [path]
-    texts = [f.read_bytes() for f in files]
+    texts = [_utf8(f) for f in files]
     if not any(texts):
         raise ValueError(f"data: {path} is empty" if path.is_file() else f"data: the text files under {path} are empty")
     if tokenizer is not None:
         return _encode(tokenizer, texts)
     return torch.frombuffer(bytearray(b"".join(texts)), dtype=torch.uint8)
+
+
+def _utf8(path: Path) -> bytes:
+    """A text file's bytes, checked to be UTF-8."""
+    raw = path.read_bytes()
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"data: {path} is not UTF-8 text: byte {raw[e.start]:#04x} at offset {e.start:,} "
+                         f"({e.reason}); a file of token ids is read as such when it is named *.bin or *.dat"
+                         ) from None
+    return raw
 
 
 def token_file(path: str | os.PathLike, dtype: str = "uint16") -> np.memmap:

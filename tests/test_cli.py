@@ -129,11 +129,20 @@ def test_train_saves_checkpoints_and_resumes_exactly(tmp_path, capsys):
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_train_evaluates_a_held_out_batch(capsys):
-    assert main(["train", "--model", "tiny", "--steps", "4", "--log-every", "2", "--eval-every", "2"]) == 0
+def test_train_evaluates_a_held_out_batch_and_says_its_loss_is_a_window_mean(tmp_path, capsys):
+    assert main(["train", "--model", "tiny", "--steps", "4", "--log-every", "2", "--eval-every", "2",
+                 "--metrics", str(tmp_path / "m.jsonl")]) == 0
     out = capsys.readouterr().out
     evals = [float(line.split("eval loss")[1].split()[0]) for line in out.splitlines() if "eval loss" in line]
     assert len(evals) == 2 and all(0 < x < 10 for x in evals)
+    # the printed loss is the mean over the --log-every window, and says so; the metrics file has each step's own
+    per_step = [r["loss"] for r in _metrics(tmp_path / "m.jsonl")]
+    printed = _steps(out)
+    assert re.search(r"^step +1  loss [\d.]+  ", out, re.M)                      # one step: nothing to say
+    assert re.search(r"^step +4  loss [\d.]+ \(mean of steps 3-4\)  ", out, re.M)
+    assert printed[4] == pytest.approx((per_step[2] + per_step[3]) / 2, abs=1e-4)   # 4 printed digits
+    done = out.split("done: ")[1].splitlines()[0]
+    assert re.search(rf"loss {printed[1]:.4f} \(step 1\) -> {printed[4]:.4f} \(mean of steps 3-4\)$", done)
 
 
 # ---- train --data: the user's own text, folder, token file or tokenizer ----------------------------------
@@ -229,12 +238,19 @@ def test_train_with_a_local_tokenizer_directory(tmp_path, capsys):
     ("short.txt", [], "6 training tokens, fewer than one window of --seq 64 + 1"),
     ("mine.txt", ["--eval-every", "1"], "the held-out last 5% is 50 tokens, fewer than one window of --seq 64"),
     ("mine.txt", ["--tokenizer", "bpe"], "has a vocabulary of 258, but GPT 'tiny' has vocab_size 256"),
+    ("binary.txt", [], "data: {p} is not UTF-8 text: byte 0xff at offset 1,005"),
+    ("odd.dat", [], "data: {p} is 201 bytes, not a whole number of uint16 tokens"),
+    ("big.dat", [], "token 300 at position 7 is outside the model's vocabulary (vocab_size 256)"),
 ])
 def test_bad_data_is_a_clear_error_before_compiling(tmp_path, capsys, make, extra, message):
     p = tmp_path / (make or "missing.txt")
     if make == "empty.txt":
         p.write_text("")
-    elif make == "big.bin":
+    elif make == "binary.txt":
+        p.write_bytes(b"x" * 1005 + b"\xff\xfe\x00\x01" * 100)            # binary bytes after some text
+    elif make == "odd.dat":
+        p.write_bytes(b"\x01" * 201)
+    elif make in ("big.bin", "big.dat"):
         ids = np.zeros(200, dtype=np.uint16)
         ids[7] = 300
         ids.tofile(p)

@@ -81,6 +81,20 @@ def test_a_token_file_is_memory_mapped_and_batches_like_a_tensor(tmp_path, dtype
     assert len(held) == 250 and len(train) == 4750 and np.array_equal(held, ids[4750:])
 
 
+def test_a_dat_file_is_token_ids_and_text_must_be_utf8(tmp_path):
+    ids = np.arange(300, dtype=np.uint16)
+    ids.tofile(tmp_path / "ids.dat")
+    assert np.array_equal(read_tokens(tmp_path / "ids.dat"), ids)
+    (tmp_path / "odd.dat").write_bytes(b"\x01\x02\x03")
+    with pytest.raises(ValueError, match="not a whole number of uint16 tokens"):
+        read_tokens(tmp_path / "odd.dat")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("fine")
+    (tmp_path / "docs" / "b.md").write_bytes("héllo".encode("latin-1"))      # é as one byte, 0xe9: not UTF-8
+    with pytest.raises(ValueError, match=r"b\.md is not UTF-8 text: byte 0xe9 at offset 1 "):
+        read_tokens(tmp_path / "docs")
+
+
 def test_token_file_errors(tmp_path):
     (tmp_path / "odd.bin").write_bytes(b"\x01\x02\x03")
     with pytest.raises(ValueError, match="not a whole number of uint16 tokens"):

@@ -46,6 +46,33 @@ class ModelSpec:
         """One batch as the model's forward takes it: a Hugging Face model shifts its labels itself."""
         return {"input_ids": idx, "labels": idx} if self.family == "hf" else (idx, tgt)
 
+    def row_inputs(self, rows) -> dict | tuple:
+        """A batch of record rows (pstar_fx.records.Rows) as the model's forward takes it: a Hugging Face model
+        gets the unshifted labels (it shifts them itself) and the attention mask if its forward takes one; our
+        own models get targets shifted by one, -100 (cross_entropy's ignore_index) past each row's end."""
+        if self.family == "hf":
+            inputs = {"input_ids": rows.input_ids, "labels": rows.labels}
+            if self.takes_attention_mask:
+                inputs["attention_mask"] = rows.attention_mask
+            return inputs
+        tgt = torch.full_like(rows.labels, -100)
+        tgt[:, :-1] = rows.labels[:, 1:]
+        return rows.input_ids, tgt
+
+    @property
+    def takes_attention_mask(self) -> bool:
+        if self.family != "hf":
+            return False
+        import inspect
+        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+        try:
+            cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(self.config)]
+        except KeyError:
+            # a class transformers does not map (remote code): its forward is unknown, and a causal LM's loss on
+            # rows padded at the end is the same without the mask (no record token attends to a later pad)
+            return False
+        return "attention_mask" in inspect.signature(cls.forward).parameters
+
     @property
     def has_weights(self) -> bool:
         return self.family == "hf" and any((Path(self.name) / f).exists() for f in HF_WEIGHTS)

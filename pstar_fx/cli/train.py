@@ -1,6 +1,7 @@
 """train: `pstar-fx train` — build a model, compile its step, train it on the stdlib's bytes or on --data."""
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -12,9 +13,11 @@ import torch
 
 import pstar_fx
 from pstar_fx.config import Config, format_bytes
-from pstar_fx.data import (TEXT_SUFFIXES, TOKEN_DTYPES, batches, check_vocab, held_out, load_tokenizer, read_tokens,
-                           vocab_size)
+from pstar_fx.data import (TEXT_SUFFIXES, TOKEN_DTYPES, TOKEN_SUFFIXES, batches, check_vocab, held_out,
+                           load_tokenizer, read_tokens, vocab_size)
 from pstar_fx.cli import demo_budget
+from pstar_fx.records import (IGNORE_INDEX, encode_records, eval_batches, held_out_records, is_records, pack_rows,
+                              pad_id, pad_rows, read_records, row_batches)
 from pstar_fx.runtime.dist import world_from_env
 
 from .args import (DEFAULT_STEPS, STEPS_ENV, TRAIN_SEQ_CAP, call, check_cuda, common, config_dict, config_flag,
@@ -27,15 +30,20 @@ MiB = 2**20
 def add_parser(sub) -> None:
     train = sub.add_parser("train", help="train a model on the Python stdlib's bytes or on your --data",
                            description="Compile a model's training step and train it on --data (a text file, a "
-                                       "folder of text files or a token file), or without it on the bytes of the "
-                                       "Python standard library's source.")
+                                       "folder of text files, a token file or JSONL instruction / chat records), "
+                                       "or without it on the bytes of the Python standard library's source.")
     common(train, "small")
     train.add_argument("--data", metavar="PATH",
                        help="a text file; a folder of text files (" + ", ".join("*" + x for x in TEXT_SUFFIXES)
-                            + ", recursively, in sorted path order); or a token file *.bin of raw token ids as "
-                            "nanoGPT writes them, memory-mapped (default: the Python stdlib's source)")
+                            + ", recursively, in sorted path order); or a token file *.bin or *.dat of raw "
+                            "token ids as nanoGPT writes them, memory-mapped; or FILE.jsonl of instruction or chat "
+                            "records ({\"prompt\", \"completion\"} or {\"messages\": [...]}), trained on the "
+                            "completions / assistant turns only (default: the Python stdlib's source)")
+    train.add_argument("--pack", action=argparse.BooleanOptionalAction, default=None,
+                       help="JSONL records: several whole records to a row of --seq tokens (default), or with "
+                            "--no-pack one record a row, padded")
     train.add_argument("--data-dtype", choices=list(TOKEN_DTYPES),
-                       help="a *.bin file's token type (default uint16, or uint32 when the model's vocabulary "
+                       help="a *.bin / *.dat file's token type (default uint16, or uint32 when the model's vocabulary "
                             "exceeds 65536)")
     train.add_argument("--tokenizer", metavar="DIR",
                        help="a local Hugging Face tokenizer directory for text data, or 'bytes' (vocabulary 256); "
@@ -60,10 +68,13 @@ def add_parser(sub) -> None:
     train.add_argument("--nproc", type=positive_int, default=1, metavar="N",
                        help="data-parallel ranks on this machine (runs torchrun; --batch is per rank; default 1)")
     train.add_argument("--eval-every", type=positive_int, metavar="N", help="every N steps, the loss of a held-out "
-                       "batch (the data's last 5%%, kept out of training), forward only (engine.evaluate)")
+                       "batch (the data's last 5%%, kept out of training; of JSONL data, the last 5%% of the "
+                       "records, all of them evaluated), forward only (engine.evaluate); the same batch and the "
+                       "same mean whatever --nproc")
     train.add_argument("--metrics", metavar="FILE.jsonl", help="append one JSON object per step (step, loss, lr, "
                        "grad_norm, clip_coef, skipped, tokens_per_s, tflops, seconds; eval_loss when evaluated), "
-                       "flushed as it is written")
+                       "flushed as it is written; loss is the step's own (the printed lines show the mean "
+                       "over --log-every steps); written by rank 0 only")
     train.add_argument("--progress", choices=["auto", "bar", "lines"], default="auto",
                        help="auto (default): a progress bar on stderr when it is a terminal, else lines only; "
                             "the step lines on stdout are printed either way")
@@ -76,14 +87,15 @@ def flops_per_token(n_params: int, n_layer: int, n_embd: int, seq: int) -> int:
     are the model's FLOPs, not the hardware's."""
     return 6 * n_params + 12 * n_layer * n_embd * seq
 
-def compile_model(args, parser, cap: int | None):
-    """Model, Engine and sequence length for train/explain; prints the device budget it chose, if it chose one."""
+def compile_model(args, parser, cap: int | None, inputs=None):
+    """Model, Engine and sequence length for train/explain (compiled for `inputs`, or a batch of zeros);
+    prints the device budget it chose, if it chose one."""
     seq = seq_len(args, parser, cap)
     config = Config.from_dict(config_dict(args))
     check_cuda(config)
     torch.manual_seed(args.seed)
     model = args.model.build()
-    inputs = example_inputs(args, seq)
+    inputs = example_inputs(args, seq) if inputs is None else inputs
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{args.model}: {n_params:,} parameters; batch {args.batch} x seq {seq}; {config.dtype}; "
           f"device {config.device}")
@@ -116,12 +128,10 @@ def _save(engine, path: str) -> None:
               flush=True)
 
 
-def _train_tokens(args, seq: int):
-    """The training tokens and, with --eval-every, a held-out batch, checked against the model's vocabulary
-    before anything compiles; prints what they are."""
+def _tokenizer(args, is_ids: bool = False):
+    """(tokenizer or None for bytes, its directory), checked against the model's vocabulary."""
     model_vocab = args.model.vocab_size
     tok_dir = args.tokenizer if args.tokenizer is not None else args.model.tokenizer_dir
-    is_ids = args.data is not None and Path(args.data).suffix == ".bin" and not Path(args.data).is_dir()
     if tok_dir == "bytes" or is_ids and args.tokenizer is None:
         tok_dir = None                        # a token file holds ids already; an hf:DIR tokenizer does not apply
     tokenizer = load_tokenizer(tok_dir) if tok_dir else None
@@ -130,6 +140,67 @@ def _train_tokens(args, seq: int):
         raise ValueError(f"{'tokenizer ' + tok_dir if tokenizer else 'byte data'} has a vocabulary of {vocab}, "
                          f"but {args.model} has vocab_size {model_vocab}; use a model with at least {vocab} "
                          "(or a smaller tokenizer)")
+    return tokenizer, tok_dir
+
+
+def _train_data(args, seq: int, world: int, k: int):
+    """(example inputs of one micro-batch, endless whole batches of all ranks, held-out batches or None), checked
+    before anything compiles: records of a JSONL file, else tokens. A held-out batch holds --batch rows for
+    each rank, so every --nproc sees the same held-out rows."""
+    rows_per_step = args.batch * k * world
+    if is_records(args.data):
+        rows, held_rows, pad = _train_records(args, seq)
+        whole = (args.model.row_inputs(b) for b in row_batches(rows, rows_per_step, seed=args.seed))
+        held = None if held_rows is None else [args.model.row_inputs(b)
+                                               for b in eval_batches(held_rows, args.batch * world, pad)]
+        first = next(row_batches(rows, rows_per_step, seed=args.seed))
+        example = args.model.row_inputs(first)
+    else:
+        if args.pack is not None:
+            raise ValueError("--pack / --no-pack apply to JSONL records (--data FILE.jsonl) only")
+        tokens, rest = _train_tokens(args, seq)
+        whole = (args.model.inputs(idx, tgt) for idx, tgt in batches(tokens, rows_per_step, seq, seed=args.seed))
+        held = None if rest is None else [args.model.inputs(*next(batches(rest, args.batch * world, seq,
+                                                                          seed=args.seed + 1)))]
+        example = None                        # compile_model's batch of zeros
+    if example is not None:
+        example = _micro(_rank_inputs(example, 0, world), k)
+    return example, whole, held
+
+
+def _train_records(args, seq: int):
+    """(training rows, held-out rows or None, the pad id) of a JSONL file of records; prints what they are."""
+    if (args.tokenizer or args.model.tokenizer_dir or "bytes") == "bytes":
+        raise ValueError(f"data {args.data}: JSONL records need a tokenizer (--tokenizer DIR, or an hf:DIR model "
+                         "with its own tokenizer files)")
+    tokenizer, tok_dir = _tokenizer(args)
+    records, problems = read_records(args.data)
+    examples, problems = encode_records(records, tokenizer, seq, problems)
+    if not examples:
+        raise ValueError(f"data {args.data}: no usable record ({problems.summary()})")
+    pack = args.pack is not False
+    held = []
+    if args.eval_every:
+        examples, held = held_out_records(examples)
+    pad = pad_id(tokenizer)
+    make = pack_rows if pack else pad_rows
+    rows = make(examples, seq, pad)
+    held_rows = make(held, seq, pad) if held else None
+    print(f"data: {len(examples) + len(held):,} records of {args.data} (tokenizer {tok_dir}, vocab "
+          f"{vocab_size(tokenizer):,})" + (f"; {problems.summary()}" if problems.total() else ""))
+    print(f"rows: {len(rows):,} {'packed' if pack else 'padded'} rows of {seq} tokens ({rows.tokens:,} tokens of "
+          f"{len(examples):,} records, {rows.trained:,} trained)"
+          + (f"; held out: {len(held):,} records in {len(held_rows):,} row(s)" if held else ""))
+    return rows, held_rows, pad
+
+
+def _train_tokens(args, seq: int):
+    """The training tokens and, with --eval-every, the held-out tokens, checked against the model's vocabulary
+    before anything compiles; prints what they are."""
+    model_vocab = args.model.vocab_size
+    is_ids = args.data is not None and Path(args.data).suffix in TOKEN_SUFFIXES and not Path(args.data).is_dir()
+    tokenizer, tok_dir = _tokenizer(args, is_ids)
+    vocab = vocab_size(tokenizer)
     dtype = args.data_dtype or ("uint16" if model_vocab <= 2**16 else "uint32")
     tokens = read_tokens(args.data, tokenizer, dtype)
     source = args.data or "Python stdlib source"
@@ -137,17 +208,16 @@ def _train_tokens(args, seq: int):
     unit = (f"{dtype} ids" if is_ids else f"tokenizer {tok_dir}, vocab {vocab:,}" if tokenizer
             else "bytes, vocab 256")
     print(f"data: {len(tokens):,} tokens ({unit}) of {source}" + (", memory-mapped" if is_ids else ""))
-    held = None
+    rest = None
     if args.eval_every:
         tokens, rest = held_out(tokens)
         if len(rest) < seq + 1:
             raise ValueError(f"data {source}: the held-out last 5% is {len(rest):,} tokens, fewer than one window "
                              f"of --seq {seq} + 1; give more data or a shorter --seq (or no --eval-every)")
-        held = next(batches(rest, args.batch, seq, seed=args.seed + 1))
     if len(tokens) < seq + 1:
         raise ValueError(f"data {source}: {len(tokens):,} training tokens, fewer than one window of --seq {seq} + 1; "
                          "give more data or a shorter --seq")
-    return tokens, held
+    return tokens, rest
 
 
 def _torchrun(args) -> int:
@@ -176,26 +246,27 @@ def run(args, parser) -> int:
     if rank:                                   # one rank reports: the others' lines would repeat its own
         sys.stdout = open(os.devnull, "w")
         logging.getLogger("pstar_fx").setLevel(logging.WARNING)
-    tokens, held = _train_tokens(args, seq_len(args, parser, TRAIN_SEQ_CAP))     # bad data fails before compiling
-    model, engine, seq = compile_model(args, parser, TRAIN_SEQ_CAP)
+    k = Config.from_dict(config_dict(args)).grad_accum
+    # bad data fails before compiling
+    example, whole_batches, held = _train_data(args, seq_len(args, parser, TRAIN_SEQ_CAP), world, k)
+    model, engine, seq = compile_model(args, parser, TRAIN_SEQ_CAP, example)
     if args.resume:
         engine.load(args.resume)
         print(f"resumed: {args.resume} at update {engine.steps}")
     print(engine.explain())
-    k = engine.config.grad_accum
     n_layer, n_embd = args.model.shape
     flops = flops_per_token(sum(p.numel() for p in model.parameters()), n_layer, n_embd, seq)
     print(f"training: {steps} steps of {args.batch * k * seq * world:,} tokens"
           + (f" ({world} ranks of {args.batch * k * seq:,})" if world > 1 else "")
           + f"; {flops:,} FLOPs per token (6 * parameters + 12 * layers * width * seq)")
     # a step takes grad_accum micro-batches on each rank; every rank draws the whole batch and keeps its part
-    data = _rank_part(batches(tokens, args.batch * k * world, seq, seed=args.seed), rank, world)
+    data = (_rank_inputs(whole, rank, world) for whole in whole_batches)
     first_step = engine.steps
     for _ in range(first_step):                                     # resumed: the batches those updates saw
         next(data)
     tokens_per_step = args.batch * k * seq * world
-    metrics = open(args.metrics, "a") if args.metrics else None
-    bar = Bar(args.progress, first_step + steps, first_step)
+    metrics = open(args.metrics, "a") if args.metrics and rank == 0 else None     # one rank writes the file
+    bar = Bar(args.progress if rank == 0 else "lines", first_step + steps, first_step)   # one bar, rank 0's
     first = last = None
     in_step = interrupted = False
     start = mark = time.perf_counter()
@@ -203,10 +274,10 @@ def run(args, parser) -> int:
     ran = 0
     try:
         for step in range(first_step + 1, first_step + steps + 1):   # numbered on from a resumed checkpoint
-            idx, tgt = next(data)
+            inputs = next(data)
             in_step = True
             t0 = time.perf_counter()
-            loss = call(engine.step, args.model.inputs(idx, tgt))
+            loss = call(engine.step, inputs)
             seconds = time.perf_counter() - t0
             in_step = False
             ran += 1
@@ -220,19 +291,22 @@ def run(args, parser) -> int:
             if ran == 1 or step % args.log_every == 0 or ran == steps:
                 now = time.perf_counter()
                 mean = float(loss_sum) / since
-                first = mean if first is None else first
-                last = mean
+                # the printed loss is the mean over the steps since the last line (the metrics file has each
+                # step's own), and says so: a window mean and a step's loss differ by the step-to-step noise
+                window = f" (mean of steps {step - since + 1}-{step})" if since > 1 else ""
+                first = (mean, window or f" (step {step})") if first is None else first
+                last = (mean, window or f" (step {step})")
                 rate = since * tokens_per_step / (now - mark)
-                bar.print(f"step {step:5d}  loss {mean:.4f}  {rate:,.0f} tok/s  {rate * flops / 1e12:.3g} TFLOPs  "
-                          f"lr {r.lr:.3g}  grad norm {r.grad_norm:.3g}" + (f" (clipped x{r.clip_coef:.3f})"
-                                                                             if r.clip_coef < 1 else ""))
+                bar.print(f"step {step:5d}  loss {mean:.4f}{window}  {rate:,.0f} tok/s  "
+                          f"{rate * flops / 1e12:.3g} TFLOPs  lr {r.lr:.3g}  grad norm {r.grad_norm:.3g}"
+                          + (f" (clipped x{r.clip_coef:.3f})" if r.clip_coef < 1 else ""))
                 postfix = {"loss": f"{mean:.4f}", "tok/s": f"{rate:,.0f}", "TFLOPs": f"{rate * flops / 1e12:.3g}"}
                 loss_sum, since, mark = 0.0, 0, now
             if args.save_every and step % args.save_every == 0 and ran != steps:
                 _save(engine, args.save)
             if held is not None and (step % args.eval_every == 0 or ran == steps):
-                eval_loss = call(engine.evaluate, args.model.inputs(*held)).item()
-                bar.print(f"step {step:5d}  eval loss {eval_loss:.4f} (held-out batch)")
+                eval_loss = _evaluate(engine, held, rank, world)
+                bar.print(f"step {step:5d}  eval loss {eval_loss:.4f} (held-out {_held_words(held)})")
                 if record is not None:
                     record["eval_loss"] = eval_loss
             if metrics is not None:
@@ -251,7 +325,7 @@ def run(args, parser) -> int:
     if first is not None:
         rate = ran * tokens_per_step / elapsed
         print(f"done: {ran} steps in {elapsed:.1f} s ({rate:,.0f} tok/s, {rate * flops / 1e12:.3g} TFLOPs); "
-              f"loss {first:.4f} -> {last:.4f}")
+              f"loss {first[0]:.4f}{first[1]} -> {last[0]:.4f}{last[1]}")
     s = engine.memory_stats()
     print(f"memory: device peak {_mib(s['device_peak_bytes'])} measured, "
           f"{_mib(s['predicted_device_peak_bytes'])} predicted"
@@ -265,8 +339,51 @@ def run(args, parser) -> int:
     return 130 if interrupted else 0
 
 
-def _rank_part(data, rank: int, world: int):
-    """This rank's rows of each batch, as tensors of their own (a view would keep the whole batch alive)."""
-    for idx, tgt in data:
-        yield (idx, tgt) if world == 1 else (idx.chunk(world)[rank].clone(), tgt.chunk(world)[rank].clone())
+def _rank_inputs(inputs, rank: int, world: int):
+    """This rank's rows of a batch (a tuple or a dict of tensors), as tensors of their own (a view would keep the
+    whole batch alive)."""
+    if world == 1:
+        return inputs
+    if isinstance(inputs, dict):
+        return {key: x.chunk(world)[rank].clone() for key, x in inputs.items()}
+    return tuple(x.chunk(world)[rank].clone() for x in inputs)
+
+
+def _micro(inputs, k: int):
+    """The first of a rank's k micro-batches: the shape the step is compiled for."""
+    if isinstance(inputs, dict):
+        return {key: x[: x.shape[0] // k] for key, x in inputs.items()}
+    return tuple(x[: x.shape[0] // k] for x in inputs)
+
+
+def _trained_tokens(inputs) -> int:
+    """The tokens a batch's loss is the mean over: a Hugging Face model's labels after its shift, or our models'
+    targets, not -100."""
+    if isinstance(inputs, dict):
+        return int((inputs["labels"][:, 1:] != IGNORE_INDEX).sum())
+    return int((inputs[1] != IGNORE_INDEX).sum())
+
+
+def _held_words(held: list) -> str:
+    return "batch" if len(held) == 1 else f"batches: {len(held)}"
+
+
+def _evaluate(engine, held: list, rank: int, world: int) -> float:
+    """The mean loss over every trained token of the held-out batches, whatever the number of ranks: each rank
+    evaluates its rows of each batch, and the losses (each a mean over its own tokens) are weighted by their
+    token counts and summed over batches and ranks."""
+    total = torch.zeros(2, dtype=torch.float64)            # (sum of loss x tokens, tokens)
+    for whole in held:
+        part = _rank_inputs(whole, rank, world)
+        n = _trained_tokens(part)
+        loss = float(call(engine.evaluate, part))             # every rank evaluates: collective when chunked
+        if n:                                                 # rows of padding only: no tokens, a loss of 0/0
+            total += torch.tensor([loss * n, n], dtype=torch.float64)
+    if world > 1:
+        import torch.distributed as dist
+        on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        summed = total.to(on)
+        dist.all_reduce(summed)
+        total = summed.cpu()
+    return float(total[0] / total[1])
 
