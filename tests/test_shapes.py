@@ -1,0 +1,192 @@
+"""Any sequence length on one chunk memory (pipeline/shapes.py): steps at several input shapes in one run, each
+against eager PyTorch (clip_grad_norm_ + torch.optim.AdamW) on the same batches, no chunk memory allocated after
+the first step, Config.seq_buckets, a length that cannot fit, and a checkpoint resumed across shapes."""
+import copy
+import math
+
+import pytest
+import torch
+from test_engine import (assert_losses_close, assert_weights_close, attach_gradient_reach, attach_truth,
+                         rounding_tolerance, tight_budget)
+
+import pstar_fx
+from pstar_fx.models import GPT, gpt_config
+from pstar_fx.pipeline.shapes import pad_to_bucket
+
+CHUNK = 16384
+OPT = {"type": "adamw", "lr": 3e-3, "weight_decay": 0.1}
+VOCAB = 256
+
+
+def tiny_gpt():
+    torch.manual_seed(0)
+    return GPT(gpt_config("tiny"))
+
+
+def tiny_hf_llama():
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, head_dim=16,
+                                   attention_dropout=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def gpt_batch(t, seed, b=2):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, VOCAB, (b, t), generator=g), torch.randint(0, VOCAB, (b, t), generator=g))
+
+
+def hf_batch(t, seed, b=2):
+    ids = torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def call(model, batch):
+    """A batch as the model takes it: positional (our GPT) or by keyword (Hugging Face, whose output has .loss)."""
+    return model(**batch).loss if isinstance(batch, dict) else model(*batch)
+
+
+def reference(model, batches, grad_clip, dtype=torch.float32):
+    """Eager `model` + clip_grad_norm_ + torch.optim.AdamW over `batches` of any shapes; per step (loss, norm). The
+    fp32 run keeps its float64 twin beside it (test_engine's tolerance rule measures the rounding reach on it)."""
+    ref = copy.deepcopy(model).to(dtype)
+    opt = torch.optim.AdamW(ref.parameters(), **{k: v for k, v in OPT.items() if k != "type"})
+    out, record = [], []
+    smallest = {p: None for p in ref.parameters()}
+    for batch in batches:
+        opt.zero_grad(set_to_none=True)
+        lr = opt.param_groups[0]["lr"]
+        loss = call(ref, batch)
+        loss.backward()
+        magnitude = {p: p.grad.abs() for p in ref.parameters() if p.grad is not None}
+        norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), grad_clip))
+        coef = min(1.0, grad_clip / (norm + 1e-6))                         # clip_grad_norm_'s factor
+        record.append((lr, {p: (p.grad.clone(), magnitude[p] * coef) for p in magnitude}))
+        for p in magnitude:
+            smallest[p] = p.grad.abs() if smallest[p] is None else torch.minimum(smallest[p], p.grad.abs())
+        opt.step()
+        out.append((loss.item(), norm))
+    for p, g in smallest.items():       # assert_weights_close leaves out elements whose gradient was ever ~0
+        p.grad = g
+    ref.__dict__["adam_record"] = record
+    if dtype == torch.float32:
+        truth, truth_out = reference(model, batches, grad_clip, torch.float64)
+        attach_truth(ref, truth, truth_out, steps=len(batches))
+        attach_gradient_reach(ref, truth, model, OPT, accum=1)
+    return ref, out
+
+
+def chunk_memory(engine):
+    """What the runtime has allocated: bytes per tier through the store, and the store's buffers."""
+    s = engine.rt.stats
+    return s.device_bytes, s.host_bytes, len(engine.rt.store._ptrs)
+
+
+def compile_host_heavy(model, example, **cfg):
+    """fp32, a device budget holding the working set at `example`'s shapes plus one chunk: most state on the host."""
+    budget, n_chunks = tight_budget(model, example, device_chunks=1, chunk_size=CHUNK)
+    engine = pstar_fx.compile(model, pstar_fx.Config(device="cpu", device_memory=budget, chunk_size=CHUNK,
+                                                     optimizer=OPT, **cfg), example_inputs=example)
+    assert engine.plan.placement.count("host") > n_chunks // 2, engine.plan.placement
+    return engine
+
+
+@pytest.mark.parametrize("kind", ["gpt", "hf_llama"])
+def test_three_lengths_in_one_run_equal_eager_adamw_with_clipping(kind):
+    model, make = (tiny_gpt(), gpt_batch) if kind == "gpt" else (tiny_hf_llama(), hf_batch)
+    lengths = [16, 32, 24, 32, 16, 24]
+    batches = [make(t, seed=s) for s, t in enumerate(lengths)]
+    _, free = reference(model, batches, grad_clip=math.inf)
+    clip = sorted(n for _, n in free)[len(free) // 2]               # clipping triggers on some steps, not all
+    ref, ref_out = reference(model, batches, grad_clip=clip)
+    engine = compile_host_heavy(model, make(32, seed=99), grad_clip=clip)
+    reports, memory = [], []
+    for b in batches:
+        engine.step(**b) if isinstance(b, dict) else engine.step(*b)
+        reports.append(engine.last_step)
+        memory.append(chunk_memory(engine))
+    truth_out = ref.__dict__["float64_truth"][2]
+    assert_losses_close([r.loss for r in reports], [o[0] for o in ref_out], [o[0] for o in truth_out])
+    for t, (r, (_, norm)) in enumerate(zip(reports, ref_out)):
+        tol = rounding_tolerance(norm, truth_out[t][1], t + 1)
+        assert r.grad_norm == pytest.approx(norm, rel=tol, abs=0), f"step {t}: grad norm, tolerance {tol:.2e}"
+    clipped = [r.clip_coef < 1.0 for r in reports]
+    assert clipped == [n > clip for _, n in ref_out] and any(clipped) and not all(clipped)
+    assert_weights_close(engine.state_dict(), ref)
+    assert engine.steps == len(batches)                  # one Adam step count and schedule across the graphs
+    # three graphs, every one on the compiled runtime's slots and transaction; nothing allocated after step one
+    assert sorted(s[0][0][1] for s in engine.shapes.shapes) == [16, 24, 32]
+    compiled = engine.plan
+    for key in engine.shapes.shapes:
+        plan = engine.shapes._steps[key][0].plan
+        assert (plan.placement, plan.slots, plan.grad_slots, plan.host_grad_buffers, plan.ship, plan.transaction,
+                plan.kept_on_device, plan.kept_in_shadow) == \
+            (compiled.placement, compiled.slots, compiled.grad_slots, compiled.host_grad_buffers, compiled.ship,
+             compiled.transaction, compiled.kept_on_device, compiled.kept_in_shadow)
+    assert all(m == memory[0] for m in memory), memory
+    assert engine.memory_stats()["device_peak_bytes"] <= engine.config.device_memory
+
+
+def test_seq_buckets_plan_for_the_largest_and_padding_keeps_the_loss():
+    model = tiny_gpt()
+    buckets = [8, 16, 32]
+    with pytest.raises(ValueError, match=r"sequence length 16.*largest bucket.*32"):
+        pstar_fx.compile(model, pstar_fx.Config(device="cpu", seq_buckets=buckets), example_inputs=gpt_batch(16, 0))
+    with pytest.raises(ValueError, match="seq_buckets: a length appears twice"):
+        pstar_fx.Config(seq_buckets=[8, 8])
+    with pytest.raises(ValueError, match="seq_buckets: expected None or a list of positive"):
+        pstar_fx.Config(seq_buckets=[0, 8])
+    assert pstar_fx.Config(seq_buckets=[32, 8, 16]).seq_buckets == (8, 16, 32)
+    plan = pstar_fx.plan(model, pstar_fx.Config(device="cpu", seq_buckets=buckets, chunk_size=CHUNK),
+                         example_inputs=gpt_batch(32, 0))
+    assert plan.fits
+    # a batch of length 20, padded up to its bucket with labels -100 (ignored by cross_entropy), has the loss and
+    # gradients of the unpadded batch: one step from the same weights lands where eager lands without padding
+    batch = gpt_batch(20, seed=5)
+    padded = (pad_to_bucket(batch[0], buckets, 0), pad_to_bucket(batch[1], buckets, -100))
+    assert padded[0].shape == (2, 32) and bool((padded[1][:, 20:] == -100).all())
+    ref, ref_out = reference(model, [batch], grad_clip=math.inf)
+    engine = compile_host_heavy(model, gpt_batch(32, 0), seq_buckets=buckets)
+    with pytest.raises(ValueError, match=r"sequence length 20 is not one of seq_buckets \[8, 16, 32\]: pad the "
+                                         r"batch up to 32"):
+        engine.step(*batch)
+    loss = engine.step(*padded).item()
+    assert_losses_close([loss], [ref_out[0][0]], [ref.__dict__["float64_truth"][2][0][0]])
+    assert_weights_close(engine.state_dict(), ref)
+    # every bucket runs under the budget sized at the largest (the CPU runner enforces device_memory)
+    for t in buckets[:2]:
+        engine.step(*gpt_batch(t, seed=t))
+    assert len(engine.shapes) == 2 + 1 and engine.memory_stats()["device_peak_bytes"] <= engine.config.device_memory
+    with pytest.raises(ValueError, match="longer than the largest"):
+        pad_to_bucket(torch.zeros(2, 40), buckets, 0)
+
+
+def test_a_length_the_chunk_memory_cannot_serve_is_a_budget_error_naming_it():
+    model = tiny_gpt()
+    engine = compile_host_heavy(model, gpt_batch(8, 0))
+    before = chunk_memory(engine)
+    with pytest.raises(pstar_fx.BudgetError, match=r"sequence length 64 \(input shapes \[\(2, 64\), \(2, 64\)\]\) "
+                                                   r"cannot run on the chunk memory compiled for .*missing"):
+        engine.step(*gpt_batch(64, 1))
+    assert engine.steps == 0 and chunk_memory(engine) == before and len(engine.shapes) == 1
+    engine.step(*gpt_batch(8, 2))                      # the engine still trains at the compiled shape
+    assert engine.steps == 1
+
+
+def test_checkpoint_resumes_across_shapes(tmp_path):
+    model = tiny_gpt()
+    first, then = [gpt_batch(16, 0), gpt_batch(32, 1)], [gpt_batch(24, 2), gpt_batch(16, 3)]
+    a = compile_host_heavy(copy.deepcopy(model), gpt_batch(32, 9), grad_clip=1.0)
+    for b in first:
+        a.step(*b)
+    a.save(tmp_path / "ck")
+    losses_a = [a.step(*b).item() for b in then]
+    b_engine = compile_host_heavy(copy.deepcopy(model), gpt_batch(32, 9), grad_clip=1.0)
+    b_engine.load(tmp_path / "ck")
+    assert b_engine.steps == 2
+    losses_b = [b_engine.step(*b).item() for b in then]
+    assert losses_b == losses_a                       # bit-exact: the same graphs on the same state
+    sa, sb = a.state_dict(), b_engine.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert a.steps == b_engine.steps == 4
