@@ -47,9 +47,10 @@ def call(model, batch):
     return model(**batch).loss if isinstance(batch, dict) else model(*batch)
 
 
-def reference(model, batches, grad_clip, dtype=torch.float32):
+def reference(model, batches, grad_clip, dtype=torch.float32, twin=True):
     """Eager `model` + clip_grad_norm_ + torch.optim.AdamW over `batches` of any shapes; per step (loss, norm). The
-    fp32 run keeps its float64 twin beside it (test_engine's tolerance rule measures the rounding reach on it)."""
+    fp32 run keeps its float64 twin beside it (test_engine's tolerance rule measures the rounding reach on it);
+    `twin=False`: not (the norms alone are wanted)."""
     ref = copy.deepcopy(model).to(dtype)
     opt = torch.optim.AdamW(ref.parameters(), **{k: v for k, v in OPT.items() if k != "type"})
     out, record = [], []
@@ -70,7 +71,7 @@ def reference(model, batches, grad_clip, dtype=torch.float32):
     for p, g in smallest.items():       # assert_weights_close leaves out elements whose gradient was ever ~0
         p.grad = g
     ref.__dict__["adam_record"] = record
-    if dtype == torch.float32:
+    if dtype == torch.float32 and twin:
         truth, truth_out = reference(model, batches, grad_clip, torch.float64)
         attach_truth(ref, truth, truth_out, steps=len(batches))
         attach_gradient_reach(ref, truth, model, OPT, accum=1)
@@ -95,10 +96,11 @@ def compile_host_heavy(model, example, **cfg):
 @pytest.mark.parametrize("kind", ["gpt", "hf_llama"])
 def test_three_lengths_in_one_run_equal_eager_adamw_with_clipping(kind):
     model, make = (tiny_gpt(), gpt_batch) if kind == "gpt" else (tiny_hf_llama(), hf_batch)
-    lengths = [16, 32, 24, 32, 16, 24]
+    lengths = [16, 32, 24, 16]
     batches = [make(t, seed=s) for s, t in enumerate(lengths)]
-    _, free = reference(model, batches, grad_clip=math.inf)
-    clip = sorted(n for _, n in free)[len(free) // 2]               # clipping triggers on some steps, not all
+    _, free = reference(model, batches, grad_clip=math.inf, twin=False)
+    norms = sorted(n for _, n in free)
+    clip = (norms[1] + norms[2]) / 2        # clipping triggers on some steps, not all (none sits at the threshold)
     ref, ref_out = reference(model, batches, grad_clip=clip)
     engine = compile_host_heavy(model, make(32, seed=99), grad_clip=clip)
     reports, memory = [], []
