@@ -3,6 +3,7 @@ against eager PyTorch (clip_grad_norm_ + torch.optim.AdamW) on the same batches,
 the first step, Config.seq_buckets, a length that cannot fit, and a checkpoint resumed across shapes."""
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -192,3 +193,26 @@ def test_checkpoint_resumes_across_shapes(tmp_path):
     sa, sb = a.state_dict(), b_engine.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert a.steps == b_engine.steps == 4
+
+
+def test_cli_trains_the_buckets_in_turn_and_resumes_exactly(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from pstar_fx.cli import main
+    flags = ["train", "--model", "tiny", "--seq-buckets", "16,32", "--log-every", "1", "--grad-clip", "0.5"]
+    assert main([*flags, "--steps", "4", "--save", str(tmp_path / "whole")]) == 0
+    out = capsys.readouterr().out
+    assert "batch 8 x seq 32" in out and "at length 32, fewer at lengths 16 in turn" in out
+    assert re.search(r"a new input shape \[\(8, 16\), \(8, 16\)\] \(sequence length 16\)", out)
+    assert main([*flags, "--steps", "3", "--save", str(tmp_path / "half")]) == 0
+    capsys.readouterr()
+    # the resumed run goes on with the length the next step had: 3 + 1 steps equal 4
+    assert main([*flags, "--steps", "1", "--resume", str(tmp_path / "half"), "--save", str(tmp_path / "half")]) == 0
+    a, b = load_file(str(tmp_path / "half" / "model.safetensors")), load_file(str(tmp_path / "whole" / "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(SystemExit):
+        main([*flags, "--seq", "16", "--steps", "1"])
+    assert "with --seq-buckets the step is compiled at the largest bucket, 32" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--model", "tiny", "--seq-buckets", "16,16"])
+    assert "a length appears twice" in capsys.readouterr().err

@@ -18,7 +18,7 @@ from pstar_fx.cli import demo_budget
 from pstar_fx.runtime.dist import world_from_env
 
 from .args import (DEFAULT_STEPS, STEPS_ENV, TRAIN_SEQ_CAP, call, check_cuda, common, config_dict, config_flag,
-                   default_steps, example_inputs, positive_float, positive_int, seq_len)
+                   default_steps, example_inputs, positive_float, positive_int, seq_buckets, seq_len)
 from .progress import Bar
 
 MiB = 2**20
@@ -42,6 +42,9 @@ def add_parser(sub) -> None:
                             "default: an hf:DIR model's own tokenizer if it has one, else bytes")
     train.add_argument("--seq", type=positive_int,
                        help=f"sequence length (default the model's block_size, at most {TRAIN_SEQ_CAP})")
+    train.add_argument("--seq-buckets", type=seq_buckets, metavar="L1,L2,...",
+                       help="train at several sequence lengths on one chunk memory (Config.seq_buckets): the step is "
+                            "compiled at the largest and each step's windows take the lengths in turn")
     train.add_argument("--steps", type=positive_int, default=None,
                        help=f"training steps (default {DEFAULT_STEPS}, or ${STEPS_ENV})")
     train.add_argument("--lr", type=positive_float, help="learning rate (default 1e-3)")
@@ -184,26 +187,33 @@ def run(args, parser) -> int:
     print(engine.explain())
     k = engine.config.grad_accum
     n_layer, n_embd = args.model.shape
-    flops = flops_per_token(sum(p.numel() for p in model.parameters()), n_layer, n_embd, seq)
+    n_params = sum(p.numel() for p in model.parameters())
+    flops = flops_per_token(n_params, n_layer, n_embd, seq)
+    lengths = engine.config.seq_buckets or (seq,)        # --seq-buckets: each step's windows take them in turn
     print(f"training: {steps} steps of {args.batch * k * seq * world:,} tokens"
           + (f" ({world} ranks of {args.batch * k * seq:,})" if world > 1 else "")
+          + (f" at length {seq}, fewer at lengths {', '.join(map(str, lengths[:-1]))} in turn" if len(lengths) > 1
+             else "")
           + f"; {flops:,} FLOPs per token (6 * parameters + 12 * layers * width * seq)")
     # a step takes grad_accum micro-batches on each rank; every rank draws the whole batch and keeps its part
-    data = _rank_part(batches(tokens, args.batch * k * world, seq, seed=args.seed), rank, world)
+    streams = [_rank_part(batches(tokens, args.batch * k * world, n, seed=args.seed + j), rank, world)
+               for j, n in enumerate(lengths)]
     first_step = engine.steps
-    for _ in range(first_step):                                     # resumed: the batches those updates saw
-        next(data)
-    tokens_per_step = args.batch * k * seq * world
+    for step in range(1, first_step + 1):                           # resumed: the batches those updates saw
+        next(streams[(step - 1) % len(lengths)])
     metrics = open(args.metrics, "a") if args.metrics else None
     bar = Bar(args.progress, first_step + steps, first_step)
     first = last = None
     in_step = interrupted = False
     start = mark = time.perf_counter()
     loss_sum, since = 0.0, 0
+    tokens_since = flops_since = tokens_done = flops_done = 0     # (steps of several lengths: summed, not counted)
     ran = 0
     try:
         for step in range(first_step + 1, first_step + steps + 1):   # numbered on from a resumed checkpoint
-            idx, tgt = next(data)
+            idx, tgt = next(streams[(step - 1) % len(lengths)])
+            tokens_per_step = args.batch * k * idx.shape[1] * world
+            flops = flops_per_token(n_params, n_layer, n_embd, idx.shape[1])
             in_step = True
             t0 = time.perf_counter()
             loss = call(engine.step, args.model.inputs(idx, tgt))
@@ -211,6 +221,8 @@ def run(args, parser) -> int:
             in_step = False
             ran += 1
             loss_sum, since = loss_sum + loss, since + 1    # a tensor sum: no device sync until printed
+            tokens_since, flops_since = tokens_since + tokens_per_step, flops_since + tokens_per_step * flops
+            tokens_done, flops_done = tokens_done + tokens_per_step, flops_done + tokens_per_step * flops
             r = engine.last_step
             record = None if metrics is None else {
                 "step": step, "loss": float(loss), "lr": r.lr, "grad_norm": r.grad_norm, "clip_coef": r.clip_coef,
@@ -222,12 +234,12 @@ def run(args, parser) -> int:
                 mean = float(loss_sum) / since
                 first = mean if first is None else first
                 last = mean
-                rate = since * tokens_per_step / (now - mark)
-                bar.print(f"step {step:5d}  loss {mean:.4f}  {rate:,.0f} tok/s  {rate * flops / 1e12:.3g} TFLOPs  "
+                rate, flop_rate = tokens_since / (now - mark), flops_since / (now - mark)
+                bar.print(f"step {step:5d}  loss {mean:.4f}  {rate:,.0f} tok/s  {flop_rate / 1e12:.3g} TFLOPs  "
                           f"lr {r.lr:.3g}  grad norm {r.grad_norm:.3g}" + (f" (clipped x{r.clip_coef:.3f})"
                                                                              if r.clip_coef < 1 else ""))
-                postfix = {"loss": f"{mean:.4f}", "tok/s": f"{rate:,.0f}", "TFLOPs": f"{rate * flops / 1e12:.3g}"}
-                loss_sum, since, mark = 0.0, 0, now
+                postfix = {"loss": f"{mean:.4f}", "tok/s": f"{rate:,.0f}", "TFLOPs": f"{flop_rate / 1e12:.3g}"}
+                loss_sum, since, tokens_since, flops_since, mark = 0.0, 0, 0, 0, now
             if args.save_every and step % args.save_every == 0 and ran != steps:
                 _save(engine, args.save)
             if held is not None and (step % args.eval_every == 0 or ran == steps):
@@ -249,8 +261,8 @@ def run(args, parser) -> int:
             metrics.close()
     elapsed = time.perf_counter() - start
     if first is not None:
-        rate = ran * tokens_per_step / elapsed
-        print(f"done: {ran} steps in {elapsed:.1f} s ({rate:,.0f} tok/s, {rate * flops / 1e12:.3g} TFLOPs); "
+        rate = tokens_done / elapsed
+        print(f"done: {ran} steps in {elapsed:.1f} s ({rate:,.0f} tok/s, {flops_done / elapsed / 1e12:.3g} TFLOPs); "
               f"loss {first:.4f} -> {last:.4f}")
     s = engine.memory_stats()
     print(f"memory: device peak {_mib(s['device_peak_bytes'])} measured, "
