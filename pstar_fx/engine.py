@@ -320,6 +320,9 @@ class Engine:
             lines.append(f"  c{c.id}: {plan.placement[c.id]:6s} {c.used_elems:>12,} elems, {len(names)} param(s): {shown}")
         lines.append(plan.summary())
         lines.append(f"compile: {self.phases.summary()}")
+        if len(self.shapes) > 1:
+            lines.append(f"input shapes on this chunk memory: {len(self.shapes)} (micro-batch shapes "
+                         + "; ".join(str([s for s, _ in key]) for key in self.shapes.shapes) + ", the compiled first)")
         ops = Counter(n.target for n in self.graph.graph.nodes if n.op == "call_method")
         lines.append("schedule (nodes in engine.graph): "
                      + ", ".join(f"{k} {ops[k]}" for k in ("prefetch", "fetch", "release", "offload", "reduce",

@@ -12,7 +12,6 @@ from test_engine import (assert_losses_close, assert_weights_close, attach_gradi
 
 import pstar_fx
 from pstar_fx.models import GPT, gpt_config
-from pstar_fx.pipeline.shapes import pad_to_bucket
 
 CHUNK = 16384
 OPT = {"type": "adamw", "lr": 3e-3, "weight_decay": 0.1}
@@ -147,7 +146,7 @@ def test_seq_buckets_plan_for_the_largest_and_padding_keeps_the_loss():
     # a batch of length 20, padded up to its bucket with labels -100 (ignored by cross_entropy), has the loss and
     # gradients of the unpadded batch: one step from the same weights lands where eager lands without padding
     batch = gpt_batch(20, seed=5)
-    padded = (pad_to_bucket(batch[0], buckets, 0), pad_to_bucket(batch[1], buckets, -100))
+    padded = (pstar_fx.pad_to_bucket(batch[0], buckets, 0), pstar_fx.pad_to_bucket(batch[1], buckets, -100))
     assert padded[0].shape == (2, 32) and bool((padded[1][:, 20:] == -100).all())
     ref, ref_out = reference(model, [batch], grad_clip=math.inf)
     engine = compile_host_heavy(model, gpt_batch(32, 0), seq_buckets=buckets)
@@ -162,7 +161,7 @@ def test_seq_buckets_plan_for_the_largest_and_padding_keeps_the_loss():
         engine.step(*gpt_batch(t, seed=t))
     assert len(engine.shapes) == 2 + 1 and engine.memory_stats()["device_peak_bytes"] <= engine.config.device_memory
     with pytest.raises(ValueError, match="longer than the largest"):
-        pad_to_bucket(torch.zeros(2, 40), buckets, 0)
+        pstar_fx.pad_to_bucket(torch.zeros(2, 40), buckets, 0)
 
 
 def test_a_length_the_chunk_memory_cannot_serve_is_a_budget_error_naming_it():
