@@ -117,6 +117,7 @@ def test_three_lengths_in_one_run_equal_eager_adamw_with_clipping(kind):
     assert clipped == [n > clip for _, n in ref_out] and any(clipped) and not all(clipped)
     assert_weights_close(engine.state_dict(), ref)
     assert engine.steps == len(batches)                  # one Adam step count and schedule across the graphs
+    assert "input shapes on this chunk memory: 3" in engine.explain()
     # three graphs, every one on the compiled runtime's slots and transaction; nothing allocated after step one
     assert sorted(s[0][0][1] for s in engine.shapes.shapes) == [16, 24, 32]
     compiled = engine.plan
