@@ -173,6 +173,8 @@ def test_a_length_the_chunk_memory_cannot_serve_is_a_budget_error_naming_it():
                                                    r"cannot run on the chunk memory compiled for .*missing"):
         engine.step(*gpt_batch(64, 1))
     assert engine.steps == 0 and chunk_memory(engine) == before and len(engine.shapes) == 1
+    with pytest.raises(TypeError, match=r"input 0: dtype torch.int32, but the step was compiled for torch.int64"):
+        engine.step(*(x.int() for x in gpt_batch(16, 3)))   # another shape gets a graph; another dtype does not
     engine.step(*gpt_batch(8, 2))                      # the engine still trains at the compiled shape
     assert engine.steps == 1
 

@@ -96,7 +96,9 @@ class ShapeSteps:
     def _key(self, inputs: list[torch.Tensor]) -> Key:
         k = self.config.grad_accum
         names = self.compiled.capture.signature.names()
-        for name, x in zip(names, inputs):
+        for name, x, spec in zip(names, inputs, self.compiled.capture.inputs):
+            if x.dtype != spec.dtype:          # another shape is another graph; another dtype is a mistake
+                raise TypeError(f"{name}: dtype {x.dtype}, but the step was compiled for {spec.dtype}")
             if k > 1 and (x.dim() == 0 or x.shape[0] % k):
                 raise ValueError(f"{name}: shape {tuple(x.shape)}: its leading dimension must be a multiple of "
                                  f"grad_accum={k} (the batch is split into {k} micro-batches along it)")
