@@ -79,7 +79,8 @@ def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_byte
                 "the host Adam runs after backward, into the next step's forward")
     if transaction == "kept_grads":
         n_here, n_updated = kept_on_device
-        where = ("device chunks' on the device (spare room)" if n_here == n_updated else
+        where = ("no device chunk updated" if not n_updated else
+                 "device chunks' on the device (spare room)" if n_here == n_updated else
                  f"device chunks' copied to the host (about {kept_copy_s * 1e3:.0f} ms of device->host copies, "
                  "overlapped)" if not n_here else
                  f"{n_here} of {n_updated} device chunks' on the device (spare room), the others' copied to the host "
