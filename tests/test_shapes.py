@@ -131,6 +131,29 @@ def test_three_lengths_in_one_run_equal_eager_adamw_with_clipping(kind):
     assert engine.memory_stats()["device_peak_bytes"] <= engine.config.device_memory
 
 
+def test_shorter_lengths_on_a_plan_keeping_a_device_chunks_gradient_on_the_device():
+    """Every chunk on the device, room for one kept gradient beside the peak at length 32 (plan.kept_on_device 1,
+    the others' kept on the host): the graphs of shorter lengths keep that split, which the runtime's kept buffers
+    were allocated for, and train equal to eager with clipping on every step."""
+    model = tiny_gpt()
+    batches = [gpt_batch(t, seed=s) for s, t in enumerate([16, 24, 32])]
+    _, free = reference(model, batches, grad_clip=math.inf, twin=False)
+    clip = min(n for _, n in free) * 0.5
+    ref, ref_out = reference(model, batches, grad_clip=clip)
+    cfg = {"device": "cpu", "placement": "device", "chunk_size": CHUNK, "optimizer": OPT, "grad_clip": clip,
+           "transaction": "kept_grads"}
+    roomy = pstar_fx.plan(model, cfg, gpt_batch(32, 9))
+    n, chunk_bytes = len(roomy.placement), roomy.device_breakdown["kept gradients"] // len(roomy.placement)
+    budget = roomy.memory.device_peak_bytes - (n - 1) * chunk_bytes + chunk_bytes // 2
+    engine = pstar_fx.compile(model, dict(cfg, device_memory=budget), example_inputs=gpt_batch(32, 9))
+    assert engine.plan.kept_on_device == 1 and set(engine.plan.placement) == {"device"}
+    losses = [engine.step(*b).item() for b in batches]
+    assert all(engine.shapes._steps[key][0].plan.kept_on_device == 1 for key in engine.shapes.shapes)
+    assert len(engine.shapes) == 3 and engine.rt.store.stats.host_bytes == (n - 1) * chunk_bytes
+    assert_losses_close(losses, [o[0] for o in ref_out], [o[0] for o in ref.__dict__["float64_truth"][2]])
+    assert_weights_close(engine.state_dict(), ref)
+
+
 def test_seq_buckets_plan_for_the_largest_and_padding_keeps_the_loss():
     model = tiny_gpt()
     buckets = [8, 16, 32]
