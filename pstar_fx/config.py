@@ -175,10 +175,11 @@ class Config:
 
     seq_buckets: tuple[int, ...] | None = None
     """The sequence lengths the step will see (dimension 1 of every input with two or more dimensions), e.g.
-    (512, 1024, 2048). `example_inputs` must be at the largest: `compile()` sizes the chunk memory for it, and each
-    other length gets its own graph on that memory when a batch of it first comes (pipeline/shapes.py); a batch of
-    another length is an error (pad it up to its bucket: `pstar_fx.pad_to_bucket`, labels -100). None: every new
-    input shape gets its own graph on the compiled chunk memory, if it fits there."""
+    (512, 1024, 2048). `example_inputs` must be at the largest: `compile()` sizes the chunk memory for it and lowers
+    each other length's graph on that memory at the same batch size (pipeline/shapes.py), so a length that cannot
+    fit is a BudgetError there; each bucket adds a capture and a plan to the compile. A batch of another length is
+    an error (pad it up to its bucket: `pstar_fx.pad_to_bucket`, labels -100). None: every new input shape gets
+    its own graph on the compiled chunk memory when its first batch comes, if it fits there."""
 
     def __post_init__(self):
         self.device = self._check_device(self.device)

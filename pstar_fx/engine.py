@@ -134,6 +134,8 @@ class Engine:
         # steps at other input shapes: their graphs on this chunk memory, run by the same runtime and Stepper
         self.shapes = ShapeSteps(self.lowered, compiled_run, self._skeleton, _shape_runner(
             self.rt, self._buffers, self.device, self._tangent_dtype))
+        if config.seq_buckets is not None:   # each bucket shown to fit now, not found wanting mid-run
+            self.shapes.lower_buckets()
         self.last_step: StepReport | None = None
         if resume is not None:
             self.load(resume)

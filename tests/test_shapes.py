@@ -121,8 +121,7 @@ def test_three_lengths_in_one_run_equal_eager_adamw_with_clipping(kind):
     # three graphs, every one on the compiled runtime's slots and transaction; nothing allocated after step one
     assert sorted(s[0][0][1] for s in engine.shapes.shapes) == [16, 24, 32]
     compiled = engine.plan
-    for key in engine.shapes.shapes:
-        plan = engine.shapes._steps[key][0].plan
+    for plan in engine.shapes.plans.values():
         assert (plan.placement, plan.slots, plan.grad_slots, plan.host_grad_buffers, plan.ship, plan.transaction,
                 plan.kept_on_device, plan.kept_in_shadow) == \
             (compiled.placement, compiled.slots, compiled.grad_slots, compiled.host_grad_buffers, compiled.ship,
@@ -148,7 +147,7 @@ def test_shorter_lengths_on_a_plan_keeping_a_device_chunks_gradient_on_the_devic
     engine = pstar_fx.compile(model, dict(cfg, device_memory=budget), example_inputs=gpt_batch(32, 9))
     assert engine.plan.kept_on_device == 1 and set(engine.plan.placement) == {"device"}
     losses = [engine.step(*b).item() for b in batches]
-    assert all(engine.shapes._steps[key][0].plan.kept_on_device == 1 for key in engine.shapes.shapes)
+    assert all(plan.kept_on_device == 1 for plan in engine.shapes.plans.values())
     assert len(engine.shapes) == 3 and engine.rt.store.stats.host_bytes == (n - 1) * chunk_bytes
     assert_losses_close(losses, [o[0] for o in ref_out], [o[0] for o in ref.__dict__["float64_truth"][2]])
     assert_weights_close(engine.state_dict(), ref)
@@ -164,9 +163,8 @@ def test_seq_buckets_plan_for_the_largest_and_padding_keeps_the_loss():
     with pytest.raises(ValueError, match="seq_buckets: expected None or a list of positive"):
         pstar_fx.Config(seq_buckets=[0, 8])
     assert pstar_fx.Config(seq_buckets=[32, 8, 16]).seq_buckets == (8, 16, 32)
-    plan = pstar_fx.plan(model, pstar_fx.Config(device="cpu", seq_buckets=buckets, chunk_size=CHUNK),
-                         example_inputs=gpt_batch(32, 0))
-    assert plan.fits
+    with pytest.raises(ValueError, match=r"sequence length 16.*largest bucket.*32"):      # pstar_fx.plan alike
+        pstar_fx.plan(model, pstar_fx.Config(device="cpu", seq_buckets=buckets), example_inputs=gpt_batch(16, 0))
     # a batch of length 20, padded up to its bucket with labels -100 (ignored by cross_entropy), has the loss and
     # gradients of the unpadded batch: one step from the same weights lands where eager lands without padding
     batch = gpt_batch(20, seed=5)
@@ -174,6 +172,9 @@ def test_seq_buckets_plan_for_the_largest_and_padding_keeps_the_loss():
     assert padded[0].shape == (2, 32) and bool((padded[1][:, 20:] == -100).all())
     ref, ref_out = reference(model, [batch], grad_clip=math.inf)
     engine = compile_host_heavy(model, gpt_batch(32, 0), seq_buckets=buckets)
+    assert sorted(key[0][0] for key in engine.shapes.shapes) == [(2, 8), (2, 16), (2, 32)]   # lowered at compile
+    assert all(plan.fits for plan in engine.shapes.plans.values())
+    before = chunk_memory(engine)
     with pytest.raises(ValueError, match=r"sequence length 20 is not one of seq_buckets \[8, 16, 32\]: pad the "
                                          r"batch up to 32"):
         engine.step(*batch)
@@ -183,7 +184,8 @@ def test_seq_buckets_plan_for_the_largest_and_padding_keeps_the_loss():
     # every bucket runs under the budget sized at the largest (the CPU runner enforces device_memory)
     for t in buckets[:2]:
         engine.step(*gpt_batch(t, seed=t))
-    assert len(engine.shapes) == 2 + 1 and engine.memory_stats()["device_peak_bytes"] <= engine.config.device_memory
+    assert len(engine.shapes) == 3 and engine.memory_stats()["device_peak_bytes"] <= engine.config.device_memory
+    assert chunk_memory(engine) == before
     with pytest.raises(ValueError, match="longer than the largest"):
         pstar_fx.pad_to_bucket(torch.zeros(2, 40), buckets, 0)
 
@@ -229,6 +231,7 @@ def test_cli_trains_the_buckets_in_turn_and_resumes_exactly(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "batch 8 x seq 32" in out and "at length 32, fewer at lengths 16 in turn" in out
     assert re.search(r"a new input shape \[\(8, 16\), \(8, 16\)\] \(sequence length 16\)", out)
+    assert out.index("sequence length 16") < out.index("step     1")          # lowered at compile
     assert main([*flags, "--steps", "3", "--save", str(tmp_path / "half")]) == 0
     capsys.readouterr()
     # the resumed run goes on with the length the next step had: 3 + 1 steps equal 4

@@ -8,7 +8,8 @@ no chunk memory is allocated for it; a shape whose activations do not fit beside
 naming its sequence length. Graphs are cached by shape. The step state (Adam's step count, the loss scale, the
 schedule, clipping's trigger history) is the one Stepper's, whichever graph runs a step.
 
-With `Config.seq_buckets` the compiled step is at the largest bucket and only the buckets' lengths are stepped:
+With `Config.seq_buckets` the compiled step is at the largest bucket, every other bucket is lowered at compile()
+(at the compiled batch size: a bucket that cannot fit fails there), and only the buckets' lengths are stepped:
 padding a batch up to its bucket is the caller's (`pad_to_bucket`), which knows which input is the labels.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from ..config import Config
-from ..planning import BudgetError
+from ..planning import BudgetError, Plan
 from .lower import Lowered
 
 log = logging.getLogger("pstar_fx")
@@ -85,6 +86,12 @@ class ShapeSteps:
         """The micro-batch shapes lowered so far, the compiled one first."""
         return list(self._steps)
 
+    @property
+    def plans(self) -> dict[Key, Plan]:
+        """Each lowered shape's plan (the compiled one first): its moves, activations and recompute on the compiled
+        chunk memory."""
+        return {key: lowered.plan for key, (lowered, _) in self._steps.items()}
+
     def get(self, inputs: list[torch.Tensor]) -> tuple[Lowered, Runner]:
         """The lowered step and runner for a batch (its tensors in placeholder order, grad_accum micro-batches
         along dimension 0); lowered now if its shape is new."""
@@ -92,6 +99,17 @@ class ShapeSteps:
         if key not in self._steps:
             self._steps[key] = self._lower(key)
         return self._steps[key]
+
+    def lower_buckets(self) -> None:
+        """Config.seq_buckets: every shorter bucket lowered now, at the compiled batch's other dimensions (dimension
+        1 of each input that has the compiled length set to the bucket's), so that a bucket the chunk memory cannot
+        serve fails at compile() rather than mid-run, and no step of those shapes waits for a capture."""
+        compiled = [(tuple(i.shape), i.dtype) for i in self.compiled.capture.inputs]
+        top = sequence_length([s for s, _ in compiled])
+        for length in self.config.seq_buckets[:-1]:
+            key = tuple(((s[0], length, *s[2:]) if len(s) >= 2 and s[1] == top else s, dtype) for s, dtype in compiled)
+            if key not in self._steps:
+                self._steps[key] = self._lower(key)
 
     def _key(self, inputs: list[torch.Tensor]) -> Key:
         k = self.config.grad_accum
