@@ -236,7 +236,7 @@ def test_cli_trains_the_buckets_in_turn_and_resumes_exactly(tmp_path, capsys):
     capsys.readouterr()
     # the resumed run goes on with the length the next step had: 3 + 1 steps equal 4
     assert main([*flags, "--steps", "1", "--resume", str(tmp_path / "half"), "--save", str(tmp_path / "half")]) == 0
-    a, b = load_file(str(tmp_path / "half" / "model.safetensors")), load_file(str(tmp_path / "whole" / "model.safetensors"))
+    a, b = (load_file(str(tmp_path / run / "model.safetensors")) for run in ("half", "whole"))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(SystemExit):
         main([*flags, "--seq", "16", "--steps", "1"])
