@@ -117,10 +117,11 @@ class ShapeSteps:
         for name, x, spec in zip(names, inputs, self.compiled.capture.inputs):
             if x.dtype != spec.dtype:          # another shape is another graph; another dtype is a mistake
                 raise TypeError(f"{name}: dtype {x.dtype}, but the step was compiled for {spec.dtype}")
-            if k > 1 and (x.dim() == 0 or x.shape[0] % k):
+            if k > 1 and x.dim() and x.shape[0] % k:      # (a 0-d input: check_inputs says it cannot be split)
                 raise ValueError(f"{name}: shape {tuple(x.shape)}: its leading dimension must be a multiple of "
                                  f"grad_accum={k} (the batch is split into {k} micro-batches along it)")
-        return tuple(((x.shape[0] // k, *x.shape[1:]) if k > 1 else tuple(x.shape), x.dtype) for x in inputs)
+        return tuple(((x.shape[0] // k, *x.shape[1:]) if k > 1 and x.dim() else tuple(x.shape), x.dtype)
+                     for x in inputs)
 
     def _lower(self, key: Key) -> tuple[Lowered, Runner]:
         shapes = [s for s, _ in key]
