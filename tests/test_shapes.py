@@ -201,7 +201,8 @@ def test_a_length_the_chunk_memory_cannot_serve_is_a_budget_error_naming_it():
     with pytest.raises(TypeError, match=r"input 0: dtype torch.int32, but the step was compiled for torch.int64"):
         engine.step(*(x.int() for x in gpt_batch(16, 3)))   # another shape gets a graph; another dtype does not
     engine.step(*gpt_batch(8, 2))                      # the engine still trains at the compiled shape
-    assert engine.steps == 1
+    engine.step(*(x[:, :16] for x in gpt_batch(32, 4)))  # and at one that fits, from strided (non-contiguous) views
+    assert engine.steps == 2 and len(engine.shapes) == 2
 
 
 def test_checkpoint_resumes_across_shapes(tmp_path):
