@@ -47,12 +47,13 @@ def call(model, batch):
     return model(**batch).loss if isinstance(batch, dict) else model(*batch)
 
 
-def reference(model, batches, grad_clip, dtype=torch.float32, twin=True):
-    """Eager `model` + clip_grad_norm_ + torch.optim.AdamW over `batches` of any shapes; per step (loss, norm). The
-    fp32 run keeps its float64 twin beside it (test_engine's tolerance rule measures the rounding reach on it);
-    `twin=False`: not (the norms alone are wanted)."""
+def reference(model, batches, grad_clip, dtype=torch.float32, twin=True, lr_lambda=None):
+    """Eager `model` + clip_grad_norm_ + torch.optim.AdamW (+ LambdaLR) over `batches` of any shapes; per step (loss,
+    norm, lr). The fp32 run keeps its float64 twin beside it (test_engine's tolerance rule measures the rounding
+    reach on it); `twin=False`: not (the norms alone are wanted)."""
     ref = copy.deepcopy(model).to(dtype)
     opt = torch.optim.AdamW(ref.parameters(), **{k: v for k, v in OPT.items() if k != "type"})
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda) if lr_lambda else None
     out, record = [], []
     smallest = {p: None for p in ref.parameters()}
     for batch in batches:
@@ -67,12 +68,14 @@ def reference(model, batches, grad_clip, dtype=torch.float32, twin=True):
         for p in magnitude:
             smallest[p] = p.grad.abs() if smallest[p] is None else torch.minimum(smallest[p], p.grad.abs())
         opt.step()
-        out.append((loss.item(), norm))
+        if sched:
+            sched.step()
+        out.append((loss.item(), norm, lr))
     for p, g in smallest.items():       # assert_weights_close leaves out elements whose gradient was ever ~0
         p.grad = g
     ref.__dict__["adam_record"] = record
     if dtype == torch.float32 and twin:
-        truth, truth_out = reference(model, batches, grad_clip, torch.float64)
+        truth, truth_out = reference(model, batches, grad_clip, torch.float64, lr_lambda=lr_lambda)
         attach_truth(ref, truth, truth_out, steps=len(batches))
         attach_gradient_reach(ref, truth, model, OPT, accum=1)
     return ref, out
@@ -94,15 +97,17 @@ def compile_host_heavy(model, example, **cfg):
 
 
 @pytest.mark.parametrize("kind", ["gpt", "hf_llama"])
-def test_three_lengths_in_one_run_equal_eager_adamw_with_clipping(kind):
+def test_three_lengths_in_one_run_equal_eager_adamw_with_clipping_and_warmup(kind):
     model, make = (tiny_gpt(), gpt_batch) if kind == "gpt" else (tiny_hf_llama(), hf_batch)
     lengths = [16, 32, 24, 16]
     batches = [make(t, seed=s) for s, t in enumerate(lengths)]
-    _, free = reference(model, batches, grad_clip=math.inf, twin=False)
-    norms = sorted(n for _, n in free)
+    warmup = lambda step: step / 3 if step < 3 else 1.0   # noqa: E731  (get_constant_schedule_with_warmup's, 3 steps)
+    _, free = reference(model, batches, grad_clip=math.inf, twin=False, lr_lambda=warmup)
+    norms = sorted(n for _, n, _ in free)
     clip = (norms[1] + norms[2]) / 2        # clipping triggers on some steps, not all (none sits at the threshold)
-    ref, ref_out = reference(model, batches, grad_clip=clip)
-    engine = compile_host_heavy(model, make(32, seed=99), grad_clip=clip)
+    ref, ref_out = reference(model, batches, grad_clip=clip, lr_lambda=warmup)
+    engine = compile_host_heavy(model, make(32, seed=99), grad_clip=clip,
+                                lr_schedule={"type": "constant", "warmup_steps": 3})
     reports, memory = [], []
     for b in batches:
         engine.step(**b) if isinstance(b, dict) else engine.step(*b)
@@ -110,11 +115,12 @@ def test_three_lengths_in_one_run_equal_eager_adamw_with_clipping(kind):
         memory.append(chunk_memory(engine))
     truth_out = ref.__dict__["float64_truth"][2]
     assert_losses_close([r.loss for r in reports], [o[0] for o in ref_out], [o[0] for o in truth_out])
-    for t, (r, (_, norm)) in enumerate(zip(reports, ref_out)):
+    for t, (r, (_, norm, lr)) in enumerate(zip(reports, ref_out)):
+        assert r.lr == pytest.approx(lr, rel=1e-12, abs=0)        # one schedule across the graphs
         tol = rounding_tolerance(norm, truth_out[t][1], t + 1)
         assert r.grad_norm == pytest.approx(norm, rel=tol, abs=0), f"step {t}: grad norm, tolerance {tol:.2e}"
     clipped = [r.clip_coef < 1.0 for r in reports]
-    assert clipped == [n > clip for _, n in ref_out] and any(clipped) and not all(clipped)
+    assert clipped == [n > clip for _, n, _ in ref_out] and any(clipped) and not all(clipped)
     assert_weights_close(engine.state_dict(), ref)
     assert engine.steps == len(batches)                  # one Adam step count and schedule across the graphs
     assert "input shapes on this chunk memory: 3" in engine.explain()
@@ -137,7 +143,7 @@ def test_shorter_lengths_on_a_plan_keeping_a_device_chunks_gradient_on_the_devic
     model = tiny_gpt()
     batches = [gpt_batch(t, seed=s) for s, t in enumerate([16, 24, 32])]
     _, free = reference(model, batches, grad_clip=math.inf, twin=False)
-    clip = min(n for _, n in free) * 0.5
+    clip = min(n for _, n, _ in free) * 0.5
     ref, ref_out = reference(model, batches, grad_clip=clip)
     cfg = {"device": "cpu", "placement": "device", "chunk_size": CHUNK, "optimizer": OPT, "grad_clip": clip,
            "transaction": "kept_grads"}
