@@ -58,10 +58,14 @@ def _thresholds(code: torch.Tensor) -> torch.Tensor:
     return torch.cat([mid, torch.tensor([float("inf")])])
 
 
-SIGNED_MAP = _dynamic_map(signed=True)
-UNSIGNED_MAP = _dynamic_map(signed=False)
-SIGNED_THRESHOLDS = _thresholds(SIGNED_MAP)
-UNSIGNED_THRESHOLDS = _thresholds(UNSIGNED_MAP)
+# The tables are CPU constants whatever default device the importer has set: a model built under
+# `with torch.device("meta")` may import this module first (transformers probes for a package named `kernels`,
+# which this folder is when a clone's root is on sys.path).
+with torch.device("cpu"):
+    SIGNED_MAP = _dynamic_map(signed=True)
+    UNSIGNED_MAP = _dynamic_map(signed=False)
+    SIGNED_THRESHOLDS = _thresholds(SIGNED_MAP)
+    UNSIGNED_THRESHOLDS = _thresholds(UNSIGNED_MAP)
 
 
 def _buckets(thresholds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,8 +93,9 @@ def _buckets(thresholds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 BUCKET_MIN_EXP, BUCKET_MANTISSA_BITS = 103, 7            # |x| < 2^-24 is one bucket; 128 buckets per octave above
 BUCKETS_PER_SIGN = (127 - BUCKET_MIN_EXP + 1) * 2 ** BUCKET_MANTISSA_BITS + 1
-SIGNED_BUCKETS = _buckets(SIGNED_THRESHOLDS)
-UNSIGNED_BUCKETS = _buckets(UNSIGNED_THRESHOLDS)
+with torch.device("cpu"):
+    SIGNED_BUCKETS = _buckets(SIGNED_THRESHOLDS)
+    UNSIGNED_BUCKETS = _buckets(UNSIGNED_THRESHOLDS)
 # the code of 0: where a fresh moment starts (and what padding and frozen parameters keep)
 SIGNED_ZERO = int((SIGNED_MAP == 0).nonzero())
 UNSIGNED_ZERO = int((UNSIGNED_MAP == 0).nonzero())

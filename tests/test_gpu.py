@@ -74,11 +74,12 @@ def test_plan_predicts_gpu_peak_within_10_percent(placement):
 
 # ---- the step as a transaction on CUDA: Triton Adam on device chunks, C++ Adam on the worker for host chunks ----
 
-def _mixed(model, inputs, device_chunks=4, **cfg):
-    """A CUDA engine with `device_chunks` chunks' state on the GPU and the rest on the host."""
+def _mixed(model, inputs, device_chunks=4, extra_bytes=0, **cfg):
+    """A CUDA engine with `device_chunks` chunks' state on the GPU and the rest on the host (and `extra_bytes` of
+    room beside them)."""
     base = dict(device="cuda", chunk_size=16384, optimizer=dict(OPT), **cfg)
     probe = pstar_fx.plan(model, dict(base, placement="host"), inputs)
-    want = probe.device_peak_bytes + device_chunks * 12 * 16384       # usable: a 1/64 reserve comes off it
+    want = probe.device_peak_bytes + device_chunks * 12 * 16384 + extra_bytes   # usable: a 1/64 reserve comes off
     budget = next(b for b in range(want, 2 * want, max(1, want // 4096)) if usable_budget(b, True) >= want)
     engine = pstar_fx.compile(model, dict(base, device_memory=budget), inputs)
     assert "device" in engine.plan.placement and "host" in engine.plan.placement, engine.plan.placement
@@ -149,26 +150,24 @@ def test_gpu_clipping_and_schedule_match_torch_fp32(transaction, compute):
     assert [r.clip_coef < 1 for r in reports] == [o[1] > clip for o in ref_out]
 
 
-@pytest.mark.parametrize("kept_here", [0, 1, 99], ids=["kept-on-host", "one-kept-on-device", "all-kept-on-device"])
+@pytest.mark.parametrize("kept_here", [0, 1], ids=["kept-on-host", "one-kept-on-device"])
 def test_gpu_speculating_and_deferring_by_turns_match_torch_fp32(monkeypatch, kept_here):
     """Chunks on both tiers, clipping that triggers on some steps; the steps defer and speculate by turns (a
-    MayDefer transaction driven by a fixed pattern) on the same kept buffers, with none, one or every device chunk's
-    kept gradient on the GPU (the others' come back from the host on the copy stream for a correction or a
-    deferred update): the CPU reference."""
+    MayDefer transaction driven by a fixed pattern) on the same kept buffers, with none or one device chunk's kept
+    gradient on the GPU (the others' come back from the host on the copy stream for a correction or a deferred
+    update; the budget has room for that one beside the four device chunks): the CPU reference."""
     import pstar_fx.planning.planner as planner_module
     from pstar_fx.runtime.transactions import MayDefer
-    real = planner_module.n_kept_on_device
-    monkeypatch.setattr(planner_module, "n_kept_on_device", lambda n, *a: min(kept_here, real(n, *a)))
+    monkeypatch.setattr(planner_module, "n_kept_on_device", lambda n, *a: min(kept_here, n))
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny"))
     batches = gpt_batches(8)
     _, _, free = reference(model, batches)
     clip = sorted(o[1] for o in free)[3]
     ref, _, ref_out = reference(model, batches, grad_clip=clip, lr_lambda=hf_cosine(2, 8))
-    engine = _mixed(model, _on_gpu(batches[0]), grad_clip=clip, transaction="kept_grads",
-                    lr_schedule={"type": "cosine", "warmup_steps": 2, "total_steps": 8})
-    n_device = engine.plan.placement.count("device")
-    assert engine.plan.kept_on_device == min(kept_here, n_device)
+    engine = _mixed(model, _on_gpu(batches[0]), extra_bytes=kept_here * 4 * 16384, grad_clip=clip,
+                    transaction="kept_grads", lr_schedule={"type": "cosine", "warmup_steps": 2, "total_steps": 8})
+    assert engine.plan.kept_on_device == kept_here
     engine.stepper.transaction = MayDefer("kept_grads", 0.5)
     pattern = iter([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0])
     monkeypatch.setattr(engine.stepper, "expected_trigger_rate", lambda: next(pattern))

@@ -264,3 +264,20 @@ def test_save_pretrained_directory_loads_into_chunk_memory(tmp_path):
     ref, ref_losses = eager(pretrained.train(), data)
     losses = [engine.step(**b).item() for b in data]
     assert_losses_close(losses, ref_losses, ref.__dict__["float64_truth"][2])
+
+
+def test_an_hf_model_builds_on_meta_from_a_clone_root():
+    """From a clone's root `kernels` (this repository's folder) is importable, and transformers probes for a hub
+    package of that name while a model is being built: under `with torch.device("meta")` that first import must not
+    build its tables on meta (it once failed there with "Cannot copy out of meta tensor")."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = ("import sys, torch\nsys.path.insert(0, '.')\nwith torch.device('meta'):\n    import transformers\n"
+            "    m = transformers.LlamaForCausalLM(transformers.LlamaConfig(hidden_size=64, intermediate_size=128, "
+            "num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, vocab_size=100))\n"
+            "import kernels.quant8 as q\nprint(next(m.parameters()).device, q.SIGNED_MAP.device)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["meta", "cpu"]

@@ -466,3 +466,17 @@ def test_as_many_device_chunks_keep_their_gradients_on_the_device_as_fit():
     assert tight.device_breakdown["kept gradients"] == chunk_bytes
     assert tight.host_breakdown["kept gradients"] == (n - 1) * chunk_bytes
     assert f"1 of {n} device chunks' on the device" in tight.transaction_cost
+
+
+def test_the_host_updates_a_correction_finds_queued_cost_it_nothing():
+    """Backward updates c3, c2, c1, c0 in that order on the worker, 1 s each; with 2.5 s of that host Adam still
+    running into the next forward at the verdict, c1 and c0 have not started (c2 has): those apply the verdict's
+    coefficient themselves. Without a rate, every host chunk is corrected."""
+    from types import SimpleNamespace
+    from pstar_fx.planning.correction import not_started
+    layout = SimpleNamespace(chunks=[SimpleNamespace(used_elems=10**9)] * 4)
+    adam_at = {3: 10, 2: 11, 1: 12, 0: 13}
+    assert not_started([0, 1, 2, 3], adam_at, layout, 2.5, 1e9) == {0, 1}
+    assert not_started([0, 1, 2, 3], adam_at, layout, 0.5, 1e9) == set()
+    assert not_started([0, 1, 2, 3], adam_at, layout, 9.0, 1e9) == {0, 1, 2, 3}
+    assert not_started([0, 1, 2, 3], adam_at, layout, 2.5, 0.0) == set()

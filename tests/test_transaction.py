@@ -829,3 +829,60 @@ def test_device_chunks_keeping_some_gradients_on_the_device_train_exactly():
     reports = run(engine, batches)
     assert all(r.clip_coef < 1.0 for r in reports)
     assert_run_matches(engine, reports, ref, ref_out)
+
+
+def test_a_replay_plan_measures_first_while_clipping_is_expected(monkeypatch):
+    """A host budget without room for kept gradients: "auto" picks replay, and with clipping a step may instead
+    measure first (as two_pass: no buffer a replay lacks) when triggering is expected, the break-even between a
+    replayed step and one more pass. By turns, the run equals clip_grad_norm_ + AdamW (a replay's rounding)."""
+    model = tiny_gpt()
+    batches = gpt_batches(4)
+    _, _, free = reference(model, batches)
+    clip = sorted(o[1] for o in free)[0] * 0.5
+    ref, _, ref_out = reference(model, batches, grad_clip=clip)
+    cfg = {"device": "cpu", "placement": "host", "chunk_size": CHUNK, "optimizer": OPT, "grad_clip": clip}
+    roomy = pstar_fx.plan(model, cfg, batch())
+    state = roomy.host_breakdown["chunk state"] + roomy.host_breakdown["16-bit shadows"]
+    engine = pstar_fx.compile(model, dict(cfg, host_memory=state + 4 * 2**20 // 16), example_inputs=batch())
+    est = engine.plan.estimate
+    assert engine.plan.transaction == "replay" and 0 < engine.plan.defer_above < 1
+    assert est.step_seconds < est.deferred_step_seconds < est.triggered_step_seconds
+    assert "measures first instead" in engine.plan.transaction_cost
+    rates = iter([1.0, 0.0, 1.0, 0.0])
+    monkeypatch.setattr(engine.stepper, "expected_trigger_rate", lambda: next(rates))
+    reports = run(engine, batches)
+    assert [r.deferred for r in reports] == [True, False, True, False]
+    assert all(r.clip_coef < 1.0 for r in reports)
+    assert_run_matches(engine, reports, ref, ref_out, rel=REPLAY_REL)
+
+
+def test_a_host_update_not_started_at_a_correction_applies_the_verdict_directly(monkeypatch):
+    """kept_grads with host updates on a worker that is behind (each host Adam pass sleeps first): when clipping
+    triggers, the host updates not yet started apply the verdict's coefficient themselves and are not undone and
+    redone; the others are corrected. Clipping triggers every step; the run equals clip_grad_norm_ + AdamW."""
+    monkeypatch.setattr(chunk_ops_module, "HOST_WORKER_ON_CPU", True)
+    model = tiny_gpt()
+    batches = gpt_batches(4)
+    _, _, free = reference(model, batches)
+    clip = sorted(o[1] for o in free)[0] * 0.5
+    ref, _, ref_out = reference(model, batches, grad_clip=clip)
+    engine = compile_gpt(model, grad_clip=clip, transaction="kept_grads")
+    store = engine.rt.store
+    n_host = sum(store.tier(c) == "host" for c in range(len(store.master)))
+    before_host_adam(monkeypatch, engine, lambda: time.sleep(0.05))
+    host_masters = {store.master[c].data_ptr() for c in range(len(store.master)) if store.tier(c) == "host"}
+    corrected = []                                  # each correction's chunk tier
+    real = undo_module.chunk_undo
+
+    def chunk_undo(master, *a, **k):
+        corrected.append("host" if master.data_ptr() in host_masters else "device")
+        return real(master, *a, **k)
+    monkeypatch.setattr(undo_module, "chunk_undo", chunk_undo)
+    reports = run(engine, batches)
+    assert all(r.clip_coef < 1.0 for r in reports)
+    assert_run_matches(engine, reports, ref, ref_out)
+    # every step's guess (the last step's coefficient) is wrong, so every step is corrected: each device chunk is
+    # undone and redone, but the worker, 50 ms a host chunk behind, had not reached most host updates
+    n_device = len(store.master) - n_host
+    assert corrected.count("device") == len(batches) * n_device
+    assert corrected.count("host") < len(batches) * n_host / 2, (corrected.count("host"), n_host)

@@ -30,10 +30,27 @@ def device_after_verdict_seconds(here_elems: int, back_elems: int, itemsize: int
 DEVICE_RESTORE_BYTES = 16    # a replay's master restore (adam_undo part "param"): reads master and moments, writes it
 
 
+def not_started(host: list[int], adam_at: dict[int, int], layout: Layout, adam_hidden: float,
+                host_adam_rate: float) -> set[int]:
+    """The host chunks whose speculative update the worker has not started at the verdict: the last ones it runs
+    (backward's order) whose updates all fit in the `adam_hidden` seconds of host Adam an untriggered step leaves
+    running into the next forward. A correction finds them queued and they apply the verdict's coefficient
+    themselves (runtime/undo.py `correct`): nothing to undo or redo."""
+    if not host_adam_rate:
+        return set()
+    left, out = adam_hidden, set()
+    for c in sorted(host, key=adam_at.__getitem__, reverse=True):     # the last updated first
+        left -= layout.chunks[c].used_elems / host_adam_rate
+        if left < 0:
+            break
+        out.add(c)
+    return out
+
+
 def _triggered_seconds(transaction: str, step_seconds: float, *, cuda: bool, placement: list[str], layout: Layout,
                        node_secs: list[float], reads: list[set[int]], adam_at: dict[int, int], rates: Rates,
                        itemsize: int, copy_s: dict[int, float], kept_on_device: int, copies_exposed: float,
-                       adam_hidden: float, replay_host_exposed: float = 0.0) -> float:
+                       adam_hidden: float, replay_host_exposed: float = 0.0, host_adam_rate: float = 0.0) -> float:
     """The step's seconds when clipping triggers (global norm > grad_clip), as the runtime corrects it
     (runtime/transactions.py, undo.py). Only kept_grads and replay correct after the verdict; deferred, accumulate
     and none apply after it or not at all, and a two_pass step that measures first already counts its second pass:
@@ -42,7 +59,8 @@ def _triggered_seconds(transaction: str, step_seconds: float, *, cuda: bool, pla
 
     kept_grads, on the CUDA runtime: at the verdict the host corrections are queued on the worker, in the order the
     next forward reads the chunks (chunk order), behind the host Adam the untriggered step hid behind the next
-    forward (`adam_hidden`: the worker is still busy with it); the launching thread then queues the device
+    forward (`adam_hidden`: the worker is still busy with it); the host updates not yet started then apply the
+    verdict's coefficient themselves and need none (`not_started`); the launching thread then queues the device
     corrections without waiting: `kept_on_device` of the device chunks (the first ones) read their kept gradient on
     the device, the others' come back from the host on the copy stream (`device_after_verdict_seconds`: D). The next
     forward starts after them, and stalls where it reads a host chunk not yet corrected and copied
@@ -73,6 +91,7 @@ def _triggered_seconds(transaction: str, step_seconds: float, *, cuda: bool, pla
     if not cuda:
         return step_seconds + elems(device + host) / undo + again
     if transaction == "kept_grads":
+        host = [c for c in host if c not in not_started(host, adam_at, layout, adam_hidden, host_adam_rate)]
         device_s = device_after_verdict_seconds(elems(device[:kept_on_device]), elems(device[kept_on_device:]),
                                                 itemsize, rates)
         return step_seconds + device_s + worker_stall(host, layout, node_secs, reads, undo, copy_s,

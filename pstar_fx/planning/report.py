@@ -99,7 +99,10 @@ def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_byte
                 f"{itemsize} B/param of kept gradients); a step that must be corrected (clipping that "
                 "triggers) or rolled back (a skip, an exception) restores the masters from the moments and runs "
                 "forward and backward again: free when it does not trigger, about one more step when it does; "
-                "a host Adam failure after the step returned cannot be undone")
+                + ("" if defer_above is None else
+                   "a step measures first instead (as 'two_pass': no correction) while the expected trigger rate "
+                   f"(Config.expected_trigger_rate) is above {defer_above:.0%}; ")
+                + "a host Adam failure after the step returned cannot be undone")
     if transaction == "two_pass":
         if not second_pass_s:
             return ("nothing to measure first (no clipping, no loss scaling, fp32 moments): one pass, updates "

@@ -55,6 +55,9 @@ class StepLog:
     undoable: bool = False
     redo: bool = False                                     # a replay that applies the corrected update
     hyper_of: dict[int, Hyper | None] = field(default_factory=dict)   # a chunk corrected (or undone) since: its Hyper
+    # the verdict's update, once a correction is decided (undo.py `correct`): a host update of this step that starts
+    # on the worker after that applies it instead of the guess, and its correction is then nothing
+    verdict_hyper: Hyper | None = None
 
     def pending_host(self) -> bool:
         return any(isinstance(f, Future) for f in self.host.values())

@@ -73,9 +73,12 @@ class Undo:
         chunks in the order the forward first uses their parameters), so the forward's first host chunk is corrected
         first and the host work starts at the verdict; their corrections overlap the next forward as their updates
         do (a read waits for its chunk). Then the device chunks, on the compute stream, their kept gradients
-        coming back from the host on the copy stream (`KeptGradients.on_device_in_order`)."""
+        coming back from the host on the copy stream (`KeptGradients.on_device_in_order`). A host update the worker
+        had not started when this was decided applies `hyper` itself (`StepLog.verdict_hyper`); its correction is
+        then nothing."""
         t0 = time.perf_counter()
         speculated = log.hyper
+        log.verdict_hyper = hyper                          # host updates not yet started apply it directly
         updates = dict(log.host)                           # each host chunk's update: its future, or its outcome
         for c in sorted(updates):
             self.worker.run(c, log, self._correct_host, log, c, updates, speculated, hyper)
@@ -95,6 +98,8 @@ class Undo:
             return False                                   # not applied: nothing to correct
         if any(e is not None for e in outcome.values()):
             return True
+        if log.hyper_of.get(c) is hyper:
+            return True                                    # its update started after the verdict: already right
         t0 = time.perf_counter()
         self._correct_one(log, c, self.kept.on_tier(c), speculated, hyper)
         self.telemetry.add("host_adam", time.perf_counter() - t0)

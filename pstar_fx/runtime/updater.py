@@ -123,7 +123,13 @@ class Updater:
                 if checked and not self.norms.host_finite(c):
                     applied = False                   # non-finite on the device: the step will be skipped
                 else:
-                    applied = self._adam(c, grad, log.hyper, check_finite=not checked)
+                    # a speculative update that starts after its step's correction was decided applies the
+                    # verdict's coefficient at once: no undo + redo for it (the update the worker had not reached
+                    # when clipping triggered, often most host chunks': their updates run into the next forward)
+                    right = log.verdict_hyper if log.kind.keeps else None
+                    applied = self._adam(c, grad, right or log.hyper, check_finite=not checked)
+                    if right is not None and applied:
+                        log.hyper_of[c] = right
             self.telemetry.add("host_adam", time.perf_counter() - t0)
             return applied
         finally:
