@@ -146,6 +146,8 @@ class Engine:
         fails or must be skipped changes no weight). The batch is given as the example inputs were: tensors
         positionally, or by keyword (`step(input_ids=x, labels=y)`, or a batch dict `step(batch)`). With
         `grad_accum` k the batch's leading dimension is k times the compiled one: k micro-batches, one update.
+        A batch of other shapes (another sequence length) runs on a graph of its own, captured and planned on this
+        chunk memory at its first step and cached (`engine.shapes`, pipeline/shapes.py).
         Returns the loss (the micro-batches' mean); `engine.last_step` says what the step did."""
         lowered, run = self.shapes.get(self.lowered.capture.signature.bind(inputs, kw_inputs))
         micro = check_inputs(lowered.capture, inputs, kw_inputs, self.config.grad_accum, self.device)
