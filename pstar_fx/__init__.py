@@ -2,9 +2,11 @@
 from .capture import CaptureError
 from .config import Config
 from .engine import Engine, compile, plan
+from .pipeline.shapes import pad_to_bucket
 from .planning import BudgetError, Plan
 from .runtime import StepRolledBack
 from .runtime.step import StepReport
 
 __version__ = "0.1.0"
-__all__ = ["Config", "Engine", "Plan", "StepReport", "compile", "plan", "BudgetError", "CaptureError", "StepRolledBack"]
+__all__ = ["Config", "Engine", "Plan", "StepReport", "compile", "plan", "BudgetError", "CaptureError", "StepRolledBack",
+           "pad_to_bucket"]

@@ -399,7 +399,9 @@ def check_inputs(cap: Capture, args: tuple, kwargs: dict, grad_accum: int,
                 bad = x[~ok].flatten()[0].item()
                 raise ValueError(f"{i}: value {bad} is out of range; the model uses this input as ids "
                                  f"in [0, {spec.index_bound})")
-        x = x.to(device, non_blocking=True)
+        # contiguous: a graph of another shape is traced on contiguous inputs (pipeline/shapes.py), and every view
+        # a graph takes of a strided input is valid on its contiguous copy (a no-op for a contiguous batch)
+        x = x.to(device, non_blocking=True).contiguous()
         if any(x is y for y in out):   # one tensor passed twice (labels=input_ids): the compiled regions were
             x = x.view(x.shape)        # built for distinct inputs, and a repeated one would recompile them
         out.append(x)

@@ -173,6 +173,14 @@ class Config:
     "compile_regions" (the compute then runs op by op, as compute="eager"). Results stay within rounding; the
     passes the others need cannot be switched off."""
 
+    seq_buckets: tuple[int, ...] | None = None
+    """The sequence lengths the step will see (dimension 1 of every input with two or more dimensions), e.g.
+    (512, 1024, 2048). `example_inputs` must be at the largest: `compile()` sizes the chunk memory for it and lowers
+    each other length's graph on that memory at the same batch size (pipeline/shapes.py), so a length that cannot
+    fit is a BudgetError there; each bucket adds a capture and a plan to the compile. A batch of another length is
+    an error (pad it up to its bucket: `pstar_fx.pad_to_bucket`, labels -100). None: every new input shape gets
+    its own graph on the compiled chunk memory when its first batch comes, if it fits there."""
+
     def __post_init__(self):
         self.device = self._check_device(self.device)
         self.device_memory = parse_bytes(self.device_memory, "device_memory")
@@ -218,9 +226,22 @@ class Config:
         if isinstance(self.dist_timeout, bool) or not isinstance(self.dist_timeout, (int, float)) \
                 or self.dist_timeout <= 0:
             raise ValueError(f"dist_timeout: expected a positive number of seconds, got {self.dist_timeout!r}")
+        self.seq_buckets = self._check_seq_buckets(self.seq_buckets)
         if self.transaction == "none" and self.grad_clip is not None:
             raise ValueError("transaction: 'none' cannot clip (the norm is known only after the updates); "
                              "use 'auto', 'kept_grads' or 'two_pass' with grad_clip")
+
+    @staticmethod
+    def _check_seq_buckets(buckets) -> tuple[int, ...] | None:
+        if buckets is None:
+            return None
+        if isinstance(buckets, (str, bytes)) or not isinstance(buckets, (list, tuple)) or not buckets or any(
+                isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in buckets):
+            raise ValueError(f"seq_buckets: expected None or a list of positive sequence lengths like "
+                             f"[512, 1024, 2048], got {buckets!r}")
+        if len(set(buckets)) != len(buckets):
+            raise ValueError(f"seq_buckets: a length appears twice in {list(buckets)}")
+        return tuple(sorted(buckets))
 
     @staticmethod
     def _check_loss_scale(spec):

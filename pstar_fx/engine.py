@@ -22,6 +22,7 @@ from .config import Config, format_bytes
 from .fxutil import role_nodes
 from .passes.compile_regions import build_regions
 from .pipeline.lower import Lowered
+from .pipeline.shapes import ShapeSteps, check_compiled_length
 from .planning import BudgetError, Plan
 from .runtime import ChunkRuntime, StepRolledBack, run_graph
 from .runtime.dist import DataParallel, launch
@@ -45,6 +46,29 @@ def _runner(graph: fx.GraphModule, rt: ChunkRuntime, buffers: list, device: torc
     return run
 
 
+def _build_regions(graph: fx.GraphModule, device: torch.device, phases) -> None:
+    """The graph's compute regions compiled (Inductor) now, where their inputs' layouts are known."""
+    regions = graph.meta.get("regions", [])
+    if regions:
+        with phases("build regions", f"{len(regions)} compiled functions for the compute (Inductor), before "
+                                     "chunk memory is allocated"):
+            built = build_regions(graph, device)
+            if built < len(regions):
+                log.info("%d of %d regions compile at their first call (an input's layout is unknown)",
+                         len(regions) - built, len(regions))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()    # what autotuning allocated goes back before the chunks are
+
+
+def _shape_runner(rt: ChunkRuntime, buffers: list, device: torch.device, tangent_dtype):
+    """A step lowered for other input shapes -> its runner on the engine's runtime (pipeline/shapes.py): its
+    regions built, then `_runner`. A closure for the same reason as `_runner`."""
+    def prepare(lowered: Lowered):
+        _build_regions(lowered.graph, device, lowered.phases)
+        return _runner(lowered.graph, rt, buffers, device, tangent_dtype)
+    return prepare
+
+
 class Engine:
     """A compiled training step: `step(*inputs) -> loss` runs forward, backward and the optimizer."""
 
@@ -59,6 +83,7 @@ class Engine:
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device: {config.device!r} requested but CUDA is not available here; "
                              "use device='cpu' (the CPU then plays the device tier)")
+        check_compiled_length(example_inputs, config)
         config, rank, world = launch(config)          # one GPU per launched rank; the device's free memory
         self.config = config
         if not model.training:
@@ -73,16 +98,7 @@ class Engine:
         self.device = self.lowered.device
         cap = self.lowered.capture
         plan = self.lowered.plan
-        regions = self.lowered.graph.meta.get("regions", [])
-        if regions:
-            with phases("build regions", f"{len(regions)} compiled functions for the compute (Inductor), before "
-                                         "chunk memory is allocated"):
-                built = build_regions(self.lowered.graph, self.device)
-                if built < len(regions):
-                    log.info("%d of %d regions compile at their first call (an input's layout is unknown)",
-                             len(regions) - built, len(regions))
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()    # what autotuning allocated goes back before the chunks are
+        _build_regions(self.lowered.graph, self.device, phases)
         self.dp = DataParallel(rank, world, chunked=self.lowered.chunked) if world > 1 else None
         with phases("allocate", f"chunk memory: {format_bytes(plan.device_peak_bytes - plan.activation_peak_bytes)} "
                                 f"on {self.lowered.device.type}, {format_bytes(plan.host_peak_bytes)} on the host"):
@@ -113,9 +129,13 @@ class Engine:
         self._mode = model.training
         self._evaluator = None
         self._tangent_dtype = role_nodes(cap.gm.graph, "tangent")[0].meta["val"].dtype
-        self.stepper = Stepper(self.rt, config, plan.transaction,
-                               _runner(self.lowered.graph, self.rt, self._buffers, self.device, self._tangent_dtype),
-                               self._buffers)
+        compiled_run = _runner(self.lowered.graph, self.rt, self._buffers, self.device, self._tangent_dtype)
+        self.stepper = Stepper(self.rt, config, plan.transaction, compiled_run, self._buffers)
+        # steps at other input shapes: their graphs on this chunk memory, run by the same runtime and Stepper
+        self.shapes = ShapeSteps(self.lowered, compiled_run, self._skeleton, _shape_runner(
+            self.rt, self._buffers, self.device, self._tangent_dtype))
+        if config.seq_buckets is not None:   # each bucket shown to fit now, not found wanting mid-run
+            self.shapes.lower_buckets()
         self.last_step: StepReport | None = None
         if resume is not None:
             self.load(resume)
@@ -126,8 +146,11 @@ class Engine:
         fails or must be skipped changes no weight). The batch is given as the example inputs were: tensors
         positionally, or by keyword (`step(input_ids=x, labels=y)`, or a batch dict `step(batch)`). With
         `grad_accum` k the batch's leading dimension is k times the compiled one: k micro-batches, one update.
+        A batch of other shapes (another sequence length) runs on a graph of its own, captured and planned on this
+        chunk memory at its first step and cached (`engine.shapes`, pipeline/shapes.py).
         Returns the loss (the micro-batches' mean); `engine.last_step` says what the step did."""
-        micro = check_inputs(self.lowered.capture, inputs, kw_inputs, self.config.grad_accum, self.device)
+        lowered, run = self.shapes.get(self.lowered.capture.signature.bind(inputs, kw_inputs))
+        micro = check_inputs(lowered.capture, inputs, kw_inputs, self.config.grad_accum, self.device)
         model = self._model()
         if model is not None and model.training != self._mode:
             self._mode = model.training                          # said once per change
@@ -135,7 +158,7 @@ class Engine:
                           f"that changes nothing: the step runs in the mode it was captured in "
                           f"({'eval' if model.training else 'train'}); engine.evaluate() is the eval-mode loss",
                           UserWarning, stacklevel=2)
-        report = self.stepper.step(micro)
+        report = self.stepper.step(micro, run)
         self.last_step = report
         if report.skipped:
             what = "the step was skipped" + (f"; loss scale {report.loss_scale:g} -> {self.stepper.scaler.scale:g}"
@@ -301,6 +324,9 @@ class Engine:
             lines.append(f"  c{c.id}: {plan.placement[c.id]:6s} {c.used_elems:>12,} elems, {len(names)} param(s): {shown}")
         lines.append(plan.summary())
         lines.append(f"compile: {self.phases.summary()}")
+        if len(self.shapes) > 1:
+            lines.append(f"input shapes on this chunk memory: {len(self.shapes)} (micro-batch shapes "
+                         + "; ".join(str([s for s, _ in key]) for key in self.shapes.shapes) + ", the compiled first)")
         ops = Counter(n.target for n in self.graph.graph.nodes if n.op == "call_method")
         lines.append("schedule (nodes in engine.graph): "
                      + ", ".join(f"{k} {ops[k]}" for k in ("prefetch", "fetch", "release", "offload", "reduce",
@@ -321,4 +347,6 @@ def plan(model: nn.Module, config: Config | dict | str | None = None, example_in
     """Everything `compile` does short of allocating: the model may live on the meta device. `world`: plan for
     that many data-parallel ranks (default: as launched), as rank `rank` (rank 0 owns the most chunks);
     `example_inputs` are then one rank's batch."""
-    return Lowered(model, Config.coerce(config), example_inputs, world=world, rank=rank).plan
+    config = Config.coerce(config)
+    check_compiled_length(example_inputs, config)
+    return Lowered(model, config, example_inputs, world=world, rank=rank).plan

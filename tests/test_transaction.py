@@ -181,9 +181,10 @@ def test_gradient_accumulation_equals_summed_micro_batch_backwards(accum):
     if accum > 1:
         assert engine.plan.transaction == "accumulate"
         assert "accumulators" in engine.explain()
-    if accum > 1:                                  # the step takes the whole batch, not one micro-batch
-        with pytest.raises(ValueError, match=rf"compiled for \({2 * accum}, 32\) \(grad_accum={accum} micro-batches"):
-            engine.step(*batch())
+    if accum > 1:              # the step takes the whole batch: k micro-batches along its leading dimension
+        with pytest.raises(ValueError, match=rf"shape \({2 * accum + 1}, 32\): its leading dimension must be a "
+                                             rf"multiple of grad_accum={accum}"):
+            engine.step(*(torch.cat([x, x[:1]]) for x in gpt_batches(1, accum=accum)[0]))
 
 
 def test_warmup_cosine_over_30_steps():

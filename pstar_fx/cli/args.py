@@ -30,7 +30,8 @@ DEFAULT_BATCH = 8
 TRAIN_SEQ_CAP = 128                  # train/explain default --seq: the model's block_size, at most this
 
 # The Config fields the command line sets, each as --NAME-WITH-DASHES (a command takes the ones it adds)
-CONFIG_FLAGS = ("device", "device_memory", "host_memory", "dtype", "chunk_size", "seed", "grad_clip", "grad_accum")
+CONFIG_FLAGS = ("device", "device_memory", "host_memory", "dtype", "chunk_size", "seed", "grad_clip", "grad_accum",
+                "seq_buckets")
 
 
 # ---- plain argument types: a bad value is an argparse error that says what is wanted ---------------------
@@ -53,6 +54,20 @@ def positive_float(text: str) -> float:
     if not x > 0:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
     return x
+
+
+def seq_buckets(text: str) -> list[int]:
+    """--seq-buckets 128,256,512 -> Config.seq_buckets, checked by Config."""
+    try:
+        lengths = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected sequence lengths separated by commas, like 128,256,512; "
+                                         f"got {text!r}") from None
+    try:
+        Config(seq_buckets=lengths)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("seq_buckets: ")) from None
+    return lengths
 
 
 def default_steps() -> int:
@@ -179,6 +194,15 @@ def config_dict(args) -> dict:
 
 def seq_len(args, parser, cap: int | None) -> int:
     block = args.model.block_size
+    buckets = getattr(args, "seq_buckets", None)
+    if buckets:                         # the step is compiled at the largest bucket (Config.seq_buckets)
+        top = max(buckets)
+        if args.seq is not None and args.seq != top:
+            parser.error(f"--seq {args.seq}: with --seq-buckets the step is compiled at the largest bucket, {top}; "
+                         "leave --seq out")
+        if block is not None and top > block:
+            parser.error(f"--seq-buckets: {top} is longer than {args.model}'s block_size {block}")
+        return top
     if args.seq is None:
         if block is None:
             if cap is None:

@@ -21,7 +21,7 @@ from pstar_fx.records import (IGNORE_INDEX, encode_records, eval_batches, held_o
 from pstar_fx.runtime.dist import world_from_env
 
 from .args import (DEFAULT_STEPS, STEPS_ENV, TRAIN_SEQ_CAP, call, check_cuda, common, config_dict, config_flag,
-                   default_steps, example_inputs, positive_float, positive_int, seq_len)
+                   default_steps, example_inputs, positive_float, positive_int, seq_buckets, seq_len)
 from .progress import Bar
 
 MiB = 2**20
@@ -50,6 +50,9 @@ def add_parser(sub) -> None:
                             "default: an hf:DIR model's own tokenizer if it has one, else bytes")
     train.add_argument("--seq", type=positive_int,
                        help=f"sequence length (default the model's block_size, at most {TRAIN_SEQ_CAP})")
+    train.add_argument("--seq-buckets", type=seq_buckets, metavar="L1,L2,...",
+                       help="train at several sequence lengths on one chunk memory (Config.seq_buckets): the step is "
+                            "compiled at the largest and each step's windows take the lengths in turn")
     train.add_argument("--steps", type=positive_int, default=None,
                        help=f"training steps (default {DEFAULT_STEPS}, or ${STEPS_ENV})")
     train.add_argument("--lr", type=positive_float, help="learning rate (default 1e-3)")
@@ -143,14 +146,19 @@ def _tokenizer(args, is_ids: bool = False):
     return tokenizer, tok_dir
 
 
-def _train_data(args, seq: int, world: int, k: int):
-    """(example inputs of one micro-batch, endless whole batches of all ranks, held-out batches or None), checked
-    before anything compiles: records of a JSONL file, else tokens. A held-out batch holds --batch rows for
-    each rank, so every --nproc sees the same held-out rows."""
+def _train_data(args, lengths: tuple[int, ...], world: int, k: int):
+    """(example inputs of one micro-batch, endless whole batches of all ranks for each of `lengths` (the sequence
+    lengths steps take in turn; the last is the longest), held-out batches or None), checked before anything
+    compiles: records of a JSONL file, else tokens. A held-out batch holds --batch rows for each rank, so every
+    --nproc sees the same held-out rows."""
     rows_per_step = args.batch * k * world
+    seq = max(lengths)
     if is_records(args.data):
+        if len(lengths) > 1:
+            raise ValueError("--seq-buckets applies to token data: JSONL records are packed or padded into rows of "
+                             "--seq tokens")
         rows, held_rows, pad = _train_records(args, seq)
-        whole = (args.model.row_inputs(b) for b in row_batches(rows, rows_per_step, seed=args.seed))
+        whole = [(args.model.row_inputs(b) for b in row_batches(rows, rows_per_step, seed=args.seed))]
         held = None if held_rows is None else [args.model.row_inputs(b)
                                                for b in eval_batches(held_rows, args.batch * world, pad)]
         first = next(row_batches(rows, rows_per_step, seed=args.seed))
@@ -159,7 +167,8 @@ def _train_data(args, seq: int, world: int, k: int):
         if args.pack is not None:
             raise ValueError("--pack / --no-pack apply to JSONL records (--data FILE.jsonl) only")
         tokens, rest = _train_tokens(args, seq)
-        whole = (args.model.inputs(idx, tgt) for idx, tgt in batches(tokens, rows_per_step, seq, seed=args.seed))
+        whole = [(args.model.inputs(idx, tgt) for idx, tgt in batches(tokens, rows_per_step, n, seed=args.seed + j))
+                 for j, n in enumerate(lengths)]
         held = None if rest is None else [args.model.inputs(*next(batches(rest, args.batch * world, seq,
                                                                           seed=args.seed + 1)))]
         example = None                        # compile_model's batch of zeros
@@ -246,35 +255,44 @@ def run(args, parser) -> int:
     if rank:                                   # one rank reports: the others' lines would repeat its own
         sys.stdout = open(os.devnull, "w")
         logging.getLogger("pstar_fx").setLevel(logging.WARNING)
-    k = Config.from_dict(config_dict(args)).grad_accum
+    config = Config.from_dict(config_dict(args))
+    k = config.grad_accum
+    top = seq_len(args, parser, TRAIN_SEQ_CAP)
+    lengths = tuple(config.seq_buckets) if config.seq_buckets else (top,)   # each step's windows take them in turn
     # bad data fails before compiling
-    example, whole_batches, held = _train_data(args, seq_len(args, parser, TRAIN_SEQ_CAP), world, k)
+    example, whole_batches, held = _train_data(args, lengths, world, k)
     model, engine, seq = compile_model(args, parser, TRAIN_SEQ_CAP, example)
     if args.resume:
         engine.load(args.resume)
         print(f"resumed: {args.resume} at update {engine.steps}")
     print(engine.explain())
     n_layer, n_embd = args.model.shape
-    flops = flops_per_token(sum(p.numel() for p in model.parameters()), n_layer, n_embd, seq)
+    n_params = sum(p.numel() for p in model.parameters())
+    flops = flops_per_token(n_params, n_layer, n_embd, seq)
     print(f"training: {steps} steps of {args.batch * k * seq * world:,} tokens"
           + (f" ({world} ranks of {args.batch * k * seq:,})" if world > 1 else "")
+          + (f" at length {seq}, fewer at lengths {', '.join(map(str, lengths[:-1]))} in turn" if len(lengths) > 1
+             else "")
           + f"; {flops:,} FLOPs per token (6 * parameters + 12 * layers * width * seq)")
     # a step takes grad_accum micro-batches on each rank; every rank draws the whole batch and keeps its part
-    data = (_rank_inputs(whole, rank, world) for whole in whole_batches)
+    streams = [(_rank_inputs(whole, rank, world) for whole in stream) for stream in whole_batches]
     first_step = engine.steps
-    for _ in range(first_step):                                     # resumed: the batches those updates saw
-        next(data)
-    tokens_per_step = args.batch * k * seq * world
+    for step in range(1, first_step + 1):                           # resumed: the batches those updates saw
+        next(streams[(step - 1) % len(lengths)])
     metrics = open(args.metrics, "a") if args.metrics and rank == 0 else None     # one rank writes the file
     bar = Bar(args.progress if rank == 0 else "lines", first_step + steps, first_step)   # one bar, rank 0's
     first = last = None
     in_step = interrupted = False
     start = mark = time.perf_counter()
     loss_sum, since = 0.0, 0
+    tokens_since = flops_since = tokens_done = flops_done = 0     # (steps of several lengths: summed, not counted)
     ran = 0
     try:
         for step in range(first_step + 1, first_step + steps + 1):   # numbered on from a resumed checkpoint
-            inputs = next(data)
+            length = lengths[(step - 1) % len(lengths)]
+            inputs = next(streams[(step - 1) % len(lengths)])
+            tokens_per_step = args.batch * k * length * world
+            flops = flops_per_token(n_params, n_layer, n_embd, length)
             in_step = True
             t0 = time.perf_counter()
             loss = call(engine.step, inputs)
@@ -282,6 +300,8 @@ def run(args, parser) -> int:
             in_step = False
             ran += 1
             loss_sum, since = loss_sum + loss, since + 1    # a tensor sum: no device sync until printed
+            tokens_since, flops_since = tokens_since + tokens_per_step, flops_since + tokens_per_step * flops
+            tokens_done, flops_done = tokens_done + tokens_per_step, flops_done + tokens_per_step * flops
             r = engine.last_step
             record = None if metrics is None else {
                 "step": step, "loss": float(loss), "lr": r.lr, "grad_norm": r.grad_norm, "clip_coef": r.clip_coef,
@@ -296,12 +316,12 @@ def run(args, parser) -> int:
                 window = f" (mean of steps {step - since + 1}-{step})" if since > 1 else ""
                 first = (mean, window or f" (step {step})") if first is None else first
                 last = (mean, window or f" (step {step})")
-                rate = since * tokens_per_step / (now - mark)
-                bar.print(f"step {step:5d}  loss {mean:.4f}{window}  {rate:,.0f} tok/s  "
-                          f"{rate * flops / 1e12:.3g} TFLOPs  lr {r.lr:.3g}  grad norm {r.grad_norm:.3g}"
-                          + (f" (clipped x{r.clip_coef:.3f})" if r.clip_coef < 1 else ""))
-                postfix = {"loss": f"{mean:.4f}", "tok/s": f"{rate:,.0f}", "TFLOPs": f"{rate * flops / 1e12:.3g}"}
-                loss_sum, since, mark = 0.0, 0, now
+                rate, flop_rate = tokens_since / (now - mark), flops_since / (now - mark)
+                bar.print(f"step {step:5d}  loss {mean:.4f}{window}  {rate:,.0f} tok/s  {flop_rate / 1e12:.3g} TFLOPs  "
+                          f"lr {r.lr:.3g}  grad norm {r.grad_norm:.3g}" + (f" (clipped x{r.clip_coef:.3f})"
+                                                                             if r.clip_coef < 1 else ""))
+                postfix = {"loss": f"{mean:.4f}", "tok/s": f"{rate:,.0f}", "TFLOPs": f"{flop_rate / 1e12:.3g}"}
+                loss_sum, since, tokens_since, flops_since, mark = 0.0, 0, 0, 0, now
             if args.save_every and step % args.save_every == 0 and ran != steps:
                 _save(engine, args.save)
             if held is not None and (step % args.eval_every == 0 or ran == steps):
@@ -323,8 +343,8 @@ def run(args, parser) -> int:
             metrics.close()
     elapsed = time.perf_counter() - start
     if first is not None:
-        rate = ran * tokens_per_step / elapsed
-        print(f"done: {ran} steps in {elapsed:.1f} s ({rate:,.0f} tok/s, {rate * flops / 1e12:.3g} TFLOPs); "
+        rate = tokens_done / elapsed
+        print(f"done: {ran} steps in {elapsed:.1f} s ({rate:,.0f} tok/s, {flops_done / elapsed / 1e12:.3g} TFLOPs); "
               f"loss {first[0]:.4f}{first[1]} -> {last[0]:.4f}{last[1]}")
     s = engine.memory_stats()
     print(f"memory: device peak {_mib(s['device_peak_bytes'])} measured, "

@@ -106,26 +106,43 @@ class Lowered:
     """Everything short of memory: the captured step, its chunk layout, the plan and the lowered graph."""
 
     def __init__(self, model: nn.Module, config: Config, example_inputs, phases: Phases | None = None,
-                 world: int | None = None, rank: int = 0):
+                 world: int | None = None, rank: int = 0, on: Lowered | None = None):
         """`world`: the data-parallel ranks to plan for (default: as launched); `rank`: whose plan (default: this
-        process's). Chunk partitioning applies when world > 1 and `config.data_parallel` is not "replicated"."""
+        process's). Chunk partitioning applies when world > 1 and `config.data_parallel` is not "replicated".
+        `on`: the same model's step lowered for other input shapes (`example_inputs` in `on`'s placeholder order),
+        on `on`'s layout and planned on its chunk memory (`make_plan(on=...)`): its runtime runs this graph too."""
         self.config = config
-        launched_rank, launched_world, _ = world_from_env()
-        self.world = launched_world if world is None else world
-        self.rank = launched_rank if world is None else rank
-        self.chunked = self.world > 1 and config.data_parallel != "replicated"
+        self.on = on
+        if on is not None:
+            self.world, self.rank, self.chunked = on.world, on.rank, on.chunked
+        else:
+            launched_rank, launched_world, _ = world_from_env()
+            self.world = launched_world if world is None else world
+            self.rank = launched_rank if world is None else rank
+            self.chunked = self.world > 1 and config.data_parallel != "replicated"
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.phases = phases = phases or Phases()
         check_pipeline(enabled(passes.PIPELINE, config))     # a broken list fails before minutes of capture
         with phases("capture", "forward + backward traced with fake tensors"):
-            self.capture: Capture = capture(model, example_inputs, self.device, self.dtype)
-            self.layout: Layout = build_layout(self.capture, config.chunk_size)
-        log.info("%s parameters in %d chunks of %s elements", f"{self.layout.param_elems:,}",
-                 len(self.layout.chunks), f"{self.layout.chunk_size:,}")
+            if on is None:
+                self.capture: Capture = capture(model, example_inputs, self.device, self.dtype)
+                self.layout: Layout = build_layout(self.capture, config.chunk_size)
+            else:
+                self.capture = capture(model, example_inputs, self.device, self.dtype,
+                                       signature=on.capture.signature)
+                self.layout = on.layout
+                names = lambda cap: [p.name for p in cap.params]  # noqa: E731
+                if names(self.capture) != names(on.capture) or self.capture.buffers != on.capture.buffers:
+                    raise RuntimeError("the step captured at new input shapes has other parameters or buffers (or "
+                                       "another order) than the compiled one: it cannot run on its chunk memory")
+        if on is None:
+            log.info("%s parameters in %d chunks of %s elements", f"{self.layout.param_elems:,}",
+                     len(self.layout.chunks), f"{self.layout.chunk_size:,}")
         add_rt(self.capture.gm.graph)
         self.graphs_before = GraphRecords()
-        self._buffer_bytes = sum(_buffer_nbytes(model, b) for b in self.capture.buffers)
+        self._buffer_bytes = (on._buffer_bytes if on is not None
+                              else sum(_buffer_nbytes(model, b) for b in self.capture.buffers))
         self.graph, ctx = run_pipeline(passes.PIPELINE, self.capture.gm,
                                        self.context(plan_step=self._plan, record=self.graphs_before.put), phases)
         self.plan: Plan = ctx.plan
@@ -136,8 +153,9 @@ class Lowered:
 
     def _plan(self, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         """The training plan step: the cost model's rates, then the least recompute that fits."""
-        self.rates = self._rates()
-        graph, plan = plan_with_recompute(gm, ctx, self.rates, self._buffer_bytes, self.partition)
+        self.rates = self._rates() if self.on is None else self.on.rates   # (ranks agreed on them once)
+        graph, plan = plan_with_recompute(gm, ctx, self.rates, self._buffer_bytes, self.partition,
+                                          on=None if self.on is None else self.on.plan)
         if self.capture.traced_on != self.device:
             plan = fold(plan, PlanDelta(notes=(f"traced on {self.capture.traced_on} for a {self.device.type} target "
                                                "(this torch has no CUDA): CPU attention kernels and autocast rules, "

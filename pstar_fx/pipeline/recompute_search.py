@@ -37,7 +37,7 @@ class Try(NamedTuple):
 
 
 def plan_with_recompute(gm: fx.GraphModule, ctx: PassContext, rates: Rates, buffer_bytes: int,
-                        partition: dict) -> tuple[fx.GraphModule, Plan]:
+                        partition: dict, on: Plan | None = None) -> tuple[fx.GraphModule, Plan]:
     """The least recompute that fits: first the values cheap to remake op by op (norms, activations,
     attention's output; `find_cheap_recomputes`), all of them, then on top of those whole forward segments,
     the fewest that fit, earliest first (their activations live longest).
@@ -47,6 +47,8 @@ def plan_with_recompute(gm: fx.GraphModule, ctx: PassContext, rates: Rates, buff
     remakes its cheap values with it. Among plans that fit, more recompute or larger runs win when the
     cost model says the device memory they free (for chunk state and compute slots) saves more time than
     the extra forward work costs.
+
+    `on`: every try is planned on that plan's chunk memory (`make_plan(on=...)`: a step of another input shape).
 
     `gm` is left as it was (each try is a copy). Records the graphs `recompute` and `fuse_optimizer` received
     (`ctx.record`); the latter as a function that remakes the chosen try's copy only if it is read.
@@ -72,7 +74,7 @@ def plan_with_recompute(gm: fx.GraphModule, ctx: PassContext, rates: Rates, buff
         if t not in tried:
             g_k = fuse_optimizer.run(recomputed(t), bare)
             tried[t] = (g_k, make_plan(g_k, ctx.layout, ctx.config, compute_itemsize=ctx.dtype.itemsize,
-                                       buffer_bytes=buffer_bytes, rates=rates, **partition))
+                                       buffer_bytes=buffer_bytes, rates=rates, on=on, **partition))
             p = tried[t][1]
             log.info("  tried recomputing %d of %d cheap values and %d of %d %s: device peak %s, %s", t.cheap,
                      every, t.runs, len(runs[t.run_len]),
@@ -100,7 +102,7 @@ def plan_with_recompute(gm: fx.GraphModule, ctx: PassContext, rates: Rates, buff
                            key=lambda t: attempt(t).device_peak_bytes)
         else:
             best = Try(every, 1, 0)
-    if attempt(best).fits and "host" in attempt(best).placement:
+    if on is None and attempt(best).fits and "host" in attempt(best).placement:   # (on: the placement is fixed)
         # Recomputing more frees device memory for chunk state and compute slots, which saves copies
         # and host Adam; the cost model says whether that pays for the extra forward work.
         n = len(runs[best.run_len])

@@ -32,8 +32,10 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
               rates: Rates | None = None) -> Plan:
     """Placement and schedule for the fused graph under the config's budgets. Never raises for memory:
     a plan that does not fit says so (`fits`, `why`); compile() turns that into a BudgetError.
-    `on`: schedule this graph on another plan's chunk memory (its placement, shipping and compute slots),
-    as evaluation does on the training step's.
+    `on`: schedule this graph on another plan's chunk memory and runtime (its placement, shipping, compute and
+    gradient slots, host gradient buffers, transaction and device-kept gradients: what the runtime built from it
+    allocated), as evaluation and a training step of another input shape do on the compiled step's; only the
+    moves, the activations and the estimate are this graph's own.
 
     `world` > 1: chunk-partitioned data parallelism. Chunk c is owned by rank c % world, which alone holds
     its state; the others' chunks are "remote" in this rank's placement. The schedule is a collective
@@ -69,17 +71,20 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         return n_device_chunks(sizes, config, budget_bytes=budget_bytes, fixed_bytes=fixed_bytes, n_own=n_own,
                                min_slots=use.min_slots, fp32=fp32, chunked=chunked, host_room_chunks=room_chunks)
 
-    n_device = place(fixed_bytes)
+    n_device = place(fixed_bytes) if on is None else on.n_device
     random_ops = [n.name for n in nodes if n.op == "call_function" and is_random(n)]
     host_free_bytes = (None if config.host_memory is None else config.host_memory - sizes.host_overhead_bytes
                        - sizes.kept_staging_bytes - (n_own - n_device) * sizes.state_bytes)
     n_updated = sum(1 for c, ch in enumerate(layout.chunks) if ch.grad_spans() and c % world == 0)
     transaction, kept_bytes = _choose_transaction(config, n_updated * sizes.compute_chunk_bytes,
                                                   host_free=host_free_bytes, random_ops=random_ops)
-    if on is None and n_grad_slots_to_keep(transaction, n_grad, cuda=cuda, n_device=n_device) != n_grad:
+    if on is not None:
+        # another plan's runtime runs this graph: its gradient slots and transaction, whatever this graph would pick
+        transaction, n_grad = on.transaction, on.grad_slots
+        fixed_bytes = sizes.device_fixed_bytes(n_grad)
+    elif n_grad_slots_to_keep(transaction, n_grad, cuda=cuda, n_device=n_device) != n_grad:
         n_grad, fixed_bytes = 2, fixed_bytes + sizes.compute_chunk_bytes
         n_device = place(fixed_bytes)
-    n_device = on.n_device if on is not None else n_device
     n_host = n_own - n_device
     tier_of, placement, rank0_placement = tiers(n_chunks, n_device, world, rank)
     n_updated_device = sum(1 for c, ch in enumerate(layout.chunks)
@@ -99,6 +104,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     after_verdict = transaction == "deferred" and cuda and bool(kept_bytes)
     n_host_grad, adam_exposed, adam_hidden = (0, 0.0, 0.0) if after_verdict else _host_adam_pipeline(
         rank0_placement, layout, node_secs, use.reads, use.adam_at, host_adam_rate, cuda, n_spare_buffers)
+    n_host_grad = on.host_grad_buffers if on is not None else n_host_grad   # the pool the runtime allocated
     if kept_bytes:                     # every host chunk's gradient lands in its own kept buffer: no pool
         n_host_grad = 0
         host_used_bytes = (n_host * sizes.state_bytes + sizes.host_overhead_bytes + sizes.kept_staging_bytes
@@ -108,8 +114,8 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
 
     # shipping and the chunk moves
     host_ids = [c for c in range(n_chunks) if tier_of[c] == "host" and c % world == rank]
-    in_shadow = kept_in_shadow(transaction, layout, host_ids, fp32=fp32, world=world,
-                               scheduled_on_another=on is not None)
+    in_shadow = (on.kept_in_shadow if on is not None else
+                 kept_in_shadow(transaction, layout, host_ids, fp32=fp32, world=world))
     host_ship = (["shadow"] * n_host if in_shadow else
                  _choose_shipping(n_host, config, chunk_elems, compute_itemsize, cuda, host_used_bytes=host_used_bytes))
     ship_of, ship = ship_codes(tier_of, host_ship, n_device=n_device, world=world, rank=rank)
@@ -130,7 +136,8 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     keeps_copies = keeps_compute_copies(n_slots, n_chunks, world, config.torch_dtype)
     notes += [KEEPS_COMPUTE_COPIES_NOTE] if keeps_copies else []
     notes += [cuda_memory_note(config, sizes.workspace_bytes, budget_bytes)] if cuda else []
-    kept_on_device = (n_kept_on_device(n_updated_device, sizes.compute_chunk_bytes, sum(device.values()), budget_bytes)
+    kept_on_device = (on.kept_on_device if on is not None else
+                      n_kept_on_device(n_updated_device, sizes.compute_chunk_bytes, sum(device.values()), budget_bytes)
                       if transaction in KEEPS else 0)
     if kept_on_device:
         device, host = with_kept_on_device(device, host, kept_on_device * sizes.compute_chunk_bytes)

@@ -33,13 +33,12 @@ def _choose_shipping(n_host: int, config: Config, cs: int, itemsize: int, cuda: 
     return ["shadow"] * shadows + ["fp32" if cuda else "cast"] * (n_host - shadows)
 
 
-def kept_in_shadow(transaction: str, layout: Layout, host_ids: list[int], *, fp32: bool, world: int,
-                   scheduled_on_another: bool) -> bool:
+def kept_in_shadow(transaction: str, layout: Layout, host_ids: list[int], *, fp32: bool, world: int) -> bool:
     """Deferred, 16-bit: a host chunk's kept gradient and its shadow are never needed at once (the gradient lands
     after backward's last read of the shadow, and the host Adam reads it where it writes the new 16-bit weights,
     element by element), so one buffer is both and every host chunk crosses in 16 bits for the kept gradient's
     bytes alone."""
-    return (transaction == "deferred" and not fp32 and not scheduled_on_another and world == 1 and bool(host_ids)
+    return (transaction == "deferred" and not fp32 and world == 1 and bool(host_ids)
             and all(layout.chunks[c].grad_spans() for c in host_ids))
 
 

@@ -75,7 +75,12 @@ class Stepper:
         self.scaler.load_state_dict(state.get("loss_scale", {}))
         self._before_settling = None
 
-    def step(self, micro_batches: list[list[torch.Tensor]]) -> StepReport:
+    def step(self, micro_batches: list[list[torch.Tensor]],
+             run: Callable[[list, torch.Tensor], torch.Tensor] | None = None) -> StepReport:
+        """`run`: forward and backward of the graph for these micro-batches' shapes (pipeline/shapes.py); the
+        step state here (count, schedule, loss scale, clipping's history) is the same whichever graph runs."""
+        if run is not None:
+            self._run = run
         rt, up = self.rt, self.rt.updater
         scale = self.scaler.scale
         lr = self.lr
