@@ -206,7 +206,9 @@ class Engine:
         # chunk-partitioned: collective, every rank gets all
         for ch, master in masters_by_chunk(self.rt.store, self.lowered.layout, self.dp):
             for s in ch.slots:
-                w = master[s.offset: s.offset + s.numel].view(s.param.shape).detach().to("cpu", copy=True)
+                # (a frozen chunk holds 16-bit weights in a 16-bit run: widened, as every weight here is fp32)
+                w = master[s.offset: s.offset + s.numel].view(s.param.shape).detach().to("cpu", torch.float32,
+                                                                                         copy=True)
                 for name in params[s.index].aliases:
                     out[name] = w
         out.update({k: b.detach().to("cpu", copy=True) for k, b in self.persistent_buffers().items()})
@@ -298,7 +300,8 @@ class Engine:
         for c in layout.chunks:
             names = [s.param.name for s in c.slots]
             shown = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
-            lines.append(f"  c{c.id}: {plan.placement[c.id]:6s} {c.used_elems:>12,} elems, {len(names)} param(s): {shown}")
+            lines.append(f"  c{c.id}: {plan.placement[c.id]:6s} {c.used_elems:>12,} elems, {len(names)} "
+                         + ("frozen " if c.frozen else "") + f"param(s): {shown}")
         lines.append(plan.summary())
         lines.append(f"compile: {self.phases.summary()}")
         ops = Counter(n.target for n in self.graph.graph.nodes if n.op == "call_method")

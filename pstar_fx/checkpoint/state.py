@@ -123,7 +123,7 @@ def apply(parts: Parts, weights: dict, moments: dict | None, *, strict: bool, wh
             src.read_into(target, blocks)
         if moments is not None:
             for i, p in enumerate(params):
-                if held[i]:
+                if held[i] and p.has_grad:          # a frozen parameter has no moments (its chunk holds none)
                     for key in MOMENTS:
                         _load_moment(store, i, key, moments, f"{p.name}.{key}", blocks)
         store.masters_changed()
