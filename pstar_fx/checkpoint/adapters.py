@@ -23,7 +23,8 @@ ADAPTER_CONFIG = "adapter_config.json"
 class Adapter:
     """A `peft` model's adapter, as a checkpoint saves and loads it."""
     configs: dict             # adapter name -> its PeftConfig (written as adapter_config.json)
-    keys: dict[str, str]      # the model's parameter name -> peft's key in adapter_model.safetensors
+    keys: dict[str, str]      # the model's parameter name -> peft's key in adapter_model.safetensors (every trained
+    #                           parameter, and any adapter tensor that was frozen)
 
     def write_config(self, directory: Path) -> None:
         """adapter_config.json as `PeftModel.save_pretrained` writes it (for inference: `inference_mode` on)."""
@@ -49,9 +50,10 @@ def adapter_of(model: nn.Module) -> Adapter | None:
         raise ValueError(f"a PeftModel with {len(model.peft_config)} adapters ({list(model.peft_config)}): train one "
                          "adapter at a time (peft's delete_adapter drops the others)")
     (adapter_name,) = model.peft_config
-    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    # peft picks and renames by key; stand-in values tell which parameter each key came from
-    marks = {n: object() for n in trained}
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    # peft picks and renames by key; stand-in values tell which parameter each key came from. Every parameter is
+    # offered: an adapter tensor someone froze (--freeze) is still part of the adapter peft loads
+    marks = {n: object() for n, _ in model.named_parameters()}
     picked = get_peft_model_state_dict(model, state_dict=dict(marks), adapter_name=adapter_name,
                                        save_embedding_layers=False)
     by_mark = {id(v): n for n, v in marks.items()}
