@@ -12,7 +12,7 @@ from pstar_fx.capture import CaptureError, capture
 from pstar_fx.models import GPT, gpt_config
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_engine import batch, tight_budget  # noqa: E402
+from test_engine import assert_weights_close, batch, reference_run, tight_budget  # noqa: E402
 from test_transaction import CHUNK, OPT, assert_run_matches, gpt_batches, reference, run  # noqa: E402
 
 FROZEN = ("wte.", "wpe.", "h.0.")          # the embeddings (tied to the head) and the first block
@@ -101,15 +101,24 @@ def test_planned_and_measured_bytes_are_12_per_trainable_and_the_compute_size_pe
     # per parameter: what the chunks' parameters take of it, padding aside
     assert planned_trainable - 12 * n_trainable == 12 * (cs * len(trainable) - n_trainable)
     assert planned_frozen - itemsize * n_frozen == itemsize * (cs * len(frozen) - n_frozen)
-    # against the same model with nothing frozen, frozen weights cost `itemsize` in place of 12 B/param
-    torch.manual_seed(0)
+    # the same model with nothing frozen: every chunk costs 12 B/param, and none is frozen
     whole = pstar_fx.plan(GPT(gpt_config("tiny")), {"device": "cpu", "chunk_size": CHUNK, "dtype": dtype,
                                                    "optimizer": OPT}, example_inputs=batch())
     assert whole.device_breakdown["chunk state"] + whole.host_breakdown["chunk state"] == 12 * cs * len(
-        pstar_fx.pipeline.lower.Lowered(GPT(gpt_config("tiny")), pstar_fx.Config(device="cpu", chunk_size=CHUNK),
-                                        batch()).layout.chunks)
-    engine.step(*batch(seed=1))                        # and the run allocates nothing more for them
-    assert chunk_store_bytes(engine) == (planned_trainable, planned_frozen)
+        whole.placement)
+    assert "frozen chunks" not in whole.device_breakdown and "frozen chunks" not in whole.host_breakdown
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batches = gpt_batches(3)
+    losses = [engine.step(*b).item() for b in batches]
+    assert chunk_store_bytes(engine) == (planned_trainable, planned_frozen)   # the run allocates nothing more
+    sd = engine.state_dict()
+    for name, p in model.named_parameters():        # frozen weights: as loaded, rounded to the compute dtype
+        if not p.requires_grad:
+            assert torch.equal(sd[name], before[name].to(engine.lowered.dtype).float()), name
+    if dtype == "bf16":                             # and it trains like fp32 within bf16's reach (test_engine's rule)
+        ref, ref_losses = reference_run(model, batches, OPT)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=0)
+        assert_weights_close(sd, ref, 2e-2, per_tensor=False)
 
 
 def test_the_captured_backward_computes_no_weight_gradient_for_frozen_parameters():
