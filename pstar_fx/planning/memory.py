@@ -88,7 +88,8 @@ class StepBytes:
     def split(self, chunks) -> tuple[int, int, int]:
         """(trainable chunks, their state bytes, frozen chunks' bytes) among `chunks`."""
         trainable = [c for c in chunks if not self.frozen[c]]
-        return len(trainable), len(trainable) * self.state_bytes, (len(chunks) - len(trainable)) * self.frozen_chunk_bytes
+        n_frozen = len(chunks) - len(trainable)
+        return len(trainable), len(trainable) * self.state_bytes, n_frozen * self.frozen_chunk_bytes
 
     def device_fixed_bytes(self, n_grad_slots: int) -> int:
         """Device bytes besides chunk state and compute slots."""

@@ -130,8 +130,8 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         notes.append(exposed_copies_note(sched.exposed_seconds, rates))
 
     # memory: the breakdowns, and whether the device chunks' kept gradients stay on the device
-    device = device_breakdown(sizes, device_chunks=device_chunks, n_slots=n_slots, n_grad_slots=n_grad, host_ship=host_ship,
-                              chunk_elems=chunk_elems, fp32=fp32)
+    device = device_breakdown(sizes, device_chunks=device_chunks, n_slots=n_slots, n_grad_slots=n_grad,
+                              host_ship=host_ship, chunk_elems=chunk_elems, fp32=fp32)
     host = host_breakdown(sizes, host_chunks=host_chunks, n_host_grad_buffers=n_host_grad, host_ship=host_ship,
                           kept_in_shadow=in_shadow, kept_bytes=kept_bytes)
     keeps_copies = keeps_compute_copies(n_slots, sum(needs_slot), world, config.torch_dtype)

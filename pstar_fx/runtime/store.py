@@ -216,6 +216,7 @@ class ChunkStore:
         self.moment_absmax(index, key).copy_(absmax)
 
     def param_fp32(self, index: int) -> torch.Tensor:
+        """Parameter `index`'s fp32 master (a view); a frozen parameter's weights, in the compute dtype."""
         slot = self.layout.slots[index]
         if not self.holds(slot.chunk):
             raise RuntimeError(f"{slot.param.name} is in chunk {slot.chunk}, which rank {self.plan.owner(slot.chunk)} "
