@@ -168,3 +168,33 @@ def test_checkpoint_round_trip_by_name_with_frozen_chunks(tmp_path):
     assert [again.step(*b).item() for b in batches[1:]] == losses               # bit-exact resume
     sd, sd2 = engine.state_dict(), again.state_dict()
     assert sd.keys() == sd2.keys() and all(torch.equal(sd[k], sd2[k]) for k in sd)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transaction", ["kept_grads", "deferred"])
+def test_gpu_frozen_chunks_on_both_tiers_match_torch_fp32(transaction):
+    """The CUDA runtime: frozen chunks on the GPU (computed on in place) and on the host (copied in, dropped after),
+    clipping that triggers; against the CPU reference at the GPU tests' tolerance (other kernels, a few ulps)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from test_gpu import _close_to_reference, _run_gpu
+    model = frozen_gpt()
+    batches = gpt_batches(5)
+    _, _, free = reference(model, batches)
+    clip = sorted(o[1] for o in free)[2]
+    ref, _, ref_out = reference(model, batches, grad_clip=clip)
+    inputs = tuple(x.cuda() for x in batches[0])
+    base = {"device": "cuda", "chunk_size": CHUNK, "optimizer": OPT, "grad_clip": clip, "transaction": transaction,
+            "compute": "eager"}
+    from pstar_fx.planning.memory import usable_budget
+    want = pstar_fx.plan(model, dict(base, placement="host"), inputs).device_peak_bytes + 3 * 4 * CHUNK  # 3 frozen
+    budget = next(b for b in range(want, 2 * want, max(1, want // 4096)) if usable_budget(b, True) >= want)
+    engine = pstar_fx.compile(model, dict(base, device_memory=budget), inputs)
+    frozen = [ch.id for ch in engine.lowered.layout.chunks if ch.frozen]
+    tiers = {engine.plan.placement[c] for c in frozen}
+    assert tiers == {"device", "host"}, engine.plan.placement
+    reports = _run_gpu(engine, batches)
+    _close_to_reference(engine, reports, ref, ref_out)
+    assert [r.clip_coef < 1 for r in reports] == [o[1] > clip for o in ref_out]
+    sd = engine.state_dict()
+    assert all(torch.equal(sd[n], p.detach()) for n, p in model.named_parameters() if not p.requires_grad)

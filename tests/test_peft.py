@@ -111,3 +111,20 @@ def test_bad_lora_and_freeze_flags_are_clear_errors(tmp_path, flag, message, cap
     except SystemExit as e:
         code = e.code
     assert code in (1, 2) and message in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_lora_with_base_weights_on_the_host_tracks_eager_fp32():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    base = hf_model("llama")
+    model = lora(copy.deepcopy(base), "llama")
+    data = batches("llama", n=6)
+    ref, ref_losses = reference_run(model, data, OPT, loss_of=lambda m, b: m(**b).loss)
+    on_gpu = [{k: v.cuda() for k, v in b.items()} for b in data]
+    engine = pstar_fx.compile(model, {"device": "cuda", "dtype": "bf16", "placement": "host", "chunk_size": 16384,
+                                      "optimizer": OPT, "compute": "eager"}, example_inputs=on_gpu[0])
+    assert "frozen" in engine.plan.ship
+    losses = [engine.step(**b).item() for b in on_gpu]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=3e-2, atol=0)
+    assert engine.memory_stats()["h2d_bytes"] > 0
