@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import pstar_fx
+from pstar_fx.checkpoint import CheckpointError
 
 peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[peft]')")
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
@@ -56,6 +57,11 @@ def test_lora_trains_like_eager_peft_and_its_adapter_loads_in_peft(kind, tmp_pat
     with torch.no_grad():
         ids = data[0]["input_ids"]
         assert torch.equal(loaded(input_ids=ids).logits, trained(input_ids=ids).logits)
+
+    if kind == "llama":                          # an adapter into a model without it: an error that says so
+        plain = pstar_fx.compile(copy.deepcopy(base), {"device": "cpu", **cfg}, example_inputs=data[0])
+        with pytest.raises(CheckpointError, match="holds a peft adapter"):
+            plain.load(tmp_path / "adapter")
 
     engine.save(tmp_path / "full", full=True)                                     # the whole model as well
     from safetensors.torch import load_file

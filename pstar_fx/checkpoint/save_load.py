@@ -88,14 +88,18 @@ def save(parts: Parts, path, *, dtype: str = "fp32", max_shard_bytes: int = SHAR
 
 def load(parts: Parts, path, *, strict: bool = True) -> None:
     """Weights (and, when present, optimizer and loop state) into `parts`, by name. Everything is checked
-    before anything changes: names, shapes, the optimizer type."""
+    before anything changes: names, shapes, the optimizer type. A peft adapter's directory (adapter_model.safetensors
+    without model weights) loads into a peft model's adapter; its frozen base weights stay as they are."""
     parts = _parts(parts)
     path = _recover(Path(path))
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a checkpoint directory")
     parts.drain()
-    adapter_only = parts.adapter is not None and (path / ADAPTER_WEIGHTS).exists() and not _weight_files(
-        path, required=False)
+    adapter_only = (path / ADAPTER_WEIGHTS).exists() and not _weight_files(path, required=False)
+    if adapter_only and parts.adapter is None:
+        raise CheckpointError(f"{path} holds a peft adapter ({ADAPTER_WEIGHTS}) and no model weights: compile the "
+                              "PeftModel it belongs to (peft.get_peft_model(base, its config)) to load it, or load "
+                              "the base model's own checkpoint")
     if adapter_only:
         # peft's keys back to the model's names; every trained parameter must be there, the frozen ones stay
         names = {key: name for name, key in parts.adapter.keys.items()}
