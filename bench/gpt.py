@@ -165,7 +165,7 @@ def pstar_system(cfg, args, example):
         model = build(cfg, hf=args.hf)
     if args.hf:
         example = {"input_ids": example[0], "labels": example[0]}   # HF shifts the labels itself
-    sweep = [float(x) for x in (args.clip_sweep or "").split(",") if x and x != "none"]
+    sweep = [float(x.partition("@")[0]) for x in (args.clip_sweep or "").split(",") if x and x[:4] != "none"]
     clip = args.grad_clip or (max(sweep) if sweep else None)
     config = pstar_fx.Config(device="cuda", dtype="bf16", host_memory=args.host_memory,
                              device_memory=args.device_memory,
@@ -184,6 +184,10 @@ def pstar_system(cfg, args, example):
              "predicted_host_peak_bytes": engine.plan.host_peak_bytes, "host_memory": args.host_memory,
              "chunk_size": engine.lowered.layout.chunk_size,
              "estimated_step_s": round(engine.plan.estimated_step_seconds, 3),
+             "estimated_triggered_step_s": round(engine.plan.estimated_triggered_step_seconds, 3),
+             "estimated_deferred_step_s": engine.plan.estimate.deferred_step_seconds and
+             round(engine.plan.estimate.deferred_step_seconds, 3),
+             "defer_above": engine.plan.defer_above, "kept_on_device": engine.plan.kept_on_device,
              "rates": dataclasses.asdict(engine.plan.rates) if engine.plan.rates else None,
              "placement_device_chunks": engine.plan.placement.count("device"),
              "chunks": len(engine.plan.placement), "recompute": engine.plan.recompute,
@@ -437,7 +441,8 @@ def main(argv=None):
     ap.add_argument("--cpu-profile", action="store_true", help="after the steps, one more under cProfile: the "
                     "launching thread's own time by function (what keeps the GPU waiting at a step's ends)")
     ap.add_argument("--clip-sweep", default=None, help="pstar_fx: after the steps, --steps more at each of these "
-                    "clip thresholds on the same engine (e.g. 1e9,1e-3: never / always triggers)")
+                    "clip thresholds on the same engine (e.g. 1e9,1e-3: never / always triggers); THRESHOLD@RATE "
+                    "also fixes Config.expected_trigger_rate (1.0@0: speculate and correct; 1.0@1: defer)")
     ap.add_argument("--checkpoint", choices=CHECKPOINT_CHOICES, default="all",
                     help="torch: activation checkpointing (torch.utils.checkpoint, non-reentrant) of every block "
                     "(all, the default), of the even blocks 0, 2, 4, ... (half) or of none")
@@ -520,7 +525,7 @@ def main(argv=None):
                 if engine is not None and engine.last_step is not None:
                     r = engine.last_step
                     extra.append({"grad_norm": r.grad_norm and round(r.grad_norm, 4), "clip_coef": round(r.clip_coef, 5),
-                                  "lr": r.lr, "skipped": r.skipped})
+                                  "lr": r.lr, "skipped": r.skipped, "deferred": r.deferred})
                 print(f"{label}step {k}: {times[-1]:.3f} s loss {losses[-1]:.4f} {extra[-1] if extra else ''}",
                       file=sys.stderr, flush=True)
             return times, losses, extra
@@ -547,9 +552,14 @@ def main(argv=None):
             result["reports"] = reports
             if args.clip_sweep:
                 result["sweep"] = []
-                for threshold in (None if x == "none" else float(x) for x in args.clip_sweep.split(",")):
-                    # the same compiled engine, another threshold: the plan depends on clipping being on, not its value
-                    engine.stepper.config = dataclasses.replace(engine.stepper.config, grad_clip=threshold)
+                for point in args.clip_sweep.split(","):
+                    # THRESHOLD[@RATE]: the same compiled engine, another threshold (the plan depends on clipping
+                    # being on, not its value) and, with @RATE, Config.expected_trigger_rate fixed (0: speculate, 1:
+                    # defer where the plan may; without it the rate is measured as the run goes)
+                    x, _, rate = point.partition("@")
+                    threshold = None if x == "none" else float(x)
+                    engine.stepper.config = dataclasses.replace(engine.stepper.config, grad_clip=threshold,
+                                                                expected_trigger_rate=float(rate) if rate else None)
                     before = dict(engine.rt.telemetry.seconds)
                     n0 = engine.rt.telemetry.steps
                     t, _, rep = timed(args.steps, label=f"clip {threshold} ")
@@ -557,7 +567,8 @@ def main(argv=None):
                     n = max(1, engine.rt.telemetry.steps - n0)
                     phases = {k: round((v - before[k]) / n, 4) for k, v in engine.rt.telemetry.seconds.items()}
                     med = statistics.median(t[1:] if len(t) > 1 else t)
-                    result["sweep"].append({"grad_clip": threshold, "step_s": round(med, 4),
+                    result["sweep"].append({"grad_clip": threshold, "expected_trigger_rate": rate or None,
+                                            "step_s": round(med, 4),
                                             "steps_s": [round(x, 3) for x in t], "phases": phases,
                                             "clipped": sum(r["clip_coef"] < 1 for r in rep), "reports": rep})
     except Exception as e:  # noqa: BLE001 - a model that does not fit is a result, not a crash

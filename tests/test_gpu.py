@@ -149,6 +149,36 @@ def test_gpu_clipping_and_schedule_match_torch_fp32(transaction, compute):
     assert [r.clip_coef < 1 for r in reports] == [o[1] > clip for o in ref_out]
 
 
+@pytest.mark.parametrize("kept_here", [0, 1, 99], ids=["kept-on-host", "one-kept-on-device", "all-kept-on-device"])
+def test_gpu_speculating_and_deferring_by_turns_match_torch_fp32(monkeypatch, kept_here):
+    """Chunks on both tiers, clipping that triggers on some steps; the steps defer and speculate by turns (a
+    MayDefer transaction driven by a fixed pattern) on the same kept buffers, with none, one or every device chunk's
+    kept gradient on the GPU (the others' come back from the host on the copy stream for a correction or a
+    deferred update): the CPU reference."""
+    import pstar_fx.planning.planner as planner_module
+    from pstar_fx.runtime.transactions import MayDefer
+    real = planner_module.n_kept_on_device
+    monkeypatch.setattr(planner_module, "n_kept_on_device", lambda n, *a: min(kept_here, real(n, *a)))
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny"))
+    batches = gpt_batches(8)
+    _, _, free = reference(model, batches)
+    clip = sorted(o[1] for o in free)[3]
+    ref, _, ref_out = reference(model, batches, grad_clip=clip, lr_lambda=hf_cosine(2, 8))
+    engine = _mixed(model, _on_gpu(batches[0]), grad_clip=clip, transaction="kept_grads",
+                    lr_schedule={"type": "cosine", "warmup_steps": 2, "total_steps": 8})
+    n_device = engine.plan.placement.count("device")
+    assert engine.plan.kept_on_device == min(kept_here, n_device)
+    engine.stepper.transaction = MayDefer("kept_grads", 0.5)
+    pattern = iter([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0])
+    monkeypatch.setattr(engine.stepper, "expected_trigger_rate", lambda: next(pattern))
+    reports = _run_gpu(engine, batches)
+    assert [r.deferred for r in reports] == [True, False, False, True, False, True, True, False]
+    _close_to_reference(engine, reports, ref, ref_out)
+    assert [r.clip_coef < 1 for r in reports] == [o[1] > clip for o in ref_out]
+    assert any(r.clip_coef < 1 and not r.deferred for r in reports)      # some speculated step was corrected
+
+
 def test_gpu_accumulation_matches_torch_fp32():
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny"))

@@ -411,3 +411,58 @@ def test_rates_without_the_host_correction_still_load():
     assert rates.host_undo == 0.0 and rates.host_correction == rates.host_adam
     assert costs.Rates.nominal(torch.device("cuda")).host_correction == 0.96 * 4.0e9
     assert "rates-v6-" in costs._cache_path("x")
+
+
+def test_the_break_even_trigger_rate_is_where_speculating_and_deferring_cost_the_same():
+    """At trigger rate r speculating costs speculated + r * (triggered - speculated), deferring `deferred`."""
+    from pstar_fx.planning.transaction import defer_above
+    r = defer_above(1.0, 3.0, 1.5)
+    assert math.isclose(r, 0.25) and math.isclose(1.0 + r * (3.0 - 1.0), 1.5)
+    assert defer_above(1.0, 3.0, 0.9) == 0.0        # deferring is never dearer: defer whenever anything may trigger
+    assert defer_above(1.0, 3.0, 3.0) is None       # a correction costs no more than deferring: always speculate
+
+
+def test_a_cuda_plan_that_may_defer_prices_both_and_says_when():
+    """kept_grads chosen by "auto" with clipping, host chunks (their Adam after the verdict is exposed when
+    deferred): the plan's break-even is the formula over its own estimates, explain() says it; pinned
+    "kept_grads" or no clipping, the plan never defers; every chunk on the device, a correction costs what
+    deferring costs and the plan always speculates."""
+    from pstar_fx.planning.transaction import defer_above
+    plan, _ = _clip_plan("cuda", "host", "kept_grads")   # pinned: no switch
+    assert plan.defer_above is None and plan.estimate.deferred_step_seconds is None
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny"))
+    from pstar_fx.planning.costs import assumed
+    cfg = {"device": "cuda", "dtype": "bf16", "placement": "host", "chunk_size": 16384, "grad_clip": 1.0}
+    with assumed(**FIXED_RATES):
+        auto = pstar_fx.plan(model, cfg, batch())
+        device = pstar_fx.plan(model, dict(cfg, placement="device"), batch())
+        unclipped = pstar_fx.plan(model, dict(cfg, grad_clip=None), batch())
+    est = auto.estimate
+    assert auto.transaction == "kept_grads"
+    assert est.step_seconds < est.deferred_step_seconds < est.triggered_step_seconds
+    assert auto.defer_above == defer_above(est.step_seconds, est.triggered_step_seconds, est.deferred_step_seconds)
+    assert 0 < auto.defer_above < 1
+    assert f"above {auto.defer_above:.0%}" in auto.transaction_cost
+    assert "s deferred" in auto.summary()
+    assert device.transaction == "kept_grads" and device.defer_above is None
+    assert unclipped.defer_above is None
+
+
+def test_as_many_device_chunks_keep_their_gradients_on_the_device_as_fit():
+    """A device budget with room beside the peak for one and a half kept gradients keeps one on the device (the
+    first the next forward reads) and the others on the host; the memory model counts each where it is."""
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny"))
+    cfg = {"device": "cpu", "placement": "device", "chunk_size": 16384, "grad_clip": 0.05,
+           "transaction": "kept_grads"}
+    roomy = pstar_fx.plan(model, cfg, batch())
+    n = len(roomy.placement)
+    chunk_bytes = 4 * 16384
+    assert roomy.kept_on_device == n and roomy.device_breakdown["kept gradients"] == n * chunk_bytes
+    budget = roomy.memory.device_peak_bytes - n * chunk_bytes + 3 * chunk_bytes // 2
+    tight = pstar_fx.plan(model, dict(cfg, device_memory=budget), batch())
+    assert tight.placement == roomy.placement and tight.kept_on_device == 1
+    assert tight.device_breakdown["kept gradients"] == chunk_bytes
+    assert tight.host_breakdown["kept gradients"] == (n - 1) * chunk_bytes
+    assert f"1 of {n} device chunks' on the device" in tight.transaction_cost

@@ -757,3 +757,99 @@ def test_host_adam_trusts_the_device_check(monkeypatch):
                 for k in before:                                # below one update of lr 3e-3)
                     torch.testing.assert_close(after[k], before[k], rtol=0, atol=1e-5)
     assert engine.steps == 2
+
+
+# ---- speculate or defer, step by step ---------------------------------------------------------------------
+
+def test_a_switch_between_speculating_and_deferring_mid_run_changes_no_result(monkeypatch):
+    """kept_grads chosen by "auto" with clipping may defer (plan.defer_above; on the CPU runtime deferring costs
+    what speculating does, so any expected trigger rate above 0 defers). Driving the expected rate step by step
+    (1, 0, 0, 1, 0, 1), the steps defer and speculate in that pattern on the same kept buffers, the speculated
+    steps whose clipping triggers are corrected, and the run equals clip_grad_norm_ + AdamW."""
+    model = tiny_gpt()
+    batches = gpt_batches(6)
+    _, _, free = reference(model, batches)
+    clip = sorted(o[1] for o in free)[0] * 0.5                     # triggers every step
+    ref, _, ref_out = reference(model, batches, grad_clip=clip)
+    engine = compile_gpt(model, grad_clip=clip, transaction="auto")
+    assert engine.plan.transaction == "kept_grads" and engine.plan.defer_above == 0.0
+    rates = iter([1.0, 0.0, 0.0, 1.0, 0.0, 1.0])
+    monkeypatch.setattr(engine.stepper, "expected_trigger_rate", lambda: next(rates))
+    reports = run(engine, batches)
+    assert [r.deferred for r in reports] == [True, False, False, True, False, True]
+    assert all(r.clip_coef < 1.0 for r in reports)
+    assert engine.rt.telemetry.seconds["correction"] > 0.0       # the speculated steps were corrected
+    assert_run_matches(engine, reports, ref, ref_out)
+
+
+def test_the_expected_trigger_rate_is_measured_over_the_last_steps_or_fixed():
+    """None: the share of the last 8 steps whose clipping triggered, the steps not yet run counted as triggering
+    (a run's first steps defer); it survives a checkpoint's loop state. A Config number fixes it: 0 always
+    speculates, 1 defers (the CPU runtime's break-even is 0)."""
+    from pstar_fx.runtime.step import TRIGGER_WINDOW
+    model = tiny_gpt()
+    batches = gpt_batches(3)
+    never = compile_gpt(model, grad_clip=1e9, transaction="auto")  # clipping never triggers
+    assert never.stepper.expected_trigger_rate() == 1.0
+    reports = run(never, batches)
+    assert [r.deferred for r in reports] == [True] * 3
+    assert never.stepper.expected_trigger_rate() == (TRIGGER_WINDOW - 3) / TRIGGER_WINDOW
+    state = never.stepper.state_dict()
+    assert state["recent_clips"] == [False] * 3
+    never.stepper.load_state_dict({"step": 3})                    # an older checkpoint: nothing measured yet
+    assert never.stepper.expected_trigger_rate() == 1.0
+    never.stepper.load_state_dict(state)
+    assert never.stepper.expected_trigger_rate() == (TRIGGER_WINDOW - 3) / TRIGGER_WINDOW
+    for rate, deferred in ((0.0, False), (1.0, True)):
+        engine = compile_gpt(model, grad_clip=1e9, transaction="auto", expected_trigger_rate=rate)
+        assert [r.deferred for r in run(engine, batches[:2])] == [deferred] * 2
+    for bad in (-0.1, 1.5, "often", True):
+        with pytest.raises(ValueError, match="expected_trigger_rate"):
+            pstar_fx.Config(expected_trigger_rate=bad)
+
+
+def test_device_chunks_keeping_some_gradients_on_the_device_train_exactly():
+    """Every chunk on the device, room beside the peak for one kept gradient: that chunk's stays on the device,
+    the others' go to the host and come back for the correction. Clipping triggers every step; the run equals
+    clip_grad_norm_ + AdamW."""
+    model = tiny_gpt()
+    batches = gpt_batches(4)
+    _, _, free = reference(model, batches)
+    clip = sorted(o[1] for o in free)[0] * 0.5
+    ref, _, ref_out = reference(model, batches, grad_clip=clip)
+    cfg = {"device": "cpu", "placement": "device", "chunk_size": CHUNK, "optimizer": OPT, "grad_clip": clip,
+           "transaction": "kept_grads"}
+    roomy = pstar_fx.plan(model, cfg, batch())
+    n, chunk_bytes = len(roomy.placement), roomy.device_breakdown["kept gradients"] // len(roomy.placement)
+    budget = roomy.memory.device_peak_bytes - (n - 1) * chunk_bytes + chunk_bytes // 2
+    engine = pstar_fx.compile(model, dict(cfg, device_memory=budget), example_inputs=batch())
+    assert engine.plan.kept_on_device == 1 and set(engine.plan.placement) == {"device"}
+    assert engine.rt.store.stats.host_bytes == (n - 1) * chunk_bytes     # the others' kept gradients, no more
+    reports = run(engine, batches)
+    assert all(r.clip_coef < 1.0 for r in reports)
+    assert_run_matches(engine, reports, ref, ref_out)
+
+
+def test_a_replay_plan_measures_first_while_clipping_is_expected(monkeypatch):
+    """A host budget without room for kept gradients: "auto" picks replay, and with clipping a step may instead
+    measure first (as two_pass: no buffer a replay lacks) when triggering is expected, the break-even between a
+    replayed step and one more pass. By turns, the run equals clip_grad_norm_ + AdamW (a replay's rounding)."""
+    model = tiny_gpt()
+    batches = gpt_batches(4)
+    _, _, free = reference(model, batches)
+    clip = sorted(o[1] for o in free)[0] * 0.5
+    ref, _, ref_out = reference(model, batches, grad_clip=clip)
+    cfg = {"device": "cpu", "placement": "host", "chunk_size": CHUNK, "optimizer": OPT, "grad_clip": clip}
+    roomy = pstar_fx.plan(model, cfg, batch())
+    state = roomy.host_breakdown["chunk state"] + roomy.host_breakdown["16-bit shadows"]
+    engine = pstar_fx.compile(model, dict(cfg, host_memory=state + 4 * 2**20 // 16), example_inputs=batch())
+    est = engine.plan.estimate
+    assert engine.plan.transaction == "replay" and 0 < engine.plan.defer_above < 1
+    assert est.step_seconds < est.deferred_step_seconds < est.triggered_step_seconds
+    assert "measures first instead" in engine.plan.transaction_cost
+    rates = iter([1.0, 0.0, 1.0, 0.0])
+    monkeypatch.setattr(engine.stepper, "expected_trigger_rate", lambda: next(rates))
+    reports = run(engine, batches)
+    assert [r.deferred for r in reports] == [True, False, True, False]
+    assert all(r.clip_coef < 1.0 for r in reports)
+    assert_run_matches(engine, reports, ref, ref_out, rel=REPLAY_REL)

@@ -182,11 +182,16 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         reads=use.reads, adam_at=use.adam_at, rates=rates, itemsize=compute_itemsize, copy_s=copy_s,
         kept_on_device=kept_on_device, copies_exposed=sched.exposed_seconds, adam_hidden=adam_hidden,
         replay_host_exposed=replay_host_exposed)
-    # kept_grads chosen by "auto" with clipping: price the same step deferred, on the same buffers, and let the
-    # runtime defer while the expected trigger rate is above the break-even (not yet with data parallelism)
-    adaptive = (transaction == "kept_grads" and config.transaction == "auto" and config.grad_clip is not None
-                and not chunked)
-    deferred_seconds = sum(node_secs) + sched.exposed_seconds + deferred_exposed if adaptive else None
+    # kept_grads or replay chosen by "auto" with clipping: price the same step with its updates waiting for the
+    # verdict, on the same buffers (kept_grads: deferred; replay: two_pass, measuring first, which keeps nothing
+    # either), and let the runtime defer while the expected trigger rate is above the break-even (not yet with
+    # data parallelism)
+    adaptive = (transaction in ("kept_grads", "replay") and config.transaction == "auto"
+                and config.grad_clip is not None and not chunked)
+    deferred_seconds = None
+    if adaptive:
+        deferred_seconds = (sum(node_secs) + sched.exposed_seconds + deferred_exposed if transaction == "kept_grads"
+                            else step_seconds + sum(node_secs))    # two_pass's estimate: one more forward+backward
     switch = defer_above(step_seconds, triggered_seconds, deferred_seconds) if adaptive else None
     kept_copy_s = (n_updated_device - kept_on_device) * sizes.compute_chunk_bytes / rates.d2h_bw
     cost = _transaction_cost(transaction, config, compute_itemsize, kept_bytes, sizes.accum_bytes,

@@ -87,7 +87,8 @@ def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_byte
                 "the host Adam runs after backward, into the next step's forward")
     if transaction == "kept_grads":
         n_here, n_updated = kept_on_device
-        where = ("device chunks' on the device (spare room)" if n_here == n_updated else
+        where = ("no device chunk updated" if not n_updated else
+                 "device chunks' on the device (spare room)" if n_here == n_updated else
                  f"device chunks' copied to the host (about {kept_copy_s * 1e3:.0f} ms of device->host copies, "
                  "overlapped)" if not n_here else
                  f"{n_here} of {n_updated} device chunks' on the device (spare room), the others' copied to the host "
@@ -106,7 +107,10 @@ def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_byte
                 f"{itemsize} B/param of kept gradients); a step that must be corrected (clipping that "
                 "triggers) or rolled back (a skip, an exception) restores the masters from the moments and runs "
                 "forward and backward again: free when it does not trigger, about one more step when it does; "
-                "a host Adam failure after the step returned cannot be undone")
+                + ("" if defer_above is None else
+                   "a step measures first instead (as 'two_pass': no correction) while the expected trigger rate "
+                   f"(Config.expected_trigger_rate) is above {defer_above:.0%}; ")
+                + "a host Adam failure after the step returned cannot be undone")
     if transaction == "two_pass":
         if not second_pass_s:
             return ("nothing to measure first (no clipping, no loss scaling, fp32 moments): one pass, updates "

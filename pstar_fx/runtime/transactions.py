@@ -185,19 +185,30 @@ class Accumulate(Transaction):
 
 
 class MayDefer(Transaction):
-    """kept_grads chosen by "auto" with clipping (`plan.defer_above`): each step either speculates (KeptGrads) or
-    defers (Deferred), by the expected trigger rate (Stepper.expected_trigger_rate): above the plan's break-even,
-    deferring costs less than the corrections expected. Both keep every gradient in the same buffers (the plan
-    keeps none in a shadow), so a step may switch without recompiling and changes no result: each is exact."""
+    """A speculating transaction chosen by "auto" with clipping (`plan.defer_above`): each step either speculates
+    (kept_grads, replay) or lets its updates wait for the verdict (kept_grads: deferred, from the same kept
+    gradients; replay: two_pass, measuring first, which needs no buffer a replay lacks), by the expected trigger
+    rate (Stepper.expected_trigger_rate): above the plan's break-even, waiting costs less than the corrections
+    expected. Each is exact, and they need the same buffers, so a step may switch without recompiling and changes
+    no result."""
 
     def __init__(self, name: str, defer_above: float):
         super().__init__(name)
         self.defer_above = defer_above
-        self._speculate, self._defer = KeptGrads(name), Deferred(name)
+        self._speculate, self._defer = ((KeptGrads(name), Deferred(name)) if name == "kept_grads" else
+                                        (Replay(name), TwoPass(name)))
+        self.reruns = self._speculate.reruns or self._defer.reruns
+
+    @property
+    def _running(self) -> Transaction:
+        return self._defer if self.deferring else self._speculate
 
     def run(self, st, batches, hyper, tangent, saved):
         self.deferring = st.expected_trigger_rate() > self.defer_above
-        return (self._defer if self.deferring else self._speculate).run(st, batches, hyper, tangent, saved)
+        return self._running.run(st, batches, hyper, tangent, saved)
+
+    def roll_back(self, st, batches, tangent, saved):
+        return self._running.roll_back(st, batches, tangent, saved)
 
 
 _BY_NAME = {"kept_grads": KeptGrads, "replay": Replay, "deferred": Deferred, "two_pass": TwoPass,
@@ -206,9 +217,9 @@ _BY_NAME = {"kept_grads": KeptGrads, "replay": Replay, "deferred": Deferred, "tw
 
 def for_plan(transaction: str, two_passes: bool, defer_above: float | None = None) -> Transaction:
     """The object for `plan.transaction`; a "two_pass" plan that measures nothing first runs as a replay, and a
-    kept_grads plan with `plan.defer_above` may defer step by step."""
+    kept_grads or replay plan with `plan.defer_above` may defer step by step."""
     if transaction == "two_pass" and not two_passes:
         return Replay(transaction)
-    if transaction == "kept_grads" and defer_above is not None:
+    if transaction in ("kept_grads", "replay") and defer_above is not None:
         return MayDefer(transaction, defer_above)
     return _BY_NAME[transaction](transaction)
