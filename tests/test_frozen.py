@@ -211,3 +211,24 @@ def test_gpu_frozen_chunks_on_both_tiers_match_torch_fp32(transaction):
     assert [r.clip_coef < 1 for r in reports] == [o[1] > clip for o in ref_out]
     sd = engine.state_dict()
     assert all(torch.equal(sd[n], p.detach()) for n, p in model.named_parameters() if not p.requires_grad)
+
+
+def test_a_bf16_hugging_face_model_with_frozen_embeddings_saves_what_from_pretrained_reads(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
+    from test_hf import batches, hf_model
+    model = hf_model("gpt2")
+    for name, p in model.named_parameters():
+        p.requires_grad_(not name.startswith(("transformer.wte.", "transformer.wpe.")))
+    data = batches("gpt2")
+    engine = pstar_fx.compile(model, {"device": "cpu", "placement": "host", "dtype": "bf16", "chunk_size": CHUNK,
+                                      "optimizer": OPT}, example_inputs=data[0])
+    assert any(ch.frozen for ch in engine.lowered.layout.chunks)
+    for b in data:
+        engine.step(**b)
+    engine.save(tmp_path / "hf")
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf"))
+    sd = engine.state_dict()
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p.detach(), sd[name]), name
+    # the frozen embeddings: as loaded, rounded to bf16 (the only copy a bf16 run keeps of them)
+    assert torch.equal(sd["transformer.wte.weight"], model.transformer.wte.weight.detach().bfloat16().float())
