@@ -104,7 +104,7 @@ def packed_waste(numels: list[int], chunk_size: int) -> tuple[int, int]:
     return waste + chunk_size - used, chunks
 
 
-def search_chunk_size(numels: list[int]) -> int:
+def search_chunk_size(numels: list[int], frozen: list[bool] | None = None) -> int:
     """The chunk size between the largest parameter and the smaller of 4x that and 1/8 of the model (so a
     model still splits into several chunks that can move independently) that minimizes (chunks + 1) x size.
 
@@ -115,15 +115,19 @@ def search_chunk_size(numels: list[int]) -> int:
     18B GPT (25 chunks: 8 GiB of state per placement decision); this picks 270M (69 chunks).
 
     PatrickStar's search script scanned 64M..312M elements in 32M steps; here the scan is every 1/64 of
-    the largest parameter, in the layout's own first-use order, which costs milliseconds.
+    the largest parameter, in the layout's own first-use order, which costs milliseconds. `frozen` (per
+    parameter): trainable and frozen parameters fill chunks of their own, so each kind is packed by itself.
     """
     largest = max(numels)
     lo = -(-largest // _ALIGN_ELEMS) * _ALIGN_ELEMS
     hi = max(lo, min(4 * lo, sum(numels) // _MIN_CHUNKS))
     step = max(_ALIGN_ELEMS, (lo // 64) // _ALIGN_ELEMS * _ALIGN_ELEMS)
 
+    kinds = [numels] if not frozen else [[n for n, f in zip(numels, frozen) if f == kind] for kind in (False, True)]
+    kinds = [k for k in kinds if k]
+
     def cost(size: int) -> int:
-        return (packed_waste(numels, size)[1] + 1) * size
+        return (sum(packed_waste(k, size)[1] for k in kinds) + 1) * size
 
     return min(range(lo, hi + 1, step), key=lambda size: (cost(size), size))
 
@@ -132,7 +136,9 @@ def build_layout(cap: Capture, chunk_size: int | str = "auto") -> Layout:
     if not cap.params:
         raise ValueError("the model has no parameters to train")
     if chunk_size == "auto":
-        chunk_size = search_chunk_size([cap.params[i].numel for i in first_use_order(cap)])
+        order = first_use_order(cap)
+        chunk_size = search_chunk_size([cap.params[i].numel for i in order],
+                                       [not cap.params[i].has_grad for i in order])
     largest = max(cap.params, key=lambda p: p.numel)
     if largest.numel > chunk_size:
         raise ValueError(f"chunk_size={chunk_size} elements is smaller than parameter {largest.name!r} "
