@@ -204,7 +204,13 @@ def capture(model: nn.Module, example_inputs, device: torch.device, dtype: torch
         fake_params = [p.detach().requires_grad_(p.requires_grad) for p in fake_model.parameters()]
         fake_buffers = list(fake_model.buffers())
         tangent = torch.ones((), device=traced_on)
+    # frozen parameters (requires_grad=False) are inputs autograd does not differentiate: the traced backward has
+    # no weight gradient for them (only what flows through them to the trainable ones)
     trainable = [i for i, p in enumerate(fake_params) if p.requires_grad]
+    if not trainable and not forward_only:
+        raise CaptureError(f"every parameter of {type(model).__name__} is frozen (requires_grad=False): there is "
+                           "nothing to train; set requires_grad=True on the parameters to train (a LoRA model: "
+                           "peft's get_peft_model marks the adapters trainable)")
 
     def step(params, buffers, inputs, tangent):
         state = {**dict(zip(param_names, params)), **dict(zip(buffer_names, buffers))}

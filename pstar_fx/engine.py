@@ -18,6 +18,7 @@ from torch import nn
 
 from . import checkpoint
 from .capture import check_inputs
+from .checkpoint.adapters import adapter_of
 from .config import Config, format_bytes
 from .fxutil import role_nodes
 from .passes.compile_regions import build_regions
@@ -125,6 +126,7 @@ class Engine:
         persistent = set(model.state_dict(keep_vars=True))
         self._persistent = [b in persistent for b in cap.buffers]
         self._skeleton = skeleton(model)     # its structure, for capturing evaluation on first use
+        self._adapter = adapter_of(model)    # a peft model: its checkpoint is the adapter, as peft writes it
         self._model = weakref.ref(model)     # only to say so when its mode changes after compile
         self._mode = model.training
         self._evaluator = None
@@ -229,7 +231,9 @@ class Engine:
         # chunk-partitioned: collective, every rank gets all
         for ch, master in masters_by_chunk(self.rt.store, self.lowered.layout, self.dp):
             for s in ch.slots:
-                w = master[s.offset: s.offset + s.numel].view(s.param.shape).detach().to("cpu", copy=True)
+                # (a frozen chunk holds 16-bit weights in a 16-bit run: widened, as every weight here is fp32)
+                w = master[s.offset: s.offset + s.numel].view(s.param.shape).detach().to("cpu", torch.float32,
+                                                                                         copy=True)
                 for name in params[s.index].aliases:
                     out[name] = w
         out.update({k: b.detach().to("cpu", copy=True) for k, b in self.persistent_buffers().items()})
@@ -262,12 +266,14 @@ class Engine:
         return {name: b for name, b, keep in zip(self.lowered.capture.buffers, self._buffers, self._persistent)
                 if keep}
 
-    def save(self, path: str | os.PathLike, *, dtype: str = "fp32") -> None:
+    def save(self, path: str | os.PathLike, *, dtype: str = "fp32", full: bool = False) -> None:
         """Write a checkpoint directory (safetensors weights `transformers` reads, optimizer state, loop state),
-        streamed tensor by tensor and renamed into place when whole; see pstar_fx.checkpoint."""
+        streamed tensor by tensor and renamed into place when whole; see pstar_fx.checkpoint. A `peft` model
+        writes its adapter as peft does (what `PeftModel.from_pretrained(base, path)` reads) in place of the
+        weights: the frozen base weights only with `full=True`."""
         replicated = self.dp is not None and not self.dp.chunked   # every rank holds the same state
         if not replicated or self.dp.rank == 0:       # partitioned: every rank writes the chunks it owns
-            checkpoint.save(self._checkpoint_parts(), path, dtype=dtype)
+            checkpoint.save(self._checkpoint_parts(), path, dtype=dtype, full=full)
         if replicated:
             self.dp.barrier()
 
@@ -285,7 +291,8 @@ class Engine:
             param_chunks=tuple(s.chunk for s in lowered.layout.slots), owner=lowered.plan.owner, dp=self.dp,
             buffers=self.persistent_buffers(), optimizer=self.config.optimizer,
             lr_schedule=self.config.lr_schedule, hf_config=getattr(self._skeleton, "config", None),
-            loop_state=self.stepper.state_dict, load_loop_state=self.stepper.load_state_dict, drain=self.drain)
+            loop_state=self.stepper.state_dict, load_loop_state=self.stepper.load_state_dict, drain=self.drain,
+            adapter=self._adapter)
 
     def memory_stats(self) -> dict[str, int]:
         s = self.rt.stats
@@ -321,7 +328,8 @@ class Engine:
         for c in layout.chunks:
             names = [s.param.name for s in c.slots]
             shown = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
-            lines.append(f"  c{c.id}: {plan.placement[c.id]:6s} {c.used_elems:>12,} elems, {len(names)} param(s): {shown}")
+            lines.append(f"  c{c.id}: {plan.placement[c.id]:6s} {c.used_elems:>12,} elems, {len(names)} "
+                         + ("frozen " if c.frozen else "") + f"param(s): {shown}")
         lines.append(plan.summary())
         lines.append(f"compile: {self.phases.summary()}")
         if len(self.shapes) > 1:

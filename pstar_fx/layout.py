@@ -4,6 +4,12 @@ A chunk is `chunk_size` elements of each persistent fp32 tensor (master weight, 
 while in use, a compute copy and a gradient buffer. A parameter lies whole inside one chunk, so the chunk
 size is at least the largest parameter. First-use order means forward walks the chunks 0, 1, 2, ... and
 backward walks them back, which is what makes a chunk a useful unit to move.
+
+Frozen parameters (no gradient: `requires_grad=False`, or unused by the loss) go into chunks of their own,
+"frozen chunks", which hold only the weights in the compute dtype (no master, no moments, no gradient, no
+update): a trainable and a frozen parameter never share a chunk. Each kind fills its own open chunk, so the
+chunks of both kinds still follow first-use order (LoRA's frozen base weight and its trainable adapters,
+interleaved layer by layer, do not cut each other's chunks short).
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ class Chunk:
     id: int
     slots: list[Slot] = field(default_factory=list)
     used_elems: int = 0
+    frozen: bool = False       # its parameters get no gradient: only their weights, in the compute dtype
 
     def param_spans(self) -> list[tuple[int, int]]:
         """(offset, numel) of each parameter that receives gradients, in slot order (int8 moments quantize each
@@ -97,7 +104,7 @@ def packed_waste(numels: list[int], chunk_size: int) -> tuple[int, int]:
     return waste + chunk_size - used, chunks
 
 
-def search_chunk_size(numels: list[int]) -> int:
+def search_chunk_size(numels: list[int], frozen: list[bool] | None = None) -> int:
     """The chunk size between the largest parameter and the smaller of 4x that and 1/8 of the model (so a
     model still splits into several chunks that can move independently) that minimizes (chunks + 1) x size.
 
@@ -108,15 +115,19 @@ def search_chunk_size(numels: list[int]) -> int:
     18B GPT (25 chunks: 8 GiB of state per placement decision); this picks 270M (69 chunks).
 
     PatrickStar's search script scanned 64M..312M elements in 32M steps; here the scan is every 1/64 of
-    the largest parameter, in the layout's own first-use order, which costs milliseconds.
+    the largest parameter, in the layout's own first-use order, which costs milliseconds. `frozen` (per
+    parameter): trainable and frozen parameters fill chunks of their own, so each kind is packed by itself.
     """
     largest = max(numels)
     lo = -(-largest // _ALIGN_ELEMS) * _ALIGN_ELEMS
     hi = max(lo, min(4 * lo, sum(numels) // _MIN_CHUNKS))
     step = max(_ALIGN_ELEMS, (lo // 64) // _ALIGN_ELEMS * _ALIGN_ELEMS)
 
+    kinds = [numels] if not frozen else [[n for n, f in zip(numels, frozen) if f == kind] for kind in (False, True)]
+    kinds = [k for k in kinds if k]
+
     def cost(size: int) -> int:
-        return (packed_waste(numels, size)[1] + 1) * size
+        return (sum(packed_waste(k, size)[1] for k in kinds) + 1) * size
 
     return min(range(lo, hi + 1, step), key=lambda size: (cost(size), size))
 
@@ -125,18 +136,26 @@ def build_layout(cap: Capture, chunk_size: int | str = "auto") -> Layout:
     if not cap.params:
         raise ValueError("the model has no parameters to train")
     if chunk_size == "auto":
-        chunk_size = search_chunk_size([cap.params[i].numel for i in first_use_order(cap)])
+        order = first_use_order(cap)
+        chunk_size = search_chunk_size([cap.params[i].numel for i in order],
+                                       [not cap.params[i].has_grad for i in order])
     largest = max(cap.params, key=lambda p: p.numel)
     if largest.numel > chunk_size:
         raise ValueError(f"chunk_size={chunk_size} elements is smaller than parameter {largest.name!r} "
                          f"({largest.numel} elements); every parameter must fit in one chunk")
-    chunks: list[Chunk] = [Chunk(0)]
+    if not any(p.has_grad for p in cap.params):
+        raise ValueError("every parameter is frozen (requires_grad=False, or unused by the loss): there is nothing "
+                         "to train; set requires_grad=True on the parameters to train")
+    chunks: list[Chunk] = []
+    open_chunk: dict[bool, Chunk] = {}         # frozen? -> the chunk that kind of parameter fills now
     slots: list[Slot | None] = [None] * len(cap.params)
     for i in first_use_order(cap):
         p = cap.params[i]
-        if chunks[-1].used_elems + p.numel > chunk_size:
-            chunks.append(Chunk(len(chunks)))
-        c = chunks[-1]
+        frozen = not p.has_grad
+        c = open_chunk.get(frozen)
+        if c is None or c.used_elems + p.numel > chunk_size:
+            c = open_chunk[frozen] = Chunk(len(chunks), frozen=frozen)
+            chunks.append(c)
         slots[i] = Slot(i, p, c.id, c.used_elems)
         c.slots.append(slots[i])
         c.used_elems += p.numel

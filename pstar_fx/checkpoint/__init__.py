@@ -15,6 +15,8 @@ A checkpoint is a directory:
   pstar_fx_state.json             step, loss scale, the last clip coefficient, the optimizer and schedule
                                   config, the RNG state, the package version
   config.json                     a Hugging Face model's config, so `from_pretrained(path)` loads the weights
+  adapter_model.safetensors,      a `peft` model's adapter as `PeftModel.save_pretrained` writes it (adapters.py),
+  adapter_config.json             in place of model.safetensors and config.json unless the save asks for `full`
 
 It speaks parameter names, never chunk ids, so it loads at another budget, chunk size or placement (int8 moments
 are quantized per parameter, so their codes and scales do not depend on the chunks either), and in another
@@ -32,6 +34,7 @@ the checkpoint never reads an engine's attributes. The files, in the order a sav
   state.py        Parts; which tensors a checkpoint holds (`_entries`) and how they load back (`apply`)
   safetensors.py  the format: writing, reading, GPU<->disk blocks, shards
   atomic.py       the directory beside the target, fsync, rename, recovery; the ranks' agreement
+  adapters.py     a peft model's adapter: peft's keys of its tensors, adapter_config.json
   save_load.py    save, load, load_state_dict
 """
 from .safetensors import (BLOCK_BYTES, INDEX, OPTIMIZER, OPTIMIZER_INDEX, SHARD_BYTES, STATE, WEIGHTS,

@@ -13,6 +13,7 @@ from ..kernels import quant8
 from .safetensors import CheckpointError, _Blocks
 
 if TYPE_CHECKING:
+    from .adapters import Adapter
     from ..capture import ParamInfo
     from ..runtime.dist import DataParallel
     from ..runtime.store import ChunkStore
@@ -48,6 +49,8 @@ class Parts:
     """Puts a saved loop state back; None: a fresh start."""
     drain: Callable[[], None]
     """Waits until every update of the last step has landed (host Adam may still be running)."""
+    adapter: Adapter | None = None
+    """A `peft` model's adapter: a save writes the adapter as peft does (adapters.py), not the frozen base weights."""
 
 
 def _entries(parts: Parts, rank: int | None, wdtype: torch.dtype) -> tuple[list, list]:
@@ -123,7 +126,7 @@ def apply(parts: Parts, weights: dict, moments: dict | None, *, strict: bool, wh
             src.read_into(target, blocks)
         if moments is not None:
             for i, p in enumerate(params):
-                if held[i]:
+                if held[i] and p.has_grad:          # a frozen parameter has no moments (its chunk holds none)
                     for key in MOMENTS:
                         _load_moment(store, i, key, moments, f"{p.name}.{key}", blocks)
         store.masters_changed()

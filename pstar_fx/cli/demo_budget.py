@@ -36,7 +36,8 @@ def applies(config: Config) -> bool:
 
 def budgets_to_try(whole: Plan, config: Config) -> list[int]:
     """Device budgets, smallest first, from the plan with every chunk on the device; the last is that plan's peak."""
-    state_bytes = whole.device_breakdown["chunk state"]
+    # frozen chunks' weights count as state here: a quarter of all chunks stays, whichever kind they are
+    state_bytes = whole.device_breakdown["chunk state"] + whole.device_breakdown.get("frozen chunks", 0)
     slots_bytes = whole.device_breakdown["compute slots"]
     n_chunks = len(whole.placement)
     chunk_state_bytes = state_bytes // n_chunks

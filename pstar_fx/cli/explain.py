@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from .adapt import add_flags
 from .args import TRAIN_SEQ_CAP, common, config_flag, positive_int
 from .train import compile_model
 
@@ -14,6 +15,7 @@ def add_parser(sub) -> None:
     explain.add_argument("--seq", type=positive_int,
                          help=f"sequence length (default the model's block_size, at most {TRAIN_SEQ_CAP})")
     config_flag(explain, "seed", "Here it also seeds the model's own weights (default 0).", default=0)
+    add_flags(explain)
     explain.add_argument("--code", action="store_true", help="also print engine.graph.code")
     explain.add_argument("--plot", metavar="OUT.png", help="also draw the plan along the step to this image: "
                          "bytes per tier against the budgets, chunk moves, each chunk's tier (needs matplotlib: "

@@ -20,6 +20,7 @@ from pstar_fx.records import (IGNORE_INDEX, encode_records, eval_batches, held_o
                               pad_id, pad_rows, read_records, row_batches)
 from pstar_fx.runtime.dist import world_from_env
 
+from .adapt import adapt, add_flags
 from .args import (DEFAULT_STEPS, STEPS_ENV, TRAIN_SEQ_CAP, call, check_cuda, common, config_dict, config_flag,
                    default_steps, example_inputs, positive_float, positive_int, seq_buckets, seq_len)
 from .progress import Bar
@@ -56,6 +57,7 @@ def add_parser(sub) -> None:
     train.add_argument("--steps", type=positive_int, default=None,
                        help=f"training steps (default {DEFAULT_STEPS}, or ${STEPS_ENV})")
     train.add_argument("--lr", type=positive_float, help="learning rate (default 1e-3)")
+    add_flags(train)
     config_flag(train, "grad_clip", "(default none)", metavar="NORM")
     config_flag(train, "grad_accum", "Each of --batch rows (default 1).", metavar="K")
     train.add_argument("--warmup", type=int, metavar="STEPS", help="linear warm-up, then cosine decay to 0 over "
@@ -97,7 +99,7 @@ def compile_model(args, parser, cap: int | None, inputs=None):
     config = Config.from_dict(config_dict(args))
     check_cuda(config)
     torch.manual_seed(args.seed)
-    model = args.model.build()
+    model = adapt(args.model.build(), args)      # --lora, --freeze: what is trained
     inputs = example_inputs(args, seq) if inputs is None else inputs
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{args.model}: {n_params:,} parameters; batch {args.batch} x seq {seq}; {config.dtype}; "

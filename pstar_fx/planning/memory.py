@@ -62,6 +62,34 @@ class StepBytes:
     host_overhead_bytes: int       # CUDA: the process's host memory besides chunks
     kept_staging_bytes: int        # CPU, 16-bit compute, kept gradients: the one cast staging buffer still held
     host_staging_bytes: int        # 2 host buffers in the compute dtype, plus the process overhead
+    frozen: tuple[bool, ...] = ()  # per chunk: a frozen chunk (layout.Chunk.frozen) holds only its weights
+    world: int = 1                 # chunk c is owned by rank c % world
+
+    @property
+    def frozen_chunk_bytes(self) -> int:
+        """A frozen chunk's whole state: its weights in the compute dtype (no master, moments or accumulator)."""
+        return self.compute_chunk_bytes
+
+    def chunk_bytes(self, c: int) -> int:
+        """Chunk c's persistent bytes on its tier: state (trainable) or weights (frozen)."""
+        return self.frozen_chunk_bytes if self.frozen[c] else self.state_bytes
+
+    def _owned(self, rank: int) -> list[int]:
+        return list(range(rank, len(self.frozen), self.world))
+
+    def first_bytes(self, k: int) -> int:
+        """The persistent bytes of the first `k` chunks a rank owns (the device's), the most over the ranks."""
+        return max(sum(self.chunk_bytes(c) for c in self._owned(r)[:k]) for r in range(self.world))
+
+    def rest_bytes(self, k: int) -> int:
+        """The persistent bytes of the chunks a rank owns after its first `k` (the host's), the most over the ranks."""
+        return max(sum(self.chunk_bytes(c) for c in self._owned(r)[k:]) for r in range(self.world))
+
+    def split(self, chunks) -> tuple[int, int, int]:
+        """(trainable chunks, their state bytes, frozen chunks' bytes) among `chunks`."""
+        trainable = [c for c in chunks if not self.frozen[c]]
+        n_frozen = len(chunks) - len(trainable)
+        return len(trainable), len(trainable) * self.state_bytes, n_frozen * self.frozen_chunk_bytes
 
     def device_fixed_bytes(self, n_grad_slots: int) -> int:
         """Device bytes besides chunk state and compute slots."""
@@ -70,7 +98,7 @@ class StepBytes:
 
 
 def step_bytes(g: fx.Graph, layout: Layout, config: Config, *, compute_itemsize: int, buffer_bytes: int,
-               activation_peak_bytes: int, rates: Rates, cuda: bool) -> StepBytes:
+               activation_peak_bytes: int, rates: Rates, cuda: bool, world: int = 1) -> StepBytes:
     cs = layout.chunk_size
     accum_bytes = cs * 4 if config.grad_accum > 1 else 0
     # int8 moments: their block scales, as many as the chunk with the most blocks (each parameter's own) needs
@@ -91,19 +119,25 @@ def step_bytes(g: fx.Graph, layout: Layout, config: Config, *, compute_itemsize:
         device_staging_bytes=cs * 4 if (cuda and compute_itemsize != 4) else 0, batch_rest_bytes=batch_rest_bytes,
         host_overhead_bytes=host_overhead_bytes,
         kept_staging_bytes=0 if cuda or compute_itemsize == 4 else cs * compute_itemsize,
-        host_staging_bytes=2 * cs * compute_itemsize + host_overhead_bytes)
+        host_staging_bytes=2 * cs * compute_itemsize + host_overhead_bytes,
+        frozen=tuple(ch.frozen for ch in layout.chunks), world=world)
 
 
-def device_breakdown(sizes: StepBytes, *, n_device: int, n_slots: int, n_grad_slots: int, host_ship: list[str],
-                     chunk_elems: int, fp32: bool) -> dict[str, int]:
-    """Device bytes by kind (their sum is the device peak), before kept gradients (`with_kept_on_device`)."""
+def device_breakdown(sizes: StepBytes, *, device_chunks: list[int], n_slots: int, n_grad_slots: int,
+                     host_ship: list[str], chunk_elems: int, fp32: bool) -> dict[str, int]:
+    """Device bytes by kind (their sum is the device peak), before kept gradients (`with_kept_on_device`).
+    `device_chunks`: the chunks whose state the device holds (rank 0's). Trainable chunks' state and frozen
+    chunks' weights are apart."""
+    n_device, state_bytes, frozen_bytes = sizes.split(device_chunks)
     device = {
         "activations": sizes.activation_peak_bytes,
         "buffers": sizes.buffer_bytes,
-        "chunk state": n_device * sizes.state_bytes,
+        "chunk state": state_bytes,
         "compute slots": n_slots * sizes.compute_chunk_bytes,
         "gradient slots": n_grad_slots * sizes.compute_chunk_bytes,
     }
+    if frozen_bytes:
+        device["frozen chunks"] = frozen_bytes
     if sizes.workspace_bytes:
         device["workspace margin"] = sizes.workspace_bytes
     if sizes.batch_rest_bytes:
@@ -116,12 +150,14 @@ def device_breakdown(sizes: StepBytes, *, n_device: int, n_slots: int, n_grad_sl
     return device
 
 
-def host_breakdown(sizes: StepBytes, *, n_host: int, n_host_grad_buffers: int, host_ship: list[str],
+def host_breakdown(sizes: StepBytes, *, host_chunks: list[int], n_host_grad_buffers: int, host_ship: list[str],
                    kept_in_shadow: bool, kept_bytes: int) -> dict[str, int]:
-    """Host bytes by kind (their sum is the host peak), with every kept gradient on the host."""
+    """Host bytes by kind (their sum is the host peak), with every kept gradient on the host. `host_chunks`: the
+    chunks whose state the host holds (rank 0's)."""
+    n_host, state_bytes, frozen_bytes = sizes.split(host_chunks)
     host = {
         "process overhead": sizes.host_overhead_bytes,
-        "chunk state": n_host * sizes.state_bytes,
+        "chunk state": state_bytes,
         # (kept in a shadow, a host chunk's gradient is counted once, as a kept gradient)
         "16-bit shadows": 0 if kept_in_shadow else host_ship.count("shadow") * sizes.compute_chunk_bytes,
         # gradients of host chunks queue here for the host Adam (CUDA: while backward goes on)
@@ -129,6 +165,8 @@ def host_breakdown(sizes: StepBytes, *, n_host: int, n_host_grad_buffers: int, h
         "cast staging": sizes.compute_chunk_bytes if "cast" in host_ship else 0,
         "kept gradients": kept_bytes,
     }
+    if frozen_bytes:
+        host["frozen chunks"] = frozen_bytes
     if sizes.accum_bytes:
         host["gradient accumulators"] = n_host * sizes.accum_bytes
         host["chunk state"] -= n_host * sizes.accum_bytes

@@ -62,7 +62,7 @@ def n_device_chunks(sizes: StepBytes, config: Config, *, budget_bytes: int | Non
         local = fp32 and k == n_own and not chunked
         need_slots = 0 if local else min_slots + (k < n_own or chunked)
         staging_bytes = sizes.device_staging_bytes if k < n_own else 0
-        return (budget_bytes is None or fixed_bytes + staging_bytes + k * sizes.state_bytes
+        return (budget_bytes is None or fixed_bytes + staging_bytes + sizes.first_bytes(k)
                 + need_slots * sizes.compute_chunk_bytes <= budget_bytes)
 
     if config.placement == "host":
@@ -76,11 +76,13 @@ def n_device_chunks(sizes: StepBytes, config: Config, *, budget_bytes: int | Non
     return n
 
 
-def host_room_chunks(sizes: StepBytes, config: Config) -> int | None:
-    """How many chunks' state the host budget holds beside its staging buffers (None: unlimited)."""
+def host_room_chunks(sizes: StepBytes, config: Config, n_own: int) -> int | None:
+    """How many of the last chunks a rank owns the host budget holds beside its staging buffers (None:
+    unlimited). Chunks differ in size (a frozen chunk holds only its weights), so it is counted from the end."""
     if config.host_memory is None:
         return None
-    return max(0, (config.host_memory - sizes.host_staging_bytes) // sizes.state_bytes)
+    room_bytes = config.host_memory - sizes.host_staging_bytes
+    return next((m for m in range(n_own, 0, -1) if sizes.rest_bytes(n_own - m) <= room_bytes), 0)
 
 
 def tiers(n_chunks: int, n_device: int, world: int, rank: int) -> tuple[list[str], list[str], list[str]]:
@@ -101,7 +103,7 @@ def n_compute_slots(sizes: StepBytes, *, budget_bytes: int | None, fixed_bytes: 
         return 0, None
     staging_bytes = sizes.device_staging_bytes if n_device < n_own else 0
     n_spare_slots = (n_slot_chunks if budget_bytes is None else
-                     (budget_bytes - fixed_bytes - staging_bytes - n_device * sizes.state_bytes)
+                     (budget_bytes - fixed_bytes - staging_bytes - sizes.first_bytes(n_device))
                      // sizes.compute_chunk_bytes)
     slots = max(min_slots, min(n_slot_chunks, n_spare_slots))
     if slots < n_slot_chunks:

@@ -22,7 +22,7 @@ from .plan import Estimate, Memory, Moves, NodeProfile, Placement, Plan, Remarks
 from .report import (KEEPS_COMPUTE_COPIES_NOTE, _transaction_cost, _why, cuda_memory_note, data_parallel_note,
                      exposed_copies_note, host_adam_note)
 from .schedule import Schedule, belady, place_prefetches
-from .shipping import _choose_shipping, copy_seconds, keeps_compute_copies, kept_in_shadow, ship_codes
+from .shipping import _choose_shipping, copy_seconds, fallback_code, keeps_compute_copies, kept_in_shadow, ship_codes
 from .transaction import (KEEPS, _choose_transaction, defer_above, n_grad_slots_to_keep, n_kept_on_device,
                           two_passes)
 
@@ -59,13 +59,13 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
                                                             cuda=cuda)
     rates = rates or calibrate(torch.device(config.device), config.torch_dtype)
     sizes = step_bytes(g, layout, config, compute_itemsize=compute_itemsize, buffer_bytes=buffer_bytes,
-                       activation_peak_bytes=act_peak_bytes, rates=rates, cuda=cuda)
+                       activation_peak_bytes=act_peak_bytes, rates=rates, cuda=cuda, world=world)
     budget_bytes = usable_budget(config.device_memory, cuda)
 
     # placement, then the transaction the host leaves room for (which may ask for a second gradient slot)
     n_grad = n_grad_slots(use, chunked)
     fixed_bytes = sizes.device_fixed_bytes(n_grad)
-    room_chunks = host_room_chunks(sizes, config)
+    room_chunks = host_room_chunks(sizes, config, n_own)
 
     def place(fixed_bytes: int) -> int:
         return n_device_chunks(sizes, config, budget_bytes=budget_bytes, fixed_bytes=fixed_bytes, n_own=n_own,
@@ -74,7 +74,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     n_device = place(fixed_bytes) if on is None else on.n_device
     random_ops = [n.name for n in nodes if n.op == "call_function" and is_random(n)]
     host_free_bytes = (None if config.host_memory is None else config.host_memory - sizes.host_overhead_bytes
-                       - sizes.kept_staging_bytes - (n_own - n_device) * sizes.state_bytes)
+                       - sizes.kept_staging_bytes - sizes.rest_bytes(n_device))
     n_updated = sum(1 for c, ch in enumerate(layout.chunks) if ch.grad_spans() and c % world == 0)
     transaction, kept_bytes = _choose_transaction(config, n_updated * sizes.compute_chunk_bytes,
                                                   host_free=host_free_bytes, random_ops=random_ops)
@@ -89,7 +89,11 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     tier_of, placement, rank0_placement = tiers(n_chunks, n_device, world, rank)
     n_updated_device = sum(1 for c, ch in enumerate(layout.chunks)
                            if ch.grad_spans() and rank0_placement[c] == "device")
-    needs_slot = [chunked or not (fp32 and tier_of[c] == "device") for c in range(n_chunks)]
+    # an fp32 device chunk computes on its master, a frozen device chunk on its weights: neither needs a slot
+    frozen = [ch.frozen for ch in layout.chunks]
+    needs_slot = [chunked or not ((fp32 or frozen[c]) and tier_of[c] == "device") for c in range(n_chunks)]
+    device_chunks = [c for c in range(n_chunks) if rank0_placement[c] == "device"]
+    host_chunks = [c for c in range(n_chunks) if rank0_placement[c] == "host"]
     n_slots, slots_note = n_compute_slots(sizes, budget_bytes=budget_bytes, fixed_bytes=fixed_bytes, n_device=n_device,
                                           n_own=n_own, min_slots=use.min_slots, n_slot_chunks=sum(needs_slot))
     notes += [slots_note] if slots_note else []
@@ -98,7 +102,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     # the host Adam inside backward (a deferred step's runs after the verdict: timed once the copies are known)
     node_secs = [node_seconds(n, rates) for n in nodes]
     host_adam_rate = rates.host_adam_with(config.optimizer_state)
-    host_used_bytes = n_host * sizes.state_bytes + sizes.host_staging_bytes
+    host_used_bytes = sizes.rest_bytes(n_device) + sizes.host_staging_bytes
     n_spare_buffers = (None if config.host_memory is None
                        else (config.host_memory - host_used_bytes) // sizes.compute_chunk_bytes)
     after_verdict = transaction == "deferred" and cuda and bool(kept_bytes)
@@ -107,7 +111,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     n_host_grad = on.host_grad_buffers if on is not None else n_host_grad   # the pool the runtime allocated
     if kept_bytes:                     # every host chunk's gradient lands in its own kept buffer: no pool
         n_host_grad = 0
-        host_used_bytes = (n_host * sizes.state_bytes + sizes.host_overhead_bytes + sizes.kept_staging_bytes
+        host_used_bytes = (sizes.rest_bytes(n_device) + sizes.host_overhead_bytes + sizes.kept_staging_bytes
                            + kept_bytes)
     else:
         host_used_bytes += max(0, n_host_grad - 2) * sizes.compute_chunk_bytes
@@ -116,9 +120,12 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     host_ids = [c for c in range(n_chunks) if tier_of[c] == "host" and c % world == rank]
     in_shadow = (on.kept_in_shadow if on is not None else
                  kept_in_shadow(transaction, layout, host_ids, fp32=fp32, world=world))
-    host_ship = (["shadow"] * n_host if in_shadow else
-                 _choose_shipping(n_host, config, chunk_elems, compute_itemsize, cuda, host_used_bytes=host_used_bytes))
-    ship_of, ship = ship_codes(tier_of, host_ship, n_device=n_device, world=world, rank=rank)
+    host_frozen = [frozen[c] for c in host_chunks]              # rank 0's k-th host chunk: frozen?
+    host_ship = (["frozen" if f else "shadow" for f in host_frozen] if in_shadow else
+                 _choose_shipping(host_frozen, config, chunk_elems, compute_itemsize, cuda,
+                                  host_used_bytes=host_used_bytes))
+    ship_of, ship = ship_codes(tier_of, host_ship, n_device=n_device, world=world, rank=rank, frozen=frozen,
+                               fallback=fallback_code(compute_itemsize, cuda))
     ship = list(on.ship) if on is not None else ship
     # (chunked: a ring broadcast or reduce moves the whole buffer through every link: bytes / bus bandwidth)
     coll_seconds = sizes.compute_chunk_bytes / rates.coll_bw if chunked else 0.0
@@ -129,11 +136,11 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         notes.append(exposed_copies_note(sched.exposed_seconds, rates))
 
     # memory: the breakdowns, and whether the device chunks' kept gradients stay on the device
-    device = device_breakdown(sizes, n_device=n_device, n_slots=n_slots, n_grad_slots=n_grad, host_ship=host_ship,
-                              chunk_elems=chunk_elems, fp32=fp32)
-    host = host_breakdown(sizes, n_host=n_host, n_host_grad_buffers=n_host_grad, host_ship=host_ship,
+    device = device_breakdown(sizes, device_chunks=device_chunks, n_slots=n_slots, n_grad_slots=n_grad,
+                              host_ship=host_ship, chunk_elems=chunk_elems, fp32=fp32)
+    host = host_breakdown(sizes, host_chunks=host_chunks, n_host_grad_buffers=n_host_grad, host_ship=host_ship,
                           kept_in_shadow=in_shadow, kept_bytes=kept_bytes)
-    keeps_copies = keeps_compute_copies(n_slots, n_chunks, world, config.torch_dtype)
+    keeps_copies = keeps_compute_copies(n_slots, sum(needs_slot), world, config.torch_dtype)
     notes += [KEEPS_COMPUTE_COPIES_NOTE] if keeps_copies else []
     notes += [cuda_memory_note(config, sizes.workspace_bytes, budget_bytes)] if cuda else []
     kept_on_device = (on.kept_on_device if on is not None else
@@ -194,7 +201,8 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
                             else step_seconds + sum(node_secs))    # two_pass's estimate: one more forward+backward
     switch = defer_above(step_seconds, triggered_seconds, deferred_seconds) if adaptive else None
     kept_copy_s = (n_updated_device - kept_on_device) * sizes.compute_chunk_bytes / rates.d2h_bw
-    cost = _transaction_cost(transaction, config, compute_itemsize, kept_bytes, sizes.accum_bytes, n_device, n_host,
+    cost = _transaction_cost(transaction, config, compute_itemsize, kept_bytes, sizes.accum_bytes,
+                             sizes.split(device_chunks)[0], sizes.split(host_chunks)[0],   # trainable chunks
                              host_ship, sum(node_secs) if measures_first else 0.0, kept_copy_s,
                              (kept_on_device, n_updated_device), in_shadow, switch)
     if adam_exposed > 1e-3:

@@ -24,10 +24,11 @@ def summary(plan) -> str:
                  + (f", {len(plan.placement) - n_dev - n_host} owned by the other {plan.world - 1} rank(s) "
                     f"(rank {plan.rank} of {plan.world}; chunk c is owned by rank c % {plan.world})"
                     if plan.world > 1 else "") + ": " + _ranges(plan.placement))
-    crossing = {k: plan.ship.count(k) for k in ("shadow", "cast", "fp32") if k in plan.ship}
+    crossing = {k: plan.ship.count(k) for k in ("shadow", "cast", "fp32", "frozen") if k in plan.ship}
     if crossing:
         lines.append("  host chunks reach the device as: " + ", ".join(f"{k} {v}" for k, v in crossing.items())
-                     + " (shadow: 16-bit host copy written by the host Adam; fp32: cast on the device)")
+                     + " (shadow: 16-bit host copy written by the host Adam; fp32: cast on the device; frozen: its "
+                       "weights as they are)")
     lines.append(f"  {plan.slots} compute slot(s), {plan.grad_slots} gradient slot(s), "
                  f"{plan.host_grad_buffers} host gradient buffer(s); "
                  f"{plan.fetches} chunk fetch(es) per step; estimated step {plan.estimated_step_seconds:.3g} s"
@@ -39,6 +40,13 @@ def summary(plan) -> str:
     lines.append(f"  chunk state: {plan.state_bytes_per_param:.3g} B/param (fp32 master + {plan.optimizer_state} "
                  "exp_avg and exp_avg_sq" + (", an fp32 scale per 256 elements each" if plan.optimizer_state
                                              == "int8" else "") + ")")
+    frozen = {tier: b.get("frozen chunks", 0) for tier, b in (("device", plan.device_breakdown),
+                                                              ("host", plan.host_breakdown))}
+    if any(frozen.values()):
+        lines.append(f"  frozen chunks: {format_bytes(frozen['device'])} on device, {format_bytes(frozen['host'])} "
+                     "on host (weights in the compute dtype alone: no master, moments, gradient or update); "
+                     f"trainable chunk state: {format_bytes(plan.device_breakdown['chunk state'])} on device, "
+                     f"{format_bytes(plan.host_breakdown['chunk state'])} on host")
     lines.append(f"  step transaction: {plan.transaction}" + (f" ({plan.transaction_cost})"
                                                              if plan.transaction_cost else ""))
     lines += [f"  note: {n}" for n in plan.notes]

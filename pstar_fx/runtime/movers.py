@@ -5,9 +5,11 @@
   prefetch(c)  take a compute slot and start bringing chunk c's compute copy into it: a cast on the device
                for a device chunk; for a host chunk its 16-bit shadow (2 B/param cross), a cast on the host
                into staging (2 B/param), or the fp32 master (4 B/param) cast on the device from staging;
+               for a frozen host chunk its weights as they are (already in the compute dtype);
                with chunk-partitioned data parallelism only c's owner does that, then broadcasts the slot;
                (nothing, for a chunk whose compute copy stays on the device between steps: an fp32 device
-               chunk's master, or the 16-bit copy its updates keep current, plan.keeps_compute_copies);
+               chunk's master, a frozen device chunk's weights, or the 16-bit copy its updates keep current,
+               plan.keeps_compute_copies);
                a host chunk whose update still runs on the worker: the copy is started there as the update
                ends (`CopyAfter`), so the launching thread goes on queueing compute;
   fetch(c)     the compute waits until that copy has landed (prefetching first if the plan did not);
@@ -177,10 +179,10 @@ class Mover:
         self._slot_done: dict[int, object] = {}      # slot data_ptr -> its last reader finished
         self._grad_done: dict[int, object] = {}      # gradient slot data_ptr -> its last copy out finished
         self._grad_read: dict[int, object] = {}      # gradient slot data_ptr -> its last reader (`read_back_done`)
-        self.pinned = {c for c in range(len(layout.chunks))
-                       if plan.placement[c] == "device" and dtype == torch.float32 and self.dp is None}
+        self.pinned = {c for c in range(len(layout.chunks)) if plan.placement[c] == "device" and self.dp is None
+                       and (dtype == torch.float32 or layout.chunks[c].frozen)}
         for c in self.pinned:
-            self.compute[c] = store.master[c]        # fp32 on the device: the master is the compute copy
+            self.compute[c] = store.master[c]        # fp32 on the device, or frozen: the master is the compute copy
         self.pinned |= set(resident)
         self.compute.update(resident)
 
@@ -217,7 +219,7 @@ class Mover:
         into the slot, with no staging buffer that the copies of other chunks share (and no broadcast, which
         every rank must start in the same order)."""
         how = self.plan.ship[c]
-        return self.dp is None and (how == "shadow" or (how == "fp32" and self._staging is None))
+        return self.dp is None and (how in ("shadow", "frozen") or (how == "fp32" and self._staging is None))
 
     def _start_copy(self, c: int, dst: torch.Tensor, slot_free):
         """Queue chunk c's copy into `dst` on the copy stream, after the slot's last reader; returns its event."""
@@ -242,6 +244,8 @@ class Mover:
             return
         if how == "shadow":
             dst.copy_(store.shadow[c][:n], non_blocking=True)   # the host Adam already wrote the 16-bit copy
+        elif how == "frozen":
+            dst.copy_(src, non_blocking=True)                   # frozen weights are in the compute dtype
         elif how == "cast":
             self._host_cast[:n].copy_(src)                      # cast on the host, ship 16 bits
             dst.copy_(self._host_cast[:n], non_blocking=True)

@@ -4,7 +4,9 @@ Per chunk, on the tier the plan placed it: the fp32 master, exp_avg and exp_avg_
 Config.optimizer_state "bf16", whose moments are bf16; 6.03 with "int8", whose moments are uint8 codes with two
 small fp32 tensors of block scales per chunk, `exp_avg_absmax` and `exp_avg_sq_absmax`: each trained
 parameter's blocks (kernels/quant8.py), one parameter's after another in slot order), and for
-host chunks that ship 16 bits a 16-bit shadow the host Adam keeps current. A chunk another data-parallel
+host chunks that ship 16 bits a 16-bit shadow the host Adam keeps current. A frozen chunk (layout.Chunk.frozen)
+holds only its weights, in the compute dtype (2 B/param in bf16/fp16, 4 in fp32), as its `master` entry: there is
+no fp32 copy behind them, no moments (None), and nothing ever writes them but a load. A chunk another data-parallel
 rank owns ("remote") has no state here: its entries are None. Everything is allocated once,
 at start, through `alloc`, which charges the tier's budget; `Pool` hands out equal buffers allocated the
 same way (compute slots, gradient slots, host gradient buffers). Host memory is page-locked on CUDA.
@@ -100,6 +102,11 @@ class ChunkStore:
                               self.exp_avg_sq_absmax):
                     state.append(None)
                 continue
+            if layout.chunks[c].frozen:
+                self.master.append(self.alloc(tier, cs, compute_dtype, zero=True))
+                for state in (self.exp_avg, self.exp_avg_sq, self.exp_avg_absmax, self.exp_avg_sq_absmax):
+                    state.append(None)
+                continue
             self.master.append(self.alloc(tier, cs, torch.float32, zero=True))
             self.exp_avg.append(self.alloc(tier, cs, config.moment_dtype, zero=True))
             self.exp_avg_sq.append(self.alloc(tier, cs, config.moment_dtype, zero=True))
@@ -121,10 +128,14 @@ class ChunkStore:
         self.shadow = {c: self.alloc("host", cs, compute_dtype) for c, how in enumerate(plan.ship) if how == "shadow"}
         if plan.keeps_compute_copies:
             self.shadow.update({c: self.alloc("device", cs, compute_dtype) for c in range(n)
-                                if self.tier(c) == "device"})
+                                if self.tier(c) == "device" and not layout.chunks[c].frozen})
 
     def tier(self, c: int) -> str:
         return self.plan.placement[c]
+
+    def frozen(self, c: int) -> bool:
+        """Whether chunk c is frozen: its `master` is its weights in the compute dtype, and it has no moments."""
+        return self.layout.chunks[c].frozen
 
     def holds(self, c: int) -> bool:
         """Whether chunk c's state is on this rank (always, without chunk-partitioned data parallelism)."""
@@ -205,6 +216,7 @@ class ChunkStore:
         self.moment_absmax(index, key).copy_(absmax)
 
     def param_fp32(self, index: int) -> torch.Tensor:
+        """Parameter `index`'s fp32 master (a view); a frozen parameter's weights, in the compute dtype."""
         slot = self.layout.slots[index]
         if not self.holds(slot.chunk):
             raise RuntimeError(f"{slot.param.name} is in chunk {slot.chunk}, which rank {self.plan.owner(slot.chunk)} "
