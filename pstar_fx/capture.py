@@ -432,6 +432,9 @@ def check_inputs(cap: Capture, args: tuple, kwargs: dict, grad_accum: int,
     out = []
     for x, spec in zip(inputs, specs):
         i = spec.name
+        if x.is_meta:
+            raise ValueError(f"{i}: a tensor on the meta device holds no values to train on; pass one with data "
+                             "(meta tensors serve as example_inputs of compile() and plan(), which read shapes only)")
         if x.dtype != spec.dtype:
             raise TypeError(f"{i}: dtype {x.dtype}, but the step was compiled for {spec.dtype}")
         want = spec.shape if k == 1 else torch.Size((spec.shape[0] * k, *spec.shape[1:])) if spec.shape else None

@@ -557,8 +557,10 @@ def test_bad_batches_raise_and_change_nothing():
 # ---- config and capture errors ----------------------------------------------------------------------------
 
 def test_config_errors_name_the_key(tmp_path):
-    with pytest.raises(ValueError, match="unknown key.*devcie.*valid keys"):
+    with pytest.raises(ValueError, match="unknown key.*devcie.*did you mean device\\?.*valid keys"):
         pstar_fx.Config.from_dict({"devcie": "cpu"})
+    with pytest.raises(TypeError, match="unknown key.*chunk_sise.*did you mean chunk_size\\?.*valid keys"):
+        pstar_fx.Config(device="cpu", chunk_sise=4096)
     with pytest.raises(ValueError, match="dtype.*'fp8'.*fp32"):
         pstar_fx.Config(dtype="fp8")
     with pytest.raises(ValueError, match="device_memory.*'lots'"):
@@ -600,6 +602,18 @@ class NotALoss(nn.Module):
 
     def forward(self, x):
         return self.fc(x)
+
+
+def test_an_input_on_meta_is_a_clear_error_at_step():
+    """Meta tensors are example inputs of shape only (compile and plan read no values); a step given one says
+    which input, instead of torch's NotImplementedError from copying it."""
+    torch.manual_seed(0)
+    model = WithBuffers()
+    x, y = regression_batches(1)[0]
+    engine = pstar_fx.compile(model, {"device": "cpu"}, (x.to("meta"), y.to("meta")))
+    with pytest.raises(ValueError, match="input 1: a tensor on the meta device holds no values"):
+        engine.step(x, y.to("meta"))
+    engine.step(x, y)
 
 
 def test_capture_errors_name_op_and_source_line():

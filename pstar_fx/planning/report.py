@@ -141,19 +141,21 @@ def _why(memory, chunks, config: Config, min_slots: int, budget_bytes: int | Non
                 f"{format_bytes(state_bytes)} does not fit beside the host's buffers), so the other "
                 f"{n_owned - n_host} chunks' state must sit on the device, which then needs "
                 f"{format_bytes(memory.device_peak_bytes)} against device_memory "
-                f"{format_bytes(config.device_memory)} ({format_bytes(missing_bytes)} over). Raise host_memory by "
+                f"{format_bytes(config.device_memory)}"
+                + (f" ({format_bytes(budget_bytes)} usable)" if budget_bytes != config.device_memory else "")
+                + f" ({format_bytes(missing_bytes)} over). Raise host_memory by "
                 f"about {format_bytes(more * state_bytes)} ({more} chunks' state of {format_bytes(state_bytes)}) or "
                 f"device_memory by {format_bytes(missing_bytes)}. Device bytes: "
                 + ", ".join(f"{k} {format_bytes(v)}" for k, v in memory.device_breakdown.items()))
-            return "; ".join(reasons)
-        reasons.append(
-            f"the step needs {format_bytes(memory.device_peak_bytes)} of device memory but device_memory is "
-            f"{format_bytes(config.device_memory)}"
-            + (f" ({format_bytes(budget_bytes)} usable: the rest is kept for the allocator's fragmentation)"
-               if budget_bytes != config.device_memory else "")
-            + f" ({format_bytes(memory.device_peak_bytes - budget_bytes)} missing). Device bytes: "
-            + ", ".join(f"{k} {format_bytes(v)}" for k, v in memory.device_breakdown.items())
-            + f". Already tried: {tried}")
+        else:
+            reasons.append(
+                f"the step needs {format_bytes(memory.device_peak_bytes)} of device memory but device_memory is "
+                f"{format_bytes(config.device_memory)}"
+                + (f" ({format_bytes(budget_bytes)} usable: the rest is kept for the allocator's fragmentation)"
+                   if budget_bytes != config.device_memory else "")
+                + f" ({format_bytes(missing_bytes)} missing). Device bytes: "
+                + ", ".join(f"{k} {format_bytes(v)}" for k, v in memory.device_breakdown.items())
+                + f". Already tried: {tried}")
     if host_budget_bytes is not None and memory.host_peak_bytes > host_budget_bytes:
         reasons.append(
             f"the host tier needs {format_bytes(memory.host_peak_bytes)} but host_memory is "
