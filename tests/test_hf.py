@@ -169,21 +169,15 @@ def test_graph_constants_and_tuple_outputs():
     torch.manual_seed(0)
     model = Constants()
     x, s = torch.randn(4, 8), torch.full((2,), 3.0)
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    # against eager + AdamW within the rounding reach its float64 twin measures (not a fixed 1e-5: issue 25)
+    ref, ref_losses = reference_run(model, [(x, s)] * 3, {"type": "adamw", "lr": 1e-2},
+                                    loss_of=lambda m, batch: m(batch[0], scale=batch[1])[0])
     engine = pstar_fx.compile(model, pstar_fx.Config(device="cpu", optimizer={"lr": 1e-2}),
                               example_inputs={"x": x, "scale": s})
     assert [n for n in engine.graph.graph.nodes if n.op == "get_attr"]
-    for _ in range(3):
-        loss = engine.step(x=x, scale=s)
-        opt.zero_grad()
-        r = ref(x, scale=s)[0]
-        r.backward()
-        opt.step()
-        assert loss.item() == pytest.approx(r.item(), rel=1e-6)
-    sd = engine.state_dict()
-    for k, v in ref.state_dict().items():
-        torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=1e-7)
+    losses = [engine.step(x=x, scale=s).item() for _ in range(3)]
+    assert_losses_close(losses, ref_losses, ref.__dict__["float64_truth"][2])
+    assert_weights_close(engine.state_dict(), ref)
 
 
 def test_logits_only_forward_is_a_clear_error():
