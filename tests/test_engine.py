@@ -129,6 +129,13 @@ class gradient_summands:
 
     def _add(self, module, x, g):
         rule = _summand_rule(module)
+        dtype = module.weight.dtype            # under autocast the output (and its gradient) may be 16-bit
+        g = g.to(dtype)
+        x = x.to(dtype) if x.is_floating_point() else x
+        with torch.autocast(g.device.type, enabled=False):
+            self._add_products(module, rule, x, g)
+
+    def _add_products(self, module, rule, x, g):
         for name in ("weight", "bias"):
             p = getattr(module, name, None)
             if p is None or not p.requires_grad:
