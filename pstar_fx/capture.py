@@ -422,6 +422,14 @@ def _user_frame(e: BaseException):
     return best
 
 
+def check_has_data(x: torch.Tensor, name: str) -> None:
+    """A batch's tensor has values: one on the meta device has none (torch would say only "Cannot copy out of
+    meta tensor")."""
+    if x.is_meta:
+        raise ValueError(f"{name}: a tensor on the meta device holds no values to run on; pass one with data "
+                         "(meta tensors serve as example_inputs of compile() and plan(), which read shapes only)")
+
+
 def check_inputs(cap: Capture, args: tuple, kwargs: dict, grad_accum: int,
                  device: torch.device) -> list[list[torch.Tensor]]:
     """A step's batch, checked against the shapes `cap` was captured for, on `device`, split into `grad_accum`
@@ -432,9 +440,7 @@ def check_inputs(cap: Capture, args: tuple, kwargs: dict, grad_accum: int,
     out = []
     for x, spec in zip(inputs, specs):
         i = spec.name
-        if x.is_meta:
-            raise ValueError(f"{i}: a tensor on the meta device holds no values to train on; pass one with data "
-                             "(meta tensors serve as example_inputs of compile() and plan(), which read shapes only)")
+        check_has_data(x, i)
         if x.dtype != spec.dtype:
             raise TypeError(f"{i}: dtype {x.dtype}, but the step was compiled for {spec.dtype}")
         want = spec.shape if k == 1 else torch.Size((spec.shape[0] * k, *spec.shape[1:])) if spec.shape else None

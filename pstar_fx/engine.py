@@ -17,7 +17,7 @@ import torch.fx as fx
 from torch import nn
 
 from . import checkpoint
-from .capture import check_inputs
+from .capture import check_has_data, check_inputs
 from .config import Config, format_bytes
 from .fxutil import role_nodes
 from .passes.compile_regions import build_regions
@@ -149,6 +149,8 @@ class Engine:
         The batch is given as to step(), of any shape. Captured and planned on first use for these input shapes,
         on the training step's chunk memory."""
         inputs = self.lowered.capture.signature.bind(inputs, kw_inputs)
+        for x, spec in zip(inputs, self.lowered.capture.inputs):
+            check_has_data(x, spec.name)
         shapes = [(tuple(x.shape), x.dtype) for x in inputs]
         if self._evaluator is None or self._evaluator[0] != shapes:
             graph = self.lowered.lower_evaluation(self._skeleton, inputs, self.rt.stats.device_bytes)

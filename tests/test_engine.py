@@ -725,14 +725,16 @@ class NotALoss(nn.Module):
 
 
 def test_an_input_on_meta_is_a_clear_error_at_step():
-    """Meta tensors are example inputs of shape only (compile and plan read no values); a step given one says
-    which input, instead of torch's NotImplementedError from copying it."""
+    """Meta tensors are example inputs of shape only (compile and plan read no values); a step or an evaluation
+    given one says which input, instead of torch's NotImplementedError from copying it."""
     torch.manual_seed(0)
     model = WithBuffers()
     x, y = regression_batches(1)[0]
     engine = pstar_fx.compile(model, {"device": "cpu"}, (x.to("meta"), y.to("meta")))
     with pytest.raises(ValueError, match="input 1: a tensor on the meta device holds no values"):
         engine.step(x, y.to("meta"))
+    with pytest.raises(ValueError, match="input 0: a tensor on the meta device holds no values"):
+        engine.evaluate(x.to("meta"), y)
     engine.step(x, y)
 
 
