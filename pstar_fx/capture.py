@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import logging
 import os
 import traceback
 from collections.abc import Mapping
@@ -38,6 +39,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .fxutil import role_nodes, tag
 
+log = logging.getLogger("pstar_fx")
 
 class CaptureError(RuntimeError):
     """The model cannot be captured as one graph. The message names the op and the model's source line."""
@@ -193,6 +195,7 @@ def capture(model: nn.Module, example_inputs, device: torch.device, dtype: torch
     traced_on = device if device.type != "cuda" or torch.cuda.is_available() else torch.device("cpu")
     fake_mode = FakeTensorMode()
     fake_model = _fake_copy(model, fake_mode, traced_on, dtype)
+    _traceable_experts(fake_model, dtype)
     if forward_only:
         fake_model.eval()
     named_params = dict(model.named_parameters())                 # unique; tied names resolved below
@@ -231,7 +234,7 @@ def capture(model: nn.Module, example_inputs, device: torch.device, dtype: torch
     autocast = (torch.autocast(traced_on.type, dtype=dtype) if dtype != torch.float32
                 else contextlib.nullcontext())
     try:
-        with autocast, (torch.no_grad() if forward_only else contextlib.nullcontext()):
+        with autocast, (torch.no_grad() if forward_only else contextlib.nullcontext()), _quiet_fake_kernels():
             gm = make_fx(step, tracing_mode="fake")(fake_params, fake_buffers, fake_inputs, tangent)
     except CaptureError:
         raise
@@ -252,6 +255,36 @@ def _fake_copy(model: nn.Module, mode: FakeTensorMode, device: torch.device, dty
         for b in model.buffers():
             memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device=device)
     return copy.deepcopy(model, memo)
+
+
+def _traceable_experts(fake_model: nn.Module, dtype: torch.dtype) -> None:
+    """Hugging Face MoE models (Mixtral, Qwen2-MoE, OLMoE, ...) run their experts with `torch._grouped_mm` by
+    default (`config._experts_implementation == "grouped_mm"`), whose fake-tensor kernel accepts only bf16
+    although eager runs it in fp32 too: capture in another dtype would fail at that op. The copy traced here
+    switches to "batched_mm", the same per-token expert products as batched matmuls (the model's own
+    config is untouched: `_fake_copy` copied it)."""
+    if dtype == torch.bfloat16:
+        return
+    configs = {id(c): c for m in fake_model.modules() if (c := getattr(m, "config", None)) is not None}
+    switched = [c for c in configs.values() if getattr(c, "_experts_implementation", None) == "grouped_mm"]
+    for config in switched:
+        config._experts_implementation_internal = "batched_mm"
+    if switched:
+        log.info("%s: experts traced with experts_implementation='batched_mm' (torch's grouped_mm is traced in "
+                 "bf16 only; compute dtype %s)", type(fake_model).__name__, str(dtype).removeprefix("torch."))
+
+
+@contextlib.contextmanager
+def _quiet_fake_kernels():
+    """FakeTensorMode logs the whole traceback of a failing fake kernel (about 60 lines) before raising; the
+    CaptureError raised from it says which op and where, and chains the original error."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _normalize(gm, model, param_names, buffer_names, trainable, example_inputs, device, traced_on,
@@ -341,7 +374,7 @@ def _find_index_bound(node: fx.Node, info: InputInfo) -> None:
 
 def _explain_capture_failure(model: nn.Module, e: Exception) -> str:
     frame = _user_frame(e)
-    op = getattr(e, "func", None) or _op_from_message(str(e))
+    op = getattr(e, "func", None) or _op_from_message(str(e)) or _op_from_traceback(e)
     where = f"{frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`" if frame else "(no source line found)"
     reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     hint = ""
@@ -349,7 +382,7 @@ def _explain_capture_failure(model: nn.Module, e: Exception) -> str:
         hint = (" The model's Python reads a tensor's value (if/while on a tensor, .item(), .tolist(), bool()),"
                 " which one static graph cannot express; use torch.where or move the decision out of forward().")
     return (f"cannot capture {type(model).__name__} as one graph: op {op or '?'} at {where}. "
-            f"{type(e).__name__}: {reason}.{hint}")
+            f"{type(e).__name__}: {reason.rstrip('.')}.{hint}")
 
 
 def _op_from_message(msg: str) -> str | None:
@@ -357,6 +390,23 @@ def _op_from_message(msg: str) -> str | None:
         if word.startswith("aten.") or word.startswith("aten::"):
             return word
     return None
+
+
+def _op_from_traceback(e: BaseException) -> str | None:
+    """The ATen op the failing dispatch was running: the innermost frame whose local `func` is an op overload
+    (FakeTensorMode's dispatch holds it there when an op's fake kernel raises)."""
+    found = None
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        tb = e.__traceback__
+        while tb is not None:
+            func = tb.tb_frame.f_locals.get("func")
+            if isinstance(func, torch._ops.OpOverload):
+                found = func
+            tb = tb.tb_next
+        e = e.__cause__ or e.__context__
+    return str(found) if found is not None else None         # aten._grouped_mm.default
 
 
 _LIB_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, contextlib, fx))
@@ -378,6 +428,14 @@ def _user_frame(e: BaseException):
     return best
 
 
+def check_has_data(x: torch.Tensor, name: str) -> None:
+    """A batch's tensor has values: one on the meta device has none (torch would say only "Cannot copy out of
+    meta tensor")."""
+    if x.is_meta:
+        raise ValueError(f"{name}: a tensor on the meta device holds no values to run on; pass one with data "
+                         "(meta tensors serve as example_inputs of compile() and plan(), which read shapes only)")
+
+
 def check_inputs(cap: Capture, args: tuple, kwargs: dict, grad_accum: int,
                  device: torch.device) -> list[list[torch.Tensor]]:
     """A step's batch, checked against the shapes `cap` was captured for, on `device`, split into `grad_accum`
@@ -388,6 +446,7 @@ def check_inputs(cap: Capture, args: tuple, kwargs: dict, grad_accum: int,
     out = []
     for x, spec in zip(inputs, specs):
         i = spec.name
+        check_has_data(x, i)
         if x.dtype != spec.dtype:
             raise TypeError(f"{i}: dtype {x.dtype}, but the step was compiled for {spec.dtype}")
         want = spec.shape if k == 1 else torch.Size((spec.shape[0] * k, *spec.shape[1:])) if spec.shape else None

@@ -6,6 +6,8 @@ JSON file fails before any tracing starts.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import json
 import os
 import re
@@ -354,10 +356,9 @@ class Config:
     def from_dict(cls, d: dict[str, Any]) -> "Config":
         if not isinstance(d, dict):
             raise TypeError(f"Config.from_dict: expected a dict, got {type(d).__name__}")
-        valid = [f.name for f in dataclasses.fields(cls)]
-        unknown = [k for k in d if k not in valid]
-        if unknown:
-            raise ValueError(f"Config: unknown key(s) {unknown}; valid keys: {valid}")
+        message = unknown_keys_message(d)
+        if message:
+            raise ValueError(message)
         return cls(**d)
 
     @classmethod
@@ -381,6 +382,34 @@ class Config:
         if isinstance(config, (str, os.PathLike)):
             return cls.from_file(config)
         raise TypeError(f"config: expected a pstar_fx.Config, a dict or a JSON file path, got {type(config).__name__}")
+
+
+def unknown_keys_message(keys) -> str | None:
+    """What is wrong with `keys` that are not Config fields: each with the nearest valid key where one is close
+    (a typo), and the valid keys; None when all are valid."""
+    valid = [f.name for f in dataclasses.fields(Config)]
+    unknown = [k for k in keys if k not in valid]
+    if not unknown:
+        return None
+    near = {k: difflib.get_close_matches(str(k), valid, n=1) for k in unknown}
+    hints = "; ".join(f"{k!r}: did you mean {m[0]}?" for k, m in near.items() if m)
+    return f"Config: unknown key(s) {unknown}" + (f" ({hints})" if hints else "") + f"; valid keys: {valid}"
+
+
+_dataclass_init = Config.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init_naming_unknown_keys(self, *args, **kwargs):
+    # the dataclass's own __init__ says only "unexpected keyword argument": name the nearest field, as a
+    # JSON config with the same typo does
+    message = unknown_keys_message(kwargs)
+    if message:
+        raise TypeError(message)
+    _dataclass_init(self, *args, **kwargs)
+
+
+Config.__init__ = _init_naming_unknown_keys
 
 
 def _choice(key: str, value, choices: tuple) -> None:

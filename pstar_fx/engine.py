@@ -17,7 +17,7 @@ import torch.fx as fx
 from torch import nn
 
 from . import checkpoint
-from .capture import check_inputs
+from .capture import check_has_data, check_inputs
 from .checkpoint.adapters import adapter_of
 from .config import Config, format_bytes
 from .fxutil import role_nodes
@@ -151,7 +151,10 @@ class Engine:
         A batch of other shapes (another sequence length) runs on a graph of its own, captured and planned on this
         chunk memory at its first step and cached (`engine.shapes`, pipeline/shapes.py).
         Returns the loss (the micro-batches' mean); `engine.last_step` says what the step did."""
-        lowered, run = self.shapes.get(self.lowered.capture.signature.bind(inputs, kw_inputs))
+        bound = self.lowered.capture.signature.bind(inputs, kw_inputs)
+        for x, spec in zip(bound, self.lowered.capture.inputs):
+            check_has_data(x, spec.name)                         # (before a new shape would be captured)
+        lowered, run = self.shapes.get(bound)
         micro = check_inputs(lowered.capture, inputs, kw_inputs, self.config.grad_accum, self.device)
         model = self._model()
         if model is not None and model.training != self._mode:
@@ -174,6 +177,8 @@ class Engine:
         The batch is given as to step(), of any shape. Captured and planned on first use for these input shapes,
         on the training step's chunk memory."""
         inputs = self.lowered.capture.signature.bind(inputs, kw_inputs)
+        for x, spec in zip(inputs, self.lowered.capture.inputs):
+            check_has_data(x, spec.name)
         shapes = [(tuple(x.shape), x.dtype) for x in inputs]
         if self._evaluator is None or self._evaluator[0] != shapes:
             graph = self.lowered.lower_evaluation(self._skeleton, inputs, self.rt.stats.device_bytes)

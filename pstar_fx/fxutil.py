@@ -59,14 +59,64 @@ def is_random(node: fx.Node) -> bool:
     return args.get("dropout_p", 1.0) != 0.0
 
 
+def _given(node: fx.Node, schema) -> dict:
+    return dict(zip((a.name for a in schema.arguments), node.args)) | dict(node.kwargs)
+
+
 def mutated_args(node: fx.Node) -> list:
-    """The arguments an in-place op writes (empty for a functional op)."""
+    """The arguments an in-place op writes (empty for a functional op), batch norm's running statistics
+    included (`running_stats_args`: its schema does not say it writes them)."""
     schema = getattr(op_of(node), "_schema", None)
-    if schema is None or not schema.is_mutable:
+    if schema is None:
         return []
-    given = dict(zip((a.name for a in schema.arguments), node.args)) | dict(node.kwargs)
-    return [given[a.name] for a in schema.arguments
-            if a.alias_info is not None and a.alias_info.is_write and a.name in given]
+    stats = [a for a in running_stats_args(node) if isinstance(a, fx.Node)]
+    if not schema.is_mutable:
+        return stats
+    given = _given(node, schema)
+    written = [given[a.name] for a in schema.arguments
+               if a.alias_info is not None and a.alias_info.is_write and a.name in given]
+    return written + [a for a in stats if a not in written]
+
+
+# Batch norms that update running_mean / running_var in place when `training` is true. The legacy ones
+# (native, cuDNN, MIOpen) do it although their schema marks no argument as written, so the schema alone
+# would call them functional: a recomputed copy would then move BatchNorm's statistics a second time.
+# op -> the overload that computes the same output and batch statistics without touching running ones
+# (None: the same op, its running statistics given as None).
+_STATS_UPDATING = {
+    torch.ops.aten.native_batch_norm.default: None,
+    torch.ops.aten.cudnn_batch_norm.default: None,
+    torch.ops.aten.miopen_batch_norm.default: None,
+    torch.ops.aten._native_batch_norm_legit.default: torch.ops.aten._native_batch_norm_legit.no_stats,
+}
+
+
+def running_stats_args(node: fx.Node) -> list:
+    """The running statistics (running_mean, running_var: BatchNorm's buffers) a batch norm in training
+    mode updates each time it runs; empty for any other op, and for a batch norm in eval mode."""
+    if node.op != "call_function" or op_of(node) not in _STATS_UPDATING:
+        return []
+    given = _given(node, op_of(node)._schema)
+    if not given.get("training", False):
+        return []
+    return [given[k] for k in ("running_mean", "running_var") if given.get(k) is not None]
+
+
+def without_stats_update(node: fx.Node) -> tuple | None:
+    """(target, args, kwargs) of the same batch norm minus its running-statistics update: the same output
+    and batch statistics (training mode computes both from the batch alone), BatchNorm's buffers untouched.
+    What a recomputed copy runs, so that a step moves each running statistic once. None for other ops (and
+    for one wrapped by passes.seed_random: batch norm draws nothing, so none is)."""
+    if not running_stats_args(node) or op_of(node) is not node.target:
+        return None
+    schema = node.target._schema
+    given = _given(node, schema)
+    plain = _STATS_UPDATING[node.target]
+    if plain is None:
+        given["running_mean"] = given["running_var"] = None
+        return node.target, tuple(given[a.name] for a in schema.arguments if a.name in given), {}
+    names = [a.name for a in plain._schema.arguments]
+    return plain, tuple(given[n] for n in names), {}
 
 
 def value_bytes(val, round_to: int = 1) -> int:

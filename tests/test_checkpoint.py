@@ -2,6 +2,7 @@
 N + M uninterrupted steps bit for bit (CPU, fp32); the files are safetensors; a save that dies leaves the
 previous checkpoint whole; a checkpoint of another model is an error that changes nothing."""
 import json
+import os
 
 import pytest
 import torch
@@ -132,6 +133,10 @@ def test_bad_checkpoints_raise_and_change_nothing(tmp_path):
     (tmp_path / "mine" / ckpt.STATE).write_text(json.dumps({"optimizer": {"type": "adam"}}))
     with pytest.raises(pstar_fx.checkpoint.CheckpointError, match="optimizer type 'adam'"):
         engine.load(tmp_path / "mine")
+    # a truncated loop-state file (a save killed while writing it, a bad copy): named, not a raw JSONDecodeError
+    (tmp_path / "mine" / ckpt.STATE).write_text('{"step": 1, "optimizer": {"ty')
+    with pytest.raises(pstar_fx.checkpoint.CheckpointError, match=f"{ckpt.STATE}: not valid JSON.*truncated"):
+        engine.load(tmp_path / "mine")
     with open(tmp_path / "mine" / ckpt.WEIGHTS, "r+b") as f:
         f.truncate(100)
     with pytest.raises(pstar_fx.checkpoint.CheckpointError):
@@ -224,6 +229,26 @@ def test_a_killed_save_leaves_a_loadable_checkpoint(tmp_path, delay):
                               resume=path)                   # whole: the last save that finished, or the one before
     assert engine.steps >= 1
     engine.step(idx, idx)
+    engine.save(path)                 # the killed save's folders (.ck.tmp-PID, .ck.old-PID) are removed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_a_save_removes_what_dead_saves_left_and_nothing_of_a_live_one(tmp_path):
+    import subprocess
+    import sys
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = os.getppid()                                   # the process that started pytest: running
+    left = [f".ck.tmp-{dead.pid}", f".ck.old-{dead.pid}", f".other.tmp-{dead.pid}",   # a dead save's
+            f".ck.tmp-{live}", f".ck.old-{live}",                                   # a live process's
+            f".gone.old-{dead.pid}"]     # a dead save's previous checkpoint of a folder no longer there: the only copy
+    for name in left:
+        (tmp_path / name).mkdir()
+    model, batches = build("batchnorm")
+    engine = engine_for(model, batches[0], 1024, 1)
+    engine.save(tmp_path / "ck")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ck", f".ck.tmp-{live}", f".ck.old-{live}",
+                                                                   f".gone.old-{dead.pid}"])
 
 
 @pytest.mark.parametrize("name", ["gpt", "batchnorm"])

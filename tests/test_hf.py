@@ -33,6 +33,13 @@ def hf_model(kind: str, dropout: bool = False):
                    num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, head_dim=16, **drop)
         cls = {"llama": t.LlamaForCausalLM, "mistral": t.MistralForCausalLM, "qwen2": t.Qwen2ForCausalLM,
                "qwen3": t.Qwen3ForCausalLM}[kind]
+    elif kind in ("mixtral", "olmoe"):        # MoE: 4 experts, 2 per token, transformers' default experts kernel
+        moe = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=64, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, head_dim=16,
+                   num_experts_per_tok=2, **drop)
+        cfg = (t.MixtralConfig(num_local_experts=4, **moe) if kind == "mixtral" else
+               t.OlmoeConfig(num_experts=4, **{k: v for k, v in moe.items() if k != "head_dim"}))
+        cls = t.MixtralForCausalLM if kind == "mixtral" else t.OlmoeForCausalLM
     elif kind == "bert":
         cfg = t.BertConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                            vocab_size=VOCAB, max_position_embeddings=64, **drop)
@@ -62,8 +69,14 @@ def batches(kind: str, n: int = STEPS, seed: int = 0):
 
 
 def eager(model, data, opt=OPT):
-    """The eager HF model + torch.optim.AdamW, its float64 twin attached (test_engine.reference_run)."""
-    return reference_run(model, data, opt, loss_of=lambda m, batch: m(**batch).loss)
+    """The eager HF model + torch.optim.AdamW, its float64 twin attached (test_engine.reference_run). The twin
+    runs MoE experts as batched matmuls, the same products: torch's grouped_mm has no float64 kernel."""
+    def loss_of(m, batch):
+        if (next(m.parameters()).dtype == torch.float64
+                and getattr(m.config, "_experts_implementation", None) == "grouped_mm"):
+            m.set_experts_implementation("batched_mm")
+        return m(**batch).loss
+    return reference_run(model, data, opt, loss_of=loss_of)
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "bert", "qwen2", "qwen3", "mistral"])
@@ -80,6 +93,42 @@ def test_hf_model_matches_eager_adamw_with_state_on_host(kind):
     assert_losses_close(losses, ref_losses, ref.__dict__["float64_truth"][2])
     assert_weights_close(engine.state_dict(), ref)
     assert engine.memory_stats()["h2d_bytes"] > 0
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "olmoe"])
+def test_moe_with_default_experts_kernel_trains_in_fp32_equal_to_eager(kind):
+    """transformers runs MoE experts with torch._grouped_mm by default, whose fake kernel takes bf16 only:
+    capture traces them as batched matmuls in fp32 (issue 25); the eager reference keeps grouped_mm."""
+    model = hf_model(kind)
+    assert model.config._experts_implementation == "grouped_mm"
+    data = batches(kind)
+    ref, ref_losses = eager(model, data)
+    engine = pstar_fx.compile(model, pstar_fx.Config(device="cpu", chunk_size=32768, placement="host",
+                                                     optimizer=OPT), example_inputs=data[0])
+    losses = [engine.step(**b).item() for b in data]
+    assert_losses_close(losses, ref_losses, ref.__dict__["float64_truth"][2])
+    assert_weights_close(engine.state_dict(), ref)
+    assert model.config._experts_implementation == "grouped_mm"          # the user's model is left as it was
+
+
+class GroupedMM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(2, 8, 4))
+
+    def forward(self, x):
+        return torch._grouped_mm(x, self.w, offs=torch.tensor([3, 6], dtype=torch.int32)).square().mean()
+
+
+def test_capture_error_names_the_op_and_chains_the_traceback():
+    """An op whose fake kernel rejects what eager accepts (grouped_mm in fp32): the message names the op and the
+    model's line, in one line; torch's error is chained, not printed into it."""
+    with pytest.raises(pstar_fx.capture.CaptureError) as err:
+        pstar_fx.compile(GroupedMM(), pstar_fx.Config(device="cpu"), example_inputs=(torch.randn(6, 8),))
+    message = str(err.value)
+    assert "op aten._grouped_mm.default at " in message and "test_hf.py" in message, message
+    assert "\n" not in message and "Traceback" not in message, message
+    assert isinstance(err.value.__cause__, RuntimeError) and "BF16" in str(err.value.__cause__)
 
 
 def test_dict_batch_positional_and_keyword_steps_agree():
@@ -123,21 +172,15 @@ def test_graph_constants_and_tuple_outputs():
     torch.manual_seed(0)
     model = Constants()
     x, s = torch.randn(4, 8), torch.full((2,), 3.0)
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    # against eager + AdamW within the rounding reach its float64 twin measures (not a fixed 1e-5: issue 25)
+    ref, ref_losses = reference_run(model, [(x, s)] * 3, {"type": "adamw", "lr": 1e-2},
+                                    loss_of=lambda m, batch: m(batch[0], scale=batch[1])[0])
     engine = pstar_fx.compile(model, pstar_fx.Config(device="cpu", optimizer={"lr": 1e-2}),
                               example_inputs={"x": x, "scale": s})
     assert [n for n in engine.graph.graph.nodes if n.op == "get_attr"]
-    for _ in range(3):
-        loss = engine.step(x=x, scale=s)
-        opt.zero_grad()
-        r = ref(x, scale=s)[0]
-        r.backward()
-        opt.step()
-        assert loss.item() == pytest.approx(r.item(), rel=1e-6)
-    sd = engine.state_dict()
-    for k, v in ref.state_dict().items():
-        torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=1e-7)
+    losses = [engine.step(x=x, scale=s).item() for _ in range(3)]
+    assert_losses_close(losses, ref_losses, ref.__dict__["float64_truth"][2])
+    assert_weights_close(engine.state_dict(), ref)
 
 
 def test_logits_only_forward_is_a_clear_error():

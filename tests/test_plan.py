@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import pstar_fx
+from pstar_fx.config import format_bytes
 from pstar_fx.layout import packed_waste, search_chunk_size
 from pstar_fx.models import GPT, Llama, gpt_config, llama_config
 from pstar_fx.planning.schedule import belady, place_prefetches
@@ -183,6 +184,28 @@ def test_too_small_budget_says_what_is_missing_and_what_was_tried():
     assert "DOES NOT FIT" in plan.summary()
     with pytest.raises(pstar_fx.BudgetError, match="missing.*recomputing"):
         pstar_fx.compile(model, {"device": "cpu", "device_memory": "200KiB"}, batch())
+
+
+def test_a_full_host_is_named_as_the_tier_that_is_short():
+    """A host_memory that holds only part of the state pushes the rest onto the device, which then overflows: the
+    message says host_memory is what is short, with its numbers (issue 25: it said the device was missing bytes)."""
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny"))
+    cfg = {"device": "cpu", "chunk_size": 16384}
+    free = pstar_fx.plan(model, dict(cfg, placement="host"), batch())
+    state = free.host_breakdown["chunk state"]
+    device_memory = free.device_peak_bytes + 2 * 12 * 16384        # the working set and two chunks' state
+    plan = pstar_fx.plan(model, dict(cfg, device_memory=device_memory, host_memory=state // 3), batch())
+    assert not plan.fits
+    n_host = plan.placement.count("host")
+    assert 0 < n_host < len(plan.placement) - 2
+    assert plan.why.startswith(f"host_memory is too small: {format_bytes(state // 3)} holds the state of only "
+                               f"{n_host} of {len(plan.placement)} chunks"), plan.why
+    assert f"against device_memory {format_bytes(device_memory)}" in plan.why and "Raise host_memory by" in plan.why
+    with pytest.raises(pstar_fx.BudgetError, match="host_memory is too small"):
+        pstar_fx.compile(model, dict(cfg, device_memory=device_memory, host_memory=state // 3), batch())
+    # the same device budget with room on the host fits: it was the host that was short
+    assert pstar_fx.plan(model, dict(cfg, device_memory=device_memory), batch()).fits
 
 
 # ---- planning big models without memory -----------------------------------------------------------------

@@ -22,7 +22,7 @@ from pstar_fx.models import GPT, Llama, gpt_config, llama_config
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_engine import (assert_losses_close, assert_matches_torch, assert_weights_close, batch,  # noqa: E402
-                         reference_run)
+                         reference_run, rounding_tolerance)
 
 OPT = {"type": "adamw", "lr": 1e-3, "weight_decay": 0.1}
 
@@ -233,3 +233,73 @@ def test_hugging_face_models_recompute_cheap_values_bit_exact(kind, fixed_rates)
     assert_same_bits(engine, free)
     measured = engine.memory_stats()["device_peak_bytes"]
     assert 0.85 <= measured / engine.plan.device_peak_bytes <= 1.0 and measured <= budget
+
+
+class ConvBN(nn.Module):
+    """Four conv + BatchNorm + ReLU layers: each BatchNorm moves its running statistics once per step."""
+
+    def __init__(self, c=8, classes=5):
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(3 if i == 0 else c, c, 3, padding=1, bias=False) for i in range(4))
+        self.bns = nn.ModuleList(nn.BatchNorm2d(c) for _ in range(4))
+        self.head = nn.Linear(c, classes)
+
+    def forward(self, x, y):
+        for conv, bn in zip(self.convs, self.bns):
+            x = torch.relu(bn(conv(x)))
+        return F.cross_entropy(self.head(x.mean((2, 3))), y)
+
+
+def hf_resnet():
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
+    torch.manual_seed(0)
+    return transformers.ResNetForImageClassification(transformers.ResNetConfig(
+        num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=5))
+
+
+def image_batches(n, keywords):
+    g = torch.Generator().manual_seed(0)
+    out = [(torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 5, (4,), generator=g)) for _ in range(n)]
+    return [{"pixel_values": x, "labels": y} for x, y in out] if keywords else out
+
+
+@pytest.mark.parametrize("kind", ["convbn", "hf_resnet"])
+def test_recomputed_batch_norm_moves_running_statistics_once(kind, fixed_rates):
+    """A recomputed batch norm in training mode runs without its running-statistics update (issue 25: the copy
+    in backward updated them a second time, two momentum steps per step): weights, running means, variances
+    and num_batches_tracked equal eager's + AdamW's under a budget that makes the planner recompute them."""
+    model = ConvBN() if kind == "convbn" else hf_resnet()
+    keywords = kind == "hf_resnet"
+    data = image_batches(3, keywords)
+    call = (lambda e, b: e.step(**b)) if keywords else (lambda e, b: e.step(*b))
+    loss_of = (lambda m, b: m(**b).loss) if keywords else (lambda m, b: m(*b))
+
+    def compiled(budget=None):
+        engine = pstar_fx.compile(model, pstar_fx.Config(device="cpu", optimizer=OPT, placement="device",
+                                                         device_memory=budget), example_inputs=data[0])
+        return engine, [call(engine, b).item() for b in data]
+
+    free, free_losses = compiled()
+    engine, losses = compiled(tight(free.plan, activations_left=0.75))
+    stats_updates = [line for line in engine.graph.code.splitlines() if "native_batch_norm.default(" in line]
+    n_bn = sum(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+    recomputed = [line for line in stats_updates if ", None, None, True" in line]
+    assert recomputed, engine.plan.recompute                        # the plan recomputes batch norms
+    assert len(stats_updates) - len(recomputed) == n_bn             # and each updates its statistics once
+    assert losses == free_losses
+    assert_same_bits(engine, free)
+
+    ref, ref_losses = reference_run(model, data, OPT, loss_of=loss_of)
+    truth, steps, truth_losses = ref.__dict__["float64_truth"]
+    assert_losses_close(losses, ref_losses, truth_losses)
+    assert_weights_close(engine.state_dict(), ref)
+    ours, eager, exact = engine.persistent_buffers(), dict(ref.named_buffers()), dict(truth.named_buffers())
+    assert ours.keys() == eager.keys()
+    for name, b in ours.items():
+        if not b.is_floating_point():
+            assert torch.equal(b, eager[name]), name                   # num_batches_tracked: 3
+            continue
+        # the statistics are sums over the batch of fp32 activations: the weights' rounding rule
+        tol = rounding_tolerance(eager[name], exact[name], steps)
+        err = ((b - eager[name]).norm() / eager[name].norm()).item()
+        assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.2e}"

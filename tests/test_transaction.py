@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from test_engine import assert_losses_close, assert_weights_close, attach_gradient_reach, attach_truth, batch, \
-    in_dtype, rounding_tolerance, tight_budget
+    gradient_summands, in_dtype, rounding_tolerance, tight_budget
 
 import pstar_fx
 import pstar_fx.optim.adam as adam_module
@@ -44,29 +44,32 @@ def reference(model, batches, *, grad_clip=None, accum=1, lr_lambda=None, scaler
     scaler = torch.amp.GradScaler("cpu", **scaler_kw) if scaler_kw is not None else None
     out = []
     smallest = {p: None for p in ref.parameters()}
-    record = []              # per step: (lr, {param: (gradient as applied, Σ_j |micro-batch gradient| alike)})
+    record = []              # per step: (lr, {param: (gradient as applied, its summands' magnitude over the
+    #                          micro-batches (test_engine.gradient_summands), Σ_j |micro-batch gradient|, alike)})
     for whole in batches:
         opt.zero_grad(set_to_none=True)
         lr, scale = opt.param_groups[0]["lr"], (scaler.get_scale() if scaler else 1.0)
         total = 0.0
-        magnitude = {}
+        magnitude, summands = {}, {}
         for mb in zip(*(x.chunk(accum) for x in whole)):
             before = {p: p.grad.clone() for p in ref.parameters() if p.grad is not None}
-            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
-                loss = ref(*in_dtype(mb, dtype))
-            (scaler.scale(loss / accum) if scaler else loss / accum).backward()
+            with gradient_summands(ref) as terms:
+                with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                    loss = ref(*in_dtype(mb, dtype))
+                (scaler.scale(loss / accum) if scaler else loss / accum).backward()
             total += loss.item()
             for p in ref.parameters():
                 if p.grad is not None:
                     part = (p.grad - before[p] if p in before else p.grad).abs()
                     magnitude[p] = magnitude[p] + part if p in magnitude else part
+                    summands[p] = summands[p] + terms[p] if p in summands else terms[p]
         if scaler:
             scaler.unscale_(opt)
         norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), grad_clip or float("inf")))
         if math.isfinite(norm):
             coef = min(1.0, grad_clip / (norm + 1e-6)) if grad_clip else 1.0      # clip_grad_norm_'s factor
-            record.append((lr, {p: (p.grad.clone(), magnitude[p] * coef) for p in ref.parameters()
-                                if p.grad is not None}))
+            record.append((lr, {p: (p.grad.clone(), summands[p] * coef, magnitude[p] * coef)
+                                for p in ref.parameters() if p.grad is not None}))
             for p in ref.parameters():
                 if p.grad is not None:
                     smallest[p] = p.grad.abs() if smallest[p] is None else torch.minimum(smallest[p], p.grad.abs())

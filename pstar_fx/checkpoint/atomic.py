@@ -1,6 +1,7 @@
 """A checkpoint directory replaced whole or not at all: written into a directory beside the target, synced, then
 renamed into place, the previous checkpoint kept under another name until the new one is there (a save that dies
-between the two renames leaves it for `_recover`). With chunk-partitioned data parallelism every rank writes into
+between the two renames leaves it for `_recover`; what a killed save leaves behind, the next save into the same
+folder removes: `_remove_stale`). With chunk-partitioned data parallelism every rank writes into
 the same directory and they agree (`_agree`) at each step, so that all fail together rather than one hanging.
 """
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -25,6 +27,7 @@ def replacing(path: Path, dp):
     parent = path.absolute().parent
     tmp = parent / (f".{path.name}.tmp-{os.getpid()}" if not dp else f".{path.name}.tmp-{world}ranks")
     if rank == 0:
+        _remove_stale(parent)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     _agree(dp, "")
@@ -51,6 +54,7 @@ def replacing(path: Path, dp):
             tmp.rename(path)                          # ... until the new one is in place
             _fsync_dir(parent)
             shutil.rmtree(old, ignore_errors=True)
+            _remove_stale(parent)                     # a dead save's previous checkpoint: this one replaces it
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
             if dp is None:
@@ -60,6 +64,36 @@ def replacing(path: Path, dp):
         _agree(dp, problem)
     except RuntimeError as e:
         raise e from error
+
+
+_LEFT_BY_A_SAVE = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)")
+
+
+def _remove_stale(parent: Path) -> None:
+    """Folders that saves killed mid-way left in `parent`, by a process that is no longer running (a live one's,
+    another save in progress, are never touched): `.NAME.tmp-PID`, a partial write, is removed;
+    `.NAME.old-PID`, the checkpoint NAME held before the killed save renamed it away, is removed once NAME is
+    in place again (until then it is the newest whole checkpoint, which `_recover` loads)."""
+    for entry in parent.iterdir():
+        m = _LEFT_BY_A_SAVE.fullmatch(entry.name)
+        if m is None or not entry.is_dir():
+            continue
+        pid = int(m["pid"])
+        if pid == os.getpid() or _running(pid):
+            continue
+        if m["kind"] == "old" and not (parent / m["name"]).exists():
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)                               # signal 0: asks only whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:                           # another user's process
+        return True
+    return True
 
 
 def _agree(dp, problem: str, error=RuntimeError, fail_quietly: bool = False) -> None:

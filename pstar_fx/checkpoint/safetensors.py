@@ -171,12 +171,25 @@ def _sharded(per_rank: list[list], max_bytes: int, stem: str) -> list[list[tuple
     return out
 
 
+def read_json(file: Path):
+    """A checkpoint's JSON file; a truncated or damaged one (a save killed while writing it, a bad copy) is a
+    CheckpointError naming the file."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: not valid JSON, the file is truncated or damaged ({e}); nothing was "
+                              "loaded") from e
+
+
 def _weight_files(path: Path, index: str = INDEX, single: str = WEIGHTS, required: bool = True) -> list[Path]:
     """The files of the weights (or, with OPTIMIZER_INDEX and OPTIMIZER, of the moments): an index's shards or
     the single file."""
     if (path / index).exists():
-        with open(path / index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        index_json = read_json(path / index)
+        if not isinstance(index_json, dict) or not isinstance(index_json.get("weight_map"), dict):
+            raise CheckpointError(f"{path / index}: no \"weight_map\" object: not a safetensors index")
+        files = sorted(set(index_json["weight_map"].values()))
         missing = [name for name in files if not (path / name).exists()]
         if missing:
             raise CheckpointError(f"{path}: shard(s) {missing} named in {index} are missing")

@@ -3,7 +3,6 @@ through the safetensors files (`safetensors`), replaced whole (`atomic`), and re
 """
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import torch
 
 from .atomic import _agree, _recover, _write_json, replacing
 from .safetensors import (INDEX, OPTIMIZER, OPTIMIZER_INDEX, SHARD_BYTES, STATE, CheckpointError, _Blocks, _File,
-                          _Mem, _nbytes, _open, _sharded, _weight_files, write_safetensors)
+                          _Mem, _nbytes, _open, _sharded, _weight_files, read_json, write_safetensors)
 from .adapters import ADAPTER_WEIGHTS
 from .state import Parts, _entries, apply
 
@@ -115,8 +114,10 @@ def load(parts: Parts, path, *, strict: bool = True) -> None:
     moments = {k: _File(*v) for k, v in _open(moment_files).items()}
     state = None
     if (path / STATE).exists():
-        with open(path / STATE) as f:
-            state = json.load(f)
+        state = read_json(path / STATE)
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{path / STATE}: expected a JSON object, got {type(state).__name__}; nothing "
+                                  "was loaded")
         kind = state.get("optimizer", {}).get("type")
         if kind is not None and kind != parts.optimizer["type"]:
             raise CheckpointError(f"{path}: saved with optimizer type {kind!r}, this engine uses "

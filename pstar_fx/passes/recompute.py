@@ -10,7 +10,9 @@ residual stream between transformer sub-blocks, found from the graph alone, no m
 Activation checkpointing per block is the choice of every segment. Segments with unseeded random ops or
 in-place ops on values from outside are never recomputed (recomputing would not reproduce their values);
 seeded random ops (passes.seed_random) replay the same numbers and in-place ops on the segment's own
-values are recomputed with them.
+values are recomputed with them. A batch norm in training mode also writes BatchNorm's running statistics
+(outside values): its copy is recomputed without that update (`fxutil.without_stats_update`), so each
+statistic moves once per step, as in eager.
 
 `group_segments` joins runs of adjacent segments into one: the boundaries inside a run are recomputed
 too instead of kept, which trades fewer kept activations (a transformer has two boundaries per block:
@@ -22,7 +24,8 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from ..fxutil import aliases_input, is_random, mutated_args, role_nodes, value_bytes
+from ..fxutil import (aliases_input, is_random, mutated_args, role_nodes, running_stats_args, value_bytes,
+                      without_stats_update)
 from .contract import RECOMPUTED, VIEWS_LOCAL, Pass, PassContext
 
 NAME = "recompute"
@@ -49,10 +52,14 @@ class Segment:
 def _unsafe(node: fx.Node, interior: set[fx.Node]) -> bool:
     """Ops that do not reproduce their values when run again: unseeded random ops, and in-place ops on a
     tensor made outside the segment (a buffer: recomputing would update it twice). An in-place op on a
-    tensor the segment itself makes (dropout's mask, filled in place) is recomputed with it."""
+    tensor the segment itself makes (dropout's mask, filled in place) is recomputed with it; batch norm's
+    running statistics are not written by its copy (`clone_for_backward`)."""
     if is_random(node):
         return True
+    dropped = running_stats_args(node) if without_stats_update(node) is not None else []
     for x in mutated_args(node):
+        if any(x is d for d in dropped):
+            continue
         while isinstance(x, fx.Node) and aliases_input(x, in_place=False) and x.args:
             x = x.args[0]              # the view's base: that is what is written
         if not (isinstance(x, fx.Node) and x in interior):
@@ -143,10 +150,10 @@ def recompute(gm: fx.GraphModule, segments: list[Segment]) -> fx.GraphModule:
             if n not in interior:
                 return n
             if n not in clones:
-                for a in n.all_input_nodes:
+                for a in clone_reads(n):
                     clone(a)
                 with g.inserting_before(first):
-                    clones[n] = g.node_copy(n, lambda a: clones.get(a, a))
+                    clones[n] = clone_for_backward(g, n, lambda a: clones.get(a, a))
             return clones[n]
 
         for user, n in uses:
@@ -154,6 +161,29 @@ def recompute(gm: fx.GraphModule, segments: list[Segment]) -> fx.GraphModule:
     g.lint()
     gm.recompile()
     return gm
+
+
+def clone_for_backward(g: fx.Graph, n: fx.Node, arg_transform) -> fx.Node:
+    """A copy of forward op `n` for backward to read: the same op, except that a batch norm does not update
+    BatchNorm's running statistics again (forward's copy already did; the output and batch statistics it
+    recomputes are the same)."""
+    rewrite = without_stats_update(n)
+    if rewrite is None:
+        return g.node_copy(n, arg_transform)
+    target, args, kwargs = rewrite
+    remade = g.call_function(target, fx.map_arg(args, arg_transform), fx.map_arg(kwargs, arg_transform))
+    remade.meta = dict(n.meta)
+    return remade
+
+
+def clone_reads(n: fx.Node) -> list[fx.Node]:
+    """The values `clone_for_backward`'s copy of `n` reads (a batch norm's copy: not the running statistics)."""
+    rewrite = without_stats_update(n)
+    if rewrite is None:
+        return n.all_input_nodes
+    reads: list[fx.Node] = []
+    fx.map_arg((rewrite[1], rewrite[2]), reads.append)
+    return list(dict.fromkeys(reads))
 
 
 def backward_nodes(g: fx.Graph) -> set[fx.Node]:

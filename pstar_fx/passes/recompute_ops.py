@@ -32,7 +32,7 @@ import torch.fx as fx
 
 from ..planning.costs import Rates, node_seconds
 from ..fxutil import aliases_input, is_random, mutated_args, op_of, value_bytes
-from .recompute import Segment, _unsafe, backward_nodes
+from .recompute import Segment, _unsafe, backward_nodes, clone_reads
 
 MAX_OPS = 4          # ops (views not counted) one pick may copy: past a few, it is a segment's job
 
@@ -156,7 +156,7 @@ def _copy_for(G: _Graph, value, dropped: set, copied: set[fx.Node]):
             ops += 1
             if ops > MAX_OPS:
                 return None
-        stack.extend(n.all_input_nodes)
+        stack.extend(clone_reads(n))
     if any(is_random(n) or _unsafe(n, nodes) for n in nodes):
         return None
     return nodes, leaves

@@ -223,5 +223,6 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         step_transaction=Transaction(transaction, not random_ops, measures_first, kept_on_device, switch, in_shadow,
                                      cost),
         estimate=Estimate(step_seconds, rates, triggered_seconds, config.grad_clip is not None, deferred_seconds),
-        remarks=Remarks(notes, _why(memory, chunks, config, use.min_slots, budget_bytes)), profile=profile)
+        remarks=Remarks(notes, _why(memory, chunks, config, use.min_slots, budget_bytes, room_chunks,
+                                       sizes.state_bytes)), profile=profile)
 

@@ -126,10 +126,12 @@ def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_byte
             "updated (the host budget does not hold kept gradients)")
 
 
-def _why(memory, chunks, config: Config, min_slots: int, budget_bytes: int | None) -> str:
+def _why(memory, chunks, config: Config, min_slots: int, budget_bytes: int | None,
+         host_room_chunks: int | None = None, state_bytes: int = 0) -> str:
     """Empty when the plan fits; else what is missing, where the bytes go, and what was already tried.
     `memory`, `chunks`: the plan's Memory and Placement records; `budget_bytes`: the usable device budget
-    (`usable_budget`)."""
+    (`usable_budget`); `host_room_chunks`: how many chunks' state host_memory holds (None: unlimited);
+    `state_bytes`: one chunk's state (master and moments)."""
     reasons = []
     host_budget_bytes = config.host_memory
     placement = chunks.placement
@@ -139,14 +141,33 @@ def _why(memory, chunks, config: Config, min_slots: int, budget_bytes: int | Non
                  + (f" (the chunks rank {chunks.rank} owns of {len(placement)})" if chunks.world > 1 else "") + ", "
                  f"the minimum of {min_slots} compute slot(s) (what one op reads at once)"
                  if config.placement != "device" else "placement='device' forces every chunk onto the device")
-        reasons.append(
-            f"the step needs {format_bytes(memory.device_peak_bytes)} of device memory but device_memory is "
-            f"{format_bytes(config.device_memory)}"
-            + (f" ({format_bytes(budget_bytes)} usable: the rest is kept for the allocator's fragmentation)"
-               if budget_bytes != config.device_memory else "")
-            + f" ({format_bytes(memory.device_peak_bytes - budget_bytes)} missing). Device bytes: "
-            + ", ".join(f"{k} {format_bytes(v)}" for k, v in memory.device_breakdown.items())
-            + f". Already tried: {tried}")
+        n_host = placement.count("host")
+        missing_bytes = memory.device_peak_bytes - budget_bytes
+        if (host_room_chunks is not None and n_host >= host_room_chunks and config.placement != "device"
+                and state_bytes):
+            # the device is over because the host is full: the state that does not fit there lands on the device
+            more = -(-missing_bytes // state_bytes)
+            reasons.append(
+                f"host_memory is too small: {format_bytes(config.host_memory)} holds the state of only {n_host} of "
+                f"{n_owned} chunks ({format_bytes(memory.host_peak_bytes)} in use; one more chunk's "
+                f"{format_bytes(state_bytes)} does not fit beside the host's buffers), so the other "
+                f"{n_owned - n_host} chunks' state must sit on the device, which then needs "
+                f"{format_bytes(memory.device_peak_bytes)} against device_memory "
+                f"{format_bytes(config.device_memory)}"
+                + (f" ({format_bytes(budget_bytes)} usable)" if budget_bytes != config.device_memory else "")
+                + f" ({format_bytes(missing_bytes)} over). Raise host_memory by "
+                f"about {format_bytes(more * state_bytes)} ({more} chunks' state of {format_bytes(state_bytes)}) or "
+                f"device_memory by {format_bytes(missing_bytes)}. Device bytes: "
+                + ", ".join(f"{k} {format_bytes(v)}" for k, v in memory.device_breakdown.items()))
+        else:
+            reasons.append(
+                f"the step needs {format_bytes(memory.device_peak_bytes)} of device memory but device_memory is "
+                f"{format_bytes(config.device_memory)}"
+                + (f" ({format_bytes(budget_bytes)} usable: the rest is kept for the allocator's fragmentation)"
+                   if budget_bytes != config.device_memory else "")
+                + f" ({format_bytes(missing_bytes)} missing). Device bytes: "
+                + ", ".join(f"{k} {format_bytes(v)}" for k, v in memory.device_breakdown.items())
+                + f". Already tried: {tried}")
     if host_budget_bytes is not None and memory.host_peak_bytes > host_budget_bytes:
         reasons.append(
             f"the host tier needs {format_bytes(memory.host_peak_bytes)} but host_memory is "
