@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 from test_engine import (assert_losses_close, assert_weights_close, attach_gradient_reach, attach_truth,
-                         rounding_tolerance, tight_budget)
+                         gradient_summands, rounding_tolerance, tight_budget)
 
 import pstar_fx
 from pstar_fx.models import GPT, gpt_config
@@ -59,12 +59,13 @@ def reference(model, batches, grad_clip, dtype=torch.float32, twin=True, lr_lamb
     for batch in batches:
         opt.zero_grad(set_to_none=True)
         lr = opt.param_groups[0]["lr"]
-        loss = call(ref, batch)
-        loss.backward()
+        with gradient_summands(ref) as terms:       # each gradient's summands' magnitude (the rounding rule)
+            loss = call(ref, batch)
+            loss.backward()
         magnitude = {p: p.grad.abs() for p in ref.parameters() if p.grad is not None}
         norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), grad_clip))
         coef = min(1.0, grad_clip / (norm + 1e-6))                         # clip_grad_norm_'s factor
-        record.append((lr, {p: (p.grad.clone(), magnitude[p] * coef) for p in magnitude}))
+        record.append((lr, {p: (p.grad.clone(), terms[p] * coef, magnitude[p] * coef) for p in magnitude}))
         for p in magnitude:
             smallest[p] = p.grad.abs() if smallest[p] is None else torch.minimum(smallest[p], p.grad.abs())
         opt.step()
