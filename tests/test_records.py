@@ -291,3 +291,33 @@ def test_no_pack_pads_one_record_a_row_and_pack_is_for_records_only(tmp_path, ca
     assert main(["train", "--model", f"hf:{hf}", "--data", str(tmp_path / "t.txt"), "--seq", "32", "--steps", "1",
                  "--pack"]) == 1
     assert "--pack / --no-pack apply to JSONL records" in capsys.readouterr().err
+
+
+def test_lora_on_chat_records_evaluates_saves_and_resumes_exactly(tmp_path, capsys):
+    """The fine-tuning recipe end to end: an HF model, chat JSONL records, LoRA through peft, a held-out eval, a
+    save and a resume: 2 + 2 resumed steps give the losses, eval losses and adapter of 4 in one go, and peft loads
+    the adapter."""
+    peft = pytest.importorskip("peft", reason="the peft extra (pip install pstar_fx[peft])")
+    from safetensors.torch import load_file
+    from test_cli import _metrics
+    from pstar_fx.cli import main
+    hf = tiny_llama_dir(tmp_path / "llama")
+    data = chat_jsonl(tmp_path / "chat.jsonl", 40)
+    common = ["train", "--model", f"hf:{hf}", "--data", str(data), "--batch", "2", "--seq", "32", "--lr", "0.01",
+              "--device-memory", "512KiB", "--eval-every", "2", "--log-every", "2",
+              "--lora", "r=4,alpha=8,targets=q_proj,v_proj"]
+    whole, half = tmp_path / "whole", tmp_path / "half"
+    assert main(common + ["--steps", "4", "--save", str(whole), "--metrics", str(tmp_path / "w.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert "LoRA r=4 on q_proj,v_proj" in out and "frozen chunks:" in out and "packed rows of 32 tokens" in out
+    assert main(common + ["--steps", "2", "--save", str(half), "--metrics", str(tmp_path / "m.jsonl")]) == 0
+    assert main(common + ["--steps", "2", "--resume", str(half), "--save", str(half),
+                          "--metrics", str(tmp_path / "m.jsonl")]) == 0
+    ran, resumed = _metrics(tmp_path / "w.jsonl"), _metrics(tmp_path / "m.jsonl")
+    assert [r["step"] for r in ran if "eval_loss" in r] == [2, 4]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in ran]
+    assert [r.get("eval_loss") for r in resumed] == [r.get("eval_loss") for r in ran]
+    a, b = load_file(str(half / "adapter_model.safetensors")), load_file(str(whole / "adapter_model.safetensors"))
+    assert a and set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    loaded = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(str(hf)), str(whole))
+    assert loaded.peft_config["default"].r == 4
