@@ -1,0 +1,145 @@
+"""The plan cache (pipeline/plan_cache.py): a second compile of the same step reuses the search's decision and gets
+the same plan, graph and training bits; a cached plan for another graph, budget or rates is never used."""
+import glob
+import logging
+import os
+
+import pytest
+import torch
+
+import pstar_fx
+from pstar_fx.models import GPT, gpt_config
+from pstar_fx.pipeline import lower, plan_cache, recompute_search
+from pstar_fx.pipeline.lower import Lowered
+from pstar_fx.planning import costs
+
+from test_engine import batch, tight_budget
+
+CHUNK = 16384
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty cache folder, the cache on, and a count of the planner's runs in the recompute search."""
+    monkeypatch.setenv("PSTAR_FX_CACHE", str(tmp_path))
+    monkeypatch.setenv("PSTAR_FX_PLAN_CACHE", "1")
+    calls = []
+    real = recompute_search.make_plan
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(recompute_search, "make_plan", counted)
+    return tmp_path, calls
+
+
+def model(n_layer=2):
+    torch.manual_seed(0)
+    return GPT(gpt_config("tiny", n_layer=n_layer))
+
+
+def config(budget, **kw):
+    return pstar_fx.Config(device="cpu", device_memory=budget, chunk_size=CHUNK, optimizer={"lr": 1e-2}, **kw)
+
+
+def lowered(m, budget, **kw):
+    return Lowered(m, config(budget, **kw), batch())
+
+
+@pytest.fixture(scope="module")
+def budget():
+    """A device budget of the working set and one chunk: the search tries recompute variants before one fits."""
+    return tight_budget(model(), batch(), device_chunks=1, chunk_size=CHUNK)[0]
+
+
+def plan_text(plan) -> str:
+    return repr(plan)           # every field of the plan but its node profile (repr=False)
+
+
+def test_second_compile_reuses_the_decision_and_trains_bit_identically(cache, budget, caplog):
+    root, calls = cache
+    batches = [batch(seed=s) for s in range(3)]
+    cold = pstar_fx.compile(model(), config(budget), example_inputs=batches[0])
+    searched = len(calls)
+    assert searched > 1, "the budget should make the search try more than one variant"
+    assert cold.plan.fits and "host" in cold.plan.placement
+    files = glob.glob(os.path.join(root, "plan-v*.json"))
+    assert len(files) == 1, files
+
+    calls.clear()
+    with caplog.at_level(logging.INFO, logger="pstar_fx"):
+        warm = pstar_fx.compile(model(), config(budget), example_inputs=batches[0])
+    assert len(calls) == 1                                   # the one chosen try, no search
+    assert f"plan: from cache ({files[0]})" in caplog.text
+    assert plan_text(warm.plan) == plan_text(cold.plan)
+    assert warm.plan.summary() == cold.plan.summary()
+    assert warm.graph.code == cold.graph.code
+    assert warm.graph_before("fuse_optimizer") == cold.graph_before("fuse_optimizer")
+
+    for b in batches:
+        assert torch.equal(cold.step(*b), warm.step(*b))
+    a, w = cold.state_dict(), warm.state_dict()
+    assert a.keys() == w.keys()
+    for k in a:
+        assert torch.equal(a[k], w[k]), k
+
+
+def test_another_graph_budget_or_rates_misses(cache, budget, monkeypatch):
+    root, calls = cache
+    first = lowered(model(), budget)
+    assert len(glob.glob(os.path.join(root, "plan-v*.json"))) == 1
+    applied = []
+    real = plan_cache.load
+
+    def load(key):
+        out = real(key)
+        applied.append(out is not None)
+        return out
+
+    monkeypatch.setattr(recompute_search.plan_cache, "load", load)
+
+    def misses(make):
+        calls.clear()
+        applied.clear()
+        before = set(glob.glob(os.path.join(root, "plan-v*.json")))
+        low = make()
+        assert applied == [False]                            # no entry was found for it
+        assert len(calls) > 1                                # it searched
+        assert len(set(glob.glob(os.path.join(root, "plan-v*.json"))) - before) == 1   # and cached its own
+        return low
+
+    deeper = misses(lambda: lowered(model(n_layer=3), budget))
+    assert len(deeper.layout.chunks) != len(first.layout.chunks) or deeper.graph.code != first.graph.code
+    misses(lambda: lowered(model(), budget + 12 * CHUNK))
+    with costs.assumed(h2d_bw=costs.calibrate(torch.device("cpu"), torch.float32).h2d_bw / 2):
+        misses(lambda: lowered(model(), budget))
+
+    calls.clear()
+    applied.clear()
+    again = lowered(model(), budget)                         # the first one's entry still stands
+    assert applied == [True] and len(calls) == 1
+    assert plan_text(again.plan) == plan_text(first.plan)
+
+
+def test_corrupt_entry_is_ignored_and_rewritten(cache, budget):
+    root, calls = cache
+    cold = lowered(model(), budget)
+    (file,) = glob.glob(os.path.join(root, "plan-v*.json"))
+    with open(file, "w") as f:
+        f.write('{"format": 1, "fingerprint": ')              # a write cut short
+    calls.clear()
+    again = lowered(model(), budget)
+    assert len(calls) > 1                                    # searched
+    assert plan_text(again.plan) == plan_text(cold.plan)
+    calls.clear()
+    lowered(model(), budget)                                 # rewritten: the next compile reads it
+    assert len(calls) == 1
+
+
+def test_off_by_environment(cache, budget, monkeypatch):
+    root, calls = cache
+    monkeypatch.setenv("PSTAR_FX_PLAN_CACHE", "0")
+    lowered(model(), budget)
+    lowered(model(), budget)
+    assert not glob.glob(os.path.join(root, "plan-v*.json"))
