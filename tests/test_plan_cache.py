@@ -1,6 +1,7 @@
 """The plan cache (pipeline/plan_cache.py): a second compile of the same step reuses the search's decision and gets
 the same plan, graph and training bits; a cached plan for another graph, budget or rates is never used."""
 import glob
+import json
 import logging
 import os
 
@@ -9,7 +10,7 @@ import torch
 
 import pstar_fx
 from pstar_fx.models import GPT, gpt_config
-from pstar_fx.pipeline import lower, plan_cache, recompute_search
+from pstar_fx.pipeline import plan_cache, recompute_search
 from pstar_fx.pipeline.lower import Lowered
 from pstar_fx.planning import costs
 
@@ -49,8 +50,9 @@ def lowered(m, budget, **kw):
 
 @pytest.fixture(scope="module")
 def budget():
-    """A device budget of the working set and one chunk: the search tries recompute variants before one fits."""
-    return tight_budget(model(), batch(), device_chunks=1, chunk_size=CHUNK)[0]
+    """A device budget under the working set and one chunk: only every cheap value and some whole forward segments
+    recomputed fit (a binary search over segment counts), so the cached decision is not the trivial one."""
+    return int(0.6 * tight_budget(model(), batch(), device_chunks=1, chunk_size=CHUNK)[0])
 
 
 def plan_text(plan) -> str:
@@ -64,6 +66,7 @@ def test_second_compile_reuses_the_decision_and_trains_bit_identically(cache, bu
     searched = len(calls)
     assert searched > 1, "the budget should make the search try more than one variant"
     assert cold.plan.fits and "host" in cold.plan.placement
+    assert "forward segments, earliest first" in cold.plan.recompute, cold.plan.recompute
     files = glob.glob(os.path.join(root, "plan-v*.json"))
     assert len(files) == 1, files
 
@@ -135,6 +138,29 @@ def test_corrupt_entry_is_ignored_and_rewritten(cache, budget):
     calls.clear()
     lowered(model(), budget)                                 # rewritten: the next compile reads it
     assert len(calls) == 1
+
+
+def test_entry_for_another_graph_or_plan_is_not_trusted(cache, budget):
+    """An entry is checked against the graph it is applied to: its own fingerprint, then the plan it recorded."""
+    root, calls = cache
+    two = lowered(model(), budget)
+    (two_file,) = glob.glob(os.path.join(root, "plan-v*.json"))
+    three = lowered(model(n_layer=3), budget)
+    (three_file,) = set(glob.glob(os.path.join(root, "plan-v*.json"))) - {two_file}
+    with open(two_file) as f:
+        two_entry = json.load(f)
+    with open(three_file, "w") as f:                         # the 2-layer decision under the 3-layer key
+        json.dump(two_entry, f)
+    calls.clear()
+    again = lowered(model(n_layer=3), budget)
+    assert len(calls) > 1 and plan_text(again.plan) == plan_text(three.plan)
+
+    forged = dict(two_entry, decision=dict(two_entry["decision"], runs=two_entry["decision"]["runs"] - 1))
+    with open(two_file, "w") as f:                           # right key, but another try than the plan it recorded
+        json.dump(forged, f)
+    calls.clear()
+    again = lowered(model(), budget)
+    assert len(calls) > 1 and plan_text(again.plan) == plan_text(two.plan)
 
 
 def test_off_by_environment(cache, budget, monkeypatch):
