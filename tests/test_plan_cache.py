@@ -5,6 +5,8 @@ import glob
 import json
 import logging
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -95,6 +97,20 @@ def test_second_compile_reuses_the_decision_and_trains_bit_identically(cache, bu
     assert a.keys() == w.keys()
     for k in a:
         assert torch.equal(a[k], w[k]), k
+
+
+def test_a_fresh_process_reads_the_entry(cache, budget):
+    """The fingerprint holds from one process to the next (no address or per-process state in it)."""
+    root, _ = cache
+    lowered(model(), budget)
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")]))
+    code = ("import logging, sys; logging.basicConfig(level=logging.INFO, format='%(message)s'); "
+            f"import test_plan_cache as t; t.lowered(t.model(), {budget})")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (file,) = glob.glob(os.path.join(root, "plan-v*.json"))
+    assert f"plan: from cache ({file})" in run.stderr, run.stderr[-3000:]
 
 
 def test_another_graph_budget_or_rates_misses(cache, budget, monkeypatch):
