@@ -20,7 +20,10 @@ temporary file renamed over the entry, so a reader never sees half of one. Files
 PSTAR_FX_PLAN_CACHE=0 switches the cache off (neither read nor written).
 
 A step planned on another step's chunk memory (`Lowered(on=...)`, other input shapes) is not cached: its plan
-depends on that plan too, and its search is already short (the placement is fixed).
+depends on that plan too, and its search is already short (the placement is fixed). Not yet reused: partitioned
+data-parallel ranks, which measure their collective bandwidth at each launch (`Lowered._rates`), so their rates,
+and with them the key, change from run to run (they search, as before, and leave an entry nothing reads).
+A CUDA budget taken from free memory is rounded down at launch (runtime/dist.launch) so that it holds.
 """
 from __future__ import annotations
 
