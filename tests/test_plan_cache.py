@@ -164,6 +164,14 @@ def test_corrupt_entry_is_ignored_and_rewritten(cache, budget):
     lowered(model(), budget)                                 # rewritten: the next compile reads it
     assert len(calls) == 1
 
+    with open(file) as f:
+        entry = json.load(f)
+    with open(file, "w") as f:                               # well-formed JSON, a field of the wrong type
+        json.dump(dict(entry, decision=dict(entry["decision"], cheap="all")), f)
+    calls.clear()
+    again = lowered(model(), budget)
+    assert len(calls) > 1 and plan_text(again.plan) == plan_text(cold.plan)
+
 
 def test_entry_for_another_graph_or_plan_is_not_trusted(cache, budget):
     """An entry is checked against the graph it is applied to: its own fingerprint, then the plan it recorded."""

@@ -106,7 +106,13 @@ def load(key: str) -> tuple[Decision, str] | None:
         if entry.get("format") != FORMAT or entry.get("fingerprint") != key:
             log.debug("plan cache: %s is for another graph or format; ignored", file)
             return None
-        return Decision(**entry["decision"]), file
+        decision = Decision(**entry["decision"])
+        kinds = {"cheap": int, "run_len": int, "runs": int, "recompute": str, "why": str, "device_peak_bytes": int,
+                 "fits": bool, "estimated_step_seconds": (int, float)}
+        wrong = [k for k, t in kinds.items() if not isinstance(getattr(decision, k), t)]
+        if wrong:
+            raise ValueError(f"field(s) of the wrong type: {', '.join(wrong)}")
+        return decision, file
     except FileNotFoundError:
         return None
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
