@@ -8,6 +8,9 @@ import torch
 # them; with one they must not: interpreted kernels on CUDA tensors are orders of magnitude slower (a
 # GPU test once sat for minutes in the interpreter because this was set unconditionally).
 os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
+# The plan cache (pipeline/plan_cache.py) is off unless a test turns it on (tests/test_plan_cache.py, in a
+# temporary folder): a test's plan must not depend on what an earlier run left in ~/.cache/pstar_fx.
+os.environ.setdefault("PSTAR_FX_PLAN_CACHE", "0")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -21,6 +21,7 @@ from ..passes.contract import PassContext
 from ..passes.recompute import Segment, find_segments, group_segments
 from ..passes.recompute_ops import find_cheap_recomputes, op_segments
 from ..planning import CUDA_BLOCK_BYTES, Plan, PlanDelta, fold, make_plan
+from . import plan_cache
 
 if TYPE_CHECKING:
     from ..planning import Rates
@@ -49,6 +50,9 @@ def plan_with_recompute(gm: fx.GraphModule, ctx: PassContext, rates: Rates, buff
     the extra forward work costs.
 
     `on`: every try is planned on that plan's chunk memory (`make_plan(on=...)`: a step of another input shape).
+
+    The decision is cached on disk (pipeline/plan_cache.py): a second compile of the same step, shapes, config,
+    rates and world applies the winning try and plans it once, instead of searching.
 
     `gm` is left as it was (each try is a copy). Records the graphs `recompute` and `fuse_optimizer` received
     (`ctx.record`); the latter as a function that remakes the chosen try's copy only if it is read.
@@ -82,6 +86,18 @@ def plan_with_recompute(gm: fx.GraphModule, ctx: PassContext, rates: Rates, buff
                      format_bytes(p.device_peak_bytes),
                      f"fits, estimated {p.estimated_step_seconds:.2f} s/step" if p.fits else "does not fit")
         return tried[t][1]
+
+    key = plan_cache.fingerprint(gm, ctx, rates, buffer_bytes, partition) \
+        if on is None and plan_cache.enabled() else None
+    cached = plan_cache.load(key) if key is not None else None
+    if cached is not None:
+        decision, file = cached
+        t = Try(decision.cheap, decision.run_len, decision.runs)
+        if t.cheap <= every and t.run_len in runs and t.runs <= len(runs[t.run_len]) \
+                and plan_cache.matches(decision, attempt(t)):
+            log.info("plan: from cache (%s)", file)
+            return _chosen(gm, ctx, recomputed, tried, t, decision.recompute, decision.why)
+        log.debug("plan cache: %s does not reproduce its plan on this graph; searching", file)
 
     best = Try(0, 1, 0)
     if not attempt(best).fits and (cheap or singles):
@@ -140,12 +156,24 @@ def plan_with_recompute(gm: fx.GraphModule, ctx: PassContext, rates: Rates, buff
                          + f": activation peak {format_bytes(a0)} -> {format_bytes(final)}")
         return "; ".join(parts)
 
-    g_k, plan = tried[best]
     tried_all = ([f"every forward segment ({len(singles)}, also in runs of "
                   f"{', '.join(str(m) for m in runs if m > 1) or '-'})"] if singles else []) \
         + ([f"every cheap value ({every})"] if every else [])
-    plan = fold(plan, PlanDelta(recompute=summary(), why=f"recomputing {' and '.join(tried_all)} was already "
-                                "tried" if best.runs or best.cheap else ""))
+    why = f"recomputing {' and '.join(tried_all)} was already tried" if best.runs or best.cheap else ""
+    said = summary()
+    if key is not None:
+        p = tried[best][1]
+        plan_cache.store(key, plan_cache.Decision(*best, recompute=said, why=why,
+                                                  device_peak_bytes=p.device_peak_bytes, fits=p.fits,
+                                                  estimated_step_seconds=p.estimated_step_seconds))
+    return _chosen(gm, ctx, recomputed, tried, best, said, why)
+
+
+def _chosen(gm: fx.GraphModule, ctx: PassContext, recomputed, tried: dict, best: Try, summary: str,
+            why: str) -> tuple[fx.GraphModule, Plan]:
+    """The search's result: the chosen try's graph and plan, with what it recomputes and why said in the plan."""
+    g_k, plan = tried[best]
+    plan = fold(plan, PlanDelta(recompute=summary, why=why))
     ctx.record(recompute.NAME, gm)
     ctx.record(fuse_optimizer.NAME, lambda: recomputed(best).code)
     return g_k, plan

@@ -79,9 +79,14 @@ NOMINAL_COLL_BW = {"cuda": 300e9, "cpu": 2e9}
 _MEASURED: dict[str, Rates] = {}     # this process's measurements, when the cache cannot be written
 
 
+def cache_root() -> str:
+    """The folder of pstar_fx's on-disk caches (rates here, plans in pipeline/plan_cache.py): PSTAR_FX_CACHE, or
+    ~/.cache/pstar_fx."""
+    return os.environ.get("PSTAR_FX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pstar_fx")
+
+
 def _cache_path(key: str) -> str:
-    root = os.environ.get("PSTAR_FX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pstar_fx")
-    return os.path.join(root, f"rates-v6-{key}.json")
+    return os.path.join(cache_root(), f"rates-v6-{key}.json")
 
 
 def _device_key(device: torch.device) -> str:

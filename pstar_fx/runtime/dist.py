@@ -138,10 +138,13 @@ class DataParallel:
         dist.barrier()
 
 
+FREE_MEMORY_GRAIN = 64 * 2**20
+
+
 def launch(config):
     """This process's place in a launch: one GPU per launched rank (`cuda:LOCAL_RANK` for "cuda"), the process
-    group joined, and a CUDA device's free memory as its budget when `config.device_memory` is None. Returns
-    (the Config with the device and budget resolved, rank, world)."""
+    group joined, and a CUDA device's free memory (rounded down to 64 MiB) as its budget when
+    `config.device_memory` is None. Returns (the Config with the device and budget resolved, rank, world)."""
     import dataclasses
     _, launched, local_rank = world_from_env()
     if launched > 1:
@@ -152,5 +155,7 @@ def launch(config):
     rank, world = init(config.device, config.dist_timeout)
     if config.device.startswith("cuda") and config.device_memory is None:
         free, _ = torch.cuda.mem_get_info(torch.device(config.device))
-        config = dataclasses.replace(config, device_memory=free)
+        # rounded down to 64 MiB: free memory varies by a few MiB from one process to the next, and the budget is
+        # part of the plan cache's key (pipeline/plan_cache.py), so an exact figure would miss on every run
+        config = dataclasses.replace(config, device_memory=free // FREE_MEMORY_GRAIN * FREE_MEMORY_GRAIN)
     return config, rank, world
