@@ -146,10 +146,11 @@ class Config:
     with bf16/int8 moments deferred, else two_pass). README "The step as a transaction" has the details."""
 
     expected_trigger_rate: float | None = None
-    """The share of steps whose clipping is expected to trigger, for a kept_grads plan chosen by "auto" with
-    grad_clip: the plan prices a step speculated (untriggered, and corrected when clipping triggers) and deferred
-    (updates after the verdict, from the same kept gradients), and a step defers while this rate is above the
-    break-even (`plan.defer_above`), else speculates; each is exact. None: measured, the share of the last 8 steps
+    """The share of steps whose clipping is expected to trigger, for a kept_grads or replay plan chosen by "auto"
+    with grad_clip: the plan prices a step speculated (untriggered, and corrected or replayed when clipping
+    triggers) and deferred (kept_grads: updates after the verdict, from the same kept gradients; replay: measuring
+    first, as two_pass), and a step defers while this rate is above the break-even (`plan.defer_above`), else
+    speculates; each is exact. None: measured, the share of the last 8 steps
     whose clipping triggered, counting the steps not yet run as triggering (a run's first steps clip: norms start
     far above 1.0). A number in [0, 1] fixes it (0: always speculate; 1: defer whenever deferring can pay)."""
 

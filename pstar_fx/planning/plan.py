@@ -68,8 +68,9 @@ class Transaction:
     two_passes: bool = False         # "two_pass" that measures first: something to measure, or no replay
     kept_on_device: int = 0          # kept_grads/deferred: how many device chunks keep their gradients on the
     # device (the first ones a rank owns, which the next forward reads first); the others' go to the host
-    defer_above: float | None = None  # kept_grads chosen by "auto" with clipping: a step defers its updates (as
-    # "deferred", on the same kept buffers) while the expected trigger rate is above this (runtime/transactions.py)
+    defer_above: float | None = None  # kept_grads or replay chosen by "auto" with clipping: a step lets its updates
+    # wait for the verdict (as "deferred" / "two_pass", on the same buffers) while the expected trigger rate is above
+    # this (runtime/transactions.py MayDefer)
     kept_in_shadow: bool = False     # deferred: a host chunk's gradient is kept in its 16-bit shadow
     cost: str = ""                   # what it costs, and how much smaller it makes the largest model
 
@@ -96,7 +97,8 @@ class Estimate:
     # (correction.py `_triggered_seconds` says what each costs)
     triggered_step_seconds: float = 0.0
     clips: bool = False              # Config.grad_clip is set: the summary prints the triggered step
-    deferred_step_seconds: float | None = None   # with Transaction.defer_above: the step deferred, same buffers
+    deferred_step_seconds: float | None = None   # with Transaction.defer_above: the step deferred (kept_grads) or
+    # measuring first (replay), on the same buffers
 
 
 @dataclass(frozen=True)

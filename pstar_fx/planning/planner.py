@@ -149,23 +149,30 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     if kept_on_device:
         device, host = with_kept_on_device(device, host, kept_on_device * sizes.compute_chunk_bytes)
         kept_bytes -= kept_on_device * sizes.compute_chunk_bytes
-    # device chunks' work after the verdict (a correction, or a deferred step's updates): their elements whose kept
-    # gradient is on the device (the first `kept_on_device`), and those whose comes back from the host
-    updated_device = [c for c in sorted(use.adam_at) if rank0_placement[c] == "device"]
-    elems = lambda cs: sum(layout.chunks[c].used_elems for c in cs)  # noqa: E731
-    after_verdict_device_s = device_after_verdict_seconds(elems(updated_device[:kept_on_device]),
-                                                          elems(updated_device[kept_on_device:]), compute_itemsize,
-                                                          rates)
     chunks = Placement(placement, n_device, world, rank)
     memory = Memory(sum(device.values()), sum(host.values()), device, host, act_peak_bytes, config.optimizer_state,
                     config.state_bytes_per_param, budget_bytes=config.device_memory,
                     host_budget_bytes=config.host_memory)
 
+    # kept_grads or replay chosen by "auto" with clipping: the step is also priced with its updates waiting for the
+    # verdict, on the same buffers (kept_grads: deferred; replay: two_pass, measuring first, which keeps nothing
+    # either), and the runtime defers while the expected trigger rate is above the break-even (not yet with data
+    # parallelism)
+    adaptive = (transaction in ("kept_grads", "replay") and config.transaction == "auto"
+                and config.grad_clip is not None and not chunked)
+
     # the estimate: compute (recompute included) + copies not hidden + host Adam that compute can't hide
     # (the CPU runtime runs every host Adam inline, after the verdict or inside backward alike)
-    deferred_exposed = (_after_verdict_exposed(rank0_placement, layout, node_secs, use.reads, use.adam_at,
-                                               host_adam_rate, copy_s, after_verdict_device_s) if cuda
-                        else adam_exposed)
+    deferred_exposed = adam_exposed
+    if cuda and (after_verdict or (adaptive and transaction == "kept_grads")):
+        # device chunks' updates after the verdict: those whose kept gradient is on the device (the first
+        # `kept_on_device`), and those whose comes back from the host
+        updated_device = [c for c in sorted(use.adam_at) if rank0_placement[c] == "device"]
+        elems = lambda cs: sum(layout.chunks[c].used_elems for c in cs)  # noqa: E731
+        device_s = device_after_verdict_seconds(elems(updated_device[:kept_on_device]),
+                                                elems(updated_device[kept_on_device:]), compute_itemsize, rates)
+        deferred_exposed = _after_verdict_exposed(rank0_placement, layout, node_secs, use.reads, use.adam_at,
+                                                  host_adam_rate, copy_s, device_s)
     if after_verdict:
         adam_exposed = deferred_exposed
     step_seconds = sum(node_secs) + sched.exposed_seconds + adam_exposed
@@ -189,12 +196,6 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         reads=use.reads, adam_at=use.adam_at, rates=rates, itemsize=compute_itemsize, copy_s=copy_s,
         kept_on_device=kept_on_device, copies_exposed=sched.exposed_seconds, adam_hidden=adam_hidden,
         replay_host_exposed=replay_host_exposed, host_adam_rate=host_adam_rate)
-    # kept_grads or replay chosen by "auto" with clipping: price the same step with its updates waiting for the
-    # verdict, on the same buffers (kept_grads: deferred; replay: two_pass, measuring first, which keeps nothing
-    # either), and let the runtime defer while the expected trigger rate is above the break-even (not yet with
-    # data parallelism)
-    adaptive = (transaction in ("kept_grads", "replay") and config.transaction == "auto"
-                and config.grad_clip is not None and not chunked)
     deferred_seconds = None
     if adaptive:
         deferred_seconds = (sum(node_secs) + sched.exposed_seconds + deferred_exposed if transaction == "kept_grads"

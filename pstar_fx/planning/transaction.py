@@ -49,7 +49,8 @@ def n_kept_on_device(n_updated_device: int, chunk_bytes: int, device_peak_bytes:
 
 
 def defer_above(speculated: float, triggered: float, deferred: float) -> float | None:
-    """The expected trigger rate above which a kept_grads step is cheaper deferred (on the same kept buffers): at
+    """The expected trigger rate above which a kept_grads (replay) step is cheaper deferred (measuring first), on
+    the same buffers: at
     rate r speculating costs `speculated` + r * (`triggered` - `speculated`), deferring costs `deferred` whatever
     the norm. None: speculating never costs more (a correction is as cheap as deferring)."""
     if deferred >= triggered:
