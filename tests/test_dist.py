@@ -283,41 +283,46 @@ def test_a_checkpoint_saved_at_two_ranks_resumes_at_four_and_at_one(tmp_path, mo
     assert_weights_close(one.state_dict(), ref)
 
 
+def _beside_one_process(tmp_path, monkeypatch, capsys, ranks_args: list[str], one_args: list[str]) -> tuple[str, str]:
+    """`pstar-fx` run as 2 ranks (`ranks_args`, with --nproc) and as one process (`one_args`), at once: (the one
+    process's stdout, the ranks' stdout). The 2-rank run is its own process tree (the command, torchrun, the ranks);
+    while its launcher starts up on one core, the one-process run goes on the other, in this process through the same
+    `main` the console script calls, with one intra-op thread as OMP_NUM_THREADS=1 gives the ranks."""
+    from pstar_fx.cli import main
+    proc = subprocess.Popen([sys.executable, "-m", "pstar_fx.cli", *ranks_args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        monkeypatch.chdir(tmp_path)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            assert main(one_args) == 0
+        finally:
+            torch.set_num_threads(threads)
+        one = capsys.readouterr().out
+        text, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    return one, text
+
+
 def test_cli_nproc_trains_like_one_process_on_the_whole_batch(tmp_path, monkeypatch, capsys):
     """`pstar-fx train --nproc 2` (torchrun, gloo): 2 ranks of --batch 2 print what one process of --batch 4 does,
     held-out loss included (each rank evaluates its half of the same held-out batch), and one rank writes the
     metrics file."""
     import re
 
-    from pstar_fx.cli import main
     common = ["train", "--model", "tiny", "--steps", "3", "--log-every", "1", "--device", "cpu", "--seq", "32",
               "--eval-every", "3"]
 
     def steps(stdout):
         return [(float(a), float(b)) for a, b in re.findall(r"^step +\d+ +loss ([\d.]+) .* grad norm ([\d.]+)",
                                                             stdout, re.M)]
-    # The 2-rank run is its own process tree (the command, torchrun, the ranks); while its launcher starts up on
-    # one core, the one-process run of the same command goes on the other, in this process through the same
-    # `main` the console script calls, with one intra-op thread as OMP_NUM_THREADS=1 gives the ranks.
-    dp_proc = subprocess.Popen([sys.executable, "-m", "pstar_fx.cli", *common, "--batch", "2", "--nproc", "2",
-                                "--metrics", "dp.jsonl"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                               env=dict(os.environ, OMP_NUM_THREADS="1"))
-    try:
-        monkeypatch.chdir(tmp_path)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            assert main([*common, "--batch", "4"]) == 0
-        finally:
-            torch.set_num_threads(threads)
-        one_text = capsys.readouterr().out
-        one = steps(one_text)
-        text, err = dp_proc.communicate(timeout=240)
-    finally:
-        dp_proc.kill()
-    assert dp_proc.returncode == 0, err[-3000:]
-    dp = steps(text)
+    one_text, text = _beside_one_process(tmp_path, monkeypatch, capsys,
+                                         [*common, "--batch", "2", "--nproc", "2", "--metrics", "dp.jsonl"],
+                                         [*common, "--batch", "4"])
+    one, dp = steps(one_text), steps(text)
     assert "2 ranks of 64" in text and len(dp) == 3
     assert text.count("done: 3 steps") == 1                  # one rank reports
     torch.testing.assert_close(torch.tensor(dp), torch.tensor(one), rtol=2e-4, atol=0)   # 4 printed digits
@@ -337,7 +342,6 @@ def test_cli_nproc_on_chat_records_equals_micro_batches_of_one_process(tmp_path,
     held-out loss is the mean over every held-out token either way."""
     import re
 
-    from pstar_fx.cli import main
     from test_records import chat_jsonl, tiny_llama_dir
     hf = tiny_llama_dir(tmp_path / "llama")
     data = chat_jsonl(tmp_path / "chat.jsonl", 40)
@@ -346,22 +350,8 @@ def test_cli_nproc_on_chat_records_equals_micro_batches_of_one_process(tmp_path,
 
     def printed(stdout, key):
         return [float(x) for x in re.findall(rf"^step +\d+  {key} ([\d.]+)", stdout, re.M)]
-    dp_proc = subprocess.Popen([sys.executable, "-m", "pstar_fx.cli", *common, "--nproc", "2"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                               env=dict(os.environ, OMP_NUM_THREADS="1"))
-    try:
-        monkeypatch.chdir(tmp_path)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            assert main([*common, "--grad-accum", "2"]) == 0
-        finally:
-            torch.set_num_threads(threads)
-        one = capsys.readouterr().out
-        text, err = dp_proc.communicate(timeout=240)
-    finally:
-        dp_proc.kill()
-    assert dp_proc.returncode == 0, err[-3000:]
+    one, text = _beside_one_process(tmp_path, monkeypatch, capsys, [*common, "--nproc", "2"],
+                                    [*common, "--grad-accum", "2"])
     assert "held out: 2 records in 1 row(s)" in text and text.count("done: 2 steps") == 1
     for key in ("loss", "eval loss"):
         assert len(printed(text, key)) == (2 if key == "loss" else 1)

@@ -166,19 +166,14 @@ def _summand_rule(m: nn.Module):
     def rows(t, keep):            # every dimension but the last `keep` flattened into one
         return t.reshape(-1, *t.shape[t.dim() - keep:])
 
-    if isinstance(m, nn.Linear):
+    conv1d = type(m).__name__ == "Conv1D" and getattr(m, "nf", None) is not None   # transformers' GPT-2 layers
+    if isinstance(m, nn.Linear) or conv1d:
         def rule(m, x, g, name):
             x2, g2 = rows(x, 1), rows(g, 1)
             if name == "bias":
                 return g2.sum(0), g2.abs().sum(0)
-            return g2.T @ x2, g2.abs().T @ x2.abs()
-        return rule
-    if type(m).__name__ == "Conv1D" and getattr(m, "nf", None) is not None:     # transformers' GPT-2 layers
-        def rule(m, x, g, name):
-            x2, g2 = rows(x, 1), rows(g, 1)
-            if name == "bias":
-                return g2.sum(0), g2.abs().sum(0)
-            return x2.T @ g2, x2.abs().T @ g2.abs()
+            a, b = (x2, g2) if conv1d else (g2, x2)          # Conv1D's weight is (in, out): Linear's transposed
+            return a.T @ b, a.abs().T @ b.abs()
         return rule
     if isinstance(m, nn.Embedding) and not m.scale_grad_by_freq and not m.sparse:
         def rule(m, x, g, name):
