@@ -199,13 +199,17 @@ def adam_undo(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
 
     part: "all"; "param" (the master only, from the updated moments: `grad` may be None); "moments" (the
     master is already restored: the moments, from the grad, and the redo if asked) — a replayed step's
-    two halves, when no gradient was kept.
+    two halves, when no gradient was kept; "copy" (a correction's `param_out` alone, the bits "all" writes
+    there; param, exp_avg and exp_avg_sq are left as they are): a host chunk's 16-bit copy corrected first,
+    for the next forward, its full correction ("all", no param_out) after.
     """
-    parts = {"all": 0, "param": 1, "moments": 2}
+    parts = {"all": 0, "param": 1, "moments": 2, "copy": 3}
     if part not in parts:
         raise ValueError(f"part must be one of {list(parts)}, got {part!r}")
     if part == "param" and (redo_scale is not None or param_out is not None):
         raise ValueError("part='param' restores the master only: no redo_scale, no param_out")
+    if part == "copy" and (redo_scale is None or param_out is None):
+        raise ValueError("part='copy' writes a correction's 16-bit copy: it needs redo_scale and param_out")
     _check_tensor("param", param, None, None, (torch.float32,))
     n, dev = param.numel(), param.device
     if part != "param" or grad is not None:
@@ -231,7 +235,10 @@ def adam_undo(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
         raise ValueError(f"redo_scale must be positive, got {redo_scale}")
     if n == 0:
         return
-    if which == "cpp":
+    if part == "copy" and which != "cpp":          # the other backends correct copies of the state
+        adam_undo(param.clone(), grad, exp_avg.clone(), exp_avg_sq.clone(), **hyper, redo_scale=redo_scale,
+                  param_out=param_out, backend=backend)
+    elif which == "cpp":
         cpu_adam.adam_undo(param, grad, exp_avg, exp_avg_sq, redo_scale=redo_scale, param_out=param_out, part=code,
                            **hyper)
     elif which == "triton" and hyper["beta1"] > 0 and hyper["beta2"] > 0:

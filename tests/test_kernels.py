@@ -690,6 +690,13 @@ def test_adam_undo_with_redo_is_undo_then_step(backend, device, decoupled):
         else:
             assert torch.equal(a, b)
     assert torch.equal(out, fused[0].to(torch.bfloat16))
+    # part "copy": that correction's 16-bit copy alone, the same bits; the state is left as it was
+    alone, copy = [t.clone() for t in (p, m, v)], torch.empty(n, dtype=torch.bfloat16, device=device)
+    K.adam_undo(*alone[:1], grads[2], *alone[1:], step=3, grad_scale=1.0, redo_scale=4.0, param_out=copy,
+                part="copy", backend=backend, **hyper)
+    assert torch.equal(copy, out) and all(torch.equal(a, b) for a, b in zip(alone, (p, m, v)))
+    with pytest.raises(ValueError, match="needs redo_scale and param_out"):
+        K.adam_undo(*alone[:1], grads[2], *alone[1:], step=3, grad_scale=1.0, part="copy", backend=backend, **hyper)
 
 
 @needs_ext
@@ -765,6 +772,13 @@ def test_cpp_undo_every_simd_level_is_the_old_kernel_bit_for_bit(grad_dtype):
                                        redo_scale=redo, param_out=out, part=code, simd=level, num_threads=threads,
                                        **hyper)
                     results[level, threads, off] = [_bits(t) for t in state] + ([_bits(out)] if redo else [])
+                    if part == "all" and redo:   # part 3, the corrected 16-bit copy alone: the same bits, no state
+                        alone = [t.clone() for t in (p, m, v)]
+                        copy = torch.full((n + 1,), 7.0, dtype=torch.bfloat16)[off:off + n]
+                        cpu_adam.adam_undo(alone[0], g, alone[1], alone[2], grad_scale=scale, redo_scale=redo,
+                                           param_out=copy, part=3, simd=level, num_threads=threads, **hyper)
+                        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(alone, (p, m, v))), (ci, level)
+                        assert torch.equal(_bits(copy), results[level, threads, off][3]), (ci, step, level, threads)
             ref = results["scalar", 1, 0]
             for key, got in results.items():
                 assert all(torch.equal(a, b) for a, b in zip(got, ref)), f"case {ci} step {step} {part}: {key} differs"

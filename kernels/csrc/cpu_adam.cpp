@@ -472,13 +472,16 @@ double stream_triad(uintptr_t a, uintptr_t b, uintptr_t c, int64_t n, double sca
 // and prefetch; its float64 quotients are exact reciprocal steps on the vector levels and IEEE divisions on
 // the scalar level, which give the same bits: every level gives the old scalar kernel's result bit for bit
 // (tests/test_kernels.py). Bytes per element: 28 B (fp32 grad) / 26 B (16-bit), + 2 B for the redo's
-// 16-bit copy; the master alone (part 1) 16 B.
+// 16-bit copy; the master alone (part 1) 16 B; the corrected 16-bit copy alone (part 3: read p, m, v, grad,
+// write the copy) 16 B (bf16 grad), what a host chunk's next read waits for before its full correction.
 void adam_undo(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, uintptr_t exp_avg,
                uintptr_t exp_avg_sq, int64_t n, int64_t step, double lr, double beta1, double beta2, double eps,
                double weight_decay, double grad_scale, bool decoupled, double redo_scale, uintptr_t param_out,
                const std::string& out_dtype, int part, int num_threads, const std::string& simd,
                const std::string& stores, int prefetch_elems) {
-    if (part < 0 || part > 2) throw py::value_error("adam_undo: part must be 0, 1 or 2");
+    if (part < 0 || part > 3) throw py::value_error("adam_undo: part must be 0, 1, 2 or 3");
+    if (part == 3 && (param_out == 0 || !(redo_scale > 0.0)))
+        throw py::value_error("adam_undo: part 3 (the corrected 16-bit copy only) needs redo_scale and param_out");
     if (n < 0) throw py::value_error("adam_undo: negative element count");
     if (step < 1) throw py::value_error("adam_undo: step must be >= 1 (1-based, after increment)");
     const Level& chosen = pick(simd);

@@ -614,7 +614,8 @@ static inline typename O::T unscaled(typename O::T g, bool div, typename O::T sc
     return div ? O::div(g, scale) : O::mul(g, inv);
 }
 
-// W consecutive elements. PART: 0 everything, 1 the master only (no grad), 2 the moments (the master restored).
+// W consecutive elements. PART: 0 everything, 1 the master only (no grad), 2 the moments (the master restored),
+// 3 a correction's 16-bit copy only (computed as PART 0 computes it; p, m, v are read and left as they are).
 template <class O, int GK, int OK, bool REDO, int PART, int ST>
 static inline void undo_elems(float* p, const void* grad, float* m, float* v, uint16_t* out, int64_t i,
                               const UndoConsts<O>& k) {
@@ -650,9 +651,11 @@ static inline void undo_elems(float* p, const void* grad, float* m, float* v, ui
         const T denom = O::add(O::mul(O::sqrt(v0), k.inv_bc2_sqrt), k.eps);
         p0 = O::sub(p0, O::mul(k.step_size, O::div(m0, denom)));
     }
-    O::store(p + i, p0);
-    O::store(m + i, m0);
-    O::store(v + i, v0);
+    if (PART != 3) {
+        O::store(p + i, p0);
+        O::store(m + i, m0);
+        O::store(v + i, v0);
+    }
     if (REDO && OK == 1) ST ? O::stream_bf16(out + i, p0) : O::store_bf16(out + i, p0);
     else if (REDO && OK == 2) ST ? O::stream_f16(out + i, p0) : O::store_f16(out + i, p0);
 }
@@ -708,8 +711,10 @@ static void undo_range_g(float* p, const void* grad, float* m, float* v, uint16_
     if (out == nullptr) return part == 2 ? undo_range_s<GK, -1, true, 2>(p, grad, m, v, out, n, c)
                                          : undo_range_s<GK, -1, true, 0>(p, grad, m, v, out, n, c);
     if (out_dtype == 1) return part == 2 ? undo_range_s<GK, 1, true, 2>(p, grad, m, v, out, n, c)
+                             : part == 3 ? undo_range_s<GK, 1, true, 3>(p, grad, m, v, out, n, c)
                                          : undo_range_s<GK, 1, true, 0>(p, grad, m, v, out, n, c);
     return part == 2 ? undo_range_s<GK, 2, true, 2>(p, grad, m, v, out, n, c)
+         : part == 3 ? undo_range_s<GK, 2, true, 3>(p, grad, m, v, out, n, c)
                      : undo_range_s<GK, 2, true, 0>(p, grad, m, v, out, n, c);
 }
 
