@@ -35,9 +35,12 @@ class HostWorker:
     def threaded(self) -> bool:
         return self.executor is not None
 
-    def run(self, c: int, log: StepLog | None, fn, *args) -> None:
+    def run(self, c: int, log: StepLog | None, fn, *args, after_copy: bool = False) -> None:
         """Run a host chunk's job inline or on the worker, where a read of chunk c waits for it; `log` records its
-        outcome (True: an update applied)."""
+        outcome (True: an update applied). `after_copy`: the master's job of a copy first queued just before it
+        (reads of the 16-bit copy go on waiting for that one alone); otherwise the job changes the copy too."""
+        if not after_copy:
+            self.copies_first.pop(c, None)
         result = fn(*args) if self.executor is None else self.executor.submit(fn, *args)
         if self.executor is not None:
             self.pending[c] = result
@@ -58,9 +61,10 @@ class HostWorker:
         return self.copies_first.get(c) or self.pending.get(c)
 
     def wait_for_copy(self, c: int, current: StepLog | None) -> None:
-        """Chunk c's 16-bit copy must be current (what a forward reads): wait for its copy first if it has one
-        (its exception is raised), else as `wait_for`."""
-        fut = self.copies_first.pop(c, None)
+        """Chunk c's 16-bit copy must be current (what forward and backward read): wait for its copy first if it
+        has one (its exception is raised), else as `wait_for`. The copy first stays what reads wait for until its
+        master's job is waited for (backward reads the chunk again, before its next update needs the master)."""
+        fut = self.copies_first.get(c)
         if fut is None:
             return self.wait_for(c, current)
         t0 = time.perf_counter()

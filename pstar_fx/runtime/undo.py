@@ -89,7 +89,8 @@ class Undo:
             self.worker.run_copy_first(c, log, self._correct_host, log, c, updates, speculated, hyper, "copy")
         for c in sorted(updates):
             part = "state" if c in first else "all"
-            self.worker.run(c, log, self._correct_host, log, c, updates, speculated, hyper, part)
+            self.worker.run(c, log, self._correct_host, log, c, updates, speculated, hyper, part,
+                            after_copy=c in first)
         for c, grad in self.kept.on_device_in_order(sorted(log.device)):
             self._correct_one(log, c, grad, speculated, hyper)
         self.telemetry.add("correction", time.perf_counter() - t0)
