@@ -25,6 +25,12 @@ class GPTModule(L.LightningModule):
         torch.manual_seed(seed)
         self.model = GPT(gpt_config("tiny"))
         self.optimizer = optimizer
+        self.val_losses = []
+
+    def validation_step(self, batch, batch_idx):
+        loss = self.model(*batch)
+        self.val_losses.append(loss.item())
+        self.log("val_loss", loss)
 
     def training_step(self, batch, batch_idx):
         idx, targets = batch
@@ -73,7 +79,7 @@ def test_equals_default_strategy(budget):
     trainer(epochs=2).fit(ref, loader())
     trainer(epochs=2, precision="64-true").fit(truth, loader())
     ours = trainer(pstar(budget), epochs=2)
-    ours.fit(module, loader())
+    ours.fit(module, loader(), loader(seed=1))
     engine = ours.strategy.engine
     assert engine.steps == 2 * BATCHES // ACCUM
     assert engine.plan.placement.count("host") > 0                 # the budget moved chunks
@@ -81,6 +87,10 @@ def test_equals_default_strategy(budget):
     ref.__dict__["float64_truth"] = (truth, engine.steps, None)
     # the module holds the engine's weights after fit, under its own names
     assert_weights_close(module.state_dict(), ref)
+    # and held them at the last validation, which ran after the last step: its losses are the final weights'
+    module.eval()
+    with torch.no_grad():
+        assert module.val_losses[-BATCHES:] == [module.model(*b).item() for b in loader(seed=1)]
 
 
 def test_fit_checkpoint_resume(tmp_path, budget):
@@ -115,9 +125,10 @@ def test_fit_checkpoint_resume(tmp_path, budget):
     assert float(rows[-1]["lr"]) == pytest.approx(3e-3)            # warm-up over: the LambdaLR's multiplier 1
 
 
-def test_refuses_what_it_cannot_run():
-    """An optimizer other than AdamW / Adam, or a precision that changes the module's dtype: an error naming it,
-    before any step."""
+def test_registered_and_refuses_what_it_cannot_run():
+    """strategy="pstar_fx" is the strategy; an optimizer other than AdamW / Adam, or a precision that changes the
+    module's dtype: an error naming it, before any step."""
+    assert isinstance(L.Trainer(strategy="pstar_fx", logger=False).strategy, PstarStrategy)
     with pytest.raises(TypeError, match="returned a SGD"):
         trainer(pstar()).fit(GPTModule(optimizer="sgd"), loader())
     with pytest.raises(ValueError, match="bf16-true"):
