@@ -126,10 +126,22 @@ def test_fit_checkpoint_resume(tmp_path, budget):
 
 
 def test_registered_and_refuses_what_it_cannot_run():
-    """strategy="pstar_fx" is the strategy; an optimizer other than AdamW / Adam, or a precision that changes the
-    module's dtype: an error naming it, before any step."""
+    """strategy="pstar_fx" is the strategy; an optimizer other than AdamW / Adam, clipping by value, or a precision
+    that changes the module's dtype: an error naming it, before any step."""
     assert isinstance(L.Trainer(strategy="pstar_fx", logger=False).strategy, PstarStrategy)
     with pytest.raises(TypeError, match="returned a SGD"):
         trainer(pstar()).fit(GPTModule(optimizer="sgd"), loader())
+    with pytest.raises(ValueError, match="gradient_clip_algorithm='value'"):
+        trainer(pstar(), gradient_clip_algorithm="value").fit(GPTModule(), loader())
     with pytest.raises(ValueError, match="bf16-true"):
         trainer(pstar(), precision="bf16-true").fit(GPTModule(), loader())
+
+
+def test_bf16_mixed_is_the_engines_compute_dtype():
+    """precision="bf16-mixed" compiles the step in bf16 (fp32 masters); the engine's bf16 arithmetic itself is
+    tested against torch's autocast in test_engine."""
+    t = trainer(pstar(), precision="bf16-mixed", limit_train_batches=ACCUM)
+    t.fit(GPTModule(), loader())
+    engine = t.strategy.engine
+    assert engine.config.dtype == "bf16" and engine.dtype == torch.bfloat16 and engine.steps == 1
+    assert engine.state_dict()["model.wte.weight"].dtype == torch.float32

@@ -233,8 +233,8 @@ class PstarStrategy(SingleDeviceStrategy):
             if trainer.gradient_clip_val and algorithm not in (None, "norm"):
                 raise ValueError(f"Trainer(gradient_clip_algorithm={algorithm!r}): the pstar_fx strategy clips by the "
                                  "global norm only (gradient_clip_algorithm='norm')")
-            self.trainer_fields.update(grad_clip=float(trainer.gradient_clip_val) if trainer.gradient_clip_val else None,
-                                       grad_accum=int(trainer.accumulate_grad_batches),
+            clip = float(trainer.gradient_clip_val) if trainer.gradient_clip_val else None     # 0: no clipping
+            self.trainer_fields.update(grad_clip=clip, grad_accum=int(trainer.accumulate_grad_batches),
                                        dtype=_precision_dtype(self.precision_plugin.precision))
         super().setup(trainer)
 
@@ -303,7 +303,7 @@ class PstarStrategy(SingleDeviceStrategy):
     def sync_module(self) -> None:
         """Write the engine's weights into the LightningModule's parameters (and buffers)."""
         if self.engine is not None and self._module_stale:
-            self.engine.export(TrainingStepLoss(self.lightning_module, "tensor"))
+            self.engine.export(self.lightning_module)         # the engine's names are the module's own
             self._module_stale = False
 
     def on_validation_start(self) -> None:
