@@ -120,7 +120,7 @@ def test_fit_checkpoint_resume(tmp_path, budget):
     with open(logger.log_dir + "/metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("loss")]
     assert [int(r["step"]) for r in rows] == [2, 3]                # the resumed epoch's two steps
-    for key in ("loss", "lr", "grad_norm", "clip_coef", "skipped", "device_peak_bytes", "host_peak_bytes"):
+    for key in ("loss", "lr", "grad_norm", "clip_coef", "skipped", "seconds", "device_peak_bytes", "host_peak_bytes"):
         assert all(r[key] != "" for r in rows), key
     assert float(rows[-1]["lr"]) == pytest.approx(3e-3)            # warm-up over: the LambdaLR's multiplier 1
 

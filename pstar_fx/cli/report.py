@@ -2,7 +2,7 @@
 JSONL line, sent to TensorBoard or Weights & Biases under the same keys, at the same step number.
 
 Both are optional (pip install pstar_fx[loggers]). TensorBoard writes event files through torch's SummaryWriter
-into --log-dir (default runs/<date>_<host>); wandb starts a run in project "pstar-fx" under --log-dir (default
+into --log-dir (default runs/<date>_<host>); wandb starts a run in project "pstar-fx" in --log-dir/wandb (default
 $WANDB_DIR or ./wandb), online or offline as wandb is set (WANDB_MODE=offline needs no network: `wandb sync` uploads
 the run later). Only rank 0 reports, as only rank 0 writes --metrics.
 """

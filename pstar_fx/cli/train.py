@@ -86,8 +86,8 @@ def add_parser(sub) -> None:
                        help="also send each step's --metrics record, under the same keys, to tensorboard, wandb "
                             "(comma-separated: tensorboard,wandb) or none (default); rank 0 only; pip install "
                             "'pstar_fx[loggers]'. wandb runs offline with WANDB_MODE=offline")
-    train.add_argument("--log-dir", metavar="DIR", help="where --report-to writes: TensorBoard's event files "
-                       "(default runs/<date>_<host>), the wandb run (default $WANDB_DIR or ./wandb)")
+    train.add_argument("--log-dir", metavar="DIR", help="where --report-to writes: TensorBoard's event files in DIR "
+                       "(default runs/<date>_<host>), the wandb run in DIR/wandb (default $WANDB_DIR or ./wandb)")
     train.add_argument("--progress", choices=["auto", "bar", "lines"], default="auto",
                        help="auto (default): a progress bar on stderr when it is a terminal, else lines only; "
                             "the step lines on stdout are printed either way")

@@ -16,8 +16,8 @@ What the strategy does with Lightning's loop (the shape of DeepSpeedStrategy's, 
     into the engine's Config; anything it cannot run exactly is an error naming it, before the first step;
   - checkpoints are the engine's directory (safetensors weights under the module's names, moments, loop state),
     with Lightning's own state (loops, callbacks, hyperparameters) beside them in `lightning_state.pt`;
-  - after each step it logs loss, lr, grad_norm, clip_coef, skipped and the memory peaks through the module's
-    `log_dict`, i.e. the Trainer's own loggers;
+  - after each step it logs loss, lr, grad_norm, clip_coef, skipped, seconds and the memory peaks through the
+    module's `log_dict`, i.e. the Trainer's own loggers;
   - the LightningModule's parameters keep the weights they had at the first step while training runs in chunk
     memory; they are written back before validation, test and predict, and at the end of fit.
 
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -207,6 +208,14 @@ class PstarStrategy(SingleDeviceStrategy):
     def lightning_restore_optimizer(self) -> bool:
         return False                          # the moments and step count come from the engine's checkpoint
 
+    def setup_environment(self) -> None:
+        kind = type(self.accelerator).__name__
+        if (kind == "CPUAccelerator") != (self.root_device.type == "cpu"):
+            raise ValueError(f"the Trainer's accelerator is a {kind}, but the strategy's Config.device is "
+                             f"{self.config.device!r}; give the strategy the same device: "
+                             "PstarStrategy(Config(device='cpu' or 'cuda', ...))")
+        super().setup_environment()
+
     def model_to_device(self) -> None:
         # The module stays where it was built (the host, usually): the engine holds the trained weights in its own
         # chunk memory, and the module runs only validation, test and predict.
@@ -266,9 +275,11 @@ class PstarStrategy(SingleDeviceStrategy):
         if self.engine is None:
             self.engine = self._compile(self._micro_batches[0])
         self._micro_batches = []
+        t0 = time.perf_counter()
         loss = self.engine.step(inputs) if isinstance(inputs, dict) else self.engine.step(*inputs)
+        seconds = time.perf_counter() - t0
         self._module_stale = True
-        self._log(loss)
+        self._log(loss, seconds)
         return loss
 
     def _compile(self, micro_batch) -> pstar_fx.Engine:
@@ -278,11 +289,12 @@ class PstarStrategy(SingleDeviceStrategy):
         self._resume = None
         return engine
 
-    def _log(self, loss: torch.Tensor) -> None:
-        """The step's record, with the keys of `pstar-fx train --metrics`, through the Trainer's loggers."""
+    def _log(self, loss: torch.Tensor, seconds: float) -> None:
+        """The step's record, with the keys of `pstar-fx train --metrics` (not tokens_per_s and tflops: the strategy
+        does not know what a batch's tokens are), through the Trainer's loggers."""
         r = self.engine.last_step
         s = self.engine.memory_stats()
-        values = {"lr": r.lr, "clip_coef": r.clip_coef, "skipped": float(r.skipped),
+        values = {"lr": r.lr, "clip_coef": r.clip_coef, "skipped": float(r.skipped), "seconds": seconds,
                   "device_peak_bytes": float(s["device_peak_bytes"]), "host_peak_bytes": float(s["host_peak_bytes"])}
         if r.grad_norm is not None:
             values["grad_norm"] = r.grad_norm
