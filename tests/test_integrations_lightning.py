@@ -126,13 +126,15 @@ def test_fit_checkpoint_resume(tmp_path, budget):
 
 
 def test_registered_and_refuses_what_it_cannot_run():
-    """strategy="pstar_fx" is the strategy; an optimizer other than AdamW / Adam, clipping by value, or a precision
-    that changes the module's dtype: an error naming it, before any step."""
+    """strategy="pstar_fx" is the strategy; an optimizer other than AdamW / Adam, clipping by value, a Config field
+    the Trainer sets, or a precision that changes the module's dtype: an error naming it, before any step."""
     assert isinstance(L.Trainer(strategy="pstar_fx", logger=False).strategy, PstarStrategy)
     with pytest.raises(TypeError, match="returned a SGD"):
         trainer(pstar()).fit(GPTModule(optimizer="sgd"), loader())
     with pytest.raises(ValueError, match="gradient_clip_algorithm='value'"):
         trainer(pstar(), gradient_clip_algorithm="value").fit(GPTModule(), loader())
+    with pytest.raises(ValueError, match="grad_clip is set by Trainer"):
+        trainer(PstarStrategy(Config(device="cpu", grad_clip=2.0))).fit(GPTModule(), loader())
     with pytest.raises(ValueError, match="bf16-true"):
         trainer(pstar(), precision="bf16-true").fit(GPTModule(), loader())
 

@@ -246,6 +246,8 @@ class PstarStrategy(SingleDeviceStrategy):
             self.trainer_fields.update(grad_clip=clip, grad_accum=int(trainer.accumulate_grad_batches),
                                        dtype=_precision_dtype(self.precision_plugin.precision))
         super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.engine_config()              # a field set twice fails now, not at the first batch
 
     def engine_config(self) -> Config:
         """The strategy's Config with the fields the Trainer and configure_optimizers set."""
