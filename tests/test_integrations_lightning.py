@@ -123,6 +123,7 @@ def test_fit_checkpoint_resume(tmp_path, budget):
     for key in ("loss", "lr", "grad_norm", "clip_coef", "skipped", "seconds", "device_peak_bytes", "host_peak_bytes"):
         assert all(r[key] != "" for r in rows), key
     assert float(rows[-1]["lr"]) == pytest.approx(3e-3)            # warm-up over: the LambdaLR's multiplier 1
+    assert t2.optimizers[0].param_groups[0]["lr"] == t2.strategy.engine.lr      # what LearningRateMonitor reads
 
 
 def test_registered_and_refuses_what_it_cannot_run():

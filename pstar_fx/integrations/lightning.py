@@ -281,6 +281,8 @@ class PstarStrategy(SingleDeviceStrategy):
         loss = self.engine.step(inputs) if isinstance(inputs, dict) else self.engine.step(*inputs)
         seconds = time.perf_counter() - t0
         self._module_stale = True
+        for group in self.optimizers[0].param_groups:    # what callbacks read (LearningRateMonitor): the next lr
+            group["lr"] = self.engine.lr
         self._log(loss, seconds)
         return loss
 
