@@ -24,6 +24,7 @@ from .adapt import adapt, add_flags
 from .args import (DEFAULT_STEPS, STEPS_ENV, TRAIN_SEQ_CAP, call, check_cuda, common, config_dict, config_flag,
                    default_steps, example_inputs, positive_float, positive_int, seq_buckets, seq_len)
 from .progress import Bar
+from .report import Reporters, report_to
 
 MiB = 2**20
 
@@ -77,9 +78,16 @@ def add_parser(sub) -> None:
                        "records, all of them evaluated), forward only (engine.evaluate); the same batch and the "
                        "same mean whatever --nproc")
     train.add_argument("--metrics", metavar="FILE.jsonl", help="append one JSON object per step (step, loss, lr, "
-                       "grad_norm, clip_coef, skipped, tokens_per_s, tflops, seconds; eval_loss when evaluated), "
+                       "grad_norm, clip_coef, skipped, tokens_per_s, tflops, seconds, device_peak_bytes, "
+                       "host_peak_bytes (engine.memory_stats' peaks so far); eval_loss when evaluated), "
                        "flushed as it is written; loss is the step's own (the printed lines show the mean "
                        "over --log-every steps); written by rank 0 only")
+    train.add_argument("--report-to", type=report_to, default=(), metavar="NAMES",
+                       help="also send each step's --metrics record, under the same keys, to tensorboard, wandb "
+                            "(comma-separated: tensorboard,wandb) or none (default); rank 0 only; pip install "
+                            "'pstar_fx[loggers]'. wandb runs offline with WANDB_MODE=offline")
+    train.add_argument("--log-dir", metavar="DIR", help="where --report-to writes: TensorBoard's event files in DIR "
+                       "(default runs/<date>_<host>), the wandb run in DIR/wandb (default $WANDB_DIR or ./wandb)")
     train.add_argument("--progress", choices=["auto", "bar", "lines"], default="auto",
                        help="auto (default): a progress bar on stderr when it is a terminal, else lines only; "
                             "the step lines on stdout are printed either way")
@@ -281,7 +289,11 @@ def run(args, parser) -> int:
     first_step = engine.steps
     for step in range(1, first_step + 1):                           # resumed: the batches those updates saw
         next(streams[(step - 1) % len(lengths)])
-    metrics = open(args.metrics, "a") if args.metrics and rank == 0 else None     # one rank writes the file
+    # one rank reports and writes the file
+    reporters = None if not args.report_to or rank else Reporters(
+        args.report_to, args.log_dir, {"model": str(args.model), "steps": steps, "batch": args.batch, "seq": seq,
+                                       **config_dict(args)})
+    metrics = open(args.metrics, "a") if args.metrics and rank == 0 else None
     bar = Bar(args.progress if rank == 0 else "lines", first_step + steps, first_step)   # one bar, rank 0's
     first = last = None
     in_step = interrupted = False
@@ -305,10 +317,11 @@ def run(args, parser) -> int:
             tokens_since, flops_since = tokens_since + tokens_per_step, flops_since + tokens_per_step * flops
             tokens_done, flops_done = tokens_done + tokens_per_step, flops_done + tokens_per_step * flops
             r = engine.last_step
-            record = None if metrics is None else {
+            record = None if metrics is None and reporters is None else {
                 "step": step, "loss": float(loss), "lr": r.lr, "grad_norm": r.grad_norm, "clip_coef": r.clip_coef,
                 "skipped": r.skipped, "tokens_per_s": tokens_per_step / seconds,
-                "tflops": tokens_per_step * flops / seconds / 1e12, "seconds": seconds}
+                "tflops": tokens_per_step * flops / seconds / 1e12, "seconds": seconds,
+                **{k: v for k, v in engine.memory_stats().items() if k in ("device_peak_bytes", "host_peak_bytes")}}
             postfix = {}
             if ran == 1 or step % args.log_every == 0 or ran == steps:
                 now = time.perf_counter()
@@ -334,6 +347,8 @@ def run(args, parser) -> int:
             if metrics is not None:
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
+            if reporters is not None:
+                reporters.log(record)
             bar.update(**postfix)
     except KeyboardInterrupt:
         interrupted = True
@@ -343,6 +358,8 @@ def run(args, parser) -> int:
         bar.close()
         if metrics is not None:
             metrics.close()
+        if reporters is not None:
+            reporters.close()
     elapsed = time.perf_counter() - start
     if first is not None:
         rate = tokens_done / elapsed
