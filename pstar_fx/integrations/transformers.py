@@ -91,7 +91,9 @@ def lr_schedule_of(args, max_steps: int):
     if kind in ("cosine", "cosine_with_min_lr") and cycles != 0.5:
         raise ValueError(f"lr_scheduler_kwargs num_cycles={cycles}: the engine's cosine is one half-cycle (0.5)")
     spec = None
-    if kind == "constant":
+    if kind in ("linear", "cosine", "cosine_with_min_lr") and warmup >= max_steps:
+        spec = {"type": "constant", "warmup_steps": warmup}   # every update runs under warm-up: the same rates
+    elif kind == "constant":
         spec = None                                   # HF's get_constant_schedule has no warm-up either
     elif kind == "constant_with_warmup":
         spec = {"type": "constant", "warmup_steps": warmup}
