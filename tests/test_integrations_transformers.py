@@ -117,8 +117,9 @@ def test_resume_from_checkpoint_continues_bit_for_bit(tmp_path):
     resumed = PstarTrainer(model=copy.deepcopy(model), args=arguments(tmp_path / "whole"), train_dataset=data)
     resumed.train(resume_from_checkpoint=str(ckpt))
     assert resumed.engine.steps == STEPS
-    a = steps_logged(whole)[3:]
-    b = steps_logged(resumed)
+    # the resumed history holds the checkpoint's steps 1-3, then its own 4-6: the same as one run's, bit for bit
+    a, b = steps_logged(whole), steps_logged(resumed)
+    assert [r["step"] for r in b] == list(range(1, STEPS + 1))
     assert [(r["step"], r["loss"], r["grad_norm"], r["learning_rate"]) for r in b] == \
            [(r["step"], r["loss"], r["grad_norm"], r["learning_rate"]) for r in a]
     sa, sb = whole.engine.state_dict(), resumed.engine.state_dict()
@@ -142,13 +143,13 @@ def test_config_from_arguments(tmp_path):
 
 @pytest.mark.parametrize("kw, message", [
     ({"optim": "sgd"}, "optim='sgd'"),
-    ({"gradient_checkpointing": True}, "gradient_checkpointing=True: the planner decides"),
     ({"label_smoothing_factor": 0.1}, "label_smoothing_factor=0.1"),
     ({"load_best_model_at_end": True, "eval_strategy": "steps", "save_strategy": "steps"}, "load_best_model_at_end"),
 ])
 def test_fields_it_cannot_honour_are_named(kw, message, tmp_path):
     with pytest.raises(ValueError, match=message):
-        PstarTrainer(model=hf_model("gpt2"), args=arguments(tmp_path, **kw), train_dataset=dataset())
+        PstarTrainer(model=hf_model("gpt2"), args=arguments(tmp_path, **kw), train_dataset=dataset(),
+                     eval_dataset=dataset(rows=BATCH))
 
 
 def test_other_refusals_and_the_weight_decay_warning(tmp_path):
@@ -160,12 +161,15 @@ def test_other_refusals_and_the_weight_decay_warning(tmp_path):
         PstarTrainer(model=model, args=arguments(tmp_path), train_dataset=data, compute_metrics=lambda p: {})
     with pytest.raises(ValueError, match="grad_clip comes from TrainingArguments max_grad_norm"):
         PstarTrainer(model=model, args=arguments(tmp_path), train_dataset=data, pstar_config={"grad_clip": 2.0})
-    with pytest.raises(TypeError, match="device_memroy"):
+    with pytest.raises(ValueError, match="device_memroy.*did you mean device_memory"):
         PstarTrainer(model=model, args=arguments(tmp_path), train_dataset=data, pstar_config={"device_memroy": 1})
     with pytest.raises(ValueError, match="lr_scheduler_type='polynomial'"):
         config_from_args(arguments(tmp_path, lr_scheduler_type="polynomial"), 10)
     with pytest.warns(UserWarning, match="weight_decay=0.1: the engine's AdamW decays every parameter"):
         PstarTrainer(model=model, args=arguments(tmp_path, weight_decay=0.1), train_dataset=data)
+    with pytest.warns(UserWarning, match="gradient_checkpointing=True is switched off: the planner decides"):
+        t = PstarTrainer(model=model, args=arguments(tmp_path, gradient_checkpointing=True), train_dataset=data)
+    assert not t.args.gradient_checkpointing and not getattr(t.args, "activation_checkpointing", False)
     # a step of 3 rows does not split into 2 equal micro-batches: said, with what to do
     short = PstarTrainer(model=model, args=arguments(tmp_path, max_steps=-1, num_train_epochs=1),
                          train_dataset=dataset(rows=BATCH * ACCUM + 1))

@@ -43,7 +43,7 @@ def _name(value) -> str:
 
 def check_args(args) -> None:
     """Raise for a TrainingArguments field the engine cannot honour, naming it; warn where it trains otherwise than
-    the stock Trainer would."""
+    the stock Trainer would, and for gradient checkpointing, which it switches off in `args`."""
     problems = []
     if _name(args.optim) not in ADAMW:
         problems.append(f"optim={_name(args.optim)!r}: the engine's optimizer is AdamW, fused into backward chunk by "
@@ -51,9 +51,6 @@ def check_args(args) -> None:
     if args.optim_args:
         problems.append(f"optim_args={args.optim_args!r}: the engine's AdamW takes adam_beta1/2, adam_epsilon and "
                         "weight_decay only")
-    if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
-        problems.append("gradient_checkpointing=True: the planner decides what to recompute, from the memory "
-                        "budgets; leave it False (pstar_config's device_memory sets the budget)")
     if args.torch_compile:
         problems.append("torch_compile=True: pstar_fx compiles the step itself (Config.compute: Inductor on CUDA)")
     if args.label_smoothing_factor:
@@ -75,6 +72,13 @@ def check_args(args) -> None:
                         "compute dtype")
     if problems:
         raise ValueError("PstarTrainer cannot honour these TrainingArguments:\n  " + "\n  ".join(problems))
+    checkpointing = [k for k in ("gradient_checkpointing", "activation_checkpointing") if getattr(args, k, False)]
+    if checkpointing:
+        # TRL's configs turn it on by default, so it is switched off here rather than refused
+        for k in checkpointing:
+            setattr(args, k, False)
+        warnings.warn(f"{checkpointing[0]}=True is switched off: the planner decides what to recompute, from the "
+                      "memory budgets (pstar_config's device_memory)", UserWarning, stacklevel=3)
     if args.weight_decay:
         warnings.warn(f"weight_decay={args.weight_decay}: the engine's AdamW decays every parameter, biases and "
                       "norm weights included; the stock Trainer exempts those (get_decay_parameter_names)",
@@ -231,7 +235,15 @@ class PstarTrainer(Trainer):
         model = self.accelerator.unwrap_model(self.model)
         model.train()                                 # the step is captured in the mode the model is in
         resume, self._resume_from = self._resume_from, None
-        self.engine = pstar_fx.compile(model, config, example_inputs=example, resume=resume)
+        # TRL's SFTTrainer replaces forward on the instance (a fused LM head, used only when asked for, around the
+        # original forward bound to this very model): a copy of the model would still call the original's weights.
+        # The class's own forward, which that wrapper calls anyway, is captured; the wrapper is put back after.
+        patched = model.__dict__.pop("forward", None)
+        try:
+            self.engine = pstar_fx.compile(model, config, example_inputs=example, resume=resume)
+        finally:
+            if patched is not None:
+                model.forward = patched
         log.info("PstarTrainer: compiled; %s", self.engine.plan.summary().splitlines()[0])
 
     def _check_token_weighting(self, micro: list[dict]) -> None:
