@@ -13,9 +13,12 @@ pytest.importorskip("accelerate", reason="accelerate is not installed (the Train
 import torch  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
-from pstar_fx.integrations.transformers import PstarTrainer, config_from_args  # noqa: E402
+from pstar_fx.integrations.transformers import HOOKS, PstarTrainer, config_from_args  # noqa: E402
 from test_engine import rounding_tolerance  # noqa: E402
 from test_hf import VOCAB, hf_model  # noqa: E402
+
+if not all(hasattr(Trainer, h) for h in HOOKS):
+    pytest.skip(f"transformers {transformers.__version__} is older than PstarTrainer needs (5)", allow_module_level=True)
 
 SEQ, BATCH, ACCUM, STEPS = 16, 2, 2, 6
 ROWS = BATCH * ACCUM * STEPS                      # one epoch is the whole run
@@ -124,6 +127,12 @@ def test_resume_from_checkpoint_continues_bit_for_bit(tmp_path):
            [(r["step"], r["loss"], r["grad_norm"], r["learning_rate"]) for r in a]
     sa, sb = whole.engine.state_dict(), resumed.engine.state_dict()
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    # save_model() into the output directory, beside its checkpoint folders, which stay
+    resumed.save_model()
+    out = tmp_path / "whole"
+    assert (out / "checkpoint-3" / "trainer_state.json").exists() and (out / "checkpoint-6").is_dir()
+    final = type(model).from_pretrained(out)
+    assert all(torch.equal(final.state_dict()[k], v) for k, v in resumed.model.state_dict().items())
 
 
 def test_config_from_arguments(tmp_path):

@@ -32,6 +32,10 @@ log = logging.getLogger("pstar_fx")
 
 # TrainingArguments.optim values whose update is torch.optim.AdamW's, which the engine's is
 ADAMW = ("adamw_torch", "adamw_torch_fused")
+# the Trainer's methods PstarTrainer replaces, which the loop calls as its own (transformers 5: earlier loops clip
+# and read the norm inline, where the engine's could not be handed over)
+HOOKS = ("_clip_grad_norm", "_get_grad_norm", "_get_learning_rate", "_build_accelerator_args",
+         "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler", "_load_from_checkpoint", "prediction_step")
 # Config fields made from the TrainingArguments: set them there, not in pstar_config
 DERIVED = ("optimizer", "grad_clip", "grad_accum", "lr_schedule", "dtype", "seed", "device")
 
@@ -180,6 +184,11 @@ class PstarTrainer(Trainer):
     first batch has compiled it; when `train()` returns, `self.model` holds the trained weights."""
 
     def __init__(self, *args, pstar_config: Config | dict | None = None, **kwargs):
+        missing = [h for h in HOOKS if not hasattr(Trainer, h)]
+        if missing:
+            import transformers
+            raise ImportError(f"PstarTrainer needs transformers 5 or later (this is {transformers.__version__}: its "
+                              f"Trainer has no {missing})")
         self.pstar_config = pstar_config
         self.engine: pstar_fx.Engine | None = None
         self._resume_from: str | None = None       # a checkpoint to compile with (resume_from_checkpoint)
