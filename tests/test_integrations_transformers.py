@@ -213,3 +213,24 @@ def test_sft_trainer_takes_it_as_a_mixin(tmp_path):
     assert [r["learning_rate"] for r in logged] == [1e-2 * (1 - k / 4) for k in range(4)]   # linear decay, no warm-up
     after = trainer.model.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("kind", ["linear", "cosine", "cosine_with_min_lr", "constant_with_warmup", "constant"])
+def test_schedules_give_the_stock_rates_bit_for_bit(kind, tmp_path):
+    """Each update's rate from the engine's schedule (Config.lr_schedule, made from the arguments) equals the stock
+    Trainer's scheduler (transformers.get_scheduler on its optimizer) at every step, warm-up given as steps or as a
+    ratio, over runs that do not divide evenly."""
+    from pstar_fx.optim.lr import LrSchedule
+    kwargs = {"min_lr_rate": 0.1} if kind == "cosine_with_min_lr" else {}
+    for lr, warmup, total in ((3e-3, 0, 40), (7e-4, 10, 137), (2e-5, 0.06, 250)):
+        args = arguments(tmp_path, learning_rate=lr, warmup_steps=warmup, lr_scheduler_type=kind,
+                         lr_scheduler_kwargs=kwargs)
+        p = torch.nn.Parameter(torch.zeros(1))
+        opt = torch.optim.AdamW([p], lr=lr)
+        stock = transformers.get_scheduler(kind, opt, num_warmup_steps=args.get_warmup_steps(total),
+                                           num_training_steps=total, scheduler_specific_kwargs=kwargs)
+        ours = LrSchedule(config_from_args(args, total).lr_schedule, lr)
+        for k in range(total):
+            assert ours.lr(k) == opt.param_groups[0]["lr"], (kind, lr, warmup, total, k)
+            opt.step()
+            stock.step()
