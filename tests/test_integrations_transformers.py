@@ -4,6 +4,7 @@ state on the host. Its output directory loads with from_pretrained, resume_from_
 fields it cannot honour are named, and TRL's SFTTrainer takes it as a mixin. Tiny models made in the test."""
 import copy
 import math
+import warnings
 
 import pytest
 
@@ -108,9 +109,21 @@ def test_matches_the_stock_trainer(kind, tmp_path):
 def test_resume_from_checkpoint_continues_bit_for_bit(tmp_path):
     model = hf_model("llama")
     data = dataset()
+    held = dataset(rows=2 * BATCH, seed=1)
     whole = PstarTrainer(model=copy.deepcopy(model), args=arguments(tmp_path / "whole", save_strategy="steps",
-                                                                    save_steps=3), train_dataset=data)
-    whole.train()
+                                                                    save_steps=3, eval_strategy="steps",
+                                                                    eval_steps=3),
+                         train_dataset=data, eval_dataset=held)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        whole.train()
+    assert not [w for w in caught if "mode" in str(w.message)]     # evaluating between steps is no mode change
+    evals = [h for h in whole.state.log_history if "eval_loss" in h]
+    assert [h["step"] for h in evals] == [3, 6]
+    with torch.no_grad():      # the last one is the trained model's eval-mode loss, the mean over the eval batches
+        trained = whole.model.eval()
+        want = sum(trained(**_batch(held[i:i + BATCH])).loss.item() for i in range(0, len(held), BATCH)) / 2
+    assert evals[-1]["eval_loss"] == pytest.approx(want, rel=1e-6)
     ckpt = tmp_path / "whole" / "checkpoint-3"
     assert (ckpt / "trainer_state.json").exists() and (ckpt / "optimizer.safetensors").exists()
     # a checkpoint folder is an HF model folder too

@@ -229,7 +229,8 @@ class PstarTrainer(Trainer):
         """Collect the accumulation group's micro-batches; on its last, run them as one engine step. Returns the
         step's loss on the last micro-batch and 0 on the others, so the Trainer's sum over a step is the step's
         loss (the mean of its micro-batches' losses, each the model's own mean)."""
-        self._micro.append(_tensors(inputs))
+        model.train()          # as the stock step does: an evaluation between steps left it in eval mode, and the
+        self._micro.append(_tensors(inputs))   # engine would say each time that the mode changed after compile
         if not self.accelerator.gradient_state.sync_gradients:
             return torch.zeros((), device=self.args.device)
         micro, self._micro = self._micro, []
