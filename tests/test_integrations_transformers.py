@@ -206,8 +206,12 @@ def test_sft_trainer_takes_it_as_a_mixin(tmp_path):
     from test_records import chat_tokenizer, sentence, tiny_llama
     import random
 
+    seen = []
+
     class PstarSFTTrainer(PstarTrainer, SFTTrainer):
-        pass
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            seen.append({k: v.clone() for k, v in inputs.items()})
+            return super().training_step(model, inputs, num_items_in_batch)
 
     rng = random.Random(0)
     chats = [{"messages": [{"role": "user", "content": sentence(rng)},
@@ -216,9 +220,12 @@ def test_sft_trainer_takes_it_as_a_mixin(tmp_path):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     args = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_train_epochs=1, learning_rate=1e-2,
                      use_cpu=True, report_to="none", dataloader_num_workers=0, logging_steps=1, save_strategy="no",
-                     disable_tqdm=True, max_length=32, packing=False, optim="adamw_torch")
-    trainer = PstarSFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(chats),
-                              processing_class=chat_tokenizer())
+                     disable_tqdm=True, max_length=32, packing=False, optim="adamw_torch", bf16=False)
+    # (SFTConfig's own defaults: bf16=True, which PstarTrainer honours as Config.dtype "bf16", and
+    # gradient_checkpointing=True, which it switches off with a warning; fp32 here, to compare with the model's own)
+    with pytest.warns(UserWarning, match="gradient_checkpointing=True is switched off"):
+        trainer = PstarSFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(chats),
+                                  processing_class=chat_tokenizer())
     trainer.train()
     logged = steps_logged(trainer)
     assert trainer.engine.steps == 4 and len(logged) == 4
@@ -226,6 +233,18 @@ def test_sft_trainer_takes_it_as_a_mixin(tmp_path):
     assert [r["learning_rate"] for r in logged] == [1e-2 * (1 - k / 4) for k in range(4)]   # linear decay, no warm-up
     after = trainer.model.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert len({tuple(b["input_ids"].shape) for b in seen}) > 1          # padded to several lengths: several graphs
+    # the first step's loss and gradient norm are the plain model's own on that batch (TRL's fused LM head is not
+    # used: the engine captures the model's forward), the norm within fp32's rounding reach of float64's
+    norms = []
+    for dtype in (torch.float32, torch.float64):
+        m = tiny_llama().to(dtype)
+        out = m(**seen[0])
+        out.loss.backward()
+        norms.append(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in m.parameters())).item())
+        if dtype == torch.float32:
+            assert logged[0]["loss"] == pytest.approx(out.loss.item(), rel=1e-6)
+    assert abs(logged[0]["grad_norm"] - norms[0]) <= rounding_tolerance(norms[0], norms[1], 1) * norms[0]
 
 
 @pytest.mark.parametrize("kind", ["linear", "cosine", "cosine_with_min_lr", "constant_with_warmup", "constant"])
