@@ -194,8 +194,12 @@ class PstarTrainer(Trainer):
         self._resume_from: str | None = None       # a checkpoint to compile with (resume_from_checkpoint)
         self._micro: list[dict] = []               # the accumulation group's micro-batches so far
         self._said_token_weighting = False
+        given = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if given is not None:
+            check_args(given)     # before the Trainer (or TRL's) __init__ acts on gradient checkpointing
         super().__init__(*args, **kwargs)
-        check_args(self.args)
+        if given is None:
+            check_args(self.args)
         _extra_fields(pstar_config)                 # its errors now, not at the first batch
         if self.optimizer is not None or self.lr_scheduler is not None or self.optimizer_cls_and_kwargs is not None:
             raise ValueError("optimizers= / optimizer_cls_and_kwargs=: the engine's AdamW and schedule replace them; "
@@ -229,8 +233,10 @@ class PstarTrainer(Trainer):
         """Collect the accumulation group's micro-batches; on its last, run them as one engine step. Returns the
         step's loss on the last micro-batch and 0 on the others, so the Trainer's sum over a step is the step's
         loss (the mean of its micro-batches' losses, each the model's own mean)."""
-        model.train()          # as the stock step does: an evaluation between steps left it in eval mode, and the
-        self._micro.append(_tensors(inputs))   # engine would say each time that the mode changed after compile
+        # train mode, as the stock step sets it: an evaluation between steps left the model in eval mode, and the
+        # engine would say at each step that the mode changed after compile
+        model.train()
+        self._micro.append(_tensors(inputs))
         if not self.accelerator.gradient_state.sync_gradients:
             return torch.zeros((), device=self.args.device)
         micro, self._micro = self._micro, []
