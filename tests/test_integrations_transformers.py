@@ -12,6 +12,8 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 pytest.importorskip("accelerate", reason="accelerate is not installed (the Trainer needs it: pip install -e '.[hf]')")
 
 import torch  # noqa: E402
+
+import pstar_fx  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
 from pstar_fx.integrations.transformers import HOOKS, PstarTrainer, config_from_args  # noqa: E402
@@ -158,6 +160,11 @@ def test_config_from_arguments(tmp_path):
     assert cfg.lr_schedule == {"type": "cosine", "warmup_steps": 2, "total_steps": 100,
                                "min_lr": pytest.approx(3e-4)}
     assert cfg.optimizer_state == "bf16" and cfg.device_memory == 64 * 2**20 and cfg.device == "cpu"
+    # a Config works as well as a dict: its fields that differ from the defaults
+    same = config_from_args(args, 100, pstar_fx.Config(optimizer_state="bf16", device_memory="64MiB"))
+    assert same == cfg
+    with pytest.raises(ValueError, match="dtype comes from TrainingArguments bf16 / fp16"):
+        config_from_args(args, 100, pstar_fx.Config(dtype="fp16"))
     ratio = config_from_args(arguments(tmp_path, warmup_steps=0.1, lr_scheduler_type="linear"), 50)
     assert ratio.lr_schedule == {"type": "linear", "warmup_steps": 5, "total_steps": 50, "min_lr": 0.0}
     assert config_from_args(arguments(tmp_path, lr_scheduler_type="constant"), 50).lr_schedule is None
