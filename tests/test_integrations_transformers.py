@@ -21,7 +21,8 @@ from test_engine import rounding_tolerance  # noqa: E402
 from test_hf import VOCAB, hf_model  # noqa: E402
 
 if not all(hasattr(Trainer, h) for h in HOOKS):
-    pytest.skip(f"transformers {transformers.__version__} is older than PstarTrainer needs (5)", allow_module_level=True)
+    pytest.skip(f"transformers {transformers.__version__} is older than PstarTrainer needs (5)",
+                allow_module_level=True)
 
 SEQ, BATCH, ACCUM, STEPS = 16, 2, 2, 6
 ROWS = BATCH * ACCUM * STEPS                      # one epoch is the whole run

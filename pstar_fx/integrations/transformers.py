@@ -216,7 +216,7 @@ class PstarTrainer(Trainer):
 
     def _build_accelerator_args(self, **kwargs):
         args = super()._build_accelerator_args(**kwargs)
-        args["mixed_precision"] = "no"   # the engine casts (Config.dtype); accelerate's autocast and scaler are not used
+        args["mixed_precision"] = "no"   # the engine casts (Config.dtype): no autocast or scaler of accelerate's
         return args
 
     def create_accelerator_and_postprocess(self):
