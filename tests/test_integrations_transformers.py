@@ -261,8 +261,9 @@ def test_schedules_give_the_stock_rates_bit_for_bit(kind, tmp_path):
     Trainer's scheduler (transformers.get_scheduler on its optimizer) at every step, warm-up given as steps or as a
     ratio, over runs that do not divide evenly."""
     from pstar_fx.optim.lr import LrSchedule
-    kwargs = {"min_lr_rate": 0.1} if kind == "cosine_with_min_lr" else {}
     for lr, warmup, total in ((3e-3, 0, 40), (7e-4, 10, 137), (2e-5, 0.06, 250)):
+        # (min_lr_rate becomes min_lr = rate x lr, whose quotient by lr may be an ulp off the rate: min_lr is exact)
+        kwargs = {"min_lr": lr / 7} if kind == "cosine_with_min_lr" else {}
         args = arguments(tmp_path, learning_rate=lr, warmup_steps=warmup, lr_scheduler_type=kind,
                          lr_scheduler_kwargs=kwargs)
         p = torch.nn.Parameter(torch.zeros(1))
