@@ -207,7 +207,10 @@ def test_other_refusals_and_the_weight_decay_warning(tmp_path):
         short.train()
 
 
-def test_sft_trainer_takes_it_as_a_mixin(tmp_path):
+@pytest.mark.parametrize("accum", [1, 2])
+def test_sft_trainer_takes_it_as_a_mixin(accum, tmp_path):
+    """One epoch of a tiny chat dataset, padded per batch to its longest row; with 2 micro-batches a step, those of
+    one step are right-padded to one length (masked, labels -100), so each keeps its own loss."""
     pytest.importorskip("trl", reason="trl is not installed (pip install -e '.[trl]')")
     datasets = pytest.importorskip("datasets", reason="datasets is not installed (trl needs it)")
     from trl import SFTConfig, SFTTrainer
@@ -226,32 +229,38 @@ def test_sft_trainer_takes_it_as_a_mixin(tmp_path):
                            {"role": "assistant", "content": sentence(rng)}]} for _ in range(8)]
     model = tiny_llama()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    args = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_train_epochs=1, learning_rate=1e-2,
-                     use_cpu=True, report_to="none", dataloader_num_workers=0, logging_steps=1, save_strategy="no",
-                     disable_tqdm=True, max_length=32, packing=False, optim="adamw_torch", bf16=False)
+    args = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=accum,
+                     num_train_epochs=1, learning_rate=1e-2, use_cpu=True, report_to="none", dataloader_num_workers=0,
+                     logging_steps=1, save_strategy="no", disable_tqdm=True, max_length=32, packing=False,
+                     optim="adamw_torch", bf16=False)
     # (SFTConfig's own defaults: bf16=True, which PstarTrainer honours as Config.dtype "bf16", and
     # gradient_checkpointing=True, which it switches off with a warning; fp32 here, to compare with the model's own)
     with pytest.warns(UserWarning, match="gradient_checkpointing=True is switched off"):
         trainer = PstarSFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(chats),
                                   processing_class=chat_tokenizer())
     trainer.train()
+    steps = 4 // accum
     logged = steps_logged(trainer)
-    assert trainer.engine.steps == 4 and len(logged) == 4
+    assert trainer.engine.steps == steps and len(logged) == steps
     assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in logged)
-    assert [r["learning_rate"] for r in logged] == [1e-2 * (1 - k / 4) for k in range(4)]   # linear decay, no warm-up
+    assert [r["learning_rate"] for r in logged] == [1e-2 * (1 - k / steps) for k in range(steps)]   # linear, no warm-up
     after = trainer.model.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
-    assert len({tuple(b["input_ids"].shape) for b in seen}) > 1          # padded to several lengths: several graphs
-    # the first step's loss and gradient norm are the plain model's own on that batch (TRL's fused LM head is not
-    # used: the engine captures the model's forward), the norm within fp32's rounding reach of float64's
+    lengths = [b["input_ids"].shape[1] for b in seen]
+    assert len(set(lengths)) > 1                                        # padded to several lengths: several graphs
+    if accum == 2:
+        assert any(lengths[i] != lengths[i + 1] for i in range(0, len(lengths), 2))   # padded within a step
+    # the first step's loss and gradient norm are the plain model's own on its micro-batches, unpadded (TRL's fused
+    # LM head is not used: the engine captures the model's forward): the loss the mean of theirs, the norm within
+    # fp32's rounding reach of float64's
     norms = []
     for dtype in (torch.float32, torch.float64):
         m = tiny_llama().to(dtype)
-        out = m(**seen[0])
-        out.loss.backward()
+        losses = [m(**b).loss for b in seen[:accum]]
+        (sum(losses) / accum).backward()
         norms.append(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in m.parameters())).item())
         if dtype == torch.float32:
-            assert logged[0]["loss"] == pytest.approx(out.loss.item(), rel=1e-6)
+            assert logged[0]["loss"] == pytest.approx(sum(x.item() for x in losses) / accum, rel=1e-6)
     assert abs(logged[0]["grad_norm"] - norms[0]) <= rounding_tolerance(norms[0], norms[1], 1) * norms[0]
 
 

@@ -243,7 +243,8 @@ class PstarTrainer(Trainer):
         if self.engine is None:
             self._compile(micro[0])
         self._check_token_weighting(micro)
-        self.engine.step(_concat(micro, self.args.gradient_accumulation_steps))
+        pad_id = getattr(self.processing_class, "pad_token_id", None)
+        self.engine.step(_concat(micro, self.args.gradient_accumulation_steps, pad_id or 0))
         return torch.tensor(self.engine.last_step.loss, device=self.args.device)
 
     def _compile(self, example: dict) -> None:
@@ -353,20 +354,40 @@ def _tensors(inputs: dict) -> dict:
     return out
 
 
-def _concat(micro: list[dict], k: int) -> dict:
+# what right-padding fills each key with: masked out of attention, ignored by the loss (the pad id is the
+# tokenizer's where it has one)
+PAD_VALUES = {"labels": -100, "attention_mask": 0}
+
+
+def _concat(micro: list[dict], k: int, pad_id: int = 0) -> dict:
     """The accumulation group's micro-batches as one batch, which the engine splits into its `k` micro-batches
-    again. A short last group of an epoch (fewer micro-batches, or a short last batch) splits into k smaller ones
-    when its rows divide by k: each then holds the same number of rows."""
+    again. Micro-batches padded to different lengths (a collator that pads to the longest row) are right-padded to
+    the longest when they carry an attention_mask: the padding is masked out of attention and its labels are -100,
+    so every micro-batch's loss and gradients are its own. A short last group of an epoch (fewer micro-batches, or
+    a short last batch) splits into k smaller ones when its rows divide by k: each then holds as many rows."""
     if len(micro) == 1 and k == 1:
         return micro[0]
     first = micro[0]
-    for m in micro[1:]:
-        if m.keys() != first.keys() or any(m[n].shape[1:] != first[n].shape[1:] for n in first):
-            shapes = [{n: tuple(t.shape) for n, t in m.items()} for m in micro]
-            raise ValueError(f"gradient_accumulation_steps={k}: the step's micro-batches differ in keys or "
-                             f"sequence length ({shapes}); pad every batch to one length (e.g. the collator's "
-                             "padding='max_length') so they stack into one engine step")
-    batch = {n: torch.cat([m[n] for m in micro]) for n in first}
+    if any(m.keys() != first.keys() for m in micro):
+        raise ValueError(f"gradient_accumulation_steps={k}: the step's micro-batches hold different keys "
+                         f"({[sorted(m) for m in micro]})")
+    longest = max((m[n].shape[1] for m in micro for n in ("input_ids", "labels", "attention_mask")
+                   if n in m and m[n].dim() == 2), default=0)
+    batch = {}
+    for n in first:
+        parts = [m[n] for m in micro]
+        if any(p.shape[1:] != parts[0].shape[1:] for p in parts):
+            ragged_ok = ("attention_mask" in first and n in ("input_ids", "labels", "attention_mask")
+                         and all(p.dim() == 2 for p in parts))
+            if not ragged_ok:
+                shapes = [{key: tuple(t.shape) for key, t in m.items()} for m in micro]
+                raise ValueError(f"gradient_accumulation_steps={k}: the step's micro-batches differ in the shape of "
+                                 f"{n!r} ({shapes}) and cannot be padded to one length here (that needs an "
+                                 "attention_mask, and only input_ids, labels and attention_mask vary); pad every "
+                                 "batch to one length (e.g. the collator's padding='max_length')")
+            value = PAD_VALUES.get(n, pad_id)
+            parts = [torch.nn.functional.pad(p, (0, longest - p.shape[1]), value=value) for p in parts]
+        batch[n] = torch.cat(parts)
     rows = next(iter(batch.values())).shape[0]
     if rows % k:
         raise ValueError(f"gradient_accumulation_steps={k}: this step has {rows} rows, which do not split into {k} "
