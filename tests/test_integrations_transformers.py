@@ -67,6 +67,9 @@ def test_matches_the_stock_trainer(kind, tmp_path):
     # every chunk's fp32 state on the host: chunks move every step
     ours = PstarTrainer(model=copy.deepcopy(model), args=arguments(tmp_path / "ours"), train_dataset=data,
                         pstar_config={"placement": "host", "chunk_size": 16384})
+    before = ours.evaluate(eval_dataset=data[:BATCH])["eval_loss"]    # nothing compiled yet: the model itself
+    with torch.no_grad():
+        assert before == pytest.approx(copy.deepcopy(model).eval()(**_batch(data[:BATCH])).loss.item(), rel=1e-6)
     ours.train()
     engine = ours.engine
     assert set(engine.plan.placement) == {"host"} and len(engine.plan.placement) > 1, engine.plan.placement

@@ -301,6 +301,11 @@ class PstarTrainer(Trainer):
     # ---- evaluation ---------------------------------------------------------------------------------------
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         if self.engine is None:                           # nothing trained yet: the model's own weights
+            where = next(self.accelerator.unwrap_model(model).parameters()).device
+            if where != self.args.device:
+                raise RuntimeError(f"evaluation before the first training step runs the model itself, which is on "
+                                   f"{where} (PstarTrainer leaves it where it is) and not on {self.args.device}; "
+                                   "evaluate after training starts, or move the model there first")
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         loss = self.engine.evaluate(_tensors(inputs))
         return loss.to(self.args.device), None, None
