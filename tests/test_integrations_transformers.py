@@ -112,6 +112,26 @@ def test_matches_the_stock_trainer(kind, tmp_path):
     assert metrics["eval_loss"] == pytest.approx(want, rel=1e-6)
 
 
+def test_bf16_stays_close_to_the_stock_trainer(tmp_path):
+    """bf16=True: the engine computes in bf16 (Config.dtype; accelerate's autocast is not used), the stock Trainer
+    under CPU autocast: the losses step by step and the weights as a whole within bf16's reach, as
+    test_engine.test_16bit_stays_close_to_fp32 holds the engine to fp32."""
+    model = hf_model("llama")
+    data = dataset()
+    stock = Trainer(model=copy.deepcopy(model), args=arguments(tmp_path / "stock", bf16=True), train_dataset=data)
+    stock.train()
+    ours = PstarTrainer(model=copy.deepcopy(model), args=arguments(tmp_path / "ours", bf16=True), train_dataset=data)
+    ours.train()
+    assert ours.engine.config.dtype == "bf16" and ours.engine.dtype == torch.bfloat16
+    a, s = steps_logged(ours), steps_logged(stock)
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in a]), torch.tensor([r["loss"] for r in s]),
+                               rtol=2e-2, atol=0)
+    assert [r["learning_rate"] for r in a] == [r["learning_rate"] for r in s]
+    got, want = ours.model.state_dict(), stock.model.state_dict()
+    diff = torch.sqrt(sum(((got[k] - want[k]) ** 2).sum() for k in want))
+    assert diff <= 2e-2 * torch.sqrt(sum((v ** 2).sum() for v in want.values()))
+
+
 def test_resume_from_checkpoint_continues_bit_for_bit(tmp_path):
     model = hf_model("llama")
     data = dataset()
