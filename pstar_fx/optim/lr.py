@@ -73,11 +73,11 @@ class LrSchedule:
         if spec["type"] == "constant":
             return 1.0
         total = spec["total_steps"]
-        progress = min(1.0, float(step - warmup) / float(max(1, total - warmup)))
         if spec["type"] == "cosine":
+            progress = min(1.0, float(step - warmup) / float(max(1, total - warmup)))
             factor = 0.5 * (1.0 + math.cos(math.pi * progress))
-        else:
-            factor = 1.0 - progress
+        else:   # as get_linear_schedule_with_warmup computes it (1 - progress differs in the last bits)
+            factor = float(max(0, total - step)) / float(max(1, total - warmup))
         min_rate = spec["min_lr"] / self.base_lr if self.base_lr else 0.0
         return max(0.0, factor * (1.0 - min_rate) + min_rate)
 
