@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 from torch import nn
 
+from .parallel_init import split_normal_draws
+
 if TYPE_CHECKING:
     from ..capture import Capture
     from ..layout import Chunk, Layout
@@ -48,7 +50,8 @@ def materialize(model: nn.Module, store: ChunkStore, layout: Layout, cap: Captur
             if b is not None and b.is_meta:
                 mod._buffers[name] = torch.empty_like(b, device=device)
     torch.manual_seed(seed)
-    with torch.no_grad():
+    # its normal_ draws on every host core, with one thread's bits (runtime/parallel_init.py)
+    with torch.no_grad(), split_normal_draws():
         if hasattr(model, "init_weights"):
             model.init_weights()
         else:
