@@ -109,3 +109,15 @@ def test_meta_hf_model_initializes_with_one_threads_bits(small_pieces, monkeypat
     for k in results[0]:
         assert torch.equal(results[0][k], results[1][k]), k
     assert results[0]["transformer.h.0.attn.c_proj.weight"].std() > 0      # initialized, not left zero
+
+
+def test_compile_sends_allocation_and_initialization_progress():
+    events = []
+    with torch.device("meta"):
+        model = GPT(gpt_config("tiny"))
+    with pstar_fx.phases.subscribe(events.append):
+        pstar_fx.compile(model, {"device": "cpu", "placement": "host", "chunk_size": 16384}, batch())
+    for phase in ("allocate", "initialize"):
+        sent = [e for e in events if e.phase == phase and e.state == "progress"]
+        assert sent and sent[-1].done == sent[-1].total > 0, phase
+        assert all(a.done <= b.done for a, b in zip(sent, sent[1:])), phase

@@ -24,6 +24,7 @@ import contextlib
 import functools
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -102,19 +103,26 @@ def _byte_range(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 class _SplitNormal(TorchDispatchMode):
-    """Large host fp32 `normal_` calls on the global generator: split into pieces run by `pool`, in the order of one
-    thread's draws; every other op waits for the pending pieces it overlaps."""
+    """Large host fp32 `normal_` calls on the global generator: split into pieces run by `pool` (None: none split),
+    in the order of one thread's draws; every other op waits for the pending pieces it overlaps. `progress` is
+    called with the values written in place so far (whatever the op: a progress count, not an exact one)."""
 
-    def __init__(self, pool: ThreadPoolExecutor, piece_elems: int):
+    def __init__(self, pool: ThreadPoolExecutor | None, piece_elems: int,
+                 progress: Callable[[int], None] | None = None):
         super().__init__()
-        self.pool, self.piece_elems = pool, piece_elems
+        self.pool, self.piece_elems, self.progress = pool, piece_elems, progress
+        self.written = 0
         self.pending: list[tuple[tuple[int, int, int], list[Future]]] = []
         self.scratch = torch.empty(_SCRATCH_ELEMS, dtype=torch.int64)
         self.split_elems = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is aten.normal_.default and self._splittable(args, kwargs):
+        if self.progress is not None and args and isinstance(args[0], torch.Tensor) \
+                and func._schema.name.endswith("_"):
+            self.written += args[0].numel()
+            self.progress(self.written)
+        if self.pool is not None and func is aten.normal_.default and self._splittable(args, kwargs):
             t = args[0]
             self._wait_for(t)                       # an earlier pending write to the same values lands first
             mean = args[1] if len(args) > 1 else kwargs.get("mean", 0.0)
@@ -160,20 +168,24 @@ class _SplitNormal(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def split_normal_draws(threads: int | None = None, piece_elems: int | None = None):
+def split_normal_draws(threads: int | None = None, piece_elems: int | None = None,
+                       progress: Callable[[int], None] | None = None):
     """Within the block, large host fp32 `normal_` calls on the global generator run on `threads` threads (default:
     torch's intra-op threads): this one advances the generator, the others fill the pieces, with the bits and
-    generator state one thread gives; the block ends when every value is written. A no-op with fewer than
+    generator state one thread gives; the block ends when every value is written. Nothing is split with fewer than
     MIN_THREADS threads (the advance would only add work), or where this torch draws otherwise
-    (`same_bits_as_serial`)."""
+    (`same_bits_as_serial`). `progress(values)`: called as in-place ops write values (for a progress display)."""
     threads = threads or torch.get_num_threads()
-    if threads < MIN_THREADS or not same_bits_as_serial():
-        if threads >= MIN_THREADS:
-            log.info("initialization runs on one thread: this torch's CPU normal_ does not split with the same bits")
+    split = threads >= MIN_THREADS and same_bits_as_serial()
+    if threads >= MIN_THREADS and not split:
+        log.info("initialization runs on one thread: this torch's CPU normal_ does not split with the same bits")
+    if not split and progress is None:
         yield None
         return
-    with ThreadPoolExecutor(max(1, threads - 1), thread_name_prefix="pstar_fx-init") as pool:
-        mode = _SplitNormal(pool, piece_elems or PIECE_ELEMS)
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(ThreadPoolExecutor(max(1, threads - 1), thread_name_prefix="pstar_fx-init")) \
+            if split else None
+        mode = _SplitNormal(pool, piece_elems or PIECE_ELEMS, progress)
         try:
             with mode:
                 yield mode

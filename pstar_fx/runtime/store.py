@@ -23,6 +23,7 @@ import torch
 from ..config import Config, format_bytes
 from ..kernels import cast_, quant8
 from ..layout import Layout
+from ..phases import Phases
 from ..planning import Plan
 from .telemetry import MemoryStats
 
@@ -118,6 +119,7 @@ class ChunkStore:
             else:
                 self.exp_avg_absmax.append(None)
                 self.exp_avg_sq_absmax.append(None)
+            Phases.progress("allocate", c + 1, n)
             if n >= 20 and (c + 1) % (n // 10) == 0:    # page-locking 100 GiB of host state takes a minute
                 log.info("  chunk state allocated for %d of %d chunks (%s on the host)", c + 1, n,
                          format_bytes(stats.host_bytes))
