@@ -80,7 +80,7 @@ def test_engine_with_host_state_locked_side_by_side_trains_the_same_bits(monkeyp
     lock = FakeLock()
 
     class Locked(host_memory.HostBuffers):          # as on CUDA: page-locked host state, 4 workers
-        def __init__(self, pin, threads):
+        def __init__(self, pin, threads, device):
             super().__init__(True, 4, lock)
 
     monkeypatch.setattr(store_mod, "HostBuffers", Locked)

@@ -57,8 +57,10 @@ class HostBuffers:
     """Host buffers; with `pin`, page-locked by `lock` (cudaHostRegister). In a `batch()`, what makes a buffer ready
     (its first values, the lock) runs on `threads` workers."""
 
-    def __init__(self, pin: bool, threads: int = 1, lock: Callable[[torch.Tensor], int] = register):
+    def __init__(self, pin: bool, threads: int = 1, lock: Callable[[torch.Tensor], int] = register,
+                 device: torch.device | None = None):
         self.pin, self.threads, self.lock = pin, threads, lock
+        self.device = device        # the CUDA device whose context locks (a worker thread would default to cuda:0)
         self._pool: ThreadPoolExecutor | None = None
         self._queued: list[Future] = []
         self.unlocked: list[int] = []           # error codes of buffers that stayed pageable (batch only)
@@ -99,7 +101,10 @@ class HostBuffers:
         if self.threads < 2 or not self.pin or self._pool is not None:
             yield self
             return
-        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="pstar_fx-pin")
+        on_device = self.device is not None and self.device.type == "cuda"
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="pstar_fx-pin",
+                                        initializer=torch.cuda.set_device if on_device else None,
+                                        initargs=(self.device,) if on_device else ())
         try:
             yield self
         finally:

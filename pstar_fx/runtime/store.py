@@ -79,7 +79,7 @@ class ChunkStore:
         self.compute_dtype = compute_dtype
         self.stats = stats
         self._pin = device.type == "cuda"
-        self._host = HostBuffers(self._pin, pin_threads())
+        self._host = HostBuffers(self._pin, pin_threads(), device=device)
         self._ptrs: set[int] = set()
         cs, n = layout.chunk_size, len(layout.chunks)
         self.quantized = config.optimizer_state == "int8"
