@@ -73,7 +73,9 @@ def prebuild(jobs: list[tuple[str, torch.fx.GraphModule, list]], device: torch.d
     if workers < 2:
         return 0
     threads = max(1, (os.cpu_count() or 1) // workers)          # Inductor's own kernel-compile pool, per worker
-    env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS=str(threads), PSTAR_FX_BUILD_WORKERS="0")
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # pstar_fx's parent
+    env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS=str(threads), PSTAR_FX_BUILD_WORKERS="0",
+               PYTHONPATH=os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p))
     procs = []
     with tempfile.TemporaryDirectory(prefix="pstar_fx-regions-") as tmp:
         for w in range(workers):
