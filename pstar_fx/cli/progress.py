@@ -66,12 +66,12 @@ class Progress(logging.Handler):
                 self._phase = (event.phase, time.perf_counter())
                 self._done = None
                 self._show()
-            elif event.state == "progress" and self._phase is not None and self._phase[0] == event.phase:
-                self._done = (event.done, event.total)
-                self._show()
                 if self._ticker is None:
                     self._ticker = threading.Thread(target=self._tick, daemon=True, name="pstar-fx progress")
                     self._ticker.start()
+            elif event.state == "progress" and self._phase is not None and self._phase[0] == event.phase:
+                self._done = (event.done, event.total)
+                self._show()
             elif event.state == "end":
                 self._clear()           # its "done in" line is printed; a tick since may have shown the status
                 self._phase = None
