@@ -13,10 +13,12 @@ that runs the same `normal_` on it. The global generator ends where one thread l
 next (a `uniform_`, another `normal_`) is unchanged. Every other op runs as it is, in order, after waiting for any
 pending piece whose memory it touches.
 
-On k cores the wall time is about max(draws / 1.2 G/s, draws / ((k - 1) * 320 M/s)): 3.7x faster at 16 cores, 1.6x at
-3, nothing at 2 (so it stays off there: MIN_THREADS). The
-layout of draws is checked once per process against a plain `normal_` (`same_bits_as_serial`); where a torch build
-draws otherwise, the init runs on one thread as before.
+On k free cores the wall time should be about max(draws / 1.2 G/s, draws / ((k - 1) * 320 M/s)): up to 3.7x faster at
+16 cores, 1.6x at 3, nothing at 2 (so it stays off there: MIN_THREADS). Those are estimates from the two rates; the
+2-core CPU box cannot show them, `bench/init_speed.py` measures them. The layout of draws is checked once per
+process against a plain `normal_` (`same_bits_as_serial`); where a torch build draws otherwise, the init runs on
+one thread as before. Limit: only ops that reach the dispatcher wait for pending pieces; an init that reads a
+weight's memory behind torch's back (`.numpy()`, a raw pointer) could see it unwritten.
 """
 from __future__ import annotations
 
