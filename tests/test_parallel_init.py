@@ -88,10 +88,18 @@ def test_meta_gpt_initializes_in_chunk_memory_with_one_threads_bits(small_pieces
         assert torch.equal(split[name], p.detach()), name
 
 
-def test_meta_hf_model_initializes_with_one_threads_bits(small_pieces, monkeypatch):
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_meta_hf_model_initializes_with_one_threads_bits(small_pieces, monkeypatch, kind):
     transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64, resid_pdrop=0.0,
-                                  embd_pdrop=0.0, attn_pdrop=0.0)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        cls, drawn = transformers.GPT2LMHeadModel, "transformer.h.0.attn.c_proj.weight"
+    else:
+        cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                       max_position_embeddings=64, head_dim=16)
+        cls, drawn = transformers.LlamaForCausalLM, "model.layers.0.mlp.down_proj.weight"
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     config = pstar_fx.Config(device="cpu", seed=5, chunk_size=16384)
     results = []
@@ -99,7 +107,7 @@ def test_meta_hf_model_initializes_with_one_threads_bits(small_pieces, monkeypat
         if not split:
             serial_init(monkeypatch)
         with torch.device("meta"):
-            model = transformers.GPT2LMHeadModel(cfg)
+            model = cls(cfg)
         results.append(pstar_fx.compile(model, config, {"input_ids": ids, "labels": ids}).state_dict())
         if split:
             assert sum(small_pieces) > 0
@@ -108,7 +116,7 @@ def test_meta_hf_model_initializes_with_one_threads_bits(small_pieces, monkeypat
     assert results[0].keys() == results[1].keys()
     for k in results[0]:
         assert torch.equal(results[0][k], results[1][k]), k
-    assert results[0]["transformer.h.0.attn.c_proj.weight"].std() > 0      # initialized, not left zero
+    assert results[0][drawn].std() > 0                  # initialized, not left zero
 
 
 def test_compile_sends_allocation_and_initialization_progress():
