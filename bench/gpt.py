@@ -27,7 +27,8 @@ one that always does — and reports each phase's step time and breakdown under 
 Fields: params, tokens, step_s (median of the steps after the first two), tflops (6 * params * tokens /
 step_s), gpu_peak_bytes (torch.cuda.max_memory_allocated), host_rss_bytes (largest RSS seen after a
 step), host_max_rss_bytes (the process's peak RSS, compile included), and for pstar_fx the plan's
-predicted GPU and host peaks and a per-phase breakdown; for torch, checkpoint (none|half|all),
+predicted GPU and host peaks, a per-phase breakdown, compile_phases_s (seconds per compile phase) and
+time_to_first_step_s (compile() plus the first step); for torch, checkpoint (none|half|all),
 checkpointed_blocks, compile (bool) and compile_s (with --compile: the first two steps' time above step_s,
 i.e. dynamo + inductor for forward and backward). A model that does not fit prints a RESULT with "error"
 (and "fits": false when it ran out of memory, "oom_tried_bytes" the allocation that failed) instead of a
@@ -547,6 +548,8 @@ def main(argv=None):
             result["compile_s"] = round(sum(max(0.0, t - step_s) for t in times[:2]), 2)
             print(f"compile_s {result['compile_s']}", file=sys.stderr, flush=True)
         if engine is not None:
+            # the issue's "time to the first step": compile() called -> the first step's end
+            result["time_to_first_step_s"] = round(result.get("compile_s", 0.0) + times[0], 2)
             result["phases"] = engine.rt.timing() if hasattr(engine.rt, "timing") else {}
             result["memory_stats"] = engine.memory_stats()
             result["reports"] = reports

@@ -60,7 +60,7 @@ class Phases:
 
     @staticmethod
     def progress(name: str, done: int, total: int) -> None:
-        """Within phase `name`: `done` of `total` units (chunks initialized, bytes pinned)."""
+        """Within phase `name`: `done` of `total` units (chunks allocated, parameter values initialized)."""
         _send(PhaseEvent(name, "progress", done=done, total=total))
 
     def summary(self) -> str:

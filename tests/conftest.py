@@ -11,6 +11,9 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else 
 # The plan cache (pipeline/plan_cache.py) is off unless a test turns it on (tests/test_plan_cache.py, in a
 # temporary folder): a test's plan must not depend on what an earlier run left in ~/.cache/pstar_fx.
 os.environ.setdefault("PSTAR_FX_PLAN_CACHE", "0")
+# Region build workers (passes/region_builders.py) are off unless a test asks for them (tests/test_region_cache.py):
+# a many-core CI box would otherwise start Python processes for each cold Inductor compile of the suite.
+os.environ.setdefault("PSTAR_FX_BUILD_WORKERS", "0")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -337,6 +337,16 @@ def test_compile_phases_get_a_live_status_line_on_a_terminal(capsys):
     assert quiet.getvalue() == "" and "plan ..." in capsys.readouterr().out
 
 
+def test_status_line_shows_a_phases_progress():
+    stream = io.StringIO()
+    handler = cli.progress.Progress(live=True, stream=stream, tick_s=60)
+    handler.on_phase(PhaseEvent("initialize", "start"))
+    handler.on_phase(PhaseEvent("initialize", "progress", done=250, total=1000))
+    handler.on_phase(PhaseEvent("plan", "progress", done=1, total=2))        # not the phase in flight: ignored
+    handler.close()
+    assert "\r  initialize ... 0 s (25%)" in stream.getvalue() and "(50%)" not in stream.getvalue()
+
+
 def test_readme_quick_start_prints_progress(tmp_path, monkeypatch, capsys):
     block = README.read_text().split("## Quick start")[1].split("```python\n")[1].split("```")[0]
     fast = block

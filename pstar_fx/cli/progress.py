@@ -46,6 +46,7 @@ class Progress(logging.Handler):
         super().__init__()
         self.live, self.stream, self.tick_s = live, stream, tick_s
         self._phase: tuple[str, float] | None = None       # (name, started) of the phase in flight
+        self._done: tuple[int, int] | None = None           # its progress (done, total), once it sent some
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None
@@ -63,10 +64,14 @@ class Progress(logging.Handler):
         with self._lock:
             if event.state == "start":
                 self._phase = (event.phase, time.perf_counter())
+                self._done = None
                 self._show()
                 if self._ticker is None:
                     self._ticker = threading.Thread(target=self._tick, daemon=True, name="pstar-fx progress")
                     self._ticker.start()
+            elif event.state == "progress" and self._phase is not None and self._phase[0] == event.phase:
+                self._done = (event.done, event.total)
+                self._show()
             elif event.state == "end":
                 self._clear()           # its "done in" line is printed; a tick since may have shown the status
                 self._phase = None
@@ -77,7 +82,8 @@ class Progress(logging.Handler):
     def _show(self) -> None:
         if self._phase is not None:
             name, t0 = self._phase
-            self._out().write(f"\r  {name} ... {time.perf_counter() - t0:.0f} s")
+            done = f" ({100 * self._done[0] // max(1, self._done[1])}%)" if self._done else ""
+            self._out().write(f"\r  {name} ... {time.perf_counter() - t0:.0f} s{done}\033[K")
             self._out().flush()
 
     def _clear(self) -> None:

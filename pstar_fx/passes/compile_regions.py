@@ -34,6 +34,7 @@ import torch.fx as fx
 from ..config import format_bytes
 from .. import planning as plan_mod
 from ..fxutil import aliases_input, mutated_args, role_nodes
+from .region_builders import inductor_cache_dir, prebuild
 from .contract import CHUNK_OPS, PLANNED, REGIONS, Pass, PassContext
 
 NAME = "compile_regions"
@@ -60,10 +61,11 @@ class Region:
     """One compiled function of a region's ops. Called like the ops it replaces: tensors in, a tuple out.
     `build_regions` compiles every one ahead of the first step."""
 
-    def __init__(self, gm: fx.GraphModule, name: str, backend: str, specs: list):
+    def __init__(self, gm: fx.GraphModule, name: str, backend: str, specs: list, key: str = ""):
         self.graph_module = gm              # the region's ops, readable: region.graph_module.code
         self.__name__ = self.__qualname__ = name
         self._specs = specs
+        self.backend, self.key = backend, key   # key: equal for equal regions (ops and input layouts)
         self._compiled = torch.compile(gm, backend=backend, fullgraph=True, dynamic=False)
 
     def __call__(self, *args):
@@ -84,7 +86,15 @@ def build_regions(gm: fx.GraphModule, device: torch.device) -> int:
     An input another region returns is laid out as that region's build returned it, not as its fake value
     says: a library kernel inside a region may return something else than its fake. Flash and memory-efficient
     attention return their RNG seed and offset as CPU tensors (their fakes: CUDA ones), and a stand-in on the
-    wrong device, or with other strides, would make the step recompile what was built."""
+    wrong device, or with other strides, would make the step recompile what was built.
+
+    Inductor's caches fill and load under `region_builders.inductor_cache_dir()`; on a cold cache, worker processes
+    build the regions side by side first (region_builders.py), and this process then loads what they built."""
+    inductor_cache_dir()
+    distinct = list(dict.fromkeys(n.target for n in gm.graph.nodes if isinstance(n.target, Region)))
+    known = [r for r in distinct if all(s is not None for s in r._specs)]
+    if known:
+        prebuild([(r.key, r.graph_module, r._specs) for r in known], device, known[0].backend)
     made: dict[fx.Node, _Layout] = {}              # a region's output (its getitem node) -> its layout as built
     outputs: dict[Region, list[_Layout] | None] = {}
     for node in gm.graph.nodes:
@@ -283,7 +293,7 @@ def compile_regions(gm: fx.GraphModule, plan, *, cuda: bool, backend: str | None
         inputs, outputs = _region_io(ops)
         sub, key = _extract(ops, inputs, outputs)
         if key not in regions:
-            regions[key] = Region(sub, f"region_{len(regions)}", backend, [_spec(a) for a in inputs])
+            regions[key] = Region(sub, f"region_{len(regions)}", backend, [_spec(a) for a in inputs], key)
         with g.inserting_before(ops[0]):
             call = g.call_function(regions[key], tuple(inputs))
         call.meta["val"] = tuple(o.meta.get("val") for o in outputs)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +22,9 @@ import torch
 from ..config import Config, format_bytes
 from ..kernels import cast_, quant8
 from ..layout import Layout
+from ..phases import Phases
 from ..planning import Plan
+from .host_memory import HostBuffers, pin_threads
 from .telemetry import MemoryStats
 
 log = logging.getLogger("pstar_fx")
@@ -78,6 +79,7 @@ class ChunkStore:
         self.compute_dtype = compute_dtype
         self.stats = stats
         self._pin = device.type == "cuda"
+        self._host = HostBuffers(self._pin, pin_threads(), device=device)
         self._ptrs: set[int] = set()
         cs, n = layout.chunk_size, len(layout.chunks)
         self.quantized = config.optimizer_state == "int8"
@@ -95,40 +97,47 @@ class ChunkStore:
                 if slot.param.has_grad:
                     self._scales_at[slot.index] = slice(at, at + quant8.blocks(slot.numel))
                     at += quant8.blocks(slot.numel)
-        for c in range(n):
-            tier = self.tier(c)
-            if tier == "remote":
-                for state in (self.master, self.exp_avg, self.exp_avg_sq, self.exp_avg_absmax,
-                              self.exp_avg_sq_absmax):
-                    state.append(None)
-                continue
-            if layout.chunks[c].frozen:
-                self.master.append(self.alloc(tier, cs, compute_dtype, zero=True))
-                for state in (self.exp_avg, self.exp_avg_sq, self.exp_avg_absmax, self.exp_avg_sq_absmax):
-                    state.append(None)
-                continue
-            self.master.append(self.alloc(tier, cs, torch.float32, zero=True))
-            self.exp_avg.append(self.alloc(tier, cs, config.moment_dtype, zero=True))
-            self.exp_avg_sq.append(self.alloc(tier, cs, config.moment_dtype, zero=True))
-            if self.quantized:
-                self.exp_avg[c].fill_(quant8.SIGNED_ZERO)              # the code of 0 (the unsigned one is 0)
-                blocks = quant8.blocks_of(layout.chunks[c].param_spans())
-                self.exp_avg_absmax.append(self.alloc(tier, blocks, torch.float32, zero=True))
-                self.exp_avg_sq_absmax.append(self.alloc(tier, blocks, torch.float32, zero=True))
-            else:
-                self.exp_avg_absmax.append(None)
-                self.exp_avg_sq_absmax.append(None)
-            if n >= 20 and (c + 1) % (n // 10) == 0:    # page-locking 100 GiB of host state takes a minute
-                log.info("  chunk state allocated for %d of %d chunks (%s on the host)", c + 1, n,
-                         format_bytes(stats.host_bytes))
-        # 16-bit copies that every update keeps current (Adam, its undo and its correction write them in the same
-        # pass): of host chunks that ship 16 bits (plan.ship == "shadow"), on the host; and, when every chunk has
-        # a compute slot for good (plan.keeps_compute_copies), of every device chunk, on the device, where the copy
-        # *is* the chunk's compute copy and takes the place of a slot: no fetch casts its master again
-        self.shadow = {c: self.alloc("host", cs, compute_dtype) for c, how in enumerate(plan.ship) if how == "shadow"}
-        if plan.keeps_compute_copies:
-            self.shadow.update({c: self.alloc("device", cs, compute_dtype) for c in range(n)
-                                if self.tier(c) == "device" and not layout.chunks[c].frozen})
+        # host buffers are filled and page-locked by threads side by side, all ready when the block ends
+        with self._host.batch(lambda done, total: Phases.progress("allocate", done, total)):
+            for c in range(n):
+                tier = self.tier(c)
+                if tier == "remote":
+                    for state in (self.master, self.exp_avg, self.exp_avg_sq, self.exp_avg_absmax,
+                                  self.exp_avg_sq_absmax):
+                        state.append(None)
+                    continue
+                if layout.chunks[c].frozen:
+                    self.master.append(self.alloc(tier, cs, compute_dtype, zero=True))
+                    for state in (self.exp_avg, self.exp_avg_sq, self.exp_avg_absmax, self.exp_avg_sq_absmax):
+                        state.append(None)
+                    continue
+                self.master.append(self.alloc(tier, cs, torch.float32, zero=True))
+                # int8: the code of 0 (the unsigned one is 0)
+                self.exp_avg.append(self.alloc(tier, cs, config.moment_dtype,
+                                               fill=quant8.SIGNED_ZERO if self.quantized else 0))
+                self.exp_avg_sq.append(self.alloc(tier, cs, config.moment_dtype, zero=True))
+                if self.quantized:
+                    blocks = quant8.blocks_of(layout.chunks[c].param_spans())
+                    self.exp_avg_absmax.append(self.alloc(tier, blocks, torch.float32, zero=True))
+                    self.exp_avg_sq_absmax.append(self.alloc(tier, blocks, torch.float32, zero=True))
+                else:
+                    self.exp_avg_absmax.append(None)
+                    self.exp_avg_sq_absmax.append(None)
+                if not self._host.queues:           # (else the batch counts the buffers it makes ready)
+                    Phases.progress("allocate", c + 1, n)
+                if n >= 20 and (c + 1) % (n // 10) == 0:    # page-locking 100 GiB of host state takes a minute
+                    log.info("  chunk state allocated for %d of %d chunks (%s on the host)", c + 1, n,
+                             format_bytes(stats.host_bytes))
+            # 16-bit copies that every update keeps current (Adam, its undo and its correction write them in the
+            # same pass): of host chunks that ship 16 bits (plan.ship == "shadow"), on the host; and, when every
+            # chunk has a compute slot for good (plan.keeps_compute_copies), of every device chunk, on the device,
+            # where the copy *is* the chunk's compute copy and takes the place of a slot: no fetch casts its master
+            # again
+            self.shadow = {c: self.alloc("host", cs, compute_dtype) for c, how in enumerate(plan.ship)
+                           if how == "shadow"}
+            if plan.keeps_compute_copies:
+                self.shadow.update({c: self.alloc("device", cs, compute_dtype) for c in range(n)
+                                    if self.tier(c) == "device" and not layout.chunks[c].frozen})
 
     def tier(self, c: int) -> str:
         return self.plan.placement[c]
@@ -141,13 +150,19 @@ class ChunkStore:
         """Whether chunk c's state is on this rank (always, without chunk-partitioned data parallelism)."""
         return self.plan.placement[c] != "remote"
 
-    def alloc(self, tier: str, n: int, dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
-        """A persistent buffer on `tier` ("device" or "host"), charged against that tier's budget."""
+    def alloc(self, tier: str, n: int, dtype: torch.dtype, zero: bool = False,
+              fill: float | int | None = None) -> torch.Tensor:
+        """A persistent buffer on `tier` ("device" or "host"), charged against that tier's budget; zeroed, or
+        filled with `fill`, or left as allocated. A host one is page-locked on CUDA (runtime/host_memory.py)."""
         on_device = tier == "device"
         self.stats.charge(tier, n * dtype.itemsize, self.config.device_memory if on_device else self.config.host_memory)
-        t = (torch.zeros if zero else torch.empty)(n, dtype=dtype, device=self.device if on_device else self.host)
-        if self._pin and not on_device:
-            t = _page_lock(t)
+        fill = 0 if zero else fill
+        if on_device:
+            t = torch.empty(n, dtype=dtype, device=self.device)
+            if fill is not None:
+                t.fill_(fill)
+        else:
+            t = self._host.empty(n, dtype, fill)
         self._ptrs.add(t.untyped_storage().data_ptr())
         return t
 
@@ -223,22 +238,3 @@ class ChunkStore:
                                f"holds, not this one (rank {self.plan.rank})")
         return self.master[slot.chunk][slot.offset: slot.offset + slot.numel].view(slot.param.shape)
 
-
-def _page_lock(t: torch.Tensor) -> torch.Tensor:
-    """Page-lock a host tensor in place so copies to and from the GPU are asynchronous.
-
-    `pin_memory=True` would go through PyTorch's pinned caching allocator, which rounds every block up
-    to a power of two: a 1.88 GB chunk tensor takes 2 GiB, 14% more host memory than the plan counted
-    (measured on the H200 box: 10B training reached 75 GB RSS for 65 GB of planned host state).
-    cudaHostRegister locks exactly the bytes the tensor has.
-    """
-    nbytes = t.untyped_storage().nbytes()
-    try:
-        cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister failed with error {int(err)}")
-    except Exception:  # noqa: BLE001 - the allocator's pinned memory still works, only bigger
-        return t.pin_memory()
-    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
-    return t

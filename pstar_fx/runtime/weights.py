@@ -10,6 +10,9 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 from torch import nn
 
+from ..phases import Phases
+from .parallel_init import split_normal_draws
+
 if TYPE_CHECKING:
     from ..capture import Capture
     from ..layout import Chunk, Layout
@@ -48,7 +51,17 @@ def materialize(model: nn.Module, store: ChunkStore, layout: Layout, cap: Captur
             if b is not None and b.is_meta:
                 mod._buffers[name] = torch.empty_like(b, device=device)
     torch.manual_seed(seed)
-    with torch.no_grad():
+    total = sum(s.numel for s in layout.slots)
+    shown = [-1]
+
+    def progress(written: int) -> None:          # the status line's percent: sent when it changes
+        pct = min(100, 100 * written // max(1, total))
+        if pct != shown[0]:
+            shown[0] = pct
+            Phases.progress("initialize", min(written, total), total)
+
+    # its normal_ draws on every host core, with one thread's bits (runtime/parallel_init.py)
+    with torch.no_grad(), split_normal_draws(progress=progress):
         if hasattr(model, "init_weights"):
             model.init_weights()
         else:

@@ -1,0 +1,116 @@
+"""region_builders: a cold compile's regions built side by side in worker processes, to fill Inductor's caches.
+
+Inductor builds one graph at a time in a process (Dynamo holds a global compile lock), so the 23 distinct regions
+of an 18B GPT took 47-74 s one after another. Its on-disk caches (FX graph cache, AOTAutograd cache, autotune
+results) are keyed by the graph, its inputs' layouts and Inductor's config, not by the process: so fresh Python
+processes (`python -m pstar_fx.passes.region_builders`, never a fork of this one, which may hold CUDA and threads)
+each build a share of the regions on zeros laid out as the step's, and `build_regions` then builds every region
+in this process, in the step's order, from the cache. A region whose inputs another region makes is built in a
+worker on its fake layout; where the real one differs, this process builds it itself (correct, only not sped up).
+
+Where the caches live: Inductor's own `TORCHINDUCTOR_CACHE_DIR` where it is set, else `inductor/` beside the plan
+cache (`costs.cache_root()`). A second compile of the same regions starts no worker: a marker named by a hash of
+the regions, device, backend and torch version says they were built (the marker only skips the workers; whether a
+region loads or compiles is Inductor's cache's decision, as always).
+
+Workers: `PSTAR_FX_BUILD_WORKERS` (0 or 1: none), else one per 4 host cores, at most 8, never more than there
+are regions to build.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+log = logging.getLogger("pstar_fx")
+
+
+def inductor_cache_dir() -> str:
+    """Where Inductor caches what it builds: its own setting (TORCHINDUCTOR_CACHE_DIR, which Inductor itself sets
+    for the process when it first runs), or set now to `inductor/` beside our caches (pstar_fx sets it at import)."""
+    if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        from ..planning.costs import cache_root
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root(), "inductor")
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def workers_for(n_regions: int) -> int:
+    env = os.environ.get("PSTAR_FX_BUILD_WORKERS")
+    if env is not None:
+        try:
+            wanted = int(env)
+        except ValueError:
+            raise ValueError(f"PSTAR_FX_BUILD_WORKERS: expected a number of processes, got {env!r}") from None
+    else:
+        wanted = min(8, (os.cpu_count() or 1) // 4)
+    return max(0, min(wanted, n_regions)) if wanted > 1 else 0
+
+
+def _marker(keys: list[str], device: torch.device, backend: str) -> str:
+    h = hashlib.sha256()
+    for part in (torch.__version__, str(device), backend, *sorted(keys)):
+        h.update(part.encode())
+        h.update(b"\0")
+    return os.path.join(inductor_cache_dir(), f"pstar_fx-regions-{h.hexdigest()[:32]}")
+
+
+def prebuild(jobs: list[tuple[str, torch.fx.GraphModule, list]], device: torch.device, backend: str) -> int:
+    """Build `jobs` ((key, region graph, input specs) of the regions whose inputs' layouts are known) in worker
+    processes, filling Inductor's caches for this process to load; returns how many the workers built (0: none
+    started, because the cache has them already, there are too few, or workers are off)."""
+    if backend != "inductor" or not jobs:
+        return 0
+    marker = _marker([k for k, _, _ in jobs], device, backend)
+    if os.path.exists(marker):
+        return 0
+    workers = workers_for(len(jobs))
+    if workers < 2:
+        return 0
+    threads = max(1, (os.cpu_count() or 1) // workers)          # Inductor's own kernel-compile pool, per worker
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # pstar_fx's parent
+    env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS=str(threads), PSTAR_FX_BUILD_WORKERS="0",
+               PYTHONPATH=os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p))
+    procs = []
+    with tempfile.TemporaryDirectory(prefix="pstar_fx-regions-") as tmp:
+        for w in range(workers):
+            share = jobs[w::workers]
+            path = os.path.join(tmp, f"job{w}.pkl")
+            with open(path, "wb") as f:
+                pickle.dump({"regions": [(gm, specs) for _, gm, specs in share], "device": str(device),
+                             "inductor_config": torch._inductor.config.save_config(), "threads": threads}, f)
+            procs.append(subprocess.Popen([sys.executable, "-m", __name__, path], env=env,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        failed = []
+        for p in procs:
+            _, err = p.communicate()
+            if p.returncode:
+                failed.append(err.decode(errors="replace").strip().splitlines()[-1:] or ["(no message)"])
+    if failed:          # this process builds what they did not: slower, never wrong
+        log.warning("%d of %d region build workers failed (%s); building here", len(failed), workers, failed[0][0])
+        return 0
+    with open(marker, "w"):
+        pass
+    return len(jobs)
+
+
+def _work(path: str) -> None:
+    from .compile_regions import Region, _example
+    with open(path, "rb") as f:
+        job = pickle.load(f)
+    torch._inductor.config.load_config(job["inductor_config"])
+    torch._inductor.config.compile_threads = job["threads"]
+    device = torch.device(job["device"])
+    for i, (gm, specs) in enumerate(job["regions"]):
+        region = Region(gm, f"region_w{i}", "inductor", specs)
+        region(*(_example(s, device) for s in specs))
+
+
+if __name__ == "__main__":
+    import pstar_fx  # noqa: F401  (its custom ops, which a region may call)
+    _work(sys.argv[1])

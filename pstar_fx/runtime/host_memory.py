@@ -1,0 +1,122 @@
+"""host_memory: the store's host buffers, allocated at once and filled and page-locked by threads side by side.
+
+Page-locking is what takes the time: GPT3_18B's 107 GiB of host state took 35-43 s on the H200 box, one buffer
+after another (touch every page, then cudaHostRegister it). `HostBuffers.batch()` queues that work instead: each
+buffer is handed out at once (allocated, untouched), and `threads` workers write its first values and register it
+while the store goes on; the batch ends when every buffer is ready, so nothing reads one before. Outside a batch a
+buffer is made ready before it is handed out, as before. Each buffer is its own allocation of exactly its bytes,
+so the budget's accounting (what `ChunkStore.alloc` charges) is what is allocated.
+
+`bench/pinned_alloc.py` measures this against one thread, against `pin_memory` and against large slabs on the
+machine at hand; `PSTAR_FX_PIN_THREADS` sets the workers (default 4; 1: one buffer after another, as before).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+log = logging.getLogger("pstar_fx")
+
+DEFAULT_THREADS = 4
+
+
+def pin_threads() -> int:
+    env = os.environ.get("PSTAR_FX_PIN_THREADS")
+    if env is None:
+        return DEFAULT_THREADS
+    try:
+        n = int(env)
+    except ValueError:
+        raise ValueError(f"PSTAR_FX_PIN_THREADS: expected a number of threads, got {env!r}") from None
+    if n < 1:
+        raise ValueError(f"PSTAR_FX_PIN_THREADS: expected at least 1 thread, got {n}")
+    return n
+
+
+def register(t: torch.Tensor) -> int:
+    """cudaHostRegister `t`'s bytes (unregistered when `t` is freed); the CUDA error code (0: locked).
+
+    Not `pin_memory=True`: that goes through PyTorch's pinned caching allocator, which rounds every block up to a
+    power of two (a 1.88 GB chunk tensor takes 2 GiB, 14% more host memory than the plan counted; measured on the
+    H200 box: 10B training reached 75 GB RSS for 65 GB of planned host state). cudaHostRegister locks exactly the
+    bytes the tensor has."""
+    cudart = torch.cuda.cudart()
+    err = int(cudart.cudaHostRegister(t.data_ptr(), t.untyped_storage().nbytes(), 0))
+    if err == 0:
+        weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+    return err
+
+
+class HostBuffers:
+    """Host buffers; with `pin`, page-locked by `lock` (cudaHostRegister). In a `batch()`, what makes a buffer ready
+    (its first values, the lock) runs on `threads` workers."""
+
+    def __init__(self, pin: bool, threads: int = 1, lock: Callable[[torch.Tensor], int] = register,
+                 device: torch.device | None = None):
+        self.pin, self.threads, self.lock = pin, threads, lock
+        self.device = device        # the CUDA device whose context locks (a worker thread would default to cuda:0)
+        self._pool: ThreadPoolExecutor | None = None
+        self._queued: list[Future] = []
+        self.unlocked: list[int] = []           # error codes of buffers that stayed pageable (batch only)
+
+    def empty(self, n: int, dtype: torch.dtype, fill: float | int | None = None) -> torch.Tensor:
+        """A host buffer of n elements; `fill`: its first value everywhere (None: left as allocated)."""
+        t = torch.empty(n, dtype=dtype)
+        if self._pool is None:
+            return self._ready_now(t, fill)
+        self._queued.append(self._pool.submit(self._ready, t, fill))
+        return t
+
+    def _ready_now(self, t: torch.Tensor, fill) -> torch.Tensor:
+        if fill is not None:
+            t.fill_(fill)
+        if self.pin and self.lock(t) != 0:
+            return t.pin_memory()       # the allocator's pinned memory still works, only bigger (a power of two)
+        return t
+
+    def _ready(self, t: torch.Tensor, fill) -> None:
+        if fill is not None:
+            t.fill_(fill)               # also the first touch of its pages, here rather than in the lock
+        if self.pin:
+            err = self.lock(t)
+            if err != 0:
+                self.unlocked.append(err)
+
+    @property
+    def queues(self) -> bool:
+        """Whether buffers handed out now are made ready later (in a batch, by its workers)."""
+        return self._pool is not None
+
+    @contextlib.contextmanager
+    def batch(self, progress: Callable[[int, int], None] | None = None):
+        """Buffers handed out in the block are made ready side by side (page-locked buffers only: filling alone gains
+        nothing from threads, torch's fill already uses them); all are ready when it ends. `progress(ready, total)`
+        is called as they become ready."""
+        if self.threads < 2 or not self.pin or self._pool is not None:
+            yield self
+            return
+        on_device = self.device is not None and self.device.type == "cuda"
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="pstar_fx-pin",
+                                        initializer=torch.cuda.set_device if on_device else None,
+                                        initargs=(self.device,) if on_device else ())
+        try:
+            yield self
+        finally:
+            queued, self._queued = self._queued, []
+            try:
+                for i, f in enumerate(queued):
+                    f.result()
+                    if progress is not None:
+                        progress(i + 1, len(queued))
+            finally:
+                self._pool.shutdown()
+                self._pool = None
+            if self.unlocked:
+                log.warning("%d host buffer(s) could not be page-locked (cudaHostRegister error %d): their copies "
+                            "to and from the device are synchronous", len(self.unlocked), self.unlocked[0])

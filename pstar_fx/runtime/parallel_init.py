@@ -1,0 +1,195 @@
+"""parallel_init: a model's own init (`init_weights`, `reset_parameters`) run with its `normal_` draws on all host
+cores, giving the bits one thread gives.
+
+Where the time goes (measured on the CPU box, torch 2.13): a meta-built model's init is almost all `normal_` on the
+host's fp32 masters, and `normal_` is almost all the CPU generator's mt19937 draws (320 M values/s; `zero_` and
+`fill_` run at 6 G/s). Those draws are one serial stream: parameter after parameter, element after element. torch's
+CPU `normal_` on a contiguous fp32 tensor of n >= 16 values draws n uniforms (n + 16 when n is not a multiple of
+16: the last 16 are drawn again) and turns each aligned block of 16 into normals on its own. So a piece of the
+tensor that starts at a multiple of 16 gets exactly its values from a generator set to the stream's state at that
+element. This mode finds those states by advancing the generator with the cheapest op that draws the same stream
+(`random_` on int64: two draws per value, 1.2 G draws/s), and hands each piece, with its state, to a worker thread
+that runs the same `normal_` on it. The global generator ends where one thread leaves it, so whatever the init draws
+next (a `uniform_`, another `normal_`) is unchanged. Every other op runs as it is, in order, after waiting for any
+pending piece whose memory it touches.
+
+On k free cores the wall time should be about max(draws / 1.2 G/s, draws / ((k - 1) * 320 M/s)): up to 3.7x faster at
+16 cores, 1.6x at 3, nothing at 2 (so it stays off there: MIN_THREADS). Those are estimates from the two rates; the
+2-core CPU box cannot show them, `bench/init_speed.py` measures them. The layout of draws is checked once per
+process against a plain `normal_` (`same_bits_as_serial`); where a torch build draws otherwise, the init runs on
+one thread as before. Limit: only ops that reach the dispatcher wait for pending pieces; an init that reads a
+weight's memory behind torch's back (`.numpy()`, a raw pointer) could see it unwritten.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+log = logging.getLogger("pstar_fx")
+
+aten = torch.ops.aten
+
+PIECE_ELEMS = 1 << 22          # 16 MiB of fp32 per worker task: ~13 ms of normal_ here, small next to a big matrix
+MIN_ELEMS = 1 << 16            # smaller tensors run in place: a piece's state copy would cost more than it saves
+MIN_THREADS = 3                # with 2, one thread advancing and one filling is one thread's time, at 1.6x the work
+_SCRATCH_ELEMS = 1 << 21       # int64 values the advance draws into at a time (16 MiB)
+
+
+def _advance(gen: torch.Generator, draws: int, scratch: torch.Tensor) -> None:
+    """Move `gen` forward by `draws` 32-bit draws without computing normals: int64 `random_` takes two per value."""
+    pairs, odd = divmod(draws, 2)
+    while pairs:
+        n = min(pairs, scratch.numel())
+        scratch[:n].random_(generator=gen)
+        pairs -= n
+    if odd:
+        scratch.view(torch.float32)[:1].uniform_(generator=gen)     # one draw per fp32 value
+
+
+def _draws(n: int) -> int:
+    """32-bit draws a CPU fp32 `normal_` of n >= 16 contiguous values takes."""
+    return n + (16 if n % 16 else 0)
+
+
+def _pieces(n: int, piece: int) -> list[tuple[int, int]]:
+    """[start, end) pieces of n values, each starting at a multiple of 16 and none shorter than 16."""
+    piece = max(16, piece - piece % 16)
+    out = []
+    start = 0
+    while start < n:
+        end = min(start + piece, n)
+        if n - end < 16:
+            end = n
+        out.append((start, end))
+        start = end
+    return out
+
+
+def _fill(view: torch.Tensor, mean: float, std: float, state: torch.Tensor) -> None:
+    gen = torch.Generator()
+    gen.set_state(state)
+    view.normal_(mean, std, generator=gen)
+
+
+@functools.cache
+def same_bits_as_serial() -> bool:
+    """Whether this torch's CPU `normal_` draws as the module docstring says: pieces with their states give the bits
+    of one call, and the generator ends at the same state (checked on a few hundred values, once per process)."""
+    n, piece = 16 * 23 + 5, 64
+    gen = torch.Generator().manual_seed(1234)
+    start = gen.get_state()
+    whole = torch.empty(n).normal_(0.5, 2.0, generator=gen)
+    end = gen.get_state()
+    gen.set_state(start)
+    parts = torch.empty(n)
+    scratch = torch.empty(8, dtype=torch.int64)
+    for a, b in _pieces(n, piece):
+        _fill(parts[a:b], 0.5, 2.0, gen.get_state())
+        _advance(gen, _draws(b - a) if b == n else b - a, scratch)
+    return torch.equal(whole, parts) and torch.equal(end, gen.get_state())
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int, int]:
+    """(storage, first byte, end byte) of the memory `t` can touch (torch strides are never negative)."""
+    if t.numel() == 0:
+        return (0, 0, 0)
+    extent = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    return (t.untyped_storage().data_ptr(), t.data_ptr(), t.data_ptr() + extent * t.element_size())
+
+
+class _SplitNormal(TorchDispatchMode):
+    """Large host fp32 `normal_` calls on the global generator: split into pieces run by `pool` (None: none split),
+    in the order of one thread's draws; every other op waits for the pending pieces it overlaps. `progress` is
+    called with the values written in place so far (whatever the op: a progress count, not an exact one)."""
+
+    def __init__(self, pool: ThreadPoolExecutor | None, piece_elems: int,
+                 progress: Callable[[int], None] | None = None):
+        super().__init__()
+        self.pool, self.piece_elems, self.progress = pool, piece_elems, progress
+        self.written = 0
+        self.pending: list[tuple[tuple[int, int, int], list[Future]]] = []
+        self.scratch = torch.empty(_SCRATCH_ELEMS, dtype=torch.int64)
+        self.split_elems = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.progress is not None and args and isinstance(args[0], torch.Tensor) \
+                and func._schema.name.endswith("_"):
+            self.written += args[0].numel()
+            self.progress(self.written)
+        if self.pool is not None and func is aten.normal_.default and self._splittable(args, kwargs):
+            t = args[0]
+            self._wait_for(t)                       # an earlier pending write to the same values lands first
+            mean = args[1] if len(args) > 1 else kwargs.get("mean", 0.0)
+            std = args[2] if len(args) > 2 else kwargs.get("std", 1.0)
+            self._split(t, mean, std)
+            return t
+        if self.pending and not func.is_view:
+            for x in tree_leaves((args, kwargs)):
+                if isinstance(x, torch.Tensor) and x.device.type == "cpu":
+                    self._wait_for(x)
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _splittable(args, kwargs) -> bool:
+        t = args[0]
+        return type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" \
+            and t.dtype == torch.float32 and t.is_contiguous() and t.numel() >= MIN_ELEMS \
+            and kwargs.get("generator") is None
+
+    def _split(self, t: torch.Tensor, mean: float, std: float) -> None:
+        gen = torch.default_generator
+        flat = t.view(-1)
+        n = flat.numel()
+        futures = []
+        for a, b in _pieces(n, self.piece_elems):
+            futures.append(self.pool.submit(_fill, flat[a:b], mean, std, gen.get_state()))
+            _advance(gen, _draws(b - a) if b == n else b - a, self.scratch)
+        self.pending.append((_byte_range(t), futures))
+        self.split_elems += n
+
+    def _wait_for(self, t: torch.Tensor) -> None:
+        store, lo, hi = _byte_range(t)
+        if not self.pending or hi == lo:
+            return
+        if any(s == store and lo < e and b < hi for (s, b, e), _ in self.pending):
+            self.wait()
+
+    def wait(self) -> None:
+        pending, self.pending = self.pending, []
+        for _, futures in pending:
+            for f in futures:
+                f.result()
+
+
+@contextlib.contextmanager
+def split_normal_draws(threads: int | None = None, piece_elems: int | None = None,
+                       progress: Callable[[int], None] | None = None):
+    """Within the block, large host fp32 `normal_` calls on the global generator run on `threads` threads (default:
+    torch's intra-op threads): this one advances the generator, the others fill the pieces, with the bits and
+    generator state one thread gives; the block ends when every value is written. Nothing is split with fewer than
+    MIN_THREADS threads (the advance would only add work), or where this torch draws otherwise
+    (`same_bits_as_serial`). `progress(values)`: called as in-place ops write values (for a progress display)."""
+    threads = threads or torch.get_num_threads()
+    split = threads >= MIN_THREADS and same_bits_as_serial()
+    if threads >= MIN_THREADS and not split:
+        log.info("initialization runs on one thread: this torch's CPU normal_ does not split with the same bits")
+    if not split and progress is None:
+        yield None
+        return
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(ThreadPoolExecutor(max(1, threads - 1), thread_name_prefix="pstar_fx-init")) \
+            if split else None
+        mode = _SplitNormal(pool, piece_elems or PIECE_ELEMS, progress)
+        try:
+            with mode:
+                yield mode
+        finally:
+            mode.wait()

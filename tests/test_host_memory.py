@@ -1,0 +1,94 @@
+"""Host buffers page-locked side by side (runtime/host_memory.py), without CUDA: a stand-in lock records what
+cudaHostRegister would be asked to lock. Every buffer is filled and locked once, exactly its bytes, before the
+batch ends; the engine trains the same bits with it, and what it locks is what the store charged."""
+import logging
+import threading
+
+import pytest
+import torch
+
+import pstar_fx
+from pstar_fx.models import GPT, gpt_config
+from pstar_fx.runtime import host_memory, store as store_mod
+from test_engine import batch
+
+
+class FakeLock:
+    def __init__(self, fail_every: int = 0):
+        self.locked: list[tuple[int, int, str]] = []       # (address, bytes, thread)
+        self.fail_every = fail_every
+        self._mutex = threading.Lock()
+
+    def __call__(self, t: torch.Tensor) -> int:
+        with self._mutex:
+            self.locked.append((t.data_ptr(), t.untyped_storage().nbytes(), threading.current_thread().name))
+            return 1 if self.fail_every and len(self.locked) % self.fail_every == 0 else 0
+
+
+def test_a_batch_fills_and_locks_every_buffer_on_its_workers_before_it_ends():
+    lock = FakeLock()
+    host = host_memory.HostBuffers(pin=True, threads=3, lock=lock)
+    seen = []
+    with host.batch(lambda done, total: seen.append((done, total))):
+        assert host.queues
+        bufs = [host.empty(1000 + i, torch.float32, fill=0) for i in range(20)]
+        bufs.append(host.empty(77, torch.uint8, fill=127))
+        bufs.append(host.empty(64, torch.bfloat16))                 # no fill: locked only
+    assert not host.queues
+    assert all(not b[:-1].any() for b in bufs[:20]) and bool((bufs[20] == 127).all())
+    assert sorted((p, n) for p, n, _ in lock.locked) == sorted((b.data_ptr(), b.untyped_storage().nbytes())
+                                                                for b in bufs)
+    assert all(name.startswith("pstar_fx-pin") for _, _, name in lock.locked)
+    assert seen[-1] == (len(bufs), len(bufs))
+    outside = host.empty(10, torch.float32, fill=1.0)              # outside a batch: ready when handed out
+    assert lock.locked[-1][0] == outside.data_ptr() and lock.locked[-1][2] == threading.current_thread().name
+
+
+def test_a_buffer_that_cannot_be_locked_stays_usable_and_is_reported(caplog):
+    host = host_memory.HostBuffers(pin=True, threads=2, lock=FakeLock(fail_every=3))
+    with caplog.at_level(logging.WARNING, logger="pstar_fx"), host.batch():
+        bufs = [host.empty(100, torch.float32, fill=2.0) for _ in range(7)]
+    assert all(bool((b == 2.0).all()) for b in bufs)
+    assert host.unlocked == [1, 1] and "2 host buffer(s) could not be page-locked" in caplog.text
+
+
+def test_one_thread_or_no_pinning_makes_each_buffer_ready_when_handed_out():
+    for pin, threads in ((True, 1), (False, 4)):
+        lock = FakeLock()
+        host = host_memory.HostBuffers(pin=pin, threads=threads, lock=lock)
+        with host.batch():
+            assert not host.queues
+            b = host.empty(10, torch.float32, fill=3.0)
+            assert bool((b == 3.0).all()) and len(lock.locked) == int(pin)
+
+
+def test_pin_threads_reads_its_variable(monkeypatch):
+    monkeypatch.setenv("PSTAR_FX_PIN_THREADS", "6")
+    assert host_memory.pin_threads() == 6
+    for bad in ("0", "many"):
+        monkeypatch.setenv("PSTAR_FX_PIN_THREADS", bad)
+        with pytest.raises(ValueError, match="PSTAR_FX_PIN_THREADS"):
+            host_memory.pin_threads()
+
+
+def test_engine_with_host_state_locked_side_by_side_trains_the_same_bits(monkeypatch):
+    config = {"device": "cpu", "placement": "host", "chunk_size": 16384, "seed": 1, "optimizer": {"lr": 1e-3}}
+    inputs = batch()
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny"))
+    plain = pstar_fx.compile(model, config, inputs)
+    lock = FakeLock()
+
+    class Locked(host_memory.HostBuffers):          # as on CUDA: page-locked host state, 4 workers
+        def __init__(self, pin, threads, device):
+            super().__init__(True, 4, lock)
+
+    monkeypatch.setattr(store_mod, "HostBuffers", Locked)
+    locked = pstar_fx.compile(model, config, inputs)
+    assert any(not name.startswith("MainThread") for _, _, name in lock.locked)
+    # what was locked is what the store charged to the host tier: each buffer exactly its bytes
+    assert sum(n for _, n, _ in lock.locked) == locked.rt.stats.host_bytes
+    for _ in range(2):
+        assert torch.equal(plain.step(*inputs), locked.step(*inputs))
+    a, b = plain.state_dict(), locked.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -1,0 +1,131 @@
+"""A meta-built model's init with its normal_ draws split over threads (runtime/parallel_init.py) gives the bits
+one thread gives: the same tensors and the same generator state after, for a seed."""
+import pytest
+import torch
+
+import pstar_fx
+from pstar_fx.models import GPT, gpt_config
+from pstar_fx.runtime import parallel_init
+from test_engine import batch
+
+
+@pytest.fixture
+def small_pieces(monkeypatch):
+    """Split every tensor of 64+ values into pieces of 48 (tiny models' tensors, many pieces each), and count
+    the pieces the workers fill."""
+    monkeypatch.setattr(parallel_init, "MIN_ELEMS", 64)
+    monkeypatch.setattr(parallel_init, "PIECE_ELEMS", 48)
+    monkeypatch.setattr(parallel_init, "MIN_THREADS", 1)          # split on any box (CI's may have 1 or 2 cores)
+    filled = []
+    fill = parallel_init._fill
+
+    def counted(view, mean, std, state):
+        filled.append(view.numel())
+        fill(view, mean, std, state)
+
+    monkeypatch.setattr(parallel_init, "_fill", counted)
+    return filled
+
+
+def an_init(ts):
+    """What inits do: normal_ by position and keyword, uniform_ between them, in-place ops on drawn values, a
+    second draw into the same tensor, and draws after the last."""
+    for i, t in enumerate(ts):
+        if i % 3 == 2:
+            t.uniform_(-0.1, 0.1)
+        torch.nn.init.normal_(t, mean=0.0, std=0.02)
+        if i == 1:
+            t.mul_(2.0)
+            t[5:9].zero_()
+        if i == 3:
+            t.normal_(std=1.0)
+    return torch.rand(3), torch.randn(5)
+
+
+def test_split_draws_give_one_threads_bits_and_generator_state(small_pieces):
+    assert parallel_init.same_bits_as_serial()
+    shapes = [(40, 41), (1000,), (17,), (3, 1003), (64,), (65,), (7, 16)]
+    torch.manual_seed(7)
+    serial = [torch.empty(s) for s in shapes]
+    drawn_after = an_init(serial)
+    state_after = torch.get_rng_state()
+    torch.manual_seed(7)
+    split = [torch.empty(s) for s in shapes]
+    with parallel_init.split_normal_draws(threads=3) as mode:
+        split_after = an_init(split)
+    assert mode is not None and mode.split_elems > 0 and len(small_pieces) > 20
+    for a, b in zip(serial, split):
+        assert torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(drawn_after, split_after))
+    assert torch.equal(state_after, torch.get_rng_state())
+
+
+def test_split_pieces_start_at_multiples_of_16_and_cover_the_tensor():
+    for n, piece in [(16, 48), (17, 48), (1000, 48), (64, 48), (63, 16), (10 ** 6 + 3, 1 << 16)]:
+        pieces = parallel_init._pieces(n, piece)
+        assert pieces[0][0] == 0 and pieces[-1][1] == n
+        assert all(a % 16 == 0 and b - a >= 16 for a, b in pieces)
+        assert all(b == a2 for (_, b), (a2, _) in zip(pieces, pieces[1:]))
+
+
+def serial_init(monkeypatch):
+    """Today's init: one thread (the split declines where the layout of draws is not known)."""
+    monkeypatch.setattr(parallel_init, "same_bits_as_serial", lambda: False)
+
+
+def test_meta_gpt_initializes_in_chunk_memory_with_one_threads_bits(small_pieces, monkeypatch):
+    config = {"device": "cpu", "placement": "host", "seed": 3, "chunk_size": 16384}
+    with torch.device("meta"):
+        model = GPT(gpt_config("tiny"))
+    split = pstar_fx.compile(model, config, batch()).state_dict()
+    assert sum(small_pieces) > 0.9 * sum(p.numel() for n, p in model.named_parameters() if n.endswith("weight")
+                                          and p.dim() == 2)
+    torch.manual_seed(3)
+    ref = GPT(gpt_config("tiny"))            # a CPU build, initialized on one thread with the same seed
+    torch.manual_seed(3)
+    ref.init_weights()
+    for name, p in ref.named_parameters():
+        assert torch.equal(split[name], p.detach()), name
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_meta_hf_model_initializes_with_one_threads_bits(small_pieces, monkeypatch, kind):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        cls, drawn = transformers.GPT2LMHeadModel, "transformer.h.0.attn.c_proj.weight"
+    else:
+        cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                       max_position_embeddings=64, head_dim=16)
+        cls, drawn = transformers.LlamaForCausalLM, "model.layers.0.mlp.down_proj.weight"
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    config = pstar_fx.Config(device="cpu", seed=5, chunk_size=16384)
+    results = []
+    for split in (True, False):
+        if not split:
+            serial_init(monkeypatch)
+        with torch.device("meta"):
+            model = cls(cfg)
+        results.append(pstar_fx.compile(model, config, {"input_ids": ids, "labels": ids}).state_dict())
+        if split:
+            assert sum(small_pieces) > 0
+            pieces = len(small_pieces)
+    assert len(small_pieces) == pieces                  # the serial run split nothing
+    assert results[0].keys() == results[1].keys()
+    for k in results[0]:
+        assert torch.equal(results[0][k], results[1][k]), k
+    assert results[0][drawn].std() > 0                  # initialized, not left zero
+
+
+def test_compile_sends_allocation_and_initialization_progress():
+    events = []
+    with torch.device("meta"):
+        model = GPT(gpt_config("tiny"))
+    with pstar_fx.phases.subscribe(events.append):
+        pstar_fx.compile(model, {"device": "cpu", "placement": "host", "chunk_size": 16384}, batch())
+    for phase in ("allocate", "initialize"):
+        sent = [e for e in events if e.phase == phase and e.state == "progress"]
+        assert sent and sent[-1].done == sent[-1].total > 0, phase
+        assert all(a.done <= b.done for a, b in zip(sent, sent[1:])), phase

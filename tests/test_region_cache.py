@@ -1,0 +1,62 @@
+"""A second compile() of the same model in a fresh process loads its Inductor regions from the cache beside the plan
+cache instead of building them, and trains bit-identically to the first; a cold cache's regions are built by
+worker processes (passes/region_builders.py) and loaded from there by the compiling process.
+
+Evidence without timing: Inductor's own counters (torch._dynamo.utils.counters["inductor"]: fxgraph_cache_hit /
+fxgraph_cache_miss) in each process, and the cache folder's place."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = r"""
+import hashlib, json, torch, pstar_fx
+from torch import nn
+from torch._dynamo.utils import counters
+
+class TwoLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x, y):
+        return (self.b(nn.functional.gelu(self.a(x))) - y).pow(2).mean()
+
+torch.manual_seed(0)
+model = TwoLinear()
+g = torch.Generator().manual_seed(0)
+x, y = torch.randn(4, 32, generator=g), torch.randn(4, 32, generator=g)
+engine = pstar_fx.compile(model, pstar_fx.Config(device="cpu", compute="inductor", chunk_size=2048,
+                                                 placement="host"), (x, y))
+losses = [engine.step(x, y).item() for _ in range(2)]
+sd = engine.state_dict()
+print(json.dumps({"losses": losses, "regions": len(engine.graph.meta["regions"]),
+                  "state": hashlib.sha256(b"".join(sd[k].numpy().tobytes() for k in sorted(sd))).hexdigest(),
+                  "hits": counters["inductor"]["fxgraph_cache_hit"], "misses": counters["inductor"]["fxgraph_cache_miss"],
+                  "cache": __import__("os").environ["TORCHINDUCTOR_CACHE_DIR"]}))
+"""
+
+
+def compile_in_a_fresh_process(cache: Path, workers: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env.update(PSTAR_FX_CACHE=str(cache), PSTAR_FX_BUILD_WORKERS=str(workers),
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_second_compile_loads_the_regions_the_workers_built_and_trains_the_same_bits(tmp_path):
+    cold = compile_in_a_fresh_process(tmp_path, workers=2)
+    assert cold["regions"] == 2
+    assert cold["cache"] == str(tmp_path / "inductor")                 # beside the plan cache
+    # the workers built both regions; this process only loaded them
+    assert (cold["hits"], cold["misses"]) == (2, 0), cold
+    assert list((tmp_path / "inductor").glob("pstar_fx-regions-*")), "no marker of the built regions"
+    warm = compile_in_a_fresh_process(tmp_path, workers=2)          # the marker: no worker starts
+    assert (warm["hits"], warm["misses"]) == (2, 0), warm
+    assert warm["losses"] == cold["losses"] and warm["state"] == cold["state"]
