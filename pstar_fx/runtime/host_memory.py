@@ -102,9 +102,12 @@ class HostBuffers:
             yield self
             return
         on_device = self.device is not None and self.device.type == "cuda"
+        # set_device needs an index: "cuda" alone is the current device of this (the constructing) thread
+        index = (self.device.index if self.device.index is not None else torch.cuda.current_device()) \
+            if on_device else None
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="pstar_fx-pin",
                                         initializer=torch.cuda.set_device if on_device else None,
-                                        initargs=(self.device,) if on_device else ())
+                                        initargs=(index,) if on_device else ())
         try:
             yield self
         finally:

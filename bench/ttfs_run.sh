@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Time to the first step (issue 26), on the device machine after bench/gpu_run.sh built the package there:
+# the same bench/gpt.py run twice, each in a fresh process — "cold" on the caches as they are (empty on a fresh
+# machine: plan cache, Inductor's caches under ~/.cache/pstar_fx), then "warm" (same shapes). Each run's JSON goes
+# to $OUT/ttfs.jsonl with a field "run"; gpt.py's compile_phases_s and time_to_first_step_s say where the time went.
+#   bash bench/ttfs_run.sh GPT3_18B "--compute inductor --optimizer-state bf16" [SECONDS_LEFT]
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+model=$1; extra=${2:-}; left=${3:-560}
+start=$(date +%s)
+for run in cold warm; do
+  remaining=$(( left - ($(date +%s) - start) ))
+  (( remaining > 30 )) || { echo "=== ttfs $run: no time left"; break; }
+  echo "=== ttfs $model $run $(date +%T) (limit ${remaining}s)"
+  timeout "$remaining" python3 bench/gpt.py --model "$model" --system pstar_fx --batch 16 --seq 1024 \
+    --steps "${STEPS:-2}" --host-memory "${HOST:-110GiB}" $extra --json "$OUT/ttfs-$run.jsonl" 2>&1 \
+    | grep -v "^DEBUG" | grep -E "^(compile|step|fits|Traceback)|Error|build regions|initialize|allocate" | tail -12
+  python3 - "$OUT/ttfs-$run.jsonl" "$run" >> "$OUT/ttfs.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line); r["run"] = sys.argv[2]; print(json.dumps(r))
+PY
+done
