@@ -200,8 +200,10 @@ def adam_undo(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
     part: "all"; "param" (the master only, from the updated moments: `grad` may be None); "moments" (the
     master is already restored: the moments, from the grad, and the redo if asked) — a replayed step's
     two halves, when no gradient was kept; "copy" (a correction's `param_out` alone, the bits "all" writes
-    there; param, exp_avg and exp_avg_sq are left as they are): a host chunk's 16-bit copy corrected first,
-    for the next forward, its full correction ("all", no param_out) after.
+    there; param, exp_avg and exp_avg_sq are left as they are: 16 B a parameter against 28). The runtime does not
+    use "copy": correcting host chunks' 16-bit copies first and their state after was slower on the H200 (the
+    kernel's float64 arithmetic binds before memory, so the split adds work to the busy host worker; bench/RESULTS.md,
+    2026-12-03 session 11).
     """
     parts = {"all": 0, "param": 1, "moments": 2, "copy": 3}
     if part not in parts:

@@ -473,7 +473,7 @@ double stream_triad(uintptr_t a, uintptr_t b, uintptr_t c, int64_t n, double sca
 // the scalar level, which give the same bits: every level gives the old scalar kernel's result bit for bit
 // (tests/test_kernels.py). Bytes per element: 28 B (fp32 grad) / 26 B (16-bit), + 2 B for the redo's
 // 16-bit copy; the master alone (part 1) 16 B; the corrected 16-bit copy alone (part 3: read p, m, v, grad,
-// write the copy) 16 B (bf16 grad), what a host chunk's next read waits for before its full correction.
+// write the copy) 16 B (bf16 grad) of memory, but all of the correction's arithmetic.
 void adam_undo(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, uintptr_t exp_avg,
                uintptr_t exp_avg_sq, int64_t n, int64_t step, double lr, double beta1, double beta2, double eps,
                double weight_decay, double grad_scale, bool decoupled, double redo_scale, uintptr_t param_out,

@@ -87,7 +87,7 @@ def chunk_undo(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     With `redo` (the same step with another grad_scale), apply that update in the same pass: a correction.
     `part` "param" restores only the master (no grad needed), "moments" only the moments (the master was
     restored): the two halves of a replayed step; "copy" writes only a correction's `param_out` (the bits
-    "all" writes there), leaving the state as it is: a host chunk's corrected 16-bit copy, ahead of the rest."""
+    "all" writes there), leaving the state as it is (kernels/ops.py adam_undo)."""
     beta1, beta2 = hyper.betas
     if redo is not None and replace(redo, grad_scale=hyper.grad_scale) != hyper:
         raise ValueError("a redo may change only grad_scale")

@@ -28,9 +28,6 @@ def device_after_verdict_seconds(here_elems: int, back_elems: int, itemsize: int
 
 
 DEVICE_RESTORE_BYTES = 16    # a replay's master restore (adam_undo part "param"): reads master and moments, writes it
-# A host correction moves 28 B a parameter (bf16 kept gradient and copy); its 16-bit copy alone (adam_undo part
-# "copy": reads master, moments and gradient, writes the copy) 16 B, and the host kernels are bound by memory.
-COPY_FIRST_SPEEDUP = 28 / 16
 
 
 def not_started(host: list[int], adam_at: dict[int, int], layout: Layout, adam_hidden: float,
@@ -53,8 +50,7 @@ def not_started(host: list[int], adam_at: dict[int, int], layout: Layout, adam_h
 def _triggered_seconds(transaction: str, step_seconds: float, *, cuda: bool, placement: list[str], layout: Layout,
                        node_secs: list[float], reads: list[set[int]], adam_at: dict[int, int], rates: Rates,
                        itemsize: int, copy_s: dict[int, float], kept_on_device: int, copies_exposed: float,
-                       adam_hidden: float, replay_host_exposed: float = 0.0, host_adam_rate: float = 0.0,
-                       copies_first: set[int] = frozenset()) -> float:
+                       adam_hidden: float, replay_host_exposed: float = 0.0, host_adam_rate: float = 0.0) -> float:
     """The step's seconds when clipping triggers (global norm > grad_clip), as the runtime corrects it
     (runtime/transactions.py, undo.py). Only kept_grads and replay correct after the verdict; deferred, accumulate
     and none apply after it or not at all, and a two_pass step that measures first already counts its second pass:
@@ -68,9 +64,7 @@ def _triggered_seconds(transaction: str, step_seconds: float, *, cuda: bool, pla
     corrections without waiting: `kept_on_device` of the device chunks (the first ones) read their kept gradient on
     the device, the others' come back from the host on the copy stream (`device_after_verdict_seconds`: D). The next
     forward starts after them, and stalls where it reads a host chunk not yet corrected and copied
-    (`host_adam.worker_stall`, at `host_correction` parameters/s; a chunk that ships its 16-bit shadow,
-    `copies_first`, is read once that copy alone is corrected, COPY_FIRST_SPEEDUP times as fast, all of them
-    first, the masters and moments after: those delay only the next backward's host Adam, not counted):
+    (`host_adam.worker_stall`, at `host_correction` parameters/s):
       triggered = step_seconds + D + host stall
     On the CPU runtime every job is inline, a "device" chunk's too (the C++ kernel on CPU memory):
       triggered = step_seconds + every updated chunk's elems / host_correction
@@ -100,15 +94,8 @@ def _triggered_seconds(transaction: str, step_seconds: float, *, cuda: bool, pla
         host = [c for c in host if c not in not_started(host, adam_at, layout, adam_hidden, host_adam_rate)]
         device_s = device_after_verdict_seconds(elems(device[:kept_on_device]), elems(device[kept_on_device:]),
                                                 itemsize, rates)
-        first = [c for c in host if c in copies_first]
-        stall = worker_stall(first, layout, node_secs, reads, undo * COPY_FIRST_SPEEDUP, copy_s,
-                             worker_start=adam_hidden, forward_start=device_s)
-        rest = [c for c in host if c not in copies_first]
-        if rest:    # after the copies first and every earlier job (each before the first's time: a lower bound)
-            start = adam_hidden + elems(first) / (undo * COPY_FIRST_SPEEDUP)
-            stall = max(stall, worker_stall(rest, layout, node_secs, reads, undo, copy_s, worker_start=start,
-                                            forward_start=device_s))
-        return step_seconds + device_s + stall
+        return step_seconds + device_s + worker_stall(host, layout, node_secs, reads, undo, copy_s,
+                                                      worker_start=adam_hidden, forward_start=device_s)
     device_s = elems(device) * DEVICE_RESTORE_BYTES / rates.mem_bw
     # the restores in update order (runtime/undo.py): the forward's first host chunk is about the last one done
     by_update = [c for c in sorted(adam_at, key=adam_at.__getitem__) if placement[c] == "host"]

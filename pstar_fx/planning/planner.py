@@ -195,8 +195,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         transaction, step_seconds, cuda=cuda, placement=rank0_placement, layout=layout, node_secs=node_secs,
         reads=use.reads, adam_at=use.adam_at, rates=rates, itemsize=compute_itemsize, copy_s=copy_s,
         kept_on_device=kept_on_device, copies_exposed=sched.exposed_seconds, adam_hidden=adam_hidden,
-        replay_host_exposed=replay_host_exposed, host_adam_rate=host_adam_rate,
-        copies_first={c for c, how in enumerate(ship_of) if how == "shadow" and not in_shadow})
+        replay_host_exposed=replay_host_exposed, host_adam_rate=host_adam_rate)
     deferred_seconds = None
     if adaptive:
         deferred_seconds = (sum(node_secs) + sched.exposed_seconds + deferred_exposed if transaction == "kept_grads"

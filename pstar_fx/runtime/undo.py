@@ -80,28 +80,17 @@ class Undo:
         speculated = log.hyper
         log.verdict_hyper = hyper                          # host updates not yet started apply it directly
         updates = dict(log.host)                           # each host chunk's update: its future, or its outcome
-        # With the worker threaded, a chunk the forward reads as its 16-bit shadow gets that copy corrected first
-        # (16 B a parameter against the full correction's 28): the forward waits for those alone, in its order,
-        # and the masters and moments are corrected after them, while the forward runs.
-        first = [c for c in sorted(updates)
-                 if self.worker.threaded and c in self.store.shadow and c not in self.kept.in_shadow]
-        for c in first:
-            self.worker.run_copy_first(c, log, self._correct_host, log, c, updates, speculated, hyper, "copy")
         for c in sorted(updates):
-            part = "state" if c in first else "all"
-            self.worker.run(c, log, self._correct_host, log, c, updates, speculated, hyper, part,
-                            after_copy=c in first)
+            self.worker.run(c, log, self._correct_host, log, c, updates, speculated, hyper)
         for c, grad in self.kept.on_device_in_order(sorted(log.device)):
             self._correct_one(log, c, grad, speculated, hyper)
         self.telemetry.add("correction", time.perf_counter() - t0)
 
-    def _correct_host(self, log: StepLog, c: int, updates: dict, speculated: Hyper, hyper: Hyper,
-                      part: str) -> bool:
+    def _correct_host(self, log: StepLog, c: int, updates: dict, speculated: Hyper, hyper: Hyper) -> bool:
         """A host chunk's correction, on the worker after every host update of the step (one thread, in order:
         `updates` are done). Its own update failed: its error is raised here (it changed nothing). Another's failed:
         the step will be rolled back, so this chunk is left as its update left it, and the rollback undoes that one
-        update (undoing a correction too would add its rounding). `part`: "all"; "copy", the corrected 16-bit
-        shadow alone; "state", the rest (the shadow was written by the "copy" job queued before it)."""
+        update (undoing a correction too would add its rounding)."""
         outcome = {k: u.exception() if isinstance(u, Future) else None for k, u in updates.items()}
         if outcome[c] is not None:
             raise outcome[c]
@@ -112,17 +101,13 @@ class Undo:
         if log.hyper_of.get(c) is hyper:
             return True                                    # its update started after the verdict: already right
         t0 = time.perf_counter()
-        if part == "copy":
-            self._chunk_undo(c, self.kept.on_tier(c), speculated, redo=hyper, part="copy")
-        else:
-            self._correct_one(log, c, self.kept.on_tier(c), speculated, hyper, shadow=part == "all")
+        self._correct_one(log, c, self.kept.on_tier(c), speculated, hyper)
         self.telemetry.add("host_adam", time.perf_counter() - t0)
         return True
 
-    def _correct_one(self, log: StepLog, c: int, grad: torch.Tensor, speculated: Hyper, hyper: Hyper,
-                     shadow: bool = True) -> None:
+    def _correct_one(self, log: StepLog, c: int, grad: torch.Tensor, speculated: Hyper, hyper: Hyper) -> None:
         log.hyper_of[c] = speculated                       # applied with the guess, until the undo below
-        self._chunk_undo(c, grad, speculated, redo=hyper, shadow=shadow)
+        self._chunk_undo(c, grad, speculated, redo=hyper)
         log.hyper_of[c] = hyper
 
     def restore_masters(self, log: StepLog) -> dict[int, Hyper]:
