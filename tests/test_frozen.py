@@ -199,9 +199,17 @@ def test_gpu_frozen_chunks_on_both_tiers_match_torch_fp32(transaction):
     inputs = tuple(x.cuda() for x in batches[0])
     base = {"device": "cuda", "chunk_size": CHUNK, "optimizer": OPT, "grad_clip": clip, "transaction": transaction,
             "compute": "eager"}
-    from pstar_fx.planning.memory import usable_budget
-    want = pstar_fx.plan(model, dict(base, placement="host"), inputs).device_peak_bytes + 3 * 4 * CHUNK  # 3 frozen
-    budget = next(b for b in range(want, 2 * want, max(1, want // 4096)) if usable_budget(b, True) >= want)
+    # the smallest budget (in steps of CHUNK bytes) whose plan puts frozen chunks on both tiers (a
+    # frozen device chunk needs no compute slot, so the room each takes is not simply its bytes: search, on plans)
+    on_host = pstar_fx.plan(model, dict(base, placement="host"), inputs)
+    frozen_chunk = [how == "frozen" for how in on_host.ship]         # every chunk on the host: how each crosses
+    lo, hi = on_host.device_peak_bytes, pstar_fx.plan(model, dict(base, placement="device"), inputs).device_peak_bytes * 2
+
+    def frozen_tiers(budget):
+        plan = pstar_fx.plan(model, dict(base, device_memory=budget), inputs)
+        return {plan.placement[c] for c in range(len(plan.placement)) if frozen_chunk[c]}
+    budget = next((b for b in range(lo, hi, CHUNK) if frozen_tiers(b) == {"device", "host"}), None)
+    assert budget is not None, "no budget puts frozen chunks on both tiers"
     engine = pstar_fx.compile(model, dict(base, device_memory=budget), inputs)
     frozen = [ch.id for ch in engine.lowered.layout.chunks if ch.frozen]
     tiers = {engine.plan.placement[c] for c in frozen}
