@@ -36,6 +36,8 @@ sd = engine.state_dict()
 print(json.dumps({"losses": losses, "regions": len(engine.graph.meta["regions"]),
                   "state": hashlib.sha256(b"".join(sd[k].numpy().tobytes() for k in sorted(sd))).hexdigest(),
                   "hits": counters["inductor"]["fxgraph_cache_hit"], "misses": counters["inductor"]["fxgraph_cache_miss"],
+                  "aot_hits": counters["aot_autograd"]["autograd_cache_hit"],
+                  "aot_misses": counters["aot_autograd"]["autograd_cache_miss"],
                   "cache": __import__("os").environ["TORCHINDUCTOR_CACHE_DIR"]}))
 """
 
@@ -54,9 +56,11 @@ def test_second_compile_loads_the_regions_the_workers_built_and_trains_the_same_
     cold = compile_in_a_fresh_process(tmp_path, workers=2)
     assert cold["regions"] == 2
     assert cold["cache"] == str(tmp_path / "inductor")                 # beside the plan cache
-    # the workers built both regions; this process only loaded them
+    # the workers built both regions; this process only loaded them, Inductor's graphs and AOTAutograd's (which
+    # missed before the regions were compiled from their pickled copies, as the workers compile them)
     assert (cold["hits"], cold["misses"]) == (2, 0), cold
+    assert (cold["aot_hits"], cold["aot_misses"]) == (2, 0), cold
     assert list((tmp_path / "inductor").glob("pstar_fx-regions-*")), "no marker of the built regions"
     warm = compile_in_a_fresh_process(tmp_path, workers=2)          # the marker: no worker starts
-    assert (warm["hits"], warm["misses"]) == (2, 0), warm
+    assert (warm["hits"], warm["misses"]) == (2, 0) and (warm["aot_hits"], warm["aot_misses"]) == (2, 0), warm
     assert warm["losses"] == cold["losses"] and warm["state"] == cold["state"]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import operator
+import pickle
 
 import torch
 import torch.fx as fx
@@ -66,7 +67,11 @@ class Region:
         self.__name__ = self.__qualname__ = name
         self._specs = specs
         self.backend, self.key = backend, key   # key: equal for equal regions (ops and input layouts)
-        self._compiled = torch.compile(gm, backend=backend, fullgraph=True, dynamic=False)
+        # compiled from its pickled copy, as a build worker compiles it (region_builders.py): pickling drops the
+        # nodes' meta, which AOTAutograd's cache key reads, so this process and the workers hit the same entries
+        # (compiling `gm` itself, this process missed what a worker had saved and traced the region again)
+        self._compiled = torch.compile(pickle.loads(pickle.dumps(gm)), backend=backend, fullgraph=True,
+                                       dynamic=False)
 
     def __call__(self, *args):
         with torch.no_grad():               # one grad mode, whoever calls: the compiled guards never differ
