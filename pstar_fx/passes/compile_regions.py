@@ -67,11 +67,7 @@ class Region:
         self.__name__ = self.__qualname__ = name
         self._specs = specs
         self.backend, self.key = backend, key   # key: equal for equal regions (ops and input layouts)
-        # compiled from its pickled copy, as a build worker compiles it (region_builders.py): pickling drops the
-        # nodes' meta, which AOTAutograd's cache key reads, so this process and the workers hit the same entries
-        # (compiling `gm` itself, this process missed what a worker had saved and traced the region again)
-        self._compiled = torch.compile(pickle.loads(pickle.dumps(gm)), backend=backend, fullgraph=True,
-                                       dynamic=False)
+        self._compiled = torch.compile(_as_a_worker_has_it(gm), backend=backend, fullgraph=True, dynamic=False)
 
     def __call__(self, *args):
         with torch.no_grad():               # one grad mode, whoever calls: the compiled guards never differ
@@ -80,6 +76,17 @@ class Region:
     def __repr__(self):
         ops = sum(1 for n in self.graph_module.graph.nodes if n.op == "call_function")
         return f"<Region {self.__name__}: {ops} ops>"
+
+
+def _as_a_worker_has_it(gm: fx.GraphModule) -> fx.GraphModule:
+    """The region as a build worker receives it (region_builders.py): its pickled copy. Pickling drops the nodes'
+    meta, which AOTAutograd's cache key reads, so this process and the workers hit the same cache entries
+    (compiling `gm` itself, this process missed what a worker had saved and traced the region again). A region
+    that does not pickle is compiled as it is (the workers could not build it either)."""
+    try:
+        return pickle.loads(pickle.dumps(gm))
+    except (pickle.PicklingError, TypeError, AttributeError):
+        return gm
 
 
 def build_regions(gm: fx.GraphModule, device: torch.device) -> int:
