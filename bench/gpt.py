@@ -37,6 +37,7 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import faulthandler
 import json
@@ -221,6 +222,22 @@ def deepspeed_system(cfg, args):
         return loss
 
     return step, {}
+
+
+@contextlib.contextmanager
+def late_binding(on: bool):
+    """With `on` False (a sweep point's "@nolate"), every host update the worker runs is speculated and then corrected,
+    as before late binding (runtime/undo.py `correct`: an update the worker has not started at the verdict applies the
+    verdict's coefficient itself, `StepLog.verdict_hyper`): both ways in one process, on one engine."""
+    from pstar_fx.runtime.step_log import StepLog
+    if on:
+        yield
+        return
+    StepLog.verdict_hyper = property(lambda self: None, lambda self, value: None)   # never set: never bound late
+    try:
+        yield
+    finally:
+        StepLog.verdict_hyper = None                                                  # the dataclass default again
 
 
 def _oom_tried_bytes(message: str) -> int | None:
@@ -443,7 +460,8 @@ def main(argv=None):
                     "launching thread's own time by function (what keeps the GPU waiting at a step's ends)")
     ap.add_argument("--clip-sweep", default=None, help="pstar_fx: after the steps, --steps more at each of these "
                     "clip thresholds on the same engine (e.g. 1e9,1e-3: never / always triggers); THRESHOLD@RATE "
-                    "also fixes Config.expected_trigger_rate (1.0@0: speculate and correct; 1.0@1: defer)")
+                    "also fixes Config.expected_trigger_rate (1.0@0: speculate and correct; 1.0@1: defer); "
+                    "THRESHOLD@RATE@nolate runs that point without late binding (every host update corrected)")
     ap.add_argument("--checkpoint", choices=CHECKPOINT_CHOICES, default="all",
                     help="torch: activation checkpointing (torch.utils.checkpoint, non-reentrant) of every block "
                     "(all, the default), of the even blocks 0, 2, 4, ... (half) or of none")
@@ -556,21 +574,27 @@ def main(argv=None):
             if args.clip_sweep:
                 result["sweep"] = []
                 for point in args.clip_sweep.split(","):
-                    # THRESHOLD[@RATE]: the same compiled engine, another threshold (the plan depends on clipping
-                    # being on, not its value) and, with @RATE, Config.expected_trigger_rate fixed (0: speculate, 1:
-                    # defer where the plan may; without it the rate is measured as the run goes)
-                    x, _, rate = point.partition("@")
+                    # THRESHOLD[@RATE[@nolate]]: the same compiled engine, another threshold (the plan depends on
+                    # clipping being on, not its value) and, with @RATE, Config.expected_trigger_rate fixed (0:
+                    # speculate, 1: defer where the plan may; without it the rate is measured as the run goes);
+                    # @nolate: without late binding (`late_binding`)
+                    x, _, rest = point.partition("@")
+                    rate, _, flag = rest.partition("@")
+                    if flag not in ("", "nolate"):
+                        raise ValueError(f"--clip-sweep point {point!r}: expected THRESHOLD[@RATE[@nolate]]")
                     threshold = None if x == "none" else float(x)
                     engine.stepper.config = dataclasses.replace(engine.stepper.config, grad_clip=threshold,
                                                                 expected_trigger_rate=float(rate) if rate else None)
                     before = dict(engine.rt.telemetry.seconds)
                     n0 = engine.rt.telemetry.steps
-                    t, _, rep = timed(args.steps, label=f"clip {threshold} ")
+                    with late_binding(flag != "nolate"):
+                        t, _, rep = timed(args.steps, label=f"clip {threshold}{' nolate' if flag else ''} ")
                     engine.rt.timing()
                     n = max(1, engine.rt.telemetry.steps - n0)
                     phases = {k: round((v - before[k]) / n, 4) for k, v in engine.rt.telemetry.seconds.items()}
                     med = statistics.median(t[1:] if len(t) > 1 else t)
                     result["sweep"].append({"grad_clip": threshold, "expected_trigger_rate": rate or None,
+                                            "late_binding": flag != "nolate",
                                             "step_s": round(med, 4),
                                             "steps_s": [round(x, 3) for x in t], "phases": phases,
                                             "clipped": sum(r["clip_coef"] < 1 for r in rep), "reports": rep})

@@ -130,3 +130,22 @@ def test_a_configuration_past_its_limit_is_killed_and_reported():
     r = gpt.run_config(TINY, False, "none", timeout_s=0.5)    # the child is still importing torch
     assert time.monotonic() - t0 < 20
     assert r["fits"] is False and r["error"].startswith("timeout") and r["sweep"] == "torch-best"
+
+
+def test_late_binding_off_never_records_the_verdicts_update_and_is_restored():
+    """`--clip-sweep THRESHOLD@RATE@nolate` (CUDA only, like every pstar_fx run of the bench) runs its steps inside
+    `late_binding(False)`: a step's log never records the verdict's update, so no host update binds it late; after
+    the block StepLog is as it was."""
+    from pstar_fx.optim import Hyper
+    from pstar_fx.runtime.step_log import SPECULATE_KEEPING, StepLog
+    hyper = Hyper(step=1, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, grad_scale=1.0, decoupled=True)
+    with gpt.late_binding(False):
+        log = StepLog(hyper, SPECULATE_KEEPING)
+        log.verdict_hyper = hyper
+        assert log.verdict_hyper is None
+    assert StepLog.__dict__["verdict_hyper"] is None
+    log = StepLog(hyper, SPECULATE_KEEPING)
+    log.verdict_hyper = hyper
+    assert log.verdict_hyper is hyper
+    with gpt.late_binding(True):
+        assert StepLog.__dict__["verdict_hyper"] is None
