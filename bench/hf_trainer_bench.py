@@ -275,7 +275,6 @@ def main(argv=None):
     if args.device == "cpu":
         args.host_memory = None if args.host_memory == ap.get_default("host_memory") else args.host_memory
     if args.side != "both":
-        pass #FH   # a hang shows its stacks
         gpt.emit(run_side(args.side, args), args.json)
         return
     deadline = time.monotonic() + args.timeout
