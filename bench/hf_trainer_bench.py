@@ -3,8 +3,10 @@
     python bench/hf_trainer_bench.py [--model hf-llama/Llama3_8B] [--steps 20] [--batch 16] [--seq 1024]
                                      [--host-memory 110GiB] [--device cuda] [--json FILE]
 
-Two sides, each on the model bench/gpt.py builds for `--model` (`gpt.model_config` and `gpt.build`: built on the
-meta device, so its weights are initialized in chunk memory from Config.seed; random init):
+Two sides, each on the model bench/gpt.py builds for `--model hf-llama/NAME` (`gpt.model_config` and `gpt.build`:
+Hugging Face's LlamaForCausalLM of gpt.py's LLaMA shape NAME, built on the meta device, so its weights are
+initialized in chunk memory from Config.seed: random init; our own GPT and LLaMA are not Hugging Face models, whose
+config the Trainer writes into):
   engine   pstar_fx.compile, then a plain loop of `engine.step(batch)` (the batch moved to the device in the loop);
   trainer  `PstarTrainer.train()` over a dataset of the same rows, in order (train_sampling_strategy="sequential"),
            logging every step (the Trainer's most frequent logging: the most loop overhead around the step).
@@ -51,20 +53,12 @@ import pstar_fx  # noqa: E402
 SIDES = ("engine", "trainer")
 
 
-def batch_keys(hf: bool) -> tuple[str, str]:
-    """The batch's keys: an HF model's (input_ids, labels: it shifts the labels itself), our models' (idx,
-    targets)."""
-    return ("input_ids", "labels") if hf else ("idx", "targets")
-
-
-def rows(cfg, hf: bool, args) -> list[dict]:
-    """steps * batch rows of random tokens (seed 0), each a dict of the batch's keys; the same on both sides."""
+def rows(cfg, args) -> list[dict]:
+    """steps * batch rows of random tokens (seed 0): input_ids, and the same as labels (the model shifts them);
+    the same rows on both sides."""
     g = torch.Generator().manual_seed(0)
-    n = args.steps * args.batch
-    ids = torch.randint(0, cfg.vocab_size, (n, args.seq), generator=g)
-    targets = ids if hf else torch.randint(0, cfg.vocab_size, (n, args.seq), generator=g)
-    x, y = batch_keys(hf)
-    return [{x: a, y: b} for a, b in zip(ids, targets)]
+    ids = torch.randint(0, cfg.vocab_size, (args.steps * args.batch, args.seq), generator=g)
+    return [{"input_ids": r, "labels": r} for r in ids]
 
 
 def training_arguments(args, output_dir: str):
@@ -196,7 +190,7 @@ def run_side(side: str, args) -> dict:
             raise RuntimeError("no CUDA device")
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        data = rows(cfg, hf, args)
+        data = rows(cfg, args)
         with tempfile.TemporaryDirectory() as out:
             measured, engine = (engine_side if side == "engine" else trainer_side)(cfg, hf, args, data, out)
         result.update(measured)
@@ -252,8 +246,8 @@ def compare(engine: dict, trainer: dict) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  allow_abbrev=False)
-    ap.add_argument("--model", default="hf-llama/Llama3_8B", help="a bench/gpt.py model name (hf-llama/NAME: "
-                    "Hugging Face's LlamaForCausalLM of our LLaMA NAME's shape)")
+    ap.add_argument("--model", default="hf-llama/Llama3_8B", help="hf-llama/NAME: Hugging Face's LlamaForCausalLM "
+                    "of the shape of bench/gpt.py's llama/NAME (tiny, small, Llama3_8B, ...)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=1024)
@@ -272,6 +266,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.steps < 2:
         ap.error("--steps: at least 2 (the first step is reported apart)")
+    if not gpt.model_config(args.model, args.seq)[1]:
+        ap.error(f"--model {args.model}: PstarTrainer trains a Hugging Face model (the Trainer writes into its "
+                 "config): hf-llama/NAME, NAME one of gpt.py's LLaMA shapes (tiny, small, Llama3_8B, ...)")
     if args.device == "cpu":
         args.host_memory = None if args.host_memory == ap.get_default("host_memory") else args.host_memory
     if args.side != "both":
