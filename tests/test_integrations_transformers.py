@@ -335,7 +335,7 @@ def test_gpu_matches_the_stock_trainer_on_cpu(placement, tmp_path, on_gpu):
     model = hf_model("llama")
     data = dataset()
     args = arguments(tmp_path / "ours", use_cpu=False)
-    if args.n_gpu != 1:
+    if args.n_gpu > 1:
         pytest.skip(f"{args.n_gpu} visible GPUs: the Trainer would batch per_device_train_batch_size x n_gpu rows; "
                     "run it with one (CUDA_VISIBLE_DEVICES=0)")
     stock = Trainer(model=copy.deepcopy(model), args=arguments(tmp_path / "stock"), train_dataset=data)
