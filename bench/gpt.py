@@ -110,6 +110,15 @@ def hf_llama_config(cfg):
         tie_word_embeddings=False, attention_bias=False, mlp_bias=False, bos_token_id=1, eos_token_id=2)
 
 
+def model_config(model: str, seq: int, layers: int | None = None):
+    """(config, hf) of a --model name: NAME our GPT, llama:NAME our LLaMA, hf-llama:NAME Hugging Face's
+    LlamaForCausalLM of that LLaMA's shape (hf True); / works as : too (gpu_run.sh splits its stages on :).
+    block_size is the sequence length; `layers` overrides n_layer."""
+    overrides = {"block_size": max(seq, 1)} | ({"n_layer": layers} if layers else {})
+    family, _, name = model.replace("/", ":").rpartition(":")
+    return (llama_config if family else gpt_config)(name, **overrides), family == "hf-llama"
+
+
 def build(cfg, hf: bool = False):
     if hf:
         import transformers
@@ -487,12 +496,9 @@ def main(argv=None):
     if args.dump_after and args.system != "torch-best":   # torch-best's children get it; it only waits
         faulthandler.dump_traceback_later(args.dump_after, repeat=True)
 
-    overrides = {"block_size": max(args.seq, 1)} | ({"n_layer": args.layers} if args.layers else {})
-    family, _, name = args.model.replace("/", ":").rpartition(":")   # llama/NAME too (gpu_run.sh splits on :)
-    args.hf = family == "hf-llama"
+    cfg, args.hf = model_config(args.model, args.seq, args.layers)
     if args.hf and args.system != "pstar_fx":
         ap.error("hf-llama: models run with --system pstar_fx only")
-    cfg = (llama_config if family else gpt_config)(name, **overrides)
     with torch.device("meta"):
         params = sum(p.numel() for p in build(cfg, hf=args.hf).parameters())
     tokens = args.batch * args.seq * args.grad_accum

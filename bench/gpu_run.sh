@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # One device call on the H200 machine: build the C++ kernel there, then run the stages named as
-# arguments (kernels | host_adam[:ARGS] (bench/host_adam_bench.py ARGS, spaces as commas) | tests | tests:PYTEST_K_EXPR (tests/test_gpu.py only) | probe | small_peak | checkpoint | gpt:MODEL:SYSTEM[:BATCH[:HOST_MEMORY[:LAYERS[:EXTRA ARGS]]]]).
+# arguments (kernels | host_adam[:ARGS] (bench/host_adam_bench.py ARGS, spaces as commas) | tests | tests:PYTEST_K_EXPR (tests/test_gpu.py only) | integrations | hf_trainer[:ARGS] | probe | small_peak | checkpoint | gpt:MODEL:SYSTEM[:BATCH[:HOST_MEMORY[:LAYERS[:EXTRA ARGS]]]]).
 # Output files land in $OUT. MODEL: a GPT name, llama/NAME or hf-llama/NAME (bench/gpt.py --model).
 # EXTRA ARGS go to bench/gpt.py as they are, e.g. gpt:GPT3_10B:pstar_fx:16:108GiB::--clip-sweep=none,1e9,1e-3
 # The strongest PyTorch peer: gpt:GPT_h3072_L36:torch-best:16 ({eager, compiled} x checkpoint {none, half, all}).
 # STEPS (default 6) sets the training steps of each gpt stage.
+# hf_trainer[:ARGS]: bench/hf_trainer_bench.py ARGS (spaces as commas): PstarTrainer against the engine's own loop,
+#   by default HF LlamaForCausalLM at Llama-3-8B's shape, bf16, 16 x 1024, 20 steps, host 110GiB, each side in a
+#   subprocess of its own; one line per side (tokens/s, ratio) appended to $OUT/hf_trainer.jsonl. HF_TRAINER_S
+#   (default 540) is the seconds both sides may take together (a side cut off is reported as such).
+# integrations: the GPU tests of PstarTrainer and the Lightning strategy (tests/test_integrations_*.py -m gpu).
 # Wheels in .whl/ (bench/peer_wheels.sh: DeepSpeed and what it needs) are installed first when carried:
 #   run(command="bash bench/gpu_run.sh gpt:GPT_h3072_L36:deepspeed", carry=[".whl"])
 set -uo pipefail
@@ -27,6 +32,13 @@ for stage in "$@"; do
     host_adam*) runs=$((${runs:-0} + 1))      # one JSON per stage: a second stage would overwrite the first
        timeout 240 python3 bench/host_adam_bench.py --json "$OUT/host_adam-$runs.json" \
              $( [[ $stage == host_adam:* ]] && echo "${stage#host_adam:}" | tr , ' ') 2>&1 | tee -a "$OUT/host_adam.txt" ;;
+    integrations) timeout 300 python3 -m pytest -q -rs -p no:logging --tb=short -o faulthandler_timeout=100 -m gpu \
+             tests/test_integrations_transformers.py tests/test_integrations_lightning.py --durations=10 2>&1 \
+             | tail -60 | tee -a "$OUT/tests.txt" ;;
+    hf_trainer*) limit=${HF_TRAINER_S:-540}
+       timeout $((limit + 20)) python3 bench/hf_trainer_bench.py --timeout "$limit" --json "$OUT/hf_trainer.jsonl" \
+             $( [[ $stage == hf_trainer:* ]] && echo "${stage#hf_trainer:}" | tr , ' ') \
+             2> >(tee -a "$OUT/hf_trainer.log" | grep -v "^  " | tail -60 >&2) | grep -v "^RESULT" | tail -20 ;;
     kernels) timeout 240 python3 bench/kernels_gpu.py 2>&1 | tee -a "$OUT/kernels.txt" ;;
     tests) timeout 560 python3 -m pytest -q -rs -p no:logging --tb=short -o faulthandler_timeout=100 tests/test_gpu.py \
              tests/test_kernels.py -k "gpu or cuda or undo" --durations=15 2>&1 | tail -80 | tee -a "$OUT/tests.txt" ;;

@@ -54,10 +54,10 @@ def loader(seed=0):
 
 
 def trainer(strategy="auto", epochs=1, precision="32-true", **kw):
-    kw = {"logger": False, "enable_checkpointing": False, **kw}
-    return L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=epochs, precision=precision,
+    kw = {"logger": False, "enable_checkpointing": False, "accelerator": "cpu", "deterministic": True, **kw}
+    return L.Trainer(strategy=strategy, devices=1, max_epochs=epochs, precision=precision,
                      gradient_clip_val=1.0, accumulate_grad_batches=ACCUM, enable_progress_bar=False,
-                     enable_model_summary=False, num_sanity_val_steps=0, deterministic=True, **kw)
+                     enable_model_summary=False, num_sanity_val_steps=0, **kw)
 
 
 def pstar(budget=None):
@@ -148,3 +148,37 @@ def test_bf16_mixed_is_the_engines_compute_dtype():
     engine = t.strategy.engine
     assert engine.config.dtype == "bf16" and engine.dtype == torch.bfloat16 and engine.steps == 1
     assert engine.state_dict()["model.wte.weight"].dtype == torch.float32
+
+
+@pytest.fixture
+def regions_traced(monkeypatch):
+    """Config.compute "auto" is Inductor on CUDA: the regions traced by Dynamo alone instead, as tests/test_gpu.py
+    does (the same ops, fast to build); bench/hf_trainer_bench.py runs Inductor's."""
+    import sys
+    import pstar_fx.passes.compile_regions  # noqa: F401
+    monkeypatch.setattr(sys.modules["pstar_fx.passes.compile_regions"], "BACKEND", "eager")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["auto", "host"])
+def test_gpu_equals_default_strategy_on_cpu(placement, regions_traced):
+    """accelerator="gpu" with PstarStrategy(Config(device="cuda")): the module stays on the host, its batches go to
+    the engine as they are, the engine trains on the GPU (every chunk there, or every chunk's state on the host):
+    gradient_clip_val=1.0, accumulate_grad_batches=2 and a warm-up LambdaLR for two epochs in fp32 give the weights
+    of Lightning's default strategy on the CPU within tests/test_gpu.py's tolerance for CUDA fp32 against a CPU
+    reference (rel 1e-4 over the whole model: the same arithmetic, other kernels). deterministic=False on both:
+    Lightning's deterministic mode is torch's global switch, not the engine's business."""
+    module = GPTModule()
+    ref = copy.deepcopy(module)
+    trainer(epochs=2, deterministic=False).fit(ref, loader())
+    ours = trainer(PstarStrategy(Config(device="cuda", placement=placement, seed=0)), epochs=2, accelerator="gpu",
+                   deterministic=False)
+    ours.fit(module, loader())
+    engine = ours.strategy.engine
+    assert ours.strategy.root_device.type == "cuda" and engine.config.device.startswith("cuda")
+    assert engine.steps == 2 * BATCHES // ACCUM and engine.config.grad_accum == ACCUM
+    assert engine.last_step.clip_coef < 1.0                        # clipping triggered
+    if placement == "host":
+        assert set(engine.plan.placement) == {"host"} and engine.memory_stats()["h2d_bytes"] > 0
+    assert all(p.device.type == "cpu" for p in module.parameters())    # the module was not moved
+    assert_weights_close(module.state_dict(), ref, 1e-4, per_tensor=False)

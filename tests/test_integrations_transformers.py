@@ -307,3 +307,57 @@ def test_schedules_give_the_stock_rates_bit_for_bit(kind, tmp_path):
             assert ours.lr(k) == opt.param_groups[0]["lr"], (kind, lr, warmup, total, k)
             opt.step()
             stock.step()
+
+
+@pytest.fixture
+def on_gpu(monkeypatch):
+    """Config.compute "auto" is Inductor on CUDA: the regions traced by Dynamo alone instead, as tests/test_gpu.py
+    does (the same ops, fast to build; bench/hf_trainer_bench.py runs Inductor's). torch's deterministic mode, which
+    a Lightning test in the same process may have left on, is off for the test."""
+    import sys
+    import pstar_fx.passes.compile_regions  # noqa: F401
+    monkeypatch.setattr(sys.modules["pstar_fx.passes.compile_regions"], "BACKEND", "eager")
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(False)
+    yield
+    torch.use_deterministic_algorithms(was)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["device", "host"])
+def test_gpu_matches_the_stock_trainer_on_cpu(placement, tmp_path, on_gpu):
+    """use_cpu=False: the Trainer's device is the GPU, so the engine's (Config.device); the model stays on the host.
+    fp32, clipping at 1.0, warm-up + cosine, 2 micro-batches a step, every chunk on the GPU or every chunk's state
+    on the host: the stock Trainer with torch's AdamW on the CPU, within tests/test_gpu.py's tolerance for CUDA fp32
+    against a CPU reference (rel 1e-4: the same arithmetic, other kernels) for the losses, the gradient norms and
+    the weights over the whole model; the rates bit for bit."""
+    rel = 1e-4
+    model = hf_model("llama")
+    data = dataset()
+    args = arguments(tmp_path / "ours", use_cpu=False)
+    if args.n_gpu > 1:
+        pytest.skip(f"{args.n_gpu} visible GPUs: the Trainer would batch per_device_train_batch_size x n_gpu rows; "
+                    "run it with one (CUDA_VISIBLE_DEVICES=0)")
+    stock = Trainer(model=copy.deepcopy(model), args=arguments(tmp_path / "stock"), train_dataset=data)
+    stock.train()
+    ours = PstarTrainer(model=copy.deepcopy(model), args=args, train_dataset=data,
+                        pstar_config={"placement": placement, "chunk_size": 16384})
+    ours.train()
+    engine = ours.engine
+    assert engine.config.device.startswith("cuda") and engine.config.dtype == "fp32"
+    assert set(engine.plan.placement) == {placement} and len(engine.plan.placement) > 1, engine.plan.placement
+    if placement == "host":
+        assert engine.memory_stats()["h2d_bytes"] > 0
+    assert engine.steps == STEPS and engine.config.grad_accum == ACCUM and engine.config.grad_clip == 1.0
+    assert all(p.device.type == "cpu" for p in ours.model.parameters())    # not moved; the trained weights exported
+
+    a, s = steps_logged(ours), steps_logged(stock)
+    assert len(a) == len(s) == STEPS
+    assert [x["learning_rate"] for x in a] == [x["learning_rate"] for x in s]
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor([x[key] for x in a]), torch.tensor([x[key] for x in s]),
+                                   rtol=rel, atol=0, msg=lambda m: f"{key}: {m}")
+    assert max(x["grad_norm"] for x in s) > 1.0                          # clipping triggered
+    got, want = ours.model.state_dict(), stock.model.state_dict()
+    diff = torch.sqrt(sum(((got[k] - want[k]) ** 2).sum() for k in want))
+    assert diff <= rel * torch.sqrt(sum((v ** 2).sum() for v in want.values())), diff
