@@ -303,3 +303,35 @@ def test_recomputed_batch_norm_moves_running_statistics_once(kind, fixed_rates):
         tol = rounding_tolerance(eager[name], exact[name], steps)
         err = ((b - eager[name]).norm() / eager[name].norm()).item()
         assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.2e}"
+
+
+def test_the_fewest_runs_that_fit_are_bisections_answer_in_fewer_tries():
+    """`_fewest_runs_that_fit` on made-up plans: runs that free activation memory linearly, unevenly (the last
+    ones free less), or in one step; every budget between none and all fitting. It returns the least k that
+    fits (what bisection returns: fitting is monotone in k), within 3x bisection's tries, and 2 or fewer
+    tries on linear plans."""
+    import math
+    from types import SimpleNamespace
+    from pstar_fx.pipeline.recompute_search import _fewest_runs_that_fit
+    n, base = 40, 10_000
+    shapes = {"linear": lambda k: 100 * (n - k), "uneven": lambda k: int(4000 * (1 - (k / n) ** 0.5)),
+              "one step": lambda k: 4000 if k < 30 else 0}
+    for name, act in shapes.items():
+        for usable in range(base, base + act(0) + 1, 37):
+            def plan(k):
+                peak = base + act(k)
+                return SimpleNamespace(fits=peak <= usable, activation_peak_bytes=act(k), device_peak_bytes=peak,
+                                       budget_bytes=usable)
+            if not plan(n).fits or plan(0).fits:
+                continue
+            tried = set()
+
+            def attempt(k):
+                tried.add(k)
+                return plan(k)
+            want = min(k for k in range(1, n + 1) if plan(k).fits)
+            assert _fewest_runs_that_fit(attempt, n, cuda=False) == want, (name, usable)
+            probes = len(tried - {0, n})
+            assert probes <= 3 * math.ceil(math.log2(n)), (name, usable, probes)
+            if name == "linear":
+                assert probes <= 2, (usable, sorted(tried))
