@@ -274,13 +274,9 @@ def _without(argv: list[str], options: dict[str, bool]) -> list[str]:
 TORCH_BEST_CONFIGS = [(c, ck) for c in (False, True) for ck in CHECKPOINT_CHOICES]
 
 
-def run_config(argv: list[str], compile_: bool, checkpoint: str, timeout_s: float) -> dict:
-    """`--system torch` with this configuration in a fresh process (its own CUDA context and allocator);
-    its RESULT line, or an "error" saying why there is none (timeout, crash)."""
-    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--system", "torch", "--checkpoint", checkpoint]
-    cmd += ["--compile"] if compile_ else []
-    print(f"torch-best: {' '.join(cmd[1:])} (limit {timeout_s:.0f} s)", file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
+def child_result(cmd: list[str], timeout_s: float) -> tuple[dict | None, str]:
+    """Run `cmd` (a bench run in a fresh process) and return (its last RESULT line, None) or (None, why there is
+    none: a timeout, an exit without one)."""
     # its own session so a timeout ends the child and the compile workers it started, and nothing else
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -295,8 +291,19 @@ def run_config(argv: list[str], compile_: bool, checkpoint: str, timeout_s: floa
     except (ProcessLookupError, PermissionError):
         pass
     lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
-    result = json.loads(lines[-1][len("RESULT "):]) if lines else {
-        "system": "torch", "checkpoint": checkpoint, "compile": compile_, "error": reason}
+    return (json.loads(lines[-1][len("RESULT "):]), None) if lines else (None, reason)
+
+
+def run_config(argv: list[str], compile_: bool, checkpoint: str, timeout_s: float) -> dict:
+    """`--system torch` with this configuration in a fresh process (its own CUDA context and allocator);
+    its RESULT line, or an "error" saying why there is none (timeout, crash)."""
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--system", "torch", "--checkpoint", checkpoint]
+    cmd += ["--compile"] if compile_ else []
+    print(f"torch-best: {' '.join(cmd[1:])} (limit {timeout_s:.0f} s)", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    result, reason = child_result(cmd, timeout_s)
+    if result is None:
+        result = {"system": "torch", "checkpoint": checkpoint, "compile": compile_, "error": reason}
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     result["fits"] = result.get("fits", "error" not in result and "step_s" in result)
     result["sweep"] = "torch-best"

@@ -36,9 +36,7 @@ import argparse
 import gc
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -215,20 +213,8 @@ def run_child(argv: list[str], side: str, timeout_s: float) -> dict:
     "error" saying why there is none."""
     cmd = [sys.executable, os.path.abspath(__file__), *argv, "--side", side, "--timeout", str(int(timeout_s))]
     print(f"hf_trainer_bench: {' '.join(cmd[1:])} (limit {timeout_s:.0f} s)", file=sys.stderr, flush=True)
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, _ = p.communicate(timeout=timeout_s)
-        reason = f"exited with {p.returncode} without a RESULT line"
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
-        reason = f"timeout: no result within {timeout_s:.0f} s"
-    try:
-        os.killpg(p.pid, signal.SIGKILL)      # what the child left behind (compile workers)
-    except (ProcessLookupError, PermissionError):
-        pass
-    lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
-    return json.loads(lines[-1][len("RESULT "):]) if lines else {"side": side, "error": reason}
+    result, reason = gpt.child_result(cmd, timeout_s)
+    return result if result is not None else {"side": side, "error": reason}
 
 
 def compare(engine: dict, trainer: dict) -> None:

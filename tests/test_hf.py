@@ -84,7 +84,15 @@ def test_hf_model_matches_eager_adamw_with_state_on_host(kind):
     model = hf_model(kind)
     data = batches(kind)
     ref, ref_losses = eager(model, data)
-    cfg = {"chunk_size": 16384, "optimizer": OPT}
+    engine = matches_eager_with_state_on_host(model, data, ref, ref_losses, chunk_size=16384, opt=OPT)
+    assert engine.memory_stats()["h2d_bytes"] > 0
+
+
+def matches_eager_with_state_on_host(model, data, ref, ref_losses, *, chunk_size: int, opt: dict):
+    """Compile `model` with one chunk's room on the CPU playing the device (most state on the host), step through
+    `data` (keyword batches) and assert the losses and weights equal `eager`'s run (`ref`, `ref_losses`) within
+    the rounding reach; returns the engine."""
+    cfg = {"chunk_size": chunk_size, "optimizer": opt}
     budget, n_chunks = tight_budget(model, data[0], device_chunks=1, **cfg)
     engine = pstar_fx.compile(model, pstar_fx.Config(device="cpu", device_memory=budget, **cfg),
                               example_inputs=data[0])
@@ -92,7 +100,7 @@ def test_hf_model_matches_eager_adamw_with_state_on_host(kind):
     losses = [engine.step(**b).item() for b in data]
     assert_losses_close(losses, ref_losses, ref.__dict__["float64_truth"][2])
     assert_weights_close(engine.state_dict(), ref)
-    assert engine.memory_stats()["h2d_bytes"] > 0
+    return engine
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "olmoe"])

@@ -178,9 +178,7 @@ def test_held_out_is_by_record_and_batches_cover_every_row_each_epoch(tmp_path):
 # ---- through the engine: the loss and the training of the eager Hugging Face model with -100 labels ---------
 
 def test_packed_and_padded_batches_train_like_the_eager_hf_model_with_masked_labels(tmp_path):
-    import pstar_fx
-    from test_engine import assert_losses_close, assert_weights_close, tight_budget
-    from test_hf import eager
+    from test_hf import eager, matches_eager_with_state_on_host
     from pstar_fx.cli.models import model_arg
     path = chat_jsonl(tmp_path / "c.jsonl", 24)
     spec = model_arg(f"hf:{tiny_llama_dir(tmp_path / 'llama')}")
@@ -202,14 +200,7 @@ def test_packed_and_padded_batches_train_like_the_eager_hf_model_with_masked_lab
         kept = target != IGNORE_INDEX
         by_hand = torch.nn.functional.cross_entropy(logits[kept], target[kept], reduction="sum") / kept.sum()
     assert ref_losses[0] == pytest.approx(by_hand.item(), rel=1e-6)
-    cfg = {"chunk_size": 2048, "optimizer": opt}
-    budget, n_chunks = tight_budget(model, data[0], device_chunks=1, **cfg)
-    engine = pstar_fx.compile(model, pstar_fx.Config(device="cpu", device_memory=budget, **cfg),
-                              example_inputs=data[0])
-    assert engine.plan.placement.count("host") > n_chunks // 2, engine.plan.placement
-    losses = [engine.step(**b).item() for b in data]
-    assert_losses_close(losses, ref_losses, ref.__dict__["float64_truth"][2])
-    assert_weights_close(engine.state_dict(), ref)
+    matches_eager_with_state_on_host(model, data, ref, ref_losses, chunk_size=2048, opt=opt)
 
 
 # ---- pstar-fx train --data FILE.jsonl ---------------------------------------------------------------------

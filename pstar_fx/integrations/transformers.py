@@ -27,6 +27,7 @@ from transformers import Trainer
 import pstar_fx
 from pstar_fx.checkpoint import STATE
 from pstar_fx.config import Config
+from pstar_fx.records import IGNORE_INDEX
 
 log = logging.getLogger("pstar_fx")
 
@@ -361,7 +362,7 @@ def _tensors(inputs: dict) -> dict:
 
 # what right-padding fills each key with: masked out of attention, ignored by the loss (the pad id is the
 # tokenizer's where it has one)
-PAD_VALUES = {"labels": -100, "attention_mask": 0}
+PAD_VALUES = {"labels": IGNORE_INDEX, "attention_mask": 0}
 
 
 def _concat(micro: list[dict], k: int, pad_id: int = 0) -> dict:
