@@ -252,18 +252,30 @@ class Engine:
 
     def export(self, model: nn.Module) -> nn.Module:
         """Write the trained fp32 weights and buffers into `model` (on any device, not meta), for inference or
-        other tools. Returns `model`."""
-        sd = self.state_dict()
+        other tools. Returns `model`. Streamed chunk by chunk (never a whole fp32 copy of the model on the host:
+        at 8B that was 32 GB more at the end of a run); a parameter that already is a view of its master (a model
+        built on meta, whose weights were made in chunk memory) is left as it is: it holds the weights."""
+        self.drain()                     # host Adam of the last step may still be running
+        params = self.lowered.capture.params
+        buffers = self.persistent_buffers()
         targets = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
-        missing = [k for k in sd if k not in targets]
+        missing = [k for k in [a for p in params for a in p.aliases] + list(buffers) if k not in targets]
         if missing:
             raise ValueError(f"export: the model has no {missing[:10]}: not the model this engine trains")
-        if any(targets[k].is_meta for k in sd):
+        if any(targets[a].is_meta for p in params for a in p.aliases) or any(targets[k].is_meta for k in buffers):
             raise ValueError("export: the model is on the meta device; give it memory first "
                              "(model.to_empty(device=...))")
         with torch.no_grad():
-            for k, t in sd.items():
-                targets[k].copy_(t)
+            for ch, master in masters_by_chunk(self.rt.store, self.lowered.layout, self.dp):
+                for s in ch.slots:
+                    w = master[s.offset: s.offset + s.numel].view(s.param.shape)
+                    for name in params[s.index].aliases:
+                        t = targets[name]
+                        if not _same_memory(t, w):
+                            t.copy_(w)
+            for k, b in buffers.items():
+                if not _same_memory(targets[k], b):
+                    targets[k].copy_(b)
         return model
 
     def persistent_buffers(self) -> dict[str, torch.Tensor]:
@@ -346,6 +358,12 @@ class Engine:
                                                             "all_reduce", "adam", "grad", "grad_mm", "param")
                                  if ops[k]))
         return "\n".join(lines)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """`a` and `b` are the same elements of the same memory (a parameter that is a view of its master)."""
+    return (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            and a.data_ptr() == b.data_ptr())
 
 
 def compile(model: nn.Module, config: Config | dict | str | os.PathLike | None = None, example_inputs=None,

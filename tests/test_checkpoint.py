@@ -160,6 +160,27 @@ def test_weights_only_folder_loads_with_fresh_moments(tmp_path):
     assert all(float(t.abs().max()) == 0 for t in fresh.rt.store.exp_avg)
 
 
+def test_export_into_a_meta_built_model_keeps_its_views_of_the_masters():
+    """A model built on meta has its weights made in chunk memory (its parameters are views of the masters):
+    export leaves those views as they are (they hold the trained weights; PstarTrainer exports at the end of
+    train() and a whole fp32 copy would cost 4 B/param of host memory there) and equal the state_dict."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT(gpt_config("tiny"))
+    batches = [batch(seed=s) for s in range(3)]
+    engine = pstar_fx.compile(model, {"device": "cpu", "chunk_size": 16384, "optimizer": OPT}, batches[0])
+    for b in batches:
+        engine.step(*b)
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+    assert engine.export(model) is model
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs
+    sd = engine.state_dict()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in sd.items())
+    other = GPT(gpt_config("tiny"))              # a model of its own memory: every weight written
+    engine.export(other)
+    assert all(torch.equal(other.state_dict()[k], v) for k, v in sd.items())
+
+
 def test_load_state_dict_and_export():
     model, batches = build("batchnorm")
     engine = engine_for(model, batches[0], 1024, 1)
