@@ -1,7 +1,7 @@
 """engine: `pstar_fx.compile(model, config, example_inputs) -> Engine`, and `pstar_fx.plan(...)`.
 
 The pipeline, in order: capture -> layout -> passes (`pstar_fx.passes.PIPELINE`, run by `pipeline/lower.py`)
--> runtime (regions built before the chunk memory is allocated). `Engine.graph` is the lowered step;
+-> runtime (chunk memory allocated, then the regions built while its host part is page-locked). `Engine.graph` is the lowered step;
 `Engine.explain()` says what the plan decided; `Engine.memory_stats()` says what the runtime measured.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .capture import check_has_data, check_inputs
 from .checkpoint.adapters import adapter_of
 from .config import Config, format_bytes
 from .fxutil import role_nodes
-from .passes.compile_regions import build_regions
+from .passes.compile_regions import build_regions, start_region_builders
 from .pipeline.lower import Lowered
 from .pipeline.shapes import ShapeSteps, check_compiled_length
 from .planning import BudgetError, Plan
@@ -47,18 +47,19 @@ def _runner(graph: fx.GraphModule, rt: ChunkRuntime, buffers: list, device: torc
     return run
 
 
-def _build_regions(graph: fx.GraphModule, device: torch.device, phases) -> None:
-    """The graph's compute regions compiled (Inductor) now, where their inputs' layouts are known."""
+def _build_regions(graph: fx.GraphModule, device: torch.device, phases, builders=True) -> None:
+    """The graph's compute regions compiled (Inductor) now, where their inputs' layouts are known; `builders`:
+    worker processes already building them (`start_region_builders`), None for none, True to start them here."""
     regions = graph.meta.get("regions", [])
     if regions:
         with phases("build regions", f"{len(regions)} compiled functions for the compute (Inductor), before "
-                                     "chunk memory is allocated"):
-            built = build_regions(graph, device)
+                                     "the first step"):
+            built = build_regions(graph, device, builders)
             if built < len(regions):
                 log.info("%d of %d regions compile at their first call (an input's layout is unknown)",
                          len(regions) - built, len(regions))
             if device.type == "cuda":
-                torch.cuda.empty_cache()    # what autotuning allocated goes back before the chunks are
+                torch.cuda.empty_cache()    # what autotuning allocated goes back before the activations need it
 
 
 def _shape_runner(rt: ChunkRuntime, buffers: list, device: torch.device, tangent_dtype):
@@ -99,18 +100,40 @@ class Engine:
         self.device = self.lowered.device
         cap = self.lowered.capture
         plan = self.lowered.plan
-        _build_regions(self.lowered.graph, self.device, phases)
         self.dp = DataParallel(rank, world, chunked=self.lowered.chunked) if world > 1 else None
+        # Chunk memory first; then what is slow runs side by side: the host part's page-locking (~100 GiB at 18B:
+        # 15-21 s on the H200 box) on threads, and on a cold cache the region builds in worker processes (Inductor,
+        # ~45 s), while this process writes the initial weights. This process builds (or loads) the regions itself
+        # only after that, never during it: Dynamo saves and restores the global RNG around each build, which
+        # would cut into the init's draws. The builds find the device chunks allocated: their examples and
+        # autotuning take room the step's activations leave free until the first step.
         with phases("allocate", f"chunk memory: {format_bytes(plan.device_peak_bytes - plan.activation_peak_bytes)} "
                                 f"on {self.lowered.device.type}, {format_bytes(plan.host_peak_bytes)} on the host"):
-            self.rt = ChunkRuntime(self.lowered.layout, plan, config, self.device, self.lowered.dtype, self.dp)
-        with phases("initialize", "weights written into the fp32 masters"):
-            meta = any(p.is_meta for p in model.parameters())
-            if meta:
-                materialize(model, self.rt.store, self.lowered.layout, cap, self.device, config.seed)
-            else:
-                named = dict(model.named_parameters(remove_duplicate=False))
-                self.rt.store.load_params([named[p.name] for p in cap.params])
+            self.rt = ChunkRuntime(self.lowered.layout, plan, config, self.device, self.lowered.dtype, self.dp,
+                                   ready_later=True)
+        builders = start_region_builders(self.lowered.graph, self.device) if self.lowered.graph.meta.get("regions") \
+            else None
+        named = dict(model.named_parameters(remove_duplicate=False))
+        meta = any(p.is_meta for p in named.values())
+        try:
+            if builders is None:            # warm cache (or no workers): build here while the pages are locked
+                _build_regions(self.lowered.graph, self.device, phases, builders=None)
+            if self.rt.store.pinning:
+                with phases("page-lock", "the rest of the host chunk memory's page-locking, which ran beside the "
+                                         "region builds"):
+                    self.rt.store.ready("page-lock")
+            with phases("initialize", "weights written into the fp32 masters"):
+                if meta:
+                    materialize(model, self.rt.store, self.lowered.layout, cap, self.device, config.seed)
+                else:
+                    self.rt.store.load_params([named[p.name] for p in cap.params])
+            if builders is not None:        # cold cache: what the workers built, loaded here
+                _build_regions(self.lowered.graph, self.device, phases, builders=builders)
+        except BaseException:
+            if builders is not None:
+                builders.stop()
+            self.rt.store.ready()
+            raise
         self._buffers = [self.rt.store.adopt(model.get_buffer(b).detach().to(self.device, copy=True))
                          for b in cap.buffers]
         if self.dp is not None:

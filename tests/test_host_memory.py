@@ -92,3 +92,109 @@ def test_engine_with_host_state_locked_side_by_side_trains_the_same_bits(monkeyp
         assert torch.equal(plain.step(*inputs), locked.step(*inputs))
     a, b = plain.state_dict(), locked.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_host_state_is_page_locked_beside_the_region_builds_and_ready_before_the_init(monkeypatch):
+    """compile() allocates the chunks, then builds the regions while the host buffers are page-locked, and waits
+    for every lock before the weights are written: the locks here hold until the build has started (a build
+    that came after them would leave them timing out), and init finds every buffer locked."""
+    import pstar_fx.engine as engine_mod
+    building = threading.Event()
+    waited: list[bool] = []
+    lock = FakeLock()
+
+    def gated(t):
+        waited.append(building.wait(timeout=10))
+        return lock(t)
+
+    class Locked(host_memory.HostBuffers):
+        def __init__(self, pin, threads, device):
+            super().__init__(True, 2, gated)
+
+    real_build = engine_mod._build_regions
+
+    def build(graph, device, phases, **kw):
+        building.set()
+        real_build(graph, device, phases, **kw)
+
+    locked_at_init = []
+    real_materialize = engine_mod.materialize
+
+    def materialize(model, store, *args):
+        locked_at_init.append((len(lock.locked), store.pinning))
+        return real_materialize(model, store, *args)
+
+    monkeypatch.setattr(store_mod, "HostBuffers", Locked)
+    monkeypatch.setattr(engine_mod, "_build_regions", build)
+    monkeypatch.setattr(engine_mod, "materialize", materialize)
+    with torch.device("meta"):
+        model = GPT(gpt_config("tiny"))
+    engine = pstar_fx.compile(model, {"device": "cpu", "placement": "host", "chunk_size": 16384, "seed": 1},
+                              batch())
+    assert waited and all(waited)                      # no lock finished before the build began
+    assert locked_at_init == [(len(waited), False)]    # all locked, none pending, when the init ran
+    assert "page-lock" in engine.phases.seconds
+    assert sum(n for _, n, _ in lock.locked) == engine.rt.stats.host_bytes
+
+
+def test_a_failed_region_build_still_waits_for_the_page_locking(monkeypatch):
+    import pstar_fx.engine as engine_mod
+    lock = FakeLock()
+
+    class Locked(host_memory.HostBuffers):
+        def __init__(self, pin, threads, device):
+            super().__init__(True, 2, lock)
+            Locked.made = self
+
+    def build(graph, device, phases, **kw):
+        raise RuntimeError("the build failed")
+
+    monkeypatch.setattr(store_mod, "HostBuffers", Locked)
+    monkeypatch.setattr(engine_mod, "_build_regions", build)
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError, match="the build failed"):
+        pstar_fx.compile(GPT(gpt_config("tiny")), {"device": "cpu", "placement": "host", "chunk_size": 16384},
+                         batch())
+    assert not Locked.made.queues and lock.locked        # its workers finished and were shut down
+
+
+@pytest.mark.parametrize("cold", [True, False])
+def test_weights_are_written_while_region_workers_build_and_before_this_process_builds(monkeypatch, cold):
+    """On a cold cache the region workers (separate processes) build while this process writes the initial
+    weights, and this process loads their regions only after; warm, it builds first (the page-locking runs
+    beside it). Never both at once in this process: Dynamo restores the global RNG around each build."""
+    import pstar_fx.engine as engine_mod
+    events = []
+
+    class Workers:
+        def wait(self):
+            events.append("workers waited")
+            return 1
+
+        def stop(self):
+            events.append("workers stopped")
+
+    def start(graph, device):
+        events.append("workers started")
+        return Workers() if cold else None
+
+    def build(graph, device, phases, builders=True):
+        events.append(("built here", isinstance(builders, Workers) if cold else builders))
+
+    real_materialize = engine_mod.materialize
+
+    def materialize(*args):
+        events.append("initialized")
+        return real_materialize(*args)
+
+    monkeypatch.setattr(engine_mod, "start_region_builders", start)
+    monkeypatch.setattr(engine_mod, "_build_regions", build)
+    monkeypatch.setattr(engine_mod, "materialize", materialize)
+    with torch.device("meta"):
+        model = GPT(gpt_config("tiny"))
+    pstar_fx.compile(model, {"device": "cpu", "compute": "inductor", "placement": "host", "chunk_size": 16384},
+                     batch())
+    if cold:
+        assert events == ["workers started", "initialized", ("built here", True)]
+    else:
+        assert events == ["workers started", ("built here", None), "initialized"]

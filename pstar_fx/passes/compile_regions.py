@@ -35,7 +35,8 @@ import torch.fx as fx
 from ..config import format_bytes
 from .. import planning as plan_mod
 from ..fxutil import aliases_input, mutated_args, role_nodes
-from .region_builders import inductor_cache_dir, prebuild
+from . import region_builders
+from .region_builders import inductor_cache_dir
 from .contract import CHUNK_OPS, PLANNED, REGIONS, Pass, PassContext
 
 NAME = "compile_regions"
@@ -89,11 +90,27 @@ def _as_a_worker_has_it(gm: fx.GraphModule) -> fx.GraphModule:
         return gm
 
 
-def build_regions(gm: fx.GraphModule, device: torch.device) -> int:
+def _distinct(gm: fx.GraphModule) -> list["Region"]:
+    return list(dict.fromkeys(n.target for n in gm.graph.nodes if isinstance(n.target, Region)))
+
+
+def start_region_builders(gm: fx.GraphModule, device: torch.device) -> region_builders.Builders | None:
+    """On a cold cache, worker processes start building `gm`'s regions (region_builders.py); None when none
+    start. `build_regions(gm, device, builders)` waits for them, then loads what they built."""
+    inductor_cache_dir()
+    known = [r for r in _distinct(gm) if all(s is not None for s in r._specs)]
+    if not known:
+        return None
+    return region_builders.start([(r.key, r.graph_module, r._specs) for r in known], device, known[0].backend)
+
+
+def build_regions(gm: fx.GraphModule, device: torch.device,
+                  builders: region_builders.Builders | None | bool = True) -> int:
     """Compile every distinct region of `gm` now, in the order the step calls them, on zero-filled inputs laid
     out like the step's; returns how many were built (one with an input of unknown shape compiles at its first
     call). Inductor's autotuning then allocates (benchmark copies, a buffer the size of the L2 cache to flush
-    it) while no chunk memory exists yet, instead of on top of the plan's peak in the first step.
+    it) beside the chunk memory but before any activation exists, instead of on top of the plan's peak in the
+    first step (the engine allocates the chunks first, so that their host memory is page-locked meanwhile).
 
     An input another region returns is laid out as that region's build returned it, not as its fake value
     says: a library kernel inside a region may return something else than its fake. Flash and memory-efficient
@@ -101,12 +118,14 @@ def build_regions(gm: fx.GraphModule, device: torch.device) -> int:
     wrong device, or with other strides, would make the step recompile what was built.
 
     Inductor's caches fill and load under `region_builders.inductor_cache_dir()`; on a cold cache, worker processes
-    build the regions side by side first (region_builders.py), and this process then loads what they built."""
+    build the regions side by side first (region_builders.py), and this process then loads what they built.
+    `builders`: those workers, started by `start_region_builders` (None: none were; True, the default: start
+    them here)."""
     inductor_cache_dir()
-    distinct = list(dict.fromkeys(n.target for n in gm.graph.nodes if isinstance(n.target, Region)))
-    known = [r for r in distinct if all(s is not None for s in r._specs)]
-    if known:
-        prebuild([(r.key, r.graph_module, r._specs) for r in known], device, known[0].backend)
+    if builders is True:
+        builders = start_region_builders(gm, device)
+    if builders is not None:
+        builders.wait()
     made: dict[fx.Node, _Layout] = {}              # a region's output (its getitem node) -> its layout as built
     outputs: dict[Region, list[_Layout] | None] = {}
     for node in gm.graph.nodes:

@@ -60,43 +60,88 @@ def _marker(keys: list[str], device: torch.device, backend: str) -> str:
     return os.path.join(inductor_cache_dir(), f"pstar_fx-regions-{h.hexdigest()[:32]}")
 
 
-def prebuild(jobs: list[tuple[str, torch.fx.GraphModule, list]], device: torch.device, backend: str) -> int:
-    """Build `jobs` ((key, region graph, input specs) of the regions whose inputs' layouts are known) in worker
-    processes, filling Inductor's caches for this process to load; returns how many the workers built (0: none
-    started, because the cache has them already, there are too few, or workers are off)."""
+class Builders:
+    """Worker processes building a share of the regions each (started by `start`); `wait()` -> how many regions
+    they built (0 when one failed: this process then builds them itself, slower, never wrong)."""
+
+    def __init__(self, procs: list[subprocess.Popen], tmp: tempfile.TemporaryDirectory, marker: str, n_jobs: int):
+        self._procs, self._tmp, self._marker, self._n = procs, tmp, marker, n_jobs
+        self._built: int | None = None
+
+    def stop(self) -> None:
+        """Kill the workers (the compile failed meanwhile): nothing is marked built."""
+        for p in self._procs:
+            if p.poll() is None:
+                p.kill()
+        self._built = 0
+        for p in self._procs:
+            p.wait()
+        self._tmp.cleanup()
+
+    def wait(self) -> int:
+        if self._built is not None:
+            return self._built
+        failed = []
+        try:
+            for p in self._procs:
+                _, err = p.communicate()
+                if p.returncode:
+                    failed.append(err.decode(errors="replace").strip().splitlines()[-1:] or ["(no message)"])
+        finally:
+            for p in self._procs:           # an interrupted wait leaves no worker behind
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            self._tmp.cleanup()
+        if failed:
+            log.warning("%d of %d region build workers failed (%s); building here", len(failed), len(self._procs),
+                        failed[0][0])
+            self._built = 0
+            return 0
+        with open(self._marker, "w"):
+            pass
+        self._built = self._n
+        return self._n
+
+
+def start(jobs: list[tuple[str, torch.fx.GraphModule, list]], device: torch.device, backend: str) -> Builders | None:
+    """Start building `jobs` ((key, region graph, input specs) of the regions whose inputs' layouts are known) in
+    worker processes, filling Inductor's caches for this process to load; None where none start (the cache has
+    them already, there are too few, or workers are off). The caller goes on meanwhile (the engine writes the
+    initial weights) and calls `wait()` before it builds the regions itself."""
     if backend != "inductor" or not jobs:
-        return 0
+        return None
     marker = _marker([k for k, _, _ in jobs], device, backend)
     if os.path.exists(marker):
-        return 0
+        return None
     workers = workers_for(len(jobs))
     if workers < 2:
-        return 0
+        return None
     threads = max(1, (os.cpu_count() or 1) // workers)          # Inductor's own kernel-compile pool, per worker
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # pstar_fx's parent
     env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS=str(threads), PSTAR_FX_BUILD_WORKERS="0",
                PYTHONPATH=os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p))
     procs = []
-    with tempfile.TemporaryDirectory(prefix="pstar_fx-regions-") as tmp:
+    tmp = tempfile.TemporaryDirectory(prefix="pstar_fx-regions-")
+    try:
         for w in range(workers):
             share = jobs[w::workers]
-            path = os.path.join(tmp, f"job{w}.pkl")
+            path = os.path.join(tmp.name, f"job{w}.pkl")
             with open(path, "wb") as f:
                 pickle.dump({"regions": [(gm, specs) for _, gm, specs in share], "device": str(device),
                              "inductor_config": torch._inductor.config.save_config(), "threads": threads}, f)
             procs.append(subprocess.Popen([sys.executable, "-m", __name__, path], env=env,
                                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-        failed = []
-        for p in procs:
-            _, err = p.communicate()
-            if p.returncode:
-                failed.append(err.decode(errors="replace").strip().splitlines()[-1:] or ["(no message)"])
-    if failed:          # this process builds what they did not: slower, never wrong
-        log.warning("%d of %d region build workers failed (%s); building here", len(failed), workers, failed[0][0])
-        return 0
-    with open(marker, "w"):
-        pass
-    return len(jobs)
+    except BaseException:
+        Builders(procs, tmp, marker, len(jobs)).wait()
+        raise
+    return Builders(procs, tmp, marker, len(jobs))
+
+
+def prebuild(jobs: list[tuple[str, torch.fx.GraphModule, list]], device: torch.device, backend: str) -> int:
+    """`start` and wait: how many regions the workers built (0: none started, or one failed)."""
+    builders = start(jobs, device, backend)
+    return 0 if builders is None else builders.wait()
 
 
 def _work(path: str) -> None:

@@ -13,6 +13,7 @@ same way (compute slots, gradient slots, host gradient buffers). Host memory is 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 from dataclasses import dataclass
@@ -73,7 +74,7 @@ class ChunkState:
 
 class ChunkStore:
     def __init__(self, layout: Layout, plan: Plan, config: Config, device: torch.device,
-                 compute_dtype: torch.dtype, stats: MemoryStats):
+                 compute_dtype: torch.dtype, stats: MemoryStats, ready_later: bool = False):
         self.layout, self.plan, self.config = layout, plan, config
         self.device, self.host = device, torch.device("cpu")
         self.compute_dtype = compute_dtype
@@ -81,7 +82,6 @@ class ChunkStore:
         self._pin = device.type == "cuda"
         self._host = HostBuffers(self._pin, pin_threads(), device=device)
         self._ptrs: set[int] = set()
-        cs, n = layout.chunk_size, len(layout.chunks)
         self.quantized = config.optimizer_state == "int8"
         self.grad_spans = [ch.grad_spans() for ch in layout.chunks]
         # int8 moments are quantized a parameter at a time: an update runs one span per parameter
@@ -97,47 +97,75 @@ class ChunkStore:
                 if slot.param.has_grad:
                     self._scales_at[slot.index] = slice(at, at + quant8.blocks(slot.numel))
                     at += quant8.blocks(slot.numel)
-        # host buffers are filled and page-locked by threads side by side, all ready when the block ends
-        with self._host.batch(lambda done, total: Phases.progress("allocate", done, total)):
-            for c in range(n):
-                tier = self.tier(c)
-                if tier == "remote":
-                    for state in (self.master, self.exp_avg, self.exp_avg_sq, self.exp_avg_absmax,
-                                  self.exp_avg_sq_absmax):
-                        state.append(None)
-                    continue
-                if layout.chunks[c].frozen:
-                    self.master.append(self.alloc(tier, cs, compute_dtype, zero=True))
-                    for state in (self.exp_avg, self.exp_avg_sq, self.exp_avg_absmax, self.exp_avg_sq_absmax):
-                        state.append(None)
-                    continue
-                self.master.append(self.alloc(tier, cs, torch.float32, zero=True))
-                # int8: the code of 0 (the unsigned one is 0)
-                self.exp_avg.append(self.alloc(tier, cs, config.moment_dtype,
-                                               fill=quant8.SIGNED_ZERO if self.quantized else 0))
-                self.exp_avg_sq.append(self.alloc(tier, cs, config.moment_dtype, zero=True))
-                if self.quantized:
-                    blocks = quant8.blocks_of(layout.chunks[c].param_spans())
-                    self.exp_avg_absmax.append(self.alloc(tier, blocks, torch.float32, zero=True))
-                    self.exp_avg_sq_absmax.append(self.alloc(tier, blocks, torch.float32, zero=True))
-                else:
-                    self.exp_avg_absmax.append(None)
-                    self.exp_avg_sq_absmax.append(None)
-                if not self._host.queues:           # (else the batch counts the buffers it makes ready)
-                    Phases.progress("allocate", c + 1, n)
-                if n >= 20 and (c + 1) % (n // 10) == 0:    # page-locking 100 GiB of host state takes a minute
-                    log.info("  chunk state allocated for %d of %d chunks (%s on the host)", c + 1, n,
-                             format_bytes(stats.host_bytes))
-            # 16-bit copies that every update keeps current (Adam, its undo and its correction write them in the
-            # same pass): of host chunks that ship 16 bits (plan.ship == "shadow"), on the host; and, when every
-            # chunk has a compute slot for good (plan.keeps_compute_copies), of every device chunk, on the device,
-            # where the copy *is* the chunk's compute copy and takes the place of a slot: no fetch casts its master
-            # again
-            self.shadow = {c: self.alloc("host", cs, compute_dtype) for c, how in enumerate(plan.ship)
-                           if how == "shadow"}
-            if plan.keeps_compute_copies:
-                self.shadow.update({c: self.alloc("device", cs, compute_dtype) for c in range(n)
-                                    if self.tier(c) == "device" and not layout.chunks[c].frozen})
+        # host buffers are filled and page-locked by threads side by side (runtime/host_memory.py): all ready when
+        # `ready()` returns, at once unless `ready_later` (the engine builds the regions meanwhile)
+        self._pin_phase = "allocate"
+        self._allocating = contextlib.ExitStack()
+        self._allocating.enter_context(self._host.batch(lambda done, total: Phases.progress(self._pin_phase, done,
+                                                                                            total)))
+        try:
+            self._allocate_state(layout, plan, config, compute_dtype, stats)
+        except BaseException:
+            self._allocating.close()
+            raise
+        if not ready_later:
+            self.ready()
+
+    @property
+    def pinning(self) -> bool:
+        """Whether host buffers are still being made ready (page-locked) on threads: `ready()` waits for them."""
+        return self._host.queues
+
+    def ready(self, phase: str | None = None) -> None:
+        """Wait until every host buffer handed out so far is filled and page-locked (a no-op when they are);
+        `phase`: the compile phase its progress is reported under meanwhile. Nothing reads or writes chunk
+        memory before this returns."""
+        if phase is not None:
+            self._pin_phase = phase
+        self._allocating.close()
+
+    def _allocate_state(self, layout: Layout, plan: Plan, config: Config, compute_dtype: torch.dtype,
+                        stats: MemoryStats) -> None:
+        cs, n = layout.chunk_size, len(layout.chunks)
+        for c in range(n):
+            tier = self.tier(c)
+            if tier == "remote":
+                for state in (self.master, self.exp_avg, self.exp_avg_sq, self.exp_avg_absmax,
+                              self.exp_avg_sq_absmax):
+                    state.append(None)
+                continue
+            if layout.chunks[c].frozen:
+                self.master.append(self.alloc(tier, cs, compute_dtype, zero=True))
+                for state in (self.exp_avg, self.exp_avg_sq, self.exp_avg_absmax, self.exp_avg_sq_absmax):
+                    state.append(None)
+                continue
+            self.master.append(self.alloc(tier, cs, torch.float32, zero=True))
+            # int8: the code of 0 (the unsigned one is 0)
+            self.exp_avg.append(self.alloc(tier, cs, config.moment_dtype,
+                                           fill=quant8.SIGNED_ZERO if self.quantized else 0))
+            self.exp_avg_sq.append(self.alloc(tier, cs, config.moment_dtype, zero=True))
+            if self.quantized:
+                blocks = quant8.blocks_of(layout.chunks[c].param_spans())
+                self.exp_avg_absmax.append(self.alloc(tier, blocks, torch.float32, zero=True))
+                self.exp_avg_sq_absmax.append(self.alloc(tier, blocks, torch.float32, zero=True))
+            else:
+                self.exp_avg_absmax.append(None)
+                self.exp_avg_sq_absmax.append(None)
+            if not self._host.queues:           # (else the batch counts the buffers it makes ready)
+                Phases.progress("allocate", c + 1, n)
+            if n >= 20 and (c + 1) % (n // 10) == 0:    # page-locking 100 GiB of host state takes a minute
+                log.info("  chunk state allocated for %d of %d chunks (%s on the host)", c + 1, n,
+                         format_bytes(stats.host_bytes))
+        # 16-bit copies that every update keeps current (Adam, its undo and its correction write them in the
+        # same pass): of host chunks that ship 16 bits (plan.ship == "shadow"), on the host; and, when every
+        # chunk has a compute slot for good (plan.keeps_compute_copies), of every device chunk, on the device,
+        # where the copy *is* the chunk's compute copy and takes the place of a slot: no fetch casts its master
+        # again
+        self.shadow = {c: self.alloc("host", cs, compute_dtype) for c, how in enumerate(plan.ship)
+                       if how == "shadow"}
+        if plan.keeps_compute_copies:
+            self.shadow.update({c: self.alloc("device", cs, compute_dtype) for c in range(n)
+                                if self.tier(c) == "device" and not layout.chunks[c].frozen})
 
     def tier(self, c: int) -> str:
         return self.plan.placement[c]
