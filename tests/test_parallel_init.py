@@ -129,3 +129,42 @@ def test_compile_sends_allocation_and_initialization_progress():
         sent = [e for e in events if e.phase == phase and e.state == "progress"]
         assert sent and sent[-1].done == sent[-1].total > 0, phase
         assert all(a.done <= b.done for a, b in zip(sent, sent[1:])), phase
+
+
+def test_the_state_moved_forward_in_cpp_is_the_state_drawing_leaves():
+    """kernels' mt19937_advance moves a CPU generator's state as drawing that many values does, from any point of
+    a block of 624 and across twists; the values drawn after are the same."""
+    from pstar_fx.kernels import cpu_adam
+    move = getattr(cpu_adam.extension(), "mt19937_advance", None)
+    if move is None:
+        pytest.skip(f"the C++ kernels are not built here: {cpu_adam.extension()}")
+    scratch = torch.empty(4096, dtype=torch.int64)
+    for start in (0, 1, 5, 623, 624, 625, 1247, 1248, 3001):
+        for draws in (0, 1, 2, 621, 622, 623, 624, 625, 1247, 1248, 1249, 10_000, 123_457):
+            drawn, moved = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+            for g in (drawn, moved):
+                parallel_init._draw_through(g, start, scratch)
+            parallel_init._draw_through(drawn, draws, scratch)
+            state = moved.get_state()
+            move(state.data_ptr(), draws)
+            moved.set_state(state)
+            assert torch.equal(drawn.get_state(), moved.get_state()), (start, draws)
+            assert torch.equal(torch.empty(100).normal_(generator=drawn), torch.empty(100).normal_(generator=moved))
+    assert parallel_init._state_mover() is move          # the engine's init uses it here
+
+
+def test_without_the_cpp_advance_the_split_draws_through_with_the_same_bits(small_pieces, monkeypatch):
+    monkeypatch.setattr(parallel_init, "_state_mover", lambda: None)
+    torch.manual_seed(3)
+    ts = [torch.empty(200), torch.empty(130), torch.empty(64), torch.empty(97)]
+    serial = an_init([t.clone() for t in ts]), torch.default_generator.get_state()
+    torch.manual_seed(3)
+    split_ts = [t.clone() for t in ts]
+    with parallel_init.split_normal_draws(threads=3, piece_elems=48):
+        tail = an_init(split_ts)
+    assert torch.equal(torch.default_generator.get_state(), serial[1]) and small_pieces
+    torch.manual_seed(3)
+    ref = [t.clone() for t in ts]
+    ref_tail = an_init(ref)
+    assert all(torch.equal(a, b) for a, b in zip(ref, split_ts))
+    assert all(torch.equal(a, b) for a, b in zip(ref_tail, tail))

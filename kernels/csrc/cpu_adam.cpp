@@ -49,6 +49,7 @@
 //    process: it carries each stream across the 4 KiB page edges where the hardware prefetcher stops.
 //  - threads: one per physical core (kernels/cpu_adam.py, default_threads()); 8 and 12 threads gave
 //    less bandwidth than 16 for every kernel, the triad included.
+#include <stdexcept>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -605,6 +606,58 @@ py::dict build_info() {
     return d;
 }
 
+// ---- mt19937: torch's CPU generator moved forward without drawing -----------------------------------------------
+// runtime/parallel_init.py hands each piece of a large normal_ to a worker with the generator's state at that
+// piece's first draw; finding those states by drawing through the stream (int64 random_) bound the whole init on
+// the H200 box (~0.5 G draws/s). This moves the state itself: one twist per 624 draws, no tempering, no output.
+// The state is the bytes torch.Generator.get_state() returns (ATen's legacy THGeneratorState layout: `left` int32
+// at byte 8, `next` uint64 at 16, the 624 state words as uint64 at 24) and is edited in place; the Python side
+// checks the result against drawing (parallel_init._advance_matches_drawing) before trusting it.
+constexpr int kMtN = 624, kMtM = 397;
+
+inline uint32_t mt_twist(uint32_t u, uint32_t v) {
+    return (((u & 0x80000000u) | (v & 0x7fffffffu)) >> 1) ^ ((0u - (v & 1u)) & 0x9908b0dfu);
+}
+
+void mt_next_state(uint32_t* s) {   // ATen's next_state, in three loops without a carried dependence (vectorized)
+    for (int i = 0; i < kMtN - kMtM; ++i) s[i] = s[i + kMtM] ^ mt_twist(s[i], s[i + 1]);
+    for (int i = kMtN - kMtM; i < kMtN - 1; ++i) s[i] = s[i + kMtM - kMtN] ^ mt_twist(s[i], s[i + 1]);
+    s[kMtN - 1] = s[kMtM - 1] ^ mt_twist(s[kMtN - 1], s[0]);
+}
+
+void mt19937_advance(uintptr_t state_bytes, uint64_t draws) {
+    py::gil_scoped_release no_gil;
+    char* base = reinterpret_cast<char*>(state_bytes);
+    int32_t left;
+    uint64_t next;
+    std::memcpy(&left, base + 8, sizeof left);
+    std::memcpy(&next, base + 16, sizeof next);
+    if (left < 1 || left > kMtN) throw std::invalid_argument("mt19937_advance: not a CPU generator state");
+    const uint64_t before_twist = static_cast<uint64_t>(left) - 1;   // draws that read the current words
+    if (draws <= before_twist) {
+        left -= static_cast<int32_t>(draws);
+        next += draws;
+    } else {
+        uint32_t s[kMtN];
+        for (int i = 0; i < kMtN; ++i) {
+            uint64_t w;
+            std::memcpy(&w, base + 24 + 8 * i, sizeof w);
+            s[i] = static_cast<uint32_t>(w);
+        }
+        const uint64_t rest = draws - before_twist;     // each block of 624 starts with a twist
+        const uint64_t blocks = rest / kMtN, partial = rest % kMtN;
+        for (uint64_t b = 0; b < blocks + (partial ? 1 : 0); ++b) mt_next_state(s);
+        left = partial ? static_cast<int32_t>(kMtN + 1 - partial) : 1;
+        next = partial ? partial : kMtN;
+        for (int i = 0; i < kMtN; ++i) {
+            uint64_t w = s[i];
+            std::memcpy(base + 24 + 8 * i, &w, sizeof w);
+        }
+    }
+    std::memcpy(base + 8, &left, sizeof left);
+    std::memcpy(base + 16, &next, sizeof next);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu_adam, m) {
@@ -635,5 +688,7 @@ PYBIND11_MODULE(_cpu_adam, m) {
           "fp32 -> bfloat16/float16, round to nearest even.");
     m.def("sq_sum", &sq_sum, py::arg("x"), py::arg("dtype"), py::arg("n"), py::arg("simd") = "auto",
           py::arg("num_threads") = 0, "Sum of squares, float64 accumulation.");
+    m.def("mt19937_advance", &mt19937_advance, py::arg("state"), py::arg("draws"),
+          "Move a torch CPU generator state (get_state()'s bytes, edited in place) forward by `draws` 32-bit draws.");
     m.def("build_info", &build_info, "Which SIMD level runs here, what was compiled, OpenMP, compiler, flags.");
 }

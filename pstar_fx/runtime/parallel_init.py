@@ -7,14 +7,17 @@ host's fp32 masters, and `normal_` is almost all the CPU generator's mt19937 dra
 CPU `normal_` on a contiguous fp32 tensor of n >= 16 values draws n uniforms (n + 16 when n is not a multiple of
 16: the last 16 are drawn again) and turns each aligned block of 16 into normals on its own. So a piece of the
 tensor that starts at a multiple of 16 gets exactly its values from a generator set to the stream's state at that
-element. This mode finds those states by advancing the generator with the cheapest op that draws the same stream
-(`random_` on int64: two draws per value, 1.2 G draws/s), and hands each piece, with its state, to a worker thread
+element. This mode finds those states by moving the generator's state forward without drawing normals (the C++
+`mt19937_advance`: one twist per 624 draws, ~4 G draws/s on the development VM; without it, by the cheapest op that
+draws the same stream, `random_` on int64: two draws per value, 1.2 G draws/s here and ~0.5 on the H200 box, where
+it bounded the init at 501 M values/s on 16 threads), and hands each piece, with its state, to a worker thread
 that runs the same `normal_` on it. The global generator ends where one thread leaves it, so whatever the init draws
 next (a `uniform_`, another `normal_`) is unchanged. Every other op runs as it is, in order, after waiting for any
 pending piece whose memory it touches.
 
-On k free cores the wall time should be about max(draws / 1.2 G/s, draws / ((k - 1) * 320 M/s)): up to 3.7x faster at
-16 cores, 1.6x at 3, nothing at 2 (so it stays off there: MIN_THREADS). Those are estimates from the two rates; the
+On k free cores the wall time should be about max(draws / advance rate, draws / ((k - 1) * 320 M/s)): with the C++
+advance up to (k - 1)x faster (drawing through: up to 3.7x at 16 cores), 1.6x at 3, nothing at 2 (so it stays off
+there: MIN_THREADS). Those are estimates from the two rates; the
 2-core CPU box cannot show them, `bench/init_speed.py` measures them. The layout of draws is checked once per
 process against a plain `normal_` (`same_bits_as_serial`); where a torch build draws otherwise, the init runs on
 one thread as before. Limit: only ops that reach the dispatcher wait for pending pieces; an init that reads a
@@ -43,7 +46,19 @@ _SCRATCH_ELEMS = 1 << 21       # int64 values the advance draws into at a time (
 
 
 def _advance(gen: torch.Generator, draws: int, scratch: torch.Tensor) -> None:
-    """Move `gen` forward by `draws` 32-bit draws without computing normals: int64 `random_` takes two per value."""
+    """Move `gen` forward by `draws` 32-bit draws without computing normals: its state moved by the C++ kernel
+    (`mt19937_advance`, ~4 G draws/s on the development VM) where that is built and agrees with drawing here;
+    else by drawing, int64 `random_` taking two per value."""
+    move = _state_mover()
+    if move is not None:
+        state = gen.get_state()
+        move(state.data_ptr(), draws)
+        gen.set_state(state)
+        return
+    _draw_through(gen, draws, scratch)
+
+
+def _draw_through(gen: torch.Generator, draws: int, scratch: torch.Tensor) -> None:
     pairs, odd = divmod(draws, 2)
     while pairs:
         n = min(pairs, scratch.numel())
@@ -51,6 +66,32 @@ def _advance(gen: torch.Generator, draws: int, scratch: torch.Tensor) -> None:
         pairs -= n
     if odd:
         scratch.view(torch.float32)[:1].uniform_(generator=gen)     # one draw per fp32 value
+
+
+@functools.cache
+def _state_mover() -> Callable[[int, int], None] | None:
+    """The C++ `mt19937_advance` (kernels/csrc/cpu_adam.cpp), or None where it is not built or moves a state
+    otherwise than drawing does in this torch (checked once per process across twist boundaries)."""
+    from ..kernels import cpu_adam
+    move = getattr(cpu_adam.extension(), "mt19937_advance", None)
+    if move is None:
+        return None
+    scratch = torch.empty(1024, dtype=torch.int64)
+    try:
+        for start, draws in ((0, 0), (0, 1), (1, 623), (5, 1248), (700, 625), (3, 20001)):
+            drawn, moved = torch.Generator().manual_seed(99), torch.Generator().manual_seed(99)
+            _draw_through(drawn, start, scratch)
+            _draw_through(moved, start, scratch)
+            _draw_through(drawn, draws, scratch)
+            state = moved.get_state()
+            move(state.data_ptr(), draws)
+            moved.set_state(state)
+            if not torch.equal(drawn.get_state(), moved.get_state()):
+                raise ValueError(f"{draws} draws from {start}")
+    except (ValueError, RuntimeError) as e:
+        log.info("the generator is moved forward by drawing: mt19937_advance disagrees here (%s)", e)
+        return None
+    return move
 
 
 def _draws(n: int) -> int:
