@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call on the H200 machine: build the C++ kernel there, then run the stages named as
-# arguments (kernels | host_adam[:ARGS] (bench/host_adam_bench.py ARGS, spaces as commas) | tests | tests:PYTEST_K_EXPR (tests/test_gpu.py only) | integrations | hf_trainer[:ARGS] | probe | small_peak | checkpoint | gpt:MODEL:SYSTEM[:BATCH[:HOST_MEMORY[:LAYERS[:EXTRA ARGS]]]]).
+# arguments (kernels | host_adam[:ARGS] (bench/host_adam_bench.py ARGS, spaces as commas) | tests | tests:PYTEST_K_EXPR (tests/test_gpu.py only) | integrations | hf_trainer[:ARGS] | lora[:ARGS] | probe | small_peak | checkpoint | gpt:MODEL:SYSTEM[:BATCH[:HOST_MEMORY[:LAYERS[:EXTRA ARGS]]]]).
 # Output files land in $OUT. MODEL: a GPT name, llama/NAME or hf-llama/NAME (bench/gpt.py --model).
 # EXTRA ARGS go to bench/gpt.py as they are, e.g. gpt:GPT3_10B:pstar_fx:16:108GiB::--clip-sweep=none,1e9,1e-3
 # The strongest PyTorch peer: gpt:GPT_h3072_L36:torch-best:16 ({eager, compiled} x checkpoint {none, half, all}).
@@ -9,6 +9,9 @@
 #   by default HF LlamaForCausalLM at Llama-3-8B's shape, bf16, 16 x 1024, 20 steps, host 110GiB, each side in a
 #   subprocess of its own; one line per side (tokens/s, ratio) appended to $OUT/hf_trainer.jsonl. HF_TRAINER_S
 #   (default 540) is the seconds both sides may take together (a side cut off is reported as such).
+# lora[:ARGS]: bench/lora_bench.py ARGS (spaces as commas): peft LoRA r=16 on HF LlamaForCausalLM at Llama-3-70B's
+#   shape, pstar_fx against peft under FSDP2 + CPUOffloadPolicy at the deepest shape whose weights fit the host (issue
+#   25); each side a subprocess, LORA_S (default 560) seconds for both; lines appended to $OUT/lora.jsonl.
 # integrations: the GPU tests of PstarTrainer and the Lightning strategy (tests/test_integrations_*.py -m gpu).
 # Wheels in .whl/ (bench/peer_wheels.sh: DeepSpeed and what it needs) are installed first when carried:
 #   run(command="bash bench/gpu_run.sh gpt:GPT_h3072_L36:deepspeed", carry=[".whl"])
@@ -39,6 +42,9 @@ for stage in "$@"; do
        timeout $((limit + 20)) python3 bench/hf_trainer_bench.py --timeout "$limit" --json "$OUT/hf_trainer.jsonl" \
              $( [[ $stage == hf_trainer:* ]] && echo "${stage#hf_trainer:}" | tr , ' ') \
              2> >(tee -a "$OUT/hf_trainer.log" | grep -v "^  " | tail -60 >&2) | grep -v "^RESULT" | tail -20 ;;
+    lora*) timeout $(( ${LORA_S:-560} + 20 )) python3 bench/lora_bench.py --timeout "${LORA_S:-560}" --json "$OUT/lora.jsonl" \
+             $( [[ $stage == lora:* ]] && echo "${stage#lora:}" | tr , ' ') 2> >(tee -a "$OUT/lora.log" | grep -E "step |Error" \
+             | tail -30 >&2) | cut -c1-600 ;;
     kernels) timeout 240 python3 bench/kernels_gpu.py 2>&1 | tee -a "$OUT/kernels.txt" ;;
     tests) timeout 560 python3 -m pytest -q -rs -p no:logging --tb=short -o faulthandler_timeout=100 tests/test_gpu.py \
              tests/test_kernels.py -k "gpu or cuda or undo" --durations=15 2>&1 | tail -80 | tee -a "$OUT/tests.txt" ;;

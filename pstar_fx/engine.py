@@ -122,6 +122,7 @@ class Engine:
                 with phases("page-lock", "the rest of the host chunk memory's page-locking, which ran beside the "
                                          "region builds"):
                     self.rt.store.ready("page-lock")
+            self.rt.store.ready()           # (closes the allocation batch even where nothing was queued)
             with phases("initialize", "weights written into the fp32 masters"):
                 if meta:
                     materialize(model, self.rt.store, self.lowered.layout, cap, self.device, config.seed)

@@ -1,0 +1,35 @@
+"""bench/lora_bench.py on CPU: peft LoRA on HF's LlamaForCausalLM of the tiny LLaMA shape, built on meta, trained by
+pstar_fx and by peft under FSDP2 (gloo, one process; the GPU run adds CPUOffloadPolicy), each in this process."""
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
+pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[peft]')")
+
+_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "lora_bench.py")
+_spec = importlib.util.spec_from_file_location("bench_lora", _PATH)
+bench = importlib.util.module_from_spec(_spec)
+sys.modules["bench_lora"] = bench
+_spec.loader.exec_module(bench)
+
+TINY = ["--model", "hf-llama/tiny", "--device", "cpu", "--batch", "2", "--seq", "16", "--steps", "3", "--rank", "4"]
+
+
+@pytest.mark.parametrize("system", ["pstar_fx", "fsdp2"])
+def test_a_side_trains_lora_and_counts_frozen_and_trainable_flops(tmp_path, system):
+    out = tmp_path / "r.jsonl"
+    bench.main([*TINY, "--system", system, "--peer-layers", "2", "--json", str(out)])
+    (r,) = [json.loads(x) for x in out.read_text().splitlines()]
+    assert "error" not in r, r.get("error")
+    model = bench.lora_model(bench.gpt.model_config("hf-llama/tiny", 16, 2)[0], 4)
+    frozen, trainable = bench.counts(model)
+    # the seven projections of each of the 2 layers adapted: A (in x r) and B (r x out) each
+    assert trainable == sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) > 0
+    assert (r["params_frozen"], r["params_trainable"], r["layers"]) == (frozen, trainable, 2)
+    assert len(r["losses"]) == 3 and all(x == x for x in r["losses"])
+    assert r["step_s"] > 0
+    assert r["tflops"] == pytest.approx((4 * frozen + 6 * trainable) * 32 / r["step_s"] / 1e12, abs=0.06)
