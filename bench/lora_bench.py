@@ -137,8 +137,9 @@ def fsdp2_side(cfg, args) -> dict:
     cuda = args.device == "cuda"
     layers = peer_layers(cfg, args)
     cfg = gpt.model_config(args.model, args.seq, layers)[0]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
+    launch = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    before = {k: os.environ.get(k) for k in launch}
+    os.environ.update(launch)             # a one-process group; put back after (the CPU test runs this in pytest)
     dist.init_process_group("nccl" if cuda else "gloo")
     try:
         if cuda:
@@ -186,6 +187,11 @@ def fsdp2_side(cfg, args) -> dict:
                 "steps_s": [round(t, 4) for t in times], "losses": losses}
     finally:
         dist.destroy_process_group()
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def run_side(system: str, args) -> dict:

@@ -22,9 +22,12 @@ TINY = ["--model", "hf-llama/tiny", "--device", "cpu", "--batch", "2", "--seq", 
 @pytest.mark.parametrize("system", ["pstar_fx", "fsdp2"])
 def test_a_side_trains_lora_and_counts_frozen_and_trainable_flops(tmp_path, system):
     out = tmp_path / "r.jsonl"
+    env = dict(os.environ)
     bench.main([*TINY, "--system", system, "--peer-layers", "2", "--json", str(out)])
     (r,) = [json.loads(x) for x in out.read_text().splitlines()]
     assert "error" not in r, r.get("error")
+    # the one-process group's launch variables are gone again (later tests would take themselves for a rank)
+    assert dict(os.environ) == env
     model = bench.lora_model(bench.gpt.model_config("hf-llama/tiny", 16, 2)[0], 4)
     frozen, trainable = bench.counts(model)
     # the seven projections of each of the 2 layers adapted: A (in x r) and B (r x out) each
