@@ -241,6 +241,34 @@ def test_16bit_shadows_ship_half_the_bytes_and_change_no_result():
     assert runs["shadow"][2]["host_peak_bytes"] > runs["cast"][2]["host_peak_bytes"]  # ... shadows cost host
 
 
+def test_fp32_masters_cross_in_staging_pieces_with_the_same_bits(monkeypatch):
+    """A host chunk without a shadow crosses on CUDA as its fp32 master, cast on the device from a staging buffer
+    of COPY_STAGING_ELEMS values, piece by piece: forced here on the CPU runtime (the cast then runs on the CPU
+    tier) with pieces of 1000 values for 16384-value chunks, it trains the bits the shadows do, crosses 4 B/param,
+    and the planned device peak (one piece of staging) is the measured one."""
+    from pstar_fx.planning import memory, shipping
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny"))
+    batches = [batch(seed=s) for s in range(3)]
+    common = {"device": "cpu", "dtype": "bf16", "placement": "host", "chunk_size": 16384, "optimizer": {"lr": 1e-3}}
+    shadows = pstar_fx.compile(model, common, batches[0])
+    want = ([shadows.step(*b).item() for b in batches], shadows.state_dict(), shadows.memory_stats())
+    state = shadows.plan.host_breakdown["chunk state"]
+    monkeypatch.setattr(shipping, "fallback_code", lambda itemsize, cuda: "fp32")
+    monkeypatch.setattr(memory, "COPY_STAGING_ELEMS", 1000)
+    engine = pstar_fx.compile(model, dict(common, host_memory=state + 2 * 16384 * 2), batches[0])
+    assert set(engine.plan.ship) == {"fp32"}, engine.plan.ship
+    assert engine.plan.device_breakdown["copy staging"] == 1000 * 4
+    assert engine.rt.mover._staging.numel() == 1000
+    got = ([engine.step(*b).item() for b in batches], engine.state_dict(), engine.memory_stats())
+    assert got[0] == want[0] and all(torch.equal(got[1][k], want[1][k]) for k in want[1])
+    assert got[2]["h2d_bytes"] == 2 * want[2]["h2d_bytes"]                  # 4 B/param against 2
+    # the staging is planned as allocated: the plan's margin over the measured peak is the shadows' run's
+    assert (engine.plan.device_peak_bytes - got[2]["device_peak_bytes"]
+            == shadows.plan.device_peak_bytes - want[2]["device_peak_bytes"]), (engine.plan.device_breakdown,
+                                                                                shadows.plan.device_breakdown)
+
+
 @pytest.mark.parametrize("device,dtype", [("cpu", "fp32"), ("cuda", "fp32"), ("cuda", "bf16")])
 def test_kept_gradients_fit_at_the_plans_own_host_peak(device, dtype):
     """The check that the host holds the kept gradients counts what the plan then allocates: at exactly its own

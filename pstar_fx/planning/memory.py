@@ -27,6 +27,10 @@ CPU_STEP_SLACK_BYTES = 4096
 # load at first use; the budget is the free memory read at compile). Plans closer to the GPU's free memory ran
 # out in their first step (bench/RESULTS.md, "the CUDA reserve").
 CUDA_FRAGMENTATION_RESERVE_BYTES = 768 * 2**20
+# A host chunk shipped as its fp32 master crosses into a device staging buffer piece by piece, each piece cast into
+# the compute slot before the next lands (one stream: nothing overlaps that did before). 64M values (256 MiB): a
+# whole L99 chunk's staging was 1.75 GiB of device memory; the casts between pieces cost ~2% of the copy's time.
+COPY_STAGING_ELEMS = 1 << 26
 CUDA_HOST_OVERHEAD_BYTES = 4 * 2**30  # host memory of a CUDA process besides chunks: context, libraries, Python
 
 
@@ -97,6 +101,11 @@ class StepBytes:
                 + self.workspace_bytes + self.batch_rest_bytes)
 
 
+def copy_staging_elems(chunk_elems: int) -> int:
+    """fp32 values of the device staging buffer that fp32-shipped host chunks cross through (COPY_STAGING_ELEMS)."""
+    return min(chunk_elems, COPY_STAGING_ELEMS)
+
+
 def step_bytes(g: fx.Graph, layout: Layout, config: Config, *, compute_itemsize: int, buffer_bytes: int,
                activation_peak_bytes: int, rates: Rates, cuda: bool, world: int = 1) -> StepBytes:
     cs = layout.chunk_size
@@ -116,7 +125,8 @@ def step_bytes(g: fx.Graph, layout: Layout, config: Config, *, compute_itemsize:
         activation_peak_bytes=activation_peak_bytes, buffer_bytes=buffer_bytes,
         compute_chunk_bytes=cs * compute_itemsize, accum_bytes=accum_bytes,
         state_bytes=config.chunk_state_bytes(cs, scale_blocks) + accum_bytes, workspace_bytes=workspace_bytes,
-        device_staging_bytes=cs * 4 if (cuda and compute_itemsize != 4) else 0, batch_rest_bytes=batch_rest_bytes,
+        device_staging_bytes=copy_staging_elems(cs) * 4 if (cuda and compute_itemsize != 4) else 0,
+        batch_rest_bytes=batch_rest_bytes,
         host_overhead_bytes=host_overhead_bytes,
         kept_staging_bytes=0 if cuda or compute_itemsize == 4 else cs * compute_itemsize,
         host_staging_bytes=2 * cs * compute_itemsize + host_overhead_bytes,
@@ -143,7 +153,7 @@ def device_breakdown(sizes: StepBytes, *, device_chunks: list[int], n_slots: int
     if sizes.batch_rest_bytes:
         device["other micro-batches"] = sizes.batch_rest_bytes
     if not fp32 and "fp32" in host_ship:
-        device["copy staging"] = chunk_elems * 4   # chunks shipped in fp32 are cast on the device
+        device["copy staging"] = copy_staging_elems(chunk_elems) * 4   # fp32-shipped chunks: cast on the device
     if sizes.accum_bytes:
         device["gradient accumulators"] = n_device * sizes.accum_bytes
         device["chunk state"] -= n_device * sizes.accum_bytes

@@ -34,6 +34,7 @@ from concurrent.futures import Future
 import torch
 
 from ..planning import Plan
+from ..planning.memory import copy_staging_elems
 from .store import ChunkStore, Pool
 from .telemetry import Telemetry
 
@@ -170,7 +171,7 @@ class Mover:
         resident = {c: t for c, t in store.shadow.items() if plan.placement[c] == "device"}
         self.slots = Pool([store.alloc("device", cs, dtype) for _ in range(plan.slots - len(resident))])
         self.grad_slots = Pool([store.alloc("device", cs, dtype) for _ in range(plan.grad_slots)])
-        self._staging = (store.alloc("device", cs, torch.float32)
+        self._staging = (store.alloc("device", copy_staging_elems(cs), torch.float32)
                          if "fp32" in plan.ship and dtype != torch.float32 else None)
         self._host_cast = store.alloc("host", cs, dtype) if "cast" in plan.ship else None
         self.compute: dict[int, torch.Tensor] = {}   # chunk -> its compute buffer, while resident
@@ -249,9 +250,12 @@ class Mover:
         elif how == "cast":
             self._host_cast[:n].copy_(src)                      # cast on the host, ship 16 bits
             dst.copy_(self._host_cast[:n], non_blocking=True)
-        elif self._staging is not None:
-            self._staging[:n].copy_(src, non_blocking=True)     # ship fp32, cast on the device
-            dst.copy_(self._staging[:n])
+        elif self._staging is not None:                         # ship fp32, cast on the device, piece by piece
+            piece = self._staging.numel()                       # (one stream: a piece lands after the last cast)
+            for a in range(0, n, piece):
+                b = min(a + piece, n)
+                self._staging[: b - a].copy_(src[a:b], non_blocking=True)
+                dst[a:b].copy_(self._staging[: b - a])
         else:
             dst.copy_(src, non_blocking=True)
 
