@@ -238,8 +238,11 @@ def _example(spec, device: torch.device) -> torch.Tensor:
                                                                                     val.storage_offset)
 
 
-def _extract(ops: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> tuple[fx.GraphModule, str]:
-    """The region as its own GraphModule with canonical names, and a key equal for equal regions."""
+def _extract(ops: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> tuple[fx.Graph, str]:
+    """The region as its own graph with canonical names, and a key equal for equal regions (its code, as a
+    GraphModule of it would have it, and its inputs' layouts). The GraphModule is made only for a new key
+    (`_module`): most regions repeat one before them (every transformer block's), and making one compiles its
+    code."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for i, a in enumerate(inputs):
@@ -249,12 +252,15 @@ def _extract(ops: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) 
         env[n] = g.node_copy(n, lambda a: env[a])
         env[n]._rename(f"v{i}")
     g.output(tuple(env[o] for o in outputs))
-    gm = fx.GraphModule(torch.nn.Module(), g)
     metas = []
     for spec in map(_spec, inputs):
         v = spec and spec[1]
         metas.append((v.shape, tuple(v.stride), str(v.dtype)) if v is not None else None)
-    return gm, gm.code + repr(metas)
+    return g, g.python_code(root_module="self").src + repr(metas)
+
+
+def _module(g: fx.Graph) -> fx.GraphModule:
+    return fx.GraphModule(torch.nn.Module(), g)
 
 
 def _order(g: fx.Graph, runs: list) -> list[fx.Node]:
@@ -324,7 +330,7 @@ def compile_regions(gm: fx.GraphModule, plan, *, cuda: bool, backend: str | None
         inputs, outputs = _region_io(ops)
         sub, key = _extract(ops, inputs, outputs)
         if key not in regions:
-            regions[key] = Region(sub, f"region_{len(regions)}", backend, [_spec(a) for a in inputs], key)
+            regions[key] = Region(_module(sub), f"region_{len(regions)}", backend, [_spec(a) for a in inputs], key)
         with g.inserting_before(ops[0]):
             call = g.call_function(regions[key], tuple(inputs))
         call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
