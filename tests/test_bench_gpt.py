@@ -4,21 +4,15 @@ The real runs are GPU-only; here the tiny model runs on --device cpu, --compile 
 (inductor on this CPU takes minutes for the tiny model) and torch-best's subprocesses are faked, except
 one real child that is cut off by its timeout.
 """
-import importlib.util
 import json
-import os
-import sys
 import time
 
 import pytest
 import torch
 from pstar_fx.models import GPT, Llama, gpt_config, llama_config
+from bench_modules import load
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "gpt.py")
-_spec = importlib.util.spec_from_file_location("bench_gpt", _PATH)
-gpt = importlib.util.module_from_spec(_spec)
-sys.modules["bench_gpt"] = gpt          # dynamo looks the model's module up by name
-_spec.loader.exec_module(gpt)
+gpt = load("gpt", "bench_gpt")
 
 TINY = ["--model", "tiny", "--device", "cpu", "--batch", "2", "--seq", "16", "--steps", "2"]
 

@@ -1,21 +1,15 @@
 """bench/hf_trainer_bench.py on CPU: PstarTrainer and the engine's own loop on HF's LlamaForCausalLM of the tiny LLaMA
 shape, built on meta, both sides in this process (the GPU run puts each in a subprocess: faked here, as
 test_bench_gpt fakes torch-best's children)."""
-import importlib.util
 import json
-import os
-import sys
 
 import pytest
+from bench_modules import load
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
 pytest.importorskip("accelerate", reason="accelerate is not installed (the Trainer needs it: pip install -e '.[hf]')")
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "hf_trainer_bench.py")
-_spec = importlib.util.spec_from_file_location("bench_hf_trainer", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["bench_hf_trainer"] = bench
-_spec.loader.exec_module(bench)
+bench = load("hf_trainer_bench", "bench_hf_trainer")
 
 TINY = ["--model", "hf-llama/tiny", "--device", "cpu", "--batch", "2", "--seq", "16", "--steps", "3"]
 

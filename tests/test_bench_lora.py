@@ -1,20 +1,15 @@
 """bench/lora_bench.py on CPU: peft LoRA on HF's LlamaForCausalLM of the tiny LLaMA shape, built on meta, trained by
 pstar_fx and by peft under FSDP2 (gloo, one process; the GPU run adds CPUOffloadPolicy), each in this process."""
-import importlib.util
 import json
 import os
-import sys
 
 import pytest
+from bench_modules import load
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
 pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[peft]')")
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "lora_bench.py")
-_spec = importlib.util.spec_from_file_location("bench_lora", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["bench_lora"] = bench
-_spec.loader.exec_module(bench)
+bench = load("lora_bench", "bench_lora")
 
 TINY = ["--model", "hf-llama/tiny", "--device", "cpu", "--batch", "2", "--seq", "16", "--steps", "3", "--rank", "4"]
 
