@@ -198,3 +198,13 @@ def test_weights_are_written_while_region_workers_build_and_before_this_process_
         assert events == ["workers started", "initialized", ("built here", True)]
     else:
         assert events == ["workers started", ("built here", None), "initialized"]
+
+
+@pytest.mark.parametrize("dtype,fill", [(torch.float32, 0), (torch.bfloat16, 0), (torch.uint8, 127),
+                                        (torch.uint8, 0), (torch.float32, 1.5), (torch.int8, -1)])
+def test_a_workers_first_values_are_torchs_fill(dtype, fill):
+    """What a pin worker writes first (a memset where the value is a byte pattern) equals `fill_`, bit for bit."""
+    got = torch.full((4099,), 7, dtype=dtype)
+    host_memory._first_values(got, fill)
+    want = torch.full((4099,), 7, dtype=dtype).fill_(fill)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
