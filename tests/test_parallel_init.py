@@ -168,3 +168,22 @@ def test_without_the_cpp_advance_the_split_draws_through_with_the_same_bits(smal
     ref_tail = an_init(ref)
     assert all(torch.equal(a, b) for a, b in zip(ref, split_ts))
     assert all(torch.equal(a, b) for a, b in zip(ref_tail, tail))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_weights_split_with_one_threads_bits(small_pieces, dtype):
+    """A frozen chunk's weights are 16-bit on the host: their normal_ splits too (checked per dtype), with the
+    bits and generator state one thread gives."""
+    assert parallel_init._same_bits_for(dtype)
+    shapes = [(40, 41), (1000,), (17,), (3, 1003), (64,), (65,)]
+    torch.manual_seed(5)
+    serial = [torch.empty(s, dtype=dtype) for s in shapes]
+    after = an_init(serial), torch.get_rng_state()
+    torch.manual_seed(5)
+    split = [torch.empty(s, dtype=dtype) for s in shapes]
+    with parallel_init.split_normal_draws(threads=3) as mode:
+        split_after = an_init(split)
+    assert mode.split_elems > 0 and small_pieces
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(serial, split))
+    assert all(torch.equal(a, b) for a, b in zip(after[0], split_after))
+    assert torch.equal(after[1], torch.get_rng_state())

@@ -94,9 +94,12 @@ def _state_mover() -> Callable[[int, int], None] | None:
     return move
 
 
-def _draws(n: int) -> int:
-    """32-bit draws a CPU fp32 `normal_` of n >= 16 contiguous values takes."""
-    return n + (16 if n % 16 else 0)
+def _draws(n: int, dtype: torch.dtype = torch.float32) -> int:
+    """32-bit draws a CPU `normal_` of n >= 16 contiguous values takes: fp32 redraws its last block of 16 when n is
+    not a multiple of 16 (n + 16); the 16-bit dtypes draw whole blocks (n rounded up to 16)."""
+    if n % 16 == 0:
+        return n
+    return n + 16 if dtype == torch.float32 else n + 16 - n % 16
 
 
 def _pieces(n: int, piece: int) -> list[tuple[int, int]]:
@@ -119,21 +122,30 @@ def _fill(view: torch.Tensor, mean: float, std: float, state: torch.Tensor) -> N
     view.normal_(mean, std, generator=gen)
 
 
-@functools.cache
 def same_bits_as_serial() -> bool:
     """Whether this torch's CPU `normal_` draws as the module docstring says: pieces with their states give the bits
     of one call, and the generator ends at the same state (checked on a few hundred values, once per process)."""
+    return _same_bits_for(torch.float32)
+
+
+SPLIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # 16-bit: a frozen chunk's weights, on the host
+
+
+@functools.cache
+def _same_bits_for(dtype: torch.dtype) -> bool:
+    """`same_bits_as_serial` for a `normal_` into `dtype` (a 16-bit one rounds the fp32 normals of each block of
+    16, drawing as fp32 does: checked here, not assumed)."""
     n, piece = 16 * 23 + 5, 64
     gen = torch.Generator().manual_seed(1234)
     start = gen.get_state()
-    whole = torch.empty(n).normal_(0.5, 2.0, generator=gen)
+    whole = torch.empty(n, dtype=dtype).normal_(0.5, 2.0, generator=gen)
     end = gen.get_state()
     gen.set_state(start)
-    parts = torch.empty(n)
+    parts = torch.empty(n, dtype=dtype)
     scratch = torch.empty(8, dtype=torch.int64)
     for a, b in _pieces(n, piece):
         _fill(parts[a:b], 0.5, 2.0, gen.get_state())
-        _advance(gen, _draws(b - a) if b == n else b - a, scratch)
+        _advance(gen, _draws(b - a, dtype) if b == n else b - a, scratch)
     return torch.equal(whole, parts) and torch.equal(end, gen.get_state())
 
 
@@ -146,9 +158,10 @@ def _byte_range(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 class _SplitNormal(TorchDispatchMode):
-    """Large host fp32 `normal_` calls on the global generator: split into pieces run by `pool` (None: none split),
-    in the order of one thread's draws; every other op waits for the pending pieces it overlaps. `progress` is
-    called with the values written in place so far (whatever the op: a progress count, not an exact one)."""
+    """Large host fp32 or 16-bit (a frozen chunk's weights) `normal_` calls on the global generator: split into
+    pieces run by `pool` (None: none split), in the order of one thread's draws; every other op waits for the
+    pending pieces it overlaps. `progress` is called with the values written in place so far (whatever the op: a
+    progress count, not an exact one)."""
 
     def __init__(self, pool: ThreadPoolExecutor | None, piece_elems: int,
                  progress: Callable[[int], None] | None = None):
@@ -182,8 +195,8 @@ class _SplitNormal(TorchDispatchMode):
     def _splittable(args, kwargs) -> bool:
         t = args[0]
         return type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" \
-            and t.dtype == torch.float32 and t.is_contiguous() and t.numel() >= MIN_ELEMS \
-            and kwargs.get("generator") is None
+            and t.dtype in SPLIT_DTYPES and t.is_contiguous() and t.numel() >= MIN_ELEMS \
+            and kwargs.get("generator") is None and _same_bits_for(t.dtype)
 
     def _split(self, t: torch.Tensor, mean: float, std: float) -> None:
         gen = torch.default_generator
@@ -192,7 +205,7 @@ class _SplitNormal(TorchDispatchMode):
         futures = []
         for a, b in _pieces(n, self.piece_elems):
             futures.append(self.pool.submit(_fill, flat[a:b], mean, std, gen.get_state()))
-            _advance(gen, _draws(b - a) if b == n else b - a, self.scratch)
+            _advance(gen, _draws(b - a, t.dtype) if b == n else b - a, self.scratch)
         self.pending.append((_byte_range(t), futures))
         self.split_elems += n
 
@@ -213,8 +226,8 @@ class _SplitNormal(TorchDispatchMode):
 @contextlib.contextmanager
 def split_normal_draws(threads: int | None = None, piece_elems: int | None = None,
                        progress: Callable[[int], None] | None = None):
-    """Within the block, large host fp32 `normal_` calls on the global generator run on `threads` threads (default:
-    torch's intra-op threads): this one advances the generator, the others fill the pieces, with the bits and
+    """Within the block, large host fp32 or 16-bit `normal_` calls on the global generator run on `threads` threads
+    (default: torch's intra-op threads): this one advances the generator, the others fill the pieces, with the bits and
     generator state one thread gives; the block ends when every value is written. Nothing is split with fewer than
     MIN_THREADS threads (the advance would only add work), or where this torch draws otherwise
     (`same_bits_as_serial`). `progress(values)`: called as in-place ops write values (for a progress display)."""
