@@ -1,7 +1,8 @@
 """engine: `pstar_fx.compile(model, config, example_inputs) -> Engine`, and `pstar_fx.plan(...)`.
 
 The pipeline, in order: capture -> layout -> passes (`pstar_fx.passes.PIPELINE`, run by `pipeline/lower.py`)
--> runtime (chunk memory allocated, then the regions built while its host part is page-locked). `Engine.graph` is the lowered step;
+-> runtime (chunk memory allocated, then the regions built while its host part is page-locked). `Engine.graph` is
+the lowered step;
 `Engine.explain()` says what the plan decided; `Engine.memory_stats()` says what the runtime measured.
 """
 from __future__ import annotations
