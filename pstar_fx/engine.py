@@ -112,8 +112,7 @@ class Engine:
                                 f"on {self.lowered.device.type}, {format_bytes(plan.host_peak_bytes)} on the host"):
             self.rt = ChunkRuntime(self.lowered.layout, plan, config, self.device, self.lowered.dtype, self.dp,
                                    ready_later=True)
-        builders = start_region_builders(self.lowered.graph, self.device) if self.lowered.graph.meta.get("regions") \
-            else None
+        builders = start_region_builders(self.lowered.graph, self.device)     # None: no worker started
         named = dict(model.named_parameters(remove_duplicate=False))
         meta = any(p.is_meta for p in named.values())
         try:

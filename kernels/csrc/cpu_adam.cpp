@@ -612,7 +612,7 @@ py::dict build_info() {
 // the H200 box (~0.5 G draws/s). This moves the state itself: one twist per 624 draws, no tempering, no output.
 // The state is the bytes torch.Generator.get_state() returns (ATen's legacy THGeneratorState layout: `left` int32
 // at byte 8, `next` uint64 at 16, the 624 state words as uint64 at 24) and is edited in place; the Python side
-// checks the result against drawing (parallel_init._advance_matches_drawing) before trusting it.
+// checks the result against drawing (parallel_init._state_mover) before trusting it.
 constexpr int kMtN = 624, kMtM = 397;
 
 inline uint32_t mt_twist(uint32_t u, uint32_t v) {

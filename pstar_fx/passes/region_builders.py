@@ -68,15 +68,19 @@ class Builders:
         self._procs, self._tmp, self._marker, self._n = procs, tmp, marker, n_jobs
         self._built: int | None = None
 
-    def stop(self) -> None:
-        """Kill the workers (the compile failed meanwhile): nothing is marked built."""
+    def _end(self) -> None:
+        """No worker left behind (one still running is killed), and their job files gone."""
         for p in self._procs:
             if p.poll() is None:
                 p.kill()
-        self._built = 0
         for p in self._procs:
             p.wait()
         self._tmp.cleanup()
+
+    def stop(self) -> None:
+        """Kill the workers (the compile failed meanwhile): nothing is marked built."""
+        self._built = 0
+        self._end()
 
     def wait(self) -> int:
         if self._built is not None:
@@ -88,11 +92,7 @@ class Builders:
                 if p.returncode:
                     failed.append(err.decode(errors="replace").strip().splitlines()[-1:] or ["(no message)"])
         finally:
-            for p in self._procs:           # an interrupted wait leaves no worker behind
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-            self._tmp.cleanup()
+            self._end()                     # (an interrupted wait too)
         if failed:
             log.warning("%d of %d region build workers failed (%s); building here", len(failed), len(self._procs),
                         failed[0][0])
@@ -132,16 +132,10 @@ def start(jobs: list[tuple[str, torch.fx.GraphModule, list]], device: torch.devi
                              "inductor_config": torch._inductor.config.save_config(), "threads": threads}, f)
             procs.append(subprocess.Popen([sys.executable, "-m", __name__, path], env=env,
                                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-    except BaseException:
-        Builders(procs, tmp, marker, len(jobs)).wait()
+    except BaseException:                   # the ones started must not mark a partial set built
+        Builders(procs, tmp, marker, len(jobs)).stop()
         raise
     return Builders(procs, tmp, marker, len(jobs))
-
-
-def prebuild(jobs: list[tuple[str, torch.fx.GraphModule, list]], device: torch.device, backend: str) -> int:
-    """`start` and wait: how many regions the workers built (0: none started, or one failed)."""
-    builders = start(jobs, device, backend)
-    return 0 if builders is None else builders.wait()
 
 
 def _work(path: str) -> None:

@@ -59,9 +59,8 @@ def _first_values(t: torch.Tensor, fill: float | int) -> None:
     dtype) is a memset on this thread alone (ctypes releases the GIL): a pin worker then takes one core, where
     torch's `fill_` would spread over the intra-op pool, which the region builds beside the page-locking share
     (on the H200 box they slowed from 10 to 23 s beside it; not yet measured with this). Anything else: `fill_`."""
-    byte = int(fill) if float(fill) == int(fill) and 0 <= int(fill) < 256 else None
-    if byte is not None and (byte == 0 or t.element_size() == 1) and t.is_contiguous():
-        ctypes.memset(t.data_ptr(), byte, t.numel() * t.element_size())
+    if fill in range(256) and (fill == 0 or t.element_size() == 1) and t.is_contiguous():
+        ctypes.memset(t.data_ptr(), int(fill), t.numel() * t.element_size())
     else:
         t.fill_(fill)
 

@@ -51,11 +51,15 @@ def _advance(gen: torch.Generator, draws: int, scratch: torch.Tensor) -> None:
     else by drawing, int64 `random_` taking two per value."""
     move = _state_mover()
     if move is not None:
-        state = gen.get_state()
-        move(state.data_ptr(), draws)
-        gen.set_state(state)
-        return
-    _draw_through(gen, draws, scratch)
+        _move_state(gen, move, draws)
+    else:
+        _draw_through(gen, draws, scratch)
+
+
+def _move_state(gen: torch.Generator, move: Callable[[int, int], None], draws: int) -> None:
+    state = gen.get_state()
+    move(state.data_ptr(), draws)
+    gen.set_state(state)
 
 
 def _draw_through(gen: torch.Generator, draws: int, scratch: torch.Tensor) -> None:
@@ -83,9 +87,7 @@ def _state_mover() -> Callable[[int, int], None] | None:
             _draw_through(drawn, start, scratch)
             _draw_through(moved, start, scratch)
             _draw_through(drawn, draws, scratch)
-            state = moved.get_state()
-            move(state.data_ptr(), draws)
-            moved.set_state(state)
+            _move_state(moved, move, draws)
             if not torch.equal(drawn.get_state(), moved.get_state()):
                 raise ValueError(f"{draws} draws from {start}")
     except (ValueError, RuntimeError) as e:

@@ -104,7 +104,7 @@ class ChunkStore:
         self._allocating.enter_context(self._host.batch(lambda done, total: Phases.progress(self._pin_phase, done,
                                                                                             total)))
         try:
-            self._allocate_state(layout, plan, config, compute_dtype, stats)
+            self._allocate_state()
         except BaseException:
             self._allocating.close()
             raise
@@ -124,8 +124,8 @@ class ChunkStore:
             self._pin_phase = phase
         self._allocating.close()
 
-    def _allocate_state(self, layout: Layout, plan: Plan, config: Config, compute_dtype: torch.dtype,
-                        stats: MemoryStats) -> None:
+    def _allocate_state(self) -> None:
+        layout, plan, config, compute_dtype = self.layout, self.plan, self.config, self.compute_dtype
         cs, n = layout.chunk_size, len(layout.chunks)
         for c in range(n):
             tier = self.tier(c)
@@ -155,7 +155,7 @@ class ChunkStore:
                 Phases.progress("allocate", c + 1, n)
             if n >= 20 and (c + 1) % (n // 10) == 0:    # page-locking 100 GiB of host state takes a minute
                 log.info("  chunk state allocated for %d of %d chunks (%s on the host)", c + 1, n,
-                         format_bytes(stats.host_bytes))
+                         format_bytes(self.stats.host_bytes))
         # 16-bit copies that every update keeps current (Adam, its undo and its correction write them in the
         # same pass): of host chunks that ship 16 bits (plan.ship == "shadow"), on the host; and, when every
         # chunk has a compute slot for good (plan.keeps_compute_copies), of every device chunk, on the device,
