@@ -42,7 +42,7 @@ from ..planning.costs import cache_root
 
 log = logging.getLogger("pstar_fx")
 
-FORMAT = 1      # bump when what an entry means, or what the fingerprint covers, changes
+FORMAT = 2      # bump when what an entry means, or what the fingerprint covers, changes
 
 # Config fields planning never reads: the lr schedule (a callable's repr holds its address) and the process
 # group's timeout

@@ -31,7 +31,12 @@ CUDA_FRAGMENTATION_RESERVE_BYTES = 768 * 2**20
 # the compute slot before the next lands (one stream: nothing overlaps that did before). 64M values (256 MiB): a
 # whole L99 chunk's staging was 1.75 GiB of device memory; the casts between pieces cost ~2% of the copy's time.
 COPY_STAGING_ELEMS = 1 << 26
-CUDA_HOST_OVERHEAD_BYTES = 4 * 2**30  # host memory of a CUDA process besides chunks: context, libraries, Python
+# Host memory of a CUDA process besides what the plan counts (chunks, shadows, staging, kept gradients): the CUDA
+# context, libraries, Python and the graphs. Measured on the H200 box (host max RSS less the runtime's host chunk
+# bytes, bench/results/2026-12-0*-h200*.jsonl): 1.3-1.7 GiB for GPTs of 10B and 8B, 1.4-2.2 GiB at 18B, 2.0 GiB for
+# Hugging Face's Llama at 8B. 3 GiB keeps 0.8 GiB above the largest; 4 GiB left h4096 L99 with fp32 state one
+# chunk short of fitting 110 GiB of host.
+CUDA_HOST_OVERHEAD_BYTES = 3 * 2**30
 
 
 def usable_budget(budget: int | None, cuda: bool) -> int | None:
