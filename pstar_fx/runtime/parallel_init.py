@@ -15,10 +15,12 @@ that runs the same `normal_` on it. The global generator ends where one thread l
 next (a `uniform_`, another `normal_`) is unchanged. Every other op runs as it is, in order, after waiting for any
 pending piece whose memory it touches.
 
-On k free cores the wall time should be about max(draws / advance rate, draws / ((k - 1) * 320 M/s)): with the C++
-advance up to (k - 1)x faster (drawing through: up to 3.7x at 16 cores), 1.6x at 3, nothing at 2 (so it stays off
-there: MIN_THREADS). Those are estimates from the two rates; the
-2-core CPU box cannot show them, `bench/init_speed.py` measures them. The layout of draws is checked once per
+With the C++ advance the advancing thread is nearly idle (a piece's advance costs a tenth of its fill or less:
+4.6 G draws/s against 0.3-0.5 G values/s, development VM), so
+k threads fill beside it on k cores: up to k x faster (1.81x on the 2-core development VM, `bench/init_speed.py
+--model GPT3_18B --layers 3 --threads 2`). Drawing through instead, one thread advances and k - 1 fill: the wall
+time is about max(draws / advance rate, draws / ((k - 1) * 320 M/s)), up to 3.7x at 16 cores, 1.6x at 3, nothing at
+2 (so it stays off there: MIN_THREADS). The layout of draws is checked once per
 process against a plain `normal_` (`same_bits_as_serial`); where a torch build draws otherwise, the init runs on
 one thread as before. Limit: only ops that reach the dispatcher wait for pending pieces; an init that reads a
 weight's memory behind torch's back (`.numpy()`, a raw pointer) could see it unwritten.
@@ -41,7 +43,7 @@ aten = torch.ops.aten
 
 PIECE_ELEMS = 1 << 22          # 16 MiB of fp32 per worker task: ~13 ms of normal_ here, small next to a big matrix
 MIN_ELEMS = 1 << 16            # smaller tensors run in place: a piece's state copy would cost more than it saves
-MIN_THREADS = 3                # with 2, one thread advancing and one filling is one thread's time, at 1.6x the work
+MIN_THREADS = 3                # drawing through: with 2, one thread advancing and one filling is one thread's time
 _SCRATCH_ELEMS = 1 << 21       # int64 values the advance draws into at a time (16 MiB)
 
 
@@ -229,19 +231,23 @@ class _SplitNormal(TorchDispatchMode):
 def split_normal_draws(threads: int | None = None, piece_elems: int | None = None,
                        progress: Callable[[int], None] | None = None):
     """Within the block, large host fp32 or 16-bit `normal_` calls on the global generator run on `threads` threads
-    (default: torch's intra-op threads): this one advances the generator, the others fill the pieces, with the bits and
-    generator state one thread gives; the block ends when every value is written. Nothing is split with fewer than
-    MIN_THREADS threads (the advance would only add work), or where this torch draws otherwise
+    (default: torch's intra-op threads) with the bits and generator state one thread gives: this one advances the
+    generator and `threads` others fill the pieces (`threads` - 1 where the advance draws through the stream, which
+    costs a core); the block ends when every value is written. Drawing through, nothing is split with fewer than
+    MIN_THREADS threads (the advance would only add work); nothing is split either where this torch draws otherwise
     (`same_bits_as_serial`). `progress(values)`: called as in-place ops write values (for a progress display)."""
     threads = threads or torch.get_num_threads()
-    split = threads >= MIN_THREADS and same_bits_as_serial()
-    if threads >= MIN_THREADS and not split:
+    moved = _state_mover() is not None     # the advance costs little: every thread of `threads` fills
+    least = min(2, MIN_THREADS) if moved else MIN_THREADS
+    split = threads >= least and same_bits_as_serial()
+    if threads >= least and not split:
         log.info("initialization runs on one thread: this torch's CPU normal_ does not split with the same bits")
     if not split and progress is None:
         yield None
         return
     with contextlib.ExitStack() as stack:
-        pool = stack.enter_context(ThreadPoolExecutor(max(1, threads - 1), thread_name_prefix="pstar_fx-init")) \
+        pool = stack.enter_context(ThreadPoolExecutor(threads if moved else threads - 1,
+                                                      thread_name_prefix="pstar_fx-init")) \
             if split else None
         mode = _SplitNormal(pool, piece_elems or PIECE_ELEMS, progress)
         try:
