@@ -10,6 +10,7 @@ gradients, identically on every rank. NCCL on CUDA, gloo on the CPU.
 """
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
 
@@ -35,11 +36,19 @@ def init(device: str, timeout_s: float) -> tuple[int, int]:
         # that), to test the partitioned runtime's stream ordering on a one-GPU machine
         backend = os.environ.get("PSTAR_FX_DIST_BACKEND") or ("nccl" if device.startswith("cuda") else "gloo")
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        # the group we made, we leave: a gloo group still up at interpreter exit aborted ranks that had finished
+        # ("terminate called without an active exception", exit -6) now and then
+        atexit.register(_leave)
     if dist.get_backend() == "nccl":
         # NCCL makes its communicator (and its buffers, outside PyTorch's allocator) at the first collective:
         # make it now, before the engine reads the GPU's free memory as its budget
         dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())))
     return dist.get_rank(), dist.get_world_size()
+
+
+def _leave() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def measure_bus_bandwidth(device: torch.device, dtype: torch.dtype, elems: int = 4 * 2**20) -> float:
