@@ -35,6 +35,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .fxutil import role_nodes, tag
@@ -234,7 +235,10 @@ def capture(model: nn.Module, example_inputs, device: torch.device, dtype: torch
     autocast = (torch.autocast(traced_on.type, dtype=dtype) if dtype != torch.float32
                 else contextlib.nullcontext())
     try:
-        with autocast, (torch.no_grad() if forward_only else contextlib.nullcontext()), _quiet_fake_kernels():
+        # a lazy GraphModule: its Python code is generated when first run or read, not after every pass that
+        # changes the graph (~0.3 s a time at 18B)
+        with autocast, (torch.no_grad() if forward_only else contextlib.nullcontext()), _quiet_fake_kernels(), \
+                _use_lazy_graph_module(True):
             gm = make_fx(step, tracing_mode="fake")(fake_params, fake_buffers, fake_inputs, tangent)
     except CaptureError:
         raise

@@ -73,3 +73,34 @@ def test_a_broken_contract_fails_before_any_pass_runs(monkeypatch):
     monkeypatch.setattr(pstar_fx.passes, "PIPELINE", in_order)
     pstar_fx.plan(GPT(gpt_config("tiny")), {"device": "cpu"}, batch())   # the same wrappers run when in order
     assert ran == names[:-1]                                             # compile_regions: not on the CPU
+
+
+def test_a_record_reads_as_the_graph_did_when_it_was_taken(monkeypatch):
+    """Records are taken cheaply and made into code when read (fxutil.code_later): each must read as its graph's
+    code did when the pass received it, though later passes change that graph in place. Every record of a compile
+    with chunks on both tiers (a device budget below the whole model's) and compiled regions is checked against the
+    code taken eagerly."""
+    import torch.fx as fx
+
+    from pstar_fx.pipeline import lower
+    eager: dict[str, str] = {}
+    put = lower.GraphRecords.put
+
+    def put_and_keep(self, name, graph):
+        if isinstance(graph, fx.GraphModule):
+            graph.recompile()
+            eager[name] = graph.code
+        put(self, name, graph)
+
+    monkeypatch.setattr(lower.GraphRecords, "put", put_and_keep)
+    monkeypatch.setattr(pstar_fx.passes.compile_regions, "BACKEND", "eager")
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny"))
+    on_device = pstar_fx.plan(model, {"placement": "device", "chunk_size": 16384}, batch())
+    engine = pstar_fx.compile(model, {"chunk_size": 16384, "compute": "inductor",
+                                      "device_memory": on_device.device_peak_bytes * 3 // 4}, batch())
+    assert "host" in engine.plan.placement
+    assert set(eager) >= {"seed_random_ops", "insert_chunk_ops", "grads_in_place", "compile_regions"}
+    for name, code in eager.items():
+        assert engine.graph_before(name) == code, name
+    assert engine.graph_before("insert_chunk_ops") != engine.graph_before("grads_in_place")   # changed in place
