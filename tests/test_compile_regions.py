@@ -201,3 +201,27 @@ def test_hugging_face_models_through_regions_give_the_same_bits(dynamo_only, kin
     assert _regions(ours)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_a_region_key_is_equal_exactly_for_the_same_ops_constants_and_layouts():
+    """Regions share a compiled function by key (`_extract`): the same ops with the same constants on inputs laid out
+    alike give one key; another constant, overload, argument order or input layout gives another."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def key(fn, *shapes, contiguous=True):
+        xs = [torch.zeros(s) if contiguous else torch.zeros(s[::-1]).t() for s in shapes]
+        g = make_fx(fn)(*xs).graph
+        inputs = list(g.find_nodes(op="placeholder"))
+        ops = [n for n in g.nodes if n.op == "call_function"]
+        return regions_pass._extract(ops, inputs, [ops[-1]])[1]
+
+    base = key(lambda x, y: torch.relu(x * 0.5 + y), (4, 8), (4, 8))
+    assert base == key(lambda a, b: torch.relu(a * 0.5 + b), (4, 8), (4, 8))
+    others = [key(lambda x, y: torch.relu(x * 0.25 + y), (4, 8), (4, 8)),       # a constant
+              key(lambda x, y: torch.relu(x * 0.5 - y), (4, 8), (4, 8)),        # an op
+              key(lambda x, y: torch.relu(y * 0.5 + x), (4, 8), (4, 8)),        # which input is scaled
+              key(lambda x, y: torch.relu(x * 0.5 + y), (8, 8), (8, 8)),        # a shape
+              key(lambda x, y: torch.relu(x * 0.5 + y), (4, 8), (4, 8), contiguous=False),   # strides
+              key(lambda x, y: torch.relu(x * 0.5 + y.sum(0)), (4, 8), (4, 8)),              # an overload's args
+              key(lambda x, y: torch.relu(x * 0.5 + y.sum(1, keepdim=True)), (4, 8), (4, 8))]
+    assert len({base, *others}) == 1 + len(others)
