@@ -464,6 +464,27 @@ def test_rates_without_the_host_correction_still_load():
     assert "rates-v6-" in costs._cache_path("x")
 
 
+def test_rates_measured_by_a_child_started_ahead_are_taken_once(monkeypatch, caplog):
+    """`start_calibration` starts the measuring child before the capture (on a GPU whose rates are not cached;
+    here a CPU child stands for it); `_measure_in_child` takes that child's result, and a child that fails leaves
+    the rates measured in this process, with a warning."""
+    import subprocess
+
+    from pstar_fx.planning import costs
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(costs, "_CHILDREN", {})
+    costs._CHILDREN["early"] = child = costs._child(cpu, torch.float32, "early")
+    rates = costs._measure_in_child(cpu, torch.float32, "early")
+    assert costs._CHILDREN == {} and child.returncode == 0
+    assert rates.device == "early" and rates.flops > 0 and rates.host_adam > 0
+    costs._CHILDREN["broken"] = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"], text=True,
+                                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    monkeypatch.setattr(costs, "_measure", lambda device, dtype, key: costs.Rates(key, 1.0, 1.0, 1.0, 1.0, 1.0))
+    with caplog.at_level("WARNING", logger="pstar_fx"):
+        assert costs._measure_in_child(cpu, torch.float32, "broken").device == "broken"
+    assert "in a child process failed" in caplog.text and costs._CHILDREN == {}
+
+
 def test_the_break_even_trigger_rate_is_where_speculating_and_deferring_cost_the_same():
     """At trigger rate r speculating costs speculated + r * (triggered - speculated), deferring `deferred`."""
     from pstar_fx.planning.transaction import defer_above

@@ -28,6 +28,7 @@ from ..layout import Layout, build_layout
 from ..passes.contract import Pass, PassContext, check_pipeline
 from ..phases import Phases
 from ..planning import BudgetError, Plan, PlanDelta, calibrate, fold, make_plan, usable_budget
+from ..planning.costs import start_calibration
 from ..runtime.dist import measure_bus_bandwidth, world_from_env
 from .recompute_search import plan_with_recompute
 
@@ -124,6 +125,8 @@ class Lowered:
         self.dtype = config.torch_dtype
         self.phases = phases = phases or Phases()
         check_pipeline(enabled(passes.PIPELINE, config))     # a broken list fails before minutes of capture
+        if on is None:
+            start_calibration(self.device, self.dtype)          # a GPU not measured yet: measured beside the capture
         with phases("capture", "forward + backward traced with fake tensors"):
             if on is None:
                 self.capture: Capture = capture(model, example_inputs, self.device, self.dtype)

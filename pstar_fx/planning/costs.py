@@ -11,12 +11,15 @@ and redo, what a kept_grads step runs when clipping triggers).
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
 import dataclasses
 import json
 import math
 import os
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -129,19 +132,54 @@ def calibrate(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Rate
     return dataclasses.replace(rates, **figures) if figures else rates
 
 
+def _rates_key(device: torch.device, dtype: torch.dtype) -> str:
+    return _device_key(device) + "-" + str(dtype).split(".")[-1]
+
+
+# children measuring a GPU's rates, started before they are needed (`start_calibration`), by rates key
+_CHILDREN: dict[str, subprocess.Popen] = {}
+
+
+def start_calibration(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Start measuring a GPU's rates in a child process now when they are neither known here nor cached, so that
+    the measurement (a fresh process, CUDA, host Adam over 256 MiB buffers: seconds) runs beside the capture
+    instead of after it; `calibrate` takes the child's result."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return
+    key = _rates_key(device, dtype)
+    if key not in _MEASURED and key not in _CHILDREN and not os.path.exists(_cache_path(key)):
+        _CHILDREN[key] = _child(device, dtype, key)
+
+
+def _child(device: torch.device, dtype: torch.dtype, key: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "pstar_fx.planning.costs", str(device), str(dtype).split(".")[-1],
+                             key], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@atexit.register
+def _stop_children() -> None:
+    """(a compile that failed before its plan leaves no child measuring)"""
+    for child in _CHILDREN.values():
+        child.kill()
+    _CHILDREN.clear()
+
+
 def _calibrated(device: torch.device, dtype: torch.dtype) -> Rates:
     """Measured rates for `device`, from the cache when present. A GPU is measured in a child process: its
     benchmark tensors (hundreds of MiB) must not count in this process's memory or its peak statistics,
     which the plan promises to stay under."""
     if device.type == "cuda" and not torch.cuda.is_available():
         return Rates.nominal(device)
-    key = _device_key(device) + "-" + str(dtype).split(".")[-1]
+    key = _rates_key(device, dtype)
     if key in _MEASURED:
         return _MEASURED[key]
     path = _cache_path(key)
     try:
         with open(path) as f:
-            return Rates(**json.load(f))
+            rates = Rates(**json.load(f))
+        if key in _CHILDREN:                # another process cached them meanwhile
+            _CHILDREN.pop(key).kill()
+        return rates
     except (OSError, ValueError, TypeError):
         pass
     rates = _measure_in_child(device, dtype, key) if device.type == "cuda" else _measure(device, dtype, key)
@@ -171,11 +209,15 @@ def _timeit(fn, device: torch.device, reps: int = 3, at_least: float = 0.0) -> f
 
 
 def _measure_in_child(device: torch.device, dtype: torch.dtype, key: str) -> Rates:
-    import subprocess
-    import sys
-    cmd = [sys.executable, "-m", "pstar_fx.planning.costs", str(device), str(dtype).split(".")[-1], key]
+    """The rates a child process measures: the one `start_calibration` started, else one started now."""
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout
+        child = _CHILDREN.pop(key, None) or _child(device, dtype, key)
+        try:
+            out, err = child.communicate(timeout=300)
+        finally:
+            child.kill()                    # (a no-op once it has exited)
+        if child.returncode:
+            raise subprocess.CalledProcessError(child.returncode, child.args, out, err)
         return Rates(**json.loads(out.strip().splitlines()[-1]))
     except (subprocess.SubprocessError, OSError, ValueError, TypeError, IndexError) as e:
         import logging
@@ -327,6 +369,5 @@ def _flops(node: fx.Node, target) -> float:
 
 
 if __name__ == "__main__":     # python -m pstar_fx.planning.costs DEVICE DTYPE KEY: one measurement, as JSON
-    import sys
     _dev, _dt, _key = sys.argv[1:4]
     print(json.dumps(asdict(_measure(torch.device(_dev), getattr(torch, _dt), _key))))
