@@ -64,3 +64,33 @@ def test_second_compile_loads_the_regions_the_workers_built_and_trains_the_same_
     warm = compile_in_a_fresh_process(tmp_path, workers=2)          # the marker: no worker starts
     assert (warm["hits"], warm["misses"]) == (2, 0) and (warm["aot_hits"], warm["aot_misses"]) == (2, 0), warm
     assert warm["losses"] == cold["losses"] and warm["state"] == cold["state"]
+
+
+def test_workers_get_shares_of_about_equal_ops_and_every_region_once():
+    """Regions go to the build workers largest first, each to the least loaded one (`region_builders.shares`): the
+    most any worker gets is within one region of an equal share, every region is built exactly once, and the
+    split does not depend on the regions' order."""
+    import random
+
+    import torch
+    import torch.fx as fx
+
+    from pstar_fx.passes.region_builders import _ops, shares
+
+    def region(n_ops):
+        g = fx.Graph()
+        x = g.placeholder("x")
+        for _ in range(n_ops):
+            x = g.call_function(torch.relu, (x,))
+        g.output(x)
+        return fx.GraphModule(torch.nn.Module(), g)
+
+    sizes = [28, 52, 48, 52, 72, 52, 72, 48, 52, 20, 5, 110, 5, 86, 75, 98, 12, 80, 21, 103, 49, 103, 27, 34]
+    jobs = [(f"k{i}", region(n), []) for i, n in enumerate(sizes)]     # an 18B GPT's distinct regions' ops
+    split = shares(jobs, 4)
+    assert sorted(k for share in split for k, _, _ in share) == sorted(k for k, _, _ in jobs)
+    loads = [sum(_ops(gm) for _, gm, _ in share) for share in split]
+    assert max(loads) <= sum(sizes) / 4 + max(sizes) and max(loads) == 332
+    shuffled = jobs[:]
+    random.Random(0).shuffle(shuffled)
+    assert sorted(sum(_ops(gm) for _, gm, _ in share) for share in shares(shuffled, 4)) == sorted(loads)

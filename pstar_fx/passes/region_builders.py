@@ -124,8 +124,7 @@ def start(jobs: list[tuple[str, torch.fx.GraphModule, list]], device: torch.devi
     procs = []
     tmp = tempfile.TemporaryDirectory(prefix="pstar_fx-regions-")
     try:
-        for w in range(workers):
-            share = jobs[w::workers]
+        for w, share in enumerate(shares(jobs, workers)):
             path = os.path.join(tmp.name, f"job{w}.pkl")
             with open(path, "wb") as f:
                 pickle.dump({"regions": [(gm, specs) for _, gm, specs in share], "device": str(device),
@@ -136,6 +135,24 @@ def start(jobs: list[tuple[str, torch.fx.GraphModule, list]], device: torch.devi
         Builders(procs, tmp, marker, len(jobs)).stop()
         raise
     return Builders(procs, tmp, marker, len(jobs))
+
+
+def shares(jobs: list[tuple[str, torch.fx.GraphModule, list]], workers: int) -> list[list]:
+    """`jobs` split over `workers` so that they finish together: the largest region first, each to the worker with
+    the least work so far, counting a region's work as its ops (what Inductor lowers and generates kernels for).
+    Regions differ (an 18B GPT's 24 distinct ones hold 5 to 110 ops): dealt out in turn, one of 4 workers got 445 of
+    their 1304 ops; shared this way, at most 332."""
+    load = [0] * workers
+    out: list[list] = [[] for _ in range(workers)]
+    for job in sorted(jobs, key=lambda j: -_ops(j[1])):
+        w = load.index(min(load))
+        out[w].append(job)
+        load[w] += _ops(job[1])
+    return out
+
+
+def _ops(gm: torch.fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function")
 
 
 def _work(path: str) -> None:
