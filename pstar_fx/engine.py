@@ -119,6 +119,9 @@ class Engine:
             if builders is None:            # warm cache (or no workers): build here while the pages are locked
                 _build_regions(self.lowered.graph, self.device, phases, builders=None)
             if self.rt.store.pinning:
+                # the step's Python code (a lazy GraphModule's, ~0.4 s at 18B; else made at the first step), made
+                # while the pages lock: this thread only waits for them here
+                getattr(self.lowered.graph, "real_recompile", lambda: None)()
                 with phases("page-lock", "the rest of the host chunk memory's page-locking, which ran beside the "
                                          "region builds"):
                     self.rt.store.ready("page-lock")
