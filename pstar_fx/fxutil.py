@@ -129,8 +129,17 @@ def value_bytes(val, round_to: int = 1) -> int:
     return 0
 
 
-class _Ref(int):
-    """A node of a graph `code_later` took, by position."""
+class NodeRef(int):
+    """A node of a graph, by its position: what a node in an op's arguments becomes where the node itself must not
+    be held (`code_later`) or compared (a region's key)."""
+
+    def __repr__(self):
+        return f"%{int(self)}"
+
+
+def args_by_position(node: fx.Node, at: dict[fx.Node, int]):
+    """(args, kwargs) of `node` with each node in them a NodeRef of its position in `at`."""
+    return fx.map_arg((node.args, node.kwargs), lambda a: NodeRef(at[a]))
 
 
 def code_later(graph: fx.Graph):
@@ -138,16 +147,15 @@ def code_later(graph: fx.Graph):
     Taking it is cheap (per node: its name, op, target, arguments with nodes as positions, and type), generating
     it is not (~0.4 s at 18B). What is taken holds no node: a graph's nodes hold its values' fake tensors, which a
     record must not keep alive (ranks aborted at exit when it did)."""
-    at = {n: _Ref(i) for i, n in enumerate(graph.nodes)}
-    nodes = [(n.name, n.op, n.target, fx.map_arg(n.args, at.__getitem__), fx.map_arg(n.kwargs, at.__getitem__),
-              n.type) for n in graph.nodes]
+    at = {n: i for i, n in enumerate(graph.nodes)}
+    nodes = [(n.name, n.op, n.target, *args_by_position(n, at), n.type) for n in graph.nodes]
     codegen = graph._codegen
 
     def code() -> str:
         g = fx.Graph()
         g._codegen = codegen
         made: list[fx.Node] = []
-        node_of = lambda a: made[a] if isinstance(a, _Ref) else a  # noqa: E731
+        node_of = lambda a: made[a] if isinstance(a, NodeRef) else a  # noqa: E731
         for name, op, target, args, kwargs, type_ in nodes:
             made.append(g.create_node(op, target, fx.node.map_aggregate(args, node_of),
                                       fx.node.map_aggregate(kwargs, node_of), name, type_))

@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from ..config import format_bytes
 from .. import planning as plan_mod
-from ..fxutil import aliases_input, mutated_args, role_nodes
+from ..fxutil import aliases_input, args_by_position, mutated_args, role_nodes
 from . import region_builders
 from .region_builders import inductor_cache_dir
 from .contract import CHUNK_OPS, PLANNED, REGIONS, Pass, PassContext
@@ -259,24 +259,13 @@ def _extract(ops: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) 
     # each op with its arguments, a value as the position of the node making it (what its code says, without
     # generating the code: ~5 ms a region, 195 regions at 18B)
     at = {n: i for i, n in enumerate(g.nodes)}
-    ops = [(n.op, _name(n.target), fx.node.map_aggregate((n.args, n.kwargs), lambda a: _arg(a, at)))
-           for n in g.nodes]
+    ops = [(n.op, _name(n.target), fx.node.map_aggregate(args_by_position(n, at), _tensor_literal)) for n in g.nodes]
     return g, repr(ops) + repr(metas)
 
 
-def _arg(a, at: dict[fx.Node, int]):
-    if isinstance(a, fx.Node):
-        return _Pos(at[a])
-    if isinstance(a, torch.Tensor):     # a tensor literal (capture lifts them: none expected): this one only
-        return f"tensor@{id(a)}"
-    return a
-
-
-class _Pos(int):
-    """A value in a region's key: the position of the node making it."""
-
-    def __repr__(self):
-        return f"%{int(self)}"
+def _tensor_literal(a):
+    """A tensor in an op's arguments (capture lifts them into constants: none expected) stands for itself only."""
+    return f"tensor@{id(a)}" if isinstance(a, torch.Tensor) else a
 
 
 def _name(target) -> str:
