@@ -104,3 +104,24 @@ def test_a_record_reads_as_the_graph_did_when_it_was_taken(monkeypatch):
     for name, code in eager.items():
         assert engine.graph_before(name) == code, name
     assert engine.graph_before("insert_chunk_ops") != engine.graph_before("grads_in_place")   # changed in place
+
+
+def test_the_passes_leave_the_collectors_frozen_objects_as_they_found_them():
+    """The pass runner keeps the objects alive before it out of the garbage collector's walks while it runs
+    (`gc.freeze`), and unfreezes them after; where the caller had frozen objects itself, it leaves them frozen."""
+    import gc
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny"))
+    assert gc.get_freeze_count() == 0
+    during = []
+    with pstar_fx.phases.subscribe(lambda event: during.append((event.phase, gc.get_freeze_count()))):
+        pstar_fx.plan(model, {"placement": "host", "chunk_size": 16384}, batch())
+    assert gc.get_freeze_count() == 0
+    assert all(n == 0 for name, n in during if name == "capture") and any(n for name, n in during if name == "lower")
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        pstar_fx.plan(model, {"placement": "host", "chunk_size": 16384}, batch())
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
