@@ -75,12 +75,12 @@ def test_workers_get_shares_of_about_equal_ops_and_every_region_once():
     import torch
     import torch.fx as fx
 
-    from pstar_fx.passes.region_builders import _ops, shares
+    from pstar_fx.passes.region_builders import n_ops, shares
 
-    def region(n_ops):
+    def region(count):
         g = fx.Graph()
         x = g.placeholder("x")
-        for _ in range(n_ops):
+        for _ in range(count):
             x = g.call_function(torch.relu, (x,))
         g.output(x)
         return fx.GraphModule(torch.nn.Module(), g)
@@ -89,8 +89,8 @@ def test_workers_get_shares_of_about_equal_ops_and_every_region_once():
     jobs = [(f"k{i}", region(n), []) for i, n in enumerate(sizes)]     # an 18B GPT's distinct regions' ops
     split = shares(jobs, 4)
     assert sorted(k for share in split for k, _, _ in share) == sorted(k for k, _, _ in jobs)
-    loads = [sum(_ops(gm) for _, gm, _ in share) for share in split]
+    loads = [sum(n_ops(gm) for _, gm, _ in share) for share in split]
     assert max(loads) <= sum(sizes) / 4 + max(sizes) and max(loads) == 332
     shuffled = jobs[:]
     random.Random(0).shuffle(shuffled)
-    assert sorted(sum(_ops(gm) for _, gm, _ in share) for share in shares(shuffled, 4)) == sorted(loads)
+    assert sorted(sum(n_ops(gm) for _, gm, _ in share) for share in shares(shuffled, 4)) == sorted(loads)

@@ -75,8 +75,7 @@ class Region:
             return self._compiled(*args)
 
     def __repr__(self):
-        ops = sum(1 for n in self.graph_module.graph.nodes if n.op == "call_function")
-        return f"<Region {self.__name__}: {ops} ops>"
+        return f"<Region {self.__name__}: {region_builders.n_ops(self.graph_module)} ops>"
 
 
 def _as_a_worker_has_it(gm: fx.GraphModule) -> fx.GraphModule:

@@ -144,14 +144,15 @@ def shares(jobs: list[tuple[str, torch.fx.GraphModule, list]], workers: int) -> 
     their 1304 ops; shared this way, at most 332."""
     load = [0] * workers
     out: list[list] = [[] for _ in range(workers)]
-    for job in sorted(jobs, key=lambda j: -_ops(j[1])):
+    for job in sorted(jobs, key=lambda j: -n_ops(j[1])):
         w = load.index(min(load))
         out[w].append(job)
-        load[w] += _ops(job[1])
+        load[w] += n_ops(job[1])
     return out
 
 
-def _ops(gm: torch.fx.GraphModule) -> int:
+def n_ops(gm: torch.fx.GraphModule) -> int:
+    """The ops a region's graph calls (what `Region`'s repr counts too)."""
     return sum(1 for n in gm.graph.nodes if n.op == "call_function")
 
 

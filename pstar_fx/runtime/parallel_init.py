@@ -238,7 +238,7 @@ def split_normal_draws(threads: int | None = None, piece_elems: int | None = Non
     (`same_bits_as_serial`). `progress(values)`: called as in-place ops write values (for a progress display)."""
     threads = threads or torch.get_num_threads()
     moved = _state_mover() is not None     # the advance costs little: every thread of `threads` fills
-    least = min(2, MIN_THREADS) if moved else MIN_THREADS
+    least = min(2, MIN_THREADS) if moved else MIN_THREADS     # (MIN_THREADS below 2: a test splitting on 1 core)
     split = threads >= least and same_bits_as_serial()
     if threads >= least and not split:
         log.info("initialization runs on one thread: this torch's CPU normal_ does not split with the same bits")
