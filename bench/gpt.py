@@ -279,6 +279,9 @@ def child_result(cmd: list[str], timeout_s: float) -> tuple[dict | None, str]:
     none: a timeout, an exit without one)."""
     # its own session so a timeout ends the child and the compile workers it started, and nothing else
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    # a `timeout` around this process sends SIGTERM: end the child's session too, or it keeps the GPU (its own
+    # session does not get the signal)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         out, _ = p.communicate(timeout=timeout_s)
         reason = f"exited with {p.returncode} without a RESULT line"
@@ -286,6 +289,11 @@ def child_result(cmd: list[str], timeout_s: float) -> tuple[dict | None, str]:
         os.killpg(p.pid, signal.SIGKILL)
         out, _ = p.communicate()
         reason = f"timeout: no result within {timeout_s:.0f} s"
+    except BaseException:
+        os.killpg(p.pid, signal.SIGKILL)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     try:
         os.killpg(p.pid, signal.SIGKILL)      # stragglers of a child that exited (compile workers)
     except (ProcessLookupError, PermissionError):

@@ -30,6 +30,8 @@ gpu_peak_bytes, host_max_rss_bytes; a side that failed has "error" (and "oom").
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import logging
 import os
 import socket
 import statistics
@@ -237,11 +239,16 @@ def main(argv=None):
     ap.add_argument("--system", default="both", choices=("both", *SYSTEMS))
     ap.add_argument("--timeout", type=float, default=560, help="seconds for both sides' subprocesses together")
     ap.add_argument("--json", default=None, help="append the RESULT lines to this file")
+    ap.add_argument("--dump-after", type=float, default=0, help="print every thread's stack every this many s")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     if args.steps < 2:
         ap.error("--steps: at least 2 (the first step is reported apart)")
     if args.system != "both":
+        logging.basicConfig(stream=sys.stderr, format="%(relativeCreated)8.0f ms %(message)s")
+        logging.getLogger("pstar_fx").setLevel(logging.INFO)     # compile phases as they happen
+        if args.dump_after:
+            faulthandler.dump_traceback_later(args.dump_after, repeat=True)
         gpt.emit(run_side(args.system, args), args.json)
         return
     deadline = time.monotonic() + args.timeout
