@@ -50,6 +50,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 
@@ -281,7 +282,8 @@ def child_result(cmd: list[str], timeout_s: float) -> tuple[dict | None, str]:
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
     # a `timeout` around this process sends SIGTERM: end the child's session too, or it keeps the GPU (its own
     # session does not get the signal)
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    main = threading.current_thread() is threading.main_thread()     # (signal handlers: the main thread's only)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143)) if main else None
     try:
         out, _ = p.communicate(timeout=timeout_s)
         reason = f"exited with {p.returncode} without a RESULT line"
@@ -293,7 +295,8 @@ def child_result(cmd: list[str], timeout_s: float) -> tuple[dict | None, str]:
         os.killpg(p.pid, signal.SIGKILL)
         raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if main:
+            signal.signal(signal.SIGTERM, previous)
     try:
         os.killpg(p.pid, signal.SIGKILL)      # stragglers of a child that exited (compile workers)
     except (ProcessLookupError, PermissionError):

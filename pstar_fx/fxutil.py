@@ -161,3 +161,35 @@ def code_later(graph: fx.Graph):
                                       fx.node.map_aggregate(kwargs, node_of), name, type_))
         return g.python_code(root_module="self").src
     return code
+
+
+def copy_graph(src: fx.Graph) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
+    """A copy of `src` (its output included; each node's meta copied shallowly, as `Graph.graph_copy` does) and the
+    map from its nodes to the copy's. The recompute search copies the whole step for every try; torch's
+    `create_node` walks every argument of every node to warn about raw SymInts (60% of a copy's time in torch
+    2.13), which a copy of a checked graph does not need, so nodes are made and linked here as `create_node`
+    does. Falls back to `graph_copy` where torch's Graph lacks the internals this uses."""
+    g = fx.Graph()
+    g._codegen = src._codegen
+    nodes: dict[fx.Node, fx.Node] = {}
+    space, lookup = getattr(g, "_graph_namespace", None), getattr(g, "_find_nodes_lookup_table", None)
+    fast = all(hasattr(o, a) for o, a in [(space, "create_name"), (space, "associate_name_with_obj"),
+                                          (lookup, "insert"), (g, "_insert"), (g, "_len")])
+    if not fast:
+        g.output(g.graph_copy(src, nodes))
+        return g, nodes
+    remap = nodes.__getitem__
+    for node in src.nodes:
+        args, kwargs = fx.map_arg(node.args, remap), fx.map_arg(node.kwargs, remap)
+        if node.op == "output":
+            g.output(args[0])
+            break
+        name = space.create_name(node.name, None)
+        n = fx.Node(g, name, node.op, node.target, args, kwargs, node.type)
+        space.associate_name_with_obj(name, n)
+        g._insert(n)
+        lookup.insert(n)
+        g._len += 1
+        n.meta = dict(node.meta)
+        nodes[node] = n
+    return g, nodes

@@ -125,3 +125,31 @@ def test_the_passes_leave_the_collectors_frozen_objects_as_they_found_them():
         assert gc.get_freeze_count() == frozen
     finally:
         gc.unfreeze()
+
+
+def test_a_copied_graph_is_graph_copys_node_for_node():
+    """fxutil.copy_graph (the recompute search's copy of the step, without create_node's walk over every argument)
+    makes what torch's `graph_copy` makes: the same code, names, ops, arguments and meta, and a graph that lints
+    and takes new nodes with fresh names."""
+    import torch.fx as fx
+
+    from pstar_fx.capture import capture
+    from pstar_fx.fxutil import copy_graph
+    torch.manual_seed(0)
+    gm = capture(GPT(gpt_config("tiny")), batch(), torch.device("cpu"), torch.float32).gm
+    ours, nodes = copy_graph(gm.graph)
+    theirs = fx.Graph()
+    theirs._codegen = gm.graph._codegen
+    theirs.output(theirs.graph_copy(gm.graph, {}))
+    ours.lint()
+    assert fx.GraphModule(gm, ours).code == fx.GraphModule(gm, theirs).code
+    assert len(ours.nodes) == len(theirs.nodes) == len(gm.graph.nodes)
+    for a, b, src in zip(ours.nodes, theirs.nodes, gm.graph.nodes):
+        assert (a.name, a.op, a.target, str(a.args), str(a.kwargs)) == (b.name, b.op, b.target, str(b.args), str(b.kwargs))
+        assert a.meta.keys() == b.meta.keys() and a.meta is not src.meta
+        assert src.op == "output" or nodes[src] is a
+    first = next(iter(ours.nodes))
+    with ours.inserting_after(first):
+        added = ours.call_function(torch.ops.aten.clone.default, (first,))
+    assert added.name not in {n.name for n in gm.graph.nodes}
+    assert ours.find_nodes(op="call_function", target=torch.ops.aten.clone.default)

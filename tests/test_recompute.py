@@ -4,6 +4,7 @@ Against torch.optim.AdamW on the eager model (fp32, within the rounding reach), 
 run that recomputes nothing (the same ops run again on the same inputs), and the CPU tier's measured peak
 against the plan's.
 """
+import logging
 import os
 import sys
 
@@ -335,3 +336,64 @@ def test_the_fewest_runs_that_fit_are_bisections_answer_in_fewer_tries():
             assert probes <= 3 * math.ceil(math.log2(n)), (name, usable, probes)
             if name == "linear":
                 assert probes <= 2, (usable, sorted(tried))
+
+
+def test_tries_planned_ahead_in_children_change_nothing(monkeypatch, caplog, fixed_rates):
+    """The search's likely next tries planned meanwhile in forked children (pipeline/plan_ahead.py) change neither
+    the tries it makes nor its plan nor its graph: the same tries in the same order, the same summary and code,
+    and the same bits after two steps, as the search alone; and the children's plans were the ones used."""
+    from pstar_fx.pipeline import plan_ahead
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny", n_layer=6))
+    batches = [batch(b=4, t=64, seed=s) for s in range(2)]
+    free = pstar_fx.plan(model, {"device": "cpu", "placement": "device"}, batches[0])
+    config = {"placement": "device", "device_memory": tight(free, activations_left=0.4)}
+    monkeypatch.setenv("PSTAR_FX_PLAN_CACHE", "0")
+    taken = []
+    real_take = plan_ahead.PlanAhead.take
+    monkeypatch.setattr(plan_ahead.PlanAhead, "take", lambda self, t: taken.append(real_take(self, t)) or taken[-1])
+    tries = {}
+    real_make_plan = search_mod.make_plan
+
+    def runs(workers):
+        caplog.clear()
+        monkeypatch.setenv("PSTAR_FX_PLAN_WORKERS", str(workers))
+        seen = tries.setdefault(workers, [])
+        monkeypatch.setattr(search_mod, "make_plan", lambda g, *a, **k: seen.append(len(g.graph.nodes)) or
+                            real_make_plan(g, *a, **k))
+        with caplog.at_level(logging.INFO, logger="pstar_fx"):
+            out = run(model, batches, config)
+        said[workers] = [r.getMessage() for r in caplog.records if "tried recomputing" in r.getMessage()]
+        return out
+
+    said = {}
+    alone, alone_losses = runs(0)
+    assert not taken
+    ahead, ahead_losses = runs(3)
+    assert said[3] == said[0] and len(said[0]) >= 4, said[0]
+    used = [p for p in taken if p is not None]
+    assert used, "no try was planned ahead"
+    assert "forward segments" in ahead.plan.recompute, ahead.plan.recompute
+    assert ahead.plan.summary() == alone.plan.summary()
+    assert ahead.graph.code == alone.graph.code
+    assert ahead_losses == alone_losses
+    assert_same_bits(ahead, alone)
+    # the tries planned here are the search's minus those its children planned (make_plan in this process only)
+    assert len(tries[3]) == len(tries[0]) - len(used)
+
+
+def test_a_child_that_fails_leaves_its_try_to_the_search():
+    """A try whose child raises comes back as None with the reason kept; the others' plans come back."""
+    from pstar_fx.pipeline.plan_ahead import PlanAhead
+
+    def plan_of(t):
+        if t == 2:
+            raise ValueError("no plan for 2")
+        return {"try": t}
+
+    with PlanAhead(plan_of, workers=3) as ahead:
+        ahead.start([1, 2, 3, 4])               # 4: more than `workers` run at once, so not started
+        assert 4 not in ahead and all(t in ahead for t in (1, 2, 3))
+        assert ahead.take(1) == {"try": 1} and ahead.take(3) == {"try": 3}
+        assert ahead.take(2) is None
+        assert ahead.failed == ["2: ValueError: no plan for 2"]

@@ -17,12 +17,14 @@ import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from ..config import format_bytes
+from ..fxutil import copy_graph
 from ..passes import fuse_optimizer, recompute
 from ..passes.contract import PassContext
 from ..passes.recompute import Segment, find_segments, group_segments
 from ..passes.recompute_ops import find_cheap_recomputes, op_segments
 from ..planning import CUDA_BLOCK_BYTES, Plan, PlanDelta, fold, make_plan, usable_budget
 from . import plan_cache
+from .plan_ahead import PlanAhead, workers_for
 
 if TYPE_CHECKING:
     from ..planning import Rates
@@ -75,126 +77,169 @@ def plan_with_recompute(gm: fx.GraphModule, ctx: PassContext, rates: Rates, buff
         chosen = tuple(Segment(s.start, [nodes[n] for n in s.nodes]) for s in whole + ops)
         return recompute.run(g_k, dataclasses.replace(bare, segments=chosen))
 
-    def attempt(t: Try) -> Plan:
-        if t not in tried:
-            g_k = fuse_optimizer.run(recomputed(t), bare)
-            tried[t] = (g_k, make_plan(g_k, ctx.layout, ctx.config, compute_itemsize=ctx.dtype.itemsize,
-                                       buffer_bytes=buffer_bytes, rates=rates, on=on, **partition))
-            p = tried[t][1]
-            log.info("  tried recomputing %d of %d cheap values and %d of %d %s: device peak %s, %s", t.cheap,
-                     every, t.runs, len(runs[t.run_len]),
-                     "segments" if t.run_len == 1 else f"runs of {t.run_len} segments",
-                     format_bytes(p.device_peak_bytes),
-                     f"fits, estimated {p.estimated_step_seconds:.2f} s/step" if p.fits else "does not fit")
-        return tried[t][1]
+    def planned(t: Try) -> tuple[fx.GraphModule, Plan]:
+        g_k = fuse_optimizer.run(recomputed(t), bare)
+        return g_k, make_plan(g_k, ctx.layout, ctx.config, compute_itemsize=ctx.dtype.itemsize,
+                              buffer_bytes=buffer_bytes, rates=rates, on=on, **partition)
 
-    key = plan_cache.fingerprint(gm, ctx, rates, buffer_bytes, partition) \
-        if on is None and plan_cache.enabled() else None
-    cached = plan_cache.load(key) if key is not None else None
-    if cached is not None:
-        decision, file = cached
-        t = Try(decision.cheap, decision.run_len, decision.runs)
-        if t.cheap <= every and t.run_len in runs and t.runs <= len(runs[t.run_len]) \
-                and plan_cache.matches(decision, attempt(t)):
-            log.info("plan: from cache (%s)", file)
-            return _chosen(gm, ctx, recomputed, tried, t, decision.recompute, decision.why)
-        log.debug("plan cache: %s does not reproduce its plan on this graph; searching", file)
+    # tries the search will likely ask for, planned meanwhile in forked children (plan_ahead.py); a try's graph
+    # is made again here only if the search keeps it
+    with PlanAhead(lambda t: planned(t)[1], workers_for(len(gm.graph.nodes))) as ahead:
 
-    best = Try(0, 1, 0)
-    if not attempt(best).fits and (cheap or singles):
-        # every cheap value at once: each costs less per byte than whole segments do, the lot a few per cent
-        if cheap and attempt(Try(every, 1, 0)).fits:
-            best = Try(every, 1, 0)
-        elif singles:
-            m = next((m for m in runs if attempt(Try(every, m, len(runs[m]))).fits), None)
-            if m is not None:
-                # (no run recomputed is the try of every cheap value alone, already made)
-                best = Try(every, m, _fewest_runs_that_fit(lambda k: attempt(Try(every, m if k else 1, k)),
-                                                          len(runs[m]), ctx.device.type == "cuda"))
-            else:                               # does not fit even so: report the smallest try
-                best = min((Try(every, m, len(r)) for m, r in runs.items()),
-                           key=lambda t: attempt(t).device_peak_bytes)
-        else:
-            best = Try(every, 1, 0)
-    if on is None and attempt(best).fits and "host" in attempt(best).placement:   # (on: the placement is fixed)
-        # Recomputing more frees device memory for chunk state and compute slots, which saves copies
-        # and host Adam; the cost model says whether that pays for the extra forward work.
-        n = len(runs[best.run_len])
-        k = best.runs                   # every cheap value, with as many or more runs as the best so far
-        more = [Try(every, best.run_len, k2) for k2 in sorted({k, k + (n - k) // 4, k + (n - k) // 2, n})]
-        more += [Try(every, m2, len(runs[m2])) for m2 in runs if m2 > best.run_len]
-        for t in more:
-            if t != best and attempt(t).fits and \
-                    attempt(t).estimated_step_seconds < attempt(best).estimated_step_seconds:
-                best = t
+        def attempt(t: Try) -> Plan:
+            if t not in tried:
+                p = ahead.take(t) if t in ahead else None
+                tried[t] = (None, p) if p is not None else planned(t)
+                p = tried[t][1]
+                log.info("  tried recomputing %d of %d cheap values and %d of %d %s: device peak %s, %s", t.cheap,
+                         every, t.runs, len(runs[t.run_len]),
+                         "segments" if t.run_len == 1 else f"runs of {t.run_len} segments",
+                         format_bytes(p.device_peak_bytes),
+                         f"fits, estimated {p.estimated_step_seconds:.2f} s/step" if p.fits else "does not fit")
+            return tried[t][1]
 
-    def summary() -> str:
-        """What the plan recomputes, in the plan summary's words: the cheap values first, then segments."""
-        a0 = attempt(Try(0, 1, 0)).activation_peak_bytes
-        final = attempt(best).activation_peak_bytes
-        j, m, k = best
-        n_segments = len(runs[1])
-        if not j and not k:
-            return (f"none needed ({len(cheap)} cheap values and {n_segments} forward segments could be)"
-                    if cheap or n_segments else "")
-        parts = []
-        if j:
-            kinds = Counter(p.kind for p in cheap[:j])
-            ms = sum(p.seconds for p in cheap[:j]) * 1e3
-            ops_only = attempt(Try(j, 1, 0)).activation_peak_bytes
-            parts.append(f"{j} cheap values ({', '.join(f'{kind} {c}' for kind, c in kinds.most_common())}), "
-                         f"+{ms:.3g} ms: activation peak {format_bytes(a0)} -> {format_bytes(ops_only)}")
-            a0 = ops_only
-        if k:
-            unit = "forward segments" if m == 1 else f"runs of {m} forward segments"
-            whole_nodes = {n for s in runs[m][:k] for n in s.nodes}
-            inside = sum(1 for p in cheap[:j] if not whole_nodes.isdisjoint(p.nodes))
-            parts.append(("then " if j else "") + f"{k} of {len(runs[m])} {unit}, earliest first"
-                         + (f" ({inside} of the cheap values recomputed with them)" if inside else "")
-                         + f": activation peak {format_bytes(a0)} -> {format_bytes(final)}")
-        return "; ".join(parts)
+        key = plan_cache.fingerprint(gm, ctx, rates, buffer_bytes, partition) \
+            if on is None and plan_cache.enabled() else None
+        cached = plan_cache.load(key) if key is not None else None
+        if cached is not None:
+            decision, file = cached
+            t = Try(decision.cheap, decision.run_len, decision.runs)
+            if t.cheap <= every and t.run_len in runs and t.runs <= len(runs[t.run_len]) \
+                    and plan_cache.matches(decision, attempt(t)):
+                log.info("plan: from cache (%s)", file)
+                return _chosen(gm, ctx, recomputed, tried, t, decision.recompute, decision.why)
+            log.debug("plan cache: %s does not reproduce its plan on this graph; searching", file)
 
-    tried_all = ([f"every forward segment ({len(singles)}, also in runs of "
-                  f"{', '.join(str(m) for m in runs if m > 1) or '-'})"] if singles else []) \
-        + ([f"every cheap value ({every})"] if every else [])
-    why = f"recomputing {' and '.join(tried_all)} was already tried" if best.runs or best.cheap else ""
-    said = summary()
-    if key is not None:
-        p = tried[best][1]
-        plan_cache.store(key, plan_cache.Decision(*best, recompute=said, why=why,
-                                                  device_peak_bytes=p.device_peak_bytes, fits=p.fits,
-                                                  estimated_step_seconds=p.estimated_step_seconds))
-    return _chosen(gm, ctx, recomputed, tried, best, said, why)
+        if cheap or singles:    # what the first tries lead to whether or not recomputing nothing fits
+            ahead.start([Try(every, 1, 0)] + [Try(every, m, len(r)) for m, r in runs.items()], skip=tried)
+        best = Try(0, 1, 0)
+        if not attempt(best).fits and (cheap or singles):
+            # every cheap value at once: each costs less per byte than whole segments do, the lot a few per cent
+            if cheap and attempt(Try(every, 1, 0)).fits:
+                best = Try(every, 1, 0)
+            elif singles:
+                m = next((m for m in runs if attempt(Try(every, m, len(runs[m]))).fits), None)
+                if m is not None:
+                    # (no run recomputed is the try of every cheap value alone, already made)
+                    best = Try(every, m, _fewest_runs_that_fit(
+                        lambda k: attempt(Try(every, m if k else 1, k)), len(runs[m]), ctx.device.type == "cuda",
+                        ahead=lambda ks: ahead.start([Try(every, m if k else 1, k) for k in ks], skip=tried)))
+                else:                               # does not fit even so: report the smallest try
+                    best = min((Try(every, m, len(r)) for m, r in runs.items()),
+                               key=lambda t: attempt(t).device_peak_bytes)
+            else:
+                best = Try(every, 1, 0)
+        if on is None and attempt(best).fits and "host" in attempt(best).placement:   # (on: the placement is fixed)
+            # Recomputing more frees device memory for chunk state and compute slots, which saves copies
+            # and host Adam; the cost model says whether that pays for the extra forward work.
+            n = len(runs[best.run_len])
+            k = best.runs                   # every cheap value, with as many or more runs as the best so far
+            more = [Try(every, best.run_len, k2) for k2 in sorted({k, k + (n - k) // 4, k + (n - k) // 2, n})]
+            more += [Try(every, m2, len(runs[m2])) for m2 in runs if m2 > best.run_len]
+            ahead.start(more, skip=tried)
+            for t in more:
+                if t != best and attempt(t).fits and \
+                        attempt(t).estimated_step_seconds < attempt(best).estimated_step_seconds:
+                    best = t
+
+        def summary() -> str:
+            """What the plan recomputes, in the plan summary's words: the cheap values first, then segments."""
+            a0 = attempt(Try(0, 1, 0)).activation_peak_bytes
+            final = attempt(best).activation_peak_bytes
+            j, m, k = best
+            n_segments = len(runs[1])
+            if not j and not k:
+                return (f"none needed ({len(cheap)} cheap values and {n_segments} forward segments could be)"
+                        if cheap or n_segments else "")
+            parts = []
+            if j:
+                kinds = Counter(p.kind for p in cheap[:j])
+                ms = sum(p.seconds for p in cheap[:j]) * 1e3
+                ops_only = attempt(Try(j, 1, 0)).activation_peak_bytes
+                parts.append(f"{j} cheap values ({', '.join(f'{kind} {c}' for kind, c in kinds.most_common())}), "
+                             f"+{ms:.3g} ms: activation peak {format_bytes(a0)} -> {format_bytes(ops_only)}")
+                a0 = ops_only
+            if k:
+                unit = "forward segments" if m == 1 else f"runs of {m} forward segments"
+                whole_nodes = {n for s in runs[m][:k] for n in s.nodes}
+                inside = sum(1 for p in cheap[:j] if not whole_nodes.isdisjoint(p.nodes))
+                parts.append(("then " if j else "") + f"{k} of {len(runs[m])} {unit}, earliest first"
+                             + (f" ({inside} of the cheap values recomputed with them)" if inside else "")
+                             + f": activation peak {format_bytes(a0)} -> {format_bytes(final)}")
+            return "; ".join(parts)
+
+        tried_all = ([f"every forward segment ({len(singles)}, also in runs of "
+                      f"{', '.join(str(m) for m in runs if m > 1) or '-'})"] if singles else []) \
+            + ([f"every cheap value ({every})"] if every else [])
+        why = f"recomputing {' and '.join(tried_all)} was already tried" if best.runs or best.cheap else ""
+        said = summary()
+        if key is not None:
+            p = tried[best][1]
+            plan_cache.store(key, plan_cache.Decision(*best, recompute=said, why=why,
+                                                      device_peak_bytes=p.device_peak_bytes, fits=p.fits,
+                                                      estimated_step_seconds=p.estimated_step_seconds))
+        return _chosen(gm, ctx, recomputed, tried, best, said, why)
 
 
-def _fewest_runs_that_fit(attempt, n: int, cuda: bool) -> int:
+def _fewest_runs_that_fit(attempt, n: int, cuda: bool, ahead=None) -> int:
     """The least k in 1..n whose plan fits (`attempt(k)`: the plan recomputing k runs; k = n fits, k = 0 does not),
     as bisection finds it, in fewer tries. Each run recomputed frees about as much activation memory as the last,
     and a plan that does not fit has its chunks placed as full as the host allows, so its device peak falls with
     its activation peak: the next k tried is where the activation peak, taken as linear between the bracket's
     ends, has fallen by the lower end's excess over the usable budget (clamped inside the bracket: a guess that
     fit is followed by the one below it, usually the answer). Two such guesses, then one bisection step, and so
-    on: never more than three times the tries of bisection, usually two."""
+    on: never more than three times the tries of bisection, usually two.
+
+    `ahead(ks)`: told, before each try, the tries that may follow it either way (the same rule applied to peaks
+    taken as linear across the bracket), to plan them meanwhile; what is tried is the same with or without it."""
     lo, hi = 0, n                                     # attempt(lo) does not fit, attempt(hi) fits
     guesses = 0
     while hi - lo > 1:
-        k = (lo + hi) // 2
         low, high = attempt(lo), attempt(hi)
         usable = usable_budget(low.budget_bytes, cuda)
-        if guesses < 2 and usable is not None and low.activation_peak_bytes > high.activation_peak_bytes:
-            per_run = (low.activation_peak_bytes - high.activation_peak_bytes) / (hi - lo)
-            k = min(max(lo + math.ceil((low.device_peak_bytes - usable) / per_run), lo + 1), hi - 1)
-            guesses += 1
-        else:
-            guesses = 0
+        ends = (low.activation_peak_bytes, low.device_peak_bytes), (high.activation_peak_bytes, high.device_peak_bytes)
+        k, guesses = _next_try(lo, hi, *ends, guesses, usable)
+        if ahead is not None:
+            ahead(_likely_after(k, lo, hi, *ends, guesses, usable))
         lo, hi = (lo, k) if attempt(k).fits else (k, hi)
     return hi
 
+
+def _next_try(lo: int, hi: int, low: tuple[int, int], high: tuple[int, int], guesses: int,
+              usable: int | None) -> tuple[int, int]:
+    """The bisection's next k and guess count from the bracket's ends' (activation peak, device peak)."""
+    if guesses < 2 and usable is not None and low[0] > high[0]:
+        per_run = (low[0] - high[0]) / (hi - lo)
+        return min(max(lo + math.ceil((low[1] - usable) / per_run), lo + 1), hi - 1), guesses + 1
+    return (lo + hi) // 2, 0
+
+
+def _likely_after(k: int, lo: int, hi: int, low, high, guesses: int, usable: int | None, depth: int = 3) -> list[int]:
+    """The tries that follow k whether it fits or not, and theirs, `depth` deep, nearest first; k's peaks are
+    taken on the line between the bracket's ends (what the guesses assume too)."""
+    out, level = [], [(k, lo, hi, low, high, guesses)]
+    for _ in range(depth):
+        nxt = []
+        for k, lo, hi, low, high, g in level:
+            f = (k - lo) / (hi - lo)
+            at_k = tuple(round(a + (b - a) * f) for a, b in zip(low, high))
+            for b_lo, b_hi, b_low, b_high in ((lo, k, low, at_k), (k, hi, at_k, high)):
+                if b_hi - b_lo > 1:
+                    k2, g2 = _next_try(b_lo, b_hi, b_low, b_high, g, usable)
+                    out.append(k2)
+                    nxt.append((k2, b_lo, b_hi, b_low, b_high, g2))
+        level = nxt
+    return list(dict.fromkeys(out))
 
 def _chosen(gm: fx.GraphModule, ctx: PassContext, recomputed, tried: dict, best: Try, summary: str,
             why: str) -> tuple[fx.GraphModule, Plan]:
     """The search's result: the chosen try's graph and plan, with what it recomputes and why said in the plan."""
     g_k, plan = tried[best]
+    if g_k is None:         # planned ahead in a child: its graph made here (the same, name for name)
+        g_k = fuse_optimizer.run(recomputed(best), dataclasses.replace(ctx, plan_step=None,
+                                                                       record=lambda name, graph: None))
+        if plan.profile is not None and plan.profile.node_names != [n.name for n in g_k.graph.nodes]:
+            raise AssertionError("a try planned ahead was planned on another graph than the one remade here")
     plan = fold(plan, PlanDelta(recompute=summary, why=why))
     ctx.record(recompute.NAME, gm)
     ctx.record(fuse_optimizer.NAME, lambda: recomputed(best).code)
@@ -204,8 +249,5 @@ def _chosen(gm: fx.GraphModule, ctx: PassContext, recomputed, tried: dict, best:
 def _copy_graph(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
     """A copy to try a plan on. Lazy: its Python code is generated only if this copy is the one kept
     (code generation was two thirds of planning time for an 18B model, over a dozen discarded tries)."""
-    g = fx.Graph()
-    g._codegen = gm.graph._codegen
-    nodes: dict[fx.Node, fx.Node] = {}
-    g.output(g.graph_copy(gm.graph, nodes))
+    g, nodes = copy_graph(gm.graph)
     return _LazyGraphModule(gm, g), nodes
