@@ -12,8 +12,9 @@ stalls costs nothing but its time: the try is planned in-process.
 Forking is safe here because a child only reads the graph and runs Python passes over meta/fake values: it touches
 no GPU, no thread pool and no file, and leaves by `os._exit` (no atexit handler of the parent runs twice).
 
-`PSTAR_FX_PLAN_WORKERS`: how many children at once (0: none); by default one fewer than the usable cores, at most 8,
-for a step of at least `LARGE` nodes (a small step's try takes milliseconds: a fork would cost more than it saves).
+`PSTAR_FX_PLAN_WORKERS`: how many children at once (0: none); by default one fewer than the usable cores, at most 8
+and as many as the available memory holds, for a step of at least `LARGE` nodes (a small step's try takes
+milliseconds: a fork would cost more than it saves).
 """
 from __future__ import annotations
 
@@ -41,7 +42,20 @@ def workers_for(n_nodes: int) -> int:
     if not hasattr(os, "fork") or n_nodes < LARGE:
         return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(0, min(MAX_WORKERS, cores - 1))
+    return max(0, min(MAX_WORKERS, cores - 1, _children_memory_allows()))
+
+
+def _children_memory_allows() -> int:
+    """How many children the host's available memory holds, each taken to grow by this process's resident size
+    (a child's copy of the graph and its plan are smaller than the captured step and everything around it)."""
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        with open("/proc/self/statm") as f:
+            resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, StopIteration, ValueError, IndexError):
+        return MAX_WORKERS                  # (no /proc: the cores decide)
+    return int(available // max(resident, 1 << 30))
 
 
 class PlanAhead:
