@@ -332,6 +332,30 @@ def test_a_deferred_plan_charges_the_host_adam_it_cannot_overlap_with_backward()
     assert "after the verdict" in deferred.summary()
 
 
+def test_the_host_adam_shares_host_memory_with_the_copies(monkeypatch):
+    """The host Adam and PCIe DMA share the host's memory (measured on the H200 host, bench/RESULTS.md sessions 8
+    and 14): the Adam alone takes rate x its bytes per parameter, copies take theirs, the Adam gets the rest
+    (never less than HOST_ADAM_MIN_SHARE). A CUDA plan with host chunks prices its host Adam at that share of its
+    rate: the same plan with the share forced to 1 estimates a faster step."""
+    import pstar_fx.planning.planner as planner
+    from pstar_fx.planning.costs import HOST_ADAM_MIN_SHARE, assumed, host_adam_share
+    assert host_adam_share(5.5e9, "fp32", 0.0) == 1.0
+    assert math.isclose(host_adam_share(5.5e9, "fp32", 70.6e9), 1 - 70.6e9 / (5.5e9 * 28))
+    assert math.isclose(host_adam_share(6.73e9, "bf16", 80.8e9), 1 - 80.8e9 / (6.73e9 * 20))
+    assert host_adam_share(1e9, "int8", 1e12) == HOST_ADAM_MIN_SHARE
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny"))
+    cfg = {"device": "cuda", "dtype": "bf16", "placement": "host", "chunk_size": 16384, "transaction": "kept_grads"}
+    compute = pstar_fx.plan(model, cfg, batch()).estimated_step_seconds
+    rate = sum(p.numel() for p in model.parameters()) / compute       # the Adam about as long as the compute
+    with assumed(host_adam=rate):
+        shared = pstar_fx.plan(model, cfg, batch())
+        monkeypatch.setattr(planner, "host_adam_share", lambda *args: 1.0)
+        alone = pstar_fx.plan(model, cfg, batch())
+    assert shared.placement == alone.placement and shared.host_grad_buffers == alone.host_grad_buffers
+    assert shared.estimated_step_seconds > alone.estimated_step_seconds
+
+
 # ---- what a step costs when clipping triggers ---------------------------------------------------------------
 
 # every field the planner reads, stated (planning for "cuda" starts from Rates.nominal, for "cpu" from this machine's

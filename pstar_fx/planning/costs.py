@@ -74,6 +74,27 @@ class Rates:
         return Rates("cpu-nominal", 5e10, 1e10, 1e10, 1e10, 1.0e9, host_undo=0.96 * 1.0e9)
 
 
+# Host memory bytes the host Adam moves per parameter, by moments (master read and written 8, moments read and
+# written 2x2x their size, the 16-bit gradient read 2 and the 16-bit shadow written 2): measured on the H200 host as
+# its counted traffic over its rate, 154 GB/s at 5.50 G params/s with fp32 moments and 134.6 at 6.73 with bf16
+# (bench/RESULTS.md, session 8). int8 moments: 1 B each and their scales, taken as 16.
+HOST_ADAM_BYTES = {"fp32": 28, "bf16": 20, "int8": 16}
+# the least share of its own rate the host Adam keeps beside copies in this model (it is never starved outright)
+HOST_ADAM_MIN_SHARE = 0.25
+
+
+def host_adam_share(rate: float, optimizer_state: str, copy_bytes_per_s: float) -> float:
+    """The share of its rate alone the host Adam runs at while PCIe copies move `copy_bytes_per_s` through host
+    memory. The host Adam alone takes the host's memory bandwidth (rate x bytes per parameter); DMA both ways takes
+    its bytes from the same memory, and the Adam gets the rest. Measured on the H200 host (session 8): copies
+    moving 70.6 GB/s beside it left the fp32 Adam 0.63x of its rate alone (this model: 0.54x); in a GPT3_18B step
+    moving ~25 GB/s it ran at 5.17 G params/s against 6.27 alone (this model: 5.38; session 14)."""
+    if copy_bytes_per_s <= 0 or rate <= 0:
+        return 1.0
+    own = rate * HOST_ADAM_BYTES.get(optimizer_state, HOST_ADAM_BYTES["fp32"])
+    return max(HOST_ADAM_MIN_SHARE, 1.0 - copy_bytes_per_s / own)
+
+
 # Assumed, not measured here (no multi-GPU machine has been lent): NCCL's ring bus bandwidth between the H200s of
 # one NVLink host, well under NVLink 4's 450 GB/s each way; gloo between processes of one CPU host
 NOMINAL_COLL_BW = {"cuda": 300e9, "cpu": 2e9}

@@ -10,7 +10,7 @@ from ..layout import Layout
 
 def _host_adam_pipeline(placement: list[str], layout: Layout, node_secs: list[float], reads: list[set[int]],
                         adam_at: dict[int, int], host_adam: float, cuda: bool, n_spare_buffers: int | None,
-                        most: int = 32) -> tuple[int, float, float]:
+                        most: int = 32, buffers: int | None = None) -> tuple[int, float, float]:
     """(host gradient buffers, seconds of host Adam the step cannot hide, seconds of it hidden behind the next
     forward), by simulating the pipeline; `host_adam`: the host Adam's parameters/s with the configured moments.
 
@@ -22,6 +22,7 @@ def _host_adam_pipeline(placement: list[str], layout: Layout, node_secs: list[fl
     synchronous and uses one. The third figure: the seconds of host Adam the estimate hides behind the next
     forward (running when the step's compute ends, until the forward's first read of a host chunk): a correction
     waits for every update first, and cannot (0 on the CPU runtime, whose Adam is inline).
+    `buffers`: simulate that many buffers instead of choosing (the pool already sized, at another rate).
     """
     host = [c for c in sorted(adam_at, key=adam_at.__getitem__) if placement[c] == "host"]
     if not host:
@@ -49,7 +50,7 @@ def _host_adam_pipeline(placement: list[str], layout: Layout, node_secs: list[fl
         return (exposed, min(max(0.0, tail), first_host_read)) if with_tail else exposed
 
     cap = most if n_spare_buffers is None else max(2, min(most, 2 + n_spare_buffers))
-    best = min(range(2, cap + 1), key=lambda k: (round(simulate(k), 3), k))
+    best = buffers if buffers is not None else min(range(2, cap + 1), key=lambda k: (round(simulate(k), 3), k))
     return (best, *simulate(best, with_tail=True))
 
 

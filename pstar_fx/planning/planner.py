@@ -11,7 +11,7 @@ import torch.fx as fx
 from ..config import Config
 from ..fxutil import is_random, role_nodes
 from ..layout import Layout
-from .costs import Rates, calibrate, node_seconds
+from .costs import Rates, calibrate, host_adam_share, node_seconds
 from .correction import _triggered_seconds, device_after_verdict_seconds
 from .host_adam import _after_verdict_exposed, _host_adam_pipeline
 from .liveness import activation_profile
@@ -22,7 +22,8 @@ from .plan import Estimate, Memory, Moves, NodeProfile, Placement, Plan, Remarks
 from .report import (KEEPS_COMPUTE_COPIES_NOTE, _transaction_cost, _why, cuda_memory_note, data_parallel_note,
                      exposed_copies_note, host_adam_note)
 from .schedule import Schedule, belady, place_prefetches
-from .shipping import _choose_shipping, copy_seconds, fallback_code, keeps_compute_copies, kept_in_shadow, ship_codes
+from .shipping import (_choose_shipping, copy_seconds, fallback_code, keeps_compute_copies, kept_in_shadow, ship_bytes_per_elem,
+                       ship_codes)
 from .transaction import (KEEPS, _choose_transaction, defer_above, n_grad_slots_to_keep, n_kept_on_device,
                           two_passes)
 
@@ -109,6 +110,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     n_host_grad, adam_exposed, adam_hidden = (0, 0.0, 0.0) if after_verdict else _host_adam_pipeline(
         rank0_placement, layout, node_secs, use.reads, use.adam_at, host_adam_rate, cuda, n_spare_buffers)
     n_host_grad = on.host_grad_buffers if on is not None else n_host_grad   # the pool the runtime allocated
+    simulated_buffers = n_host_grad
     if kept_bytes:                     # every host chunk's gradient lands in its own kept buffer: no pool
         n_host_grad = 0
         host_used_bytes = (sizes.rest_bytes(n_device) + sizes.host_overhead_bytes + sizes.kept_staging_bytes
@@ -161,6 +163,20 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     adaptive = (transaction in ("kept_grads", "replay") and config.transaction == "auto"
                 and config.grad_clip is not None and not chunked)
 
+    # the host Adam shares the host's memory with the step's PCIe copies: its rate beside them (costs.py
+    # host_adam_share), from the bytes this schedule moves over the step's compute; the pool sized above stays
+    kept_copy_s = (n_updated_device - kept_on_device) * sizes.compute_chunk_bytes / rates.d2h_bw
+    share = 1.0
+    if cuda and host_chunks:
+        moved = _copy_bytes(sched, ship_of, chunk_elems, compute_itemsize, host_chunks, frozen) \
+            + (kept_copy_s * rates.d2h_bw if transaction in KEEPS else 0.0)
+        share = host_adam_share(host_adam_rate, config.optimizer_state, moved / max(sum(node_secs), 1e-9))
+        host_adam_rate *= share
+        if share < 1.0 and not after_verdict:
+            _, adam_exposed, adam_hidden = _host_adam_pipeline(
+                rank0_placement, layout, node_secs, use.reads, use.adam_at, host_adam_rate, cuda, n_spare_buffers,
+                buffers=simulated_buffers)
+
     # the estimate: compute (recompute included) + copies not hidden + host Adam that compute can't hide
     # (the CPU runtime runs every host Adam inline, after the verdict or inside backward alike)
     deferred_exposed = adam_exposed
@@ -189,7 +205,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         step_seconds += sum(node_secs)
     # a replayed pass's host jobs (each chunk's moments undone, the update redone) run the correction's kernel
     _, replay_host_exposed, _ = (_host_adam_pipeline(rank0_placement, layout, node_secs, use.reads, use.adam_at,
-                                                     rates.host_correction, cuda, n_spare_buffers)
+                                                     rates.host_correction * share, cuda, n_spare_buffers)
                                  if transaction == "replay" else (0, 0.0, 0.0))
     triggered_seconds = _triggered_seconds(
         transaction, step_seconds, cuda=cuda, placement=rank0_placement, layout=layout, node_secs=node_secs,
@@ -201,7 +217,6 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         deferred_seconds = (sum(node_secs) + sched.exposed_seconds + deferred_exposed if transaction == "kept_grads"
                             else step_seconds + sum(node_secs))    # two_pass's estimate: one more forward+backward
     switch = defer_above(step_seconds, triggered_seconds, deferred_seconds) if adaptive else None
-    kept_copy_s = (n_updated_device - kept_on_device) * sizes.compute_chunk_bytes / rates.d2h_bw
     cost = _transaction_cost(transaction, config, compute_itemsize, kept_bytes, sizes.accum_bytes,
                              sizes.split(device_chunks)[0], sizes.split(host_chunks)[0],   # trainable chunks
                              host_ship, sum(node_secs) if measures_first else 0.0, kept_copy_s,
@@ -227,3 +242,13 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         remarks=Remarks(notes, _why(memory, chunks, config, use.min_slots, budget_bytes, room_chunks,
                                        sizes.state_bytes)), profile=profile)
 
+
+
+def _copy_bytes(sched: Schedule, ship_of: list[str], chunk_elems: int, compute_itemsize: int, host_chunks: list[int],
+                frozen: list[bool]) -> float:
+    """Bytes a step moves over PCIe, each way through host memory: every fetch of a compute copy (the schedule's,
+    at its chunk's shipping size), and each trainable host chunk's gradient coming back."""
+    fetched = sum(chunk_elems * ship_bytes_per_elem(ship_of[c], compute_itemsize)
+                  for moves in sched.before.values() for kind, c in moves
+                  if kind == "fetch" and ship_of[c] != "remote")   # (another rank's comes by collective)
+    return fetched + sum(chunk_elems * compute_itemsize for c in host_chunks if not frozen[c])
