@@ -208,3 +208,22 @@ def test_a_workers_first_values_are_torchs_fill(dtype, fill):
     host_memory._first_values(got, fill)
     want = torch.full((4099,), 7, dtype=dtype).fill_(fill)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_large_host_buffers_stay_out_of_forked_children():
+    """`not_inherited` advises a buffer that is its own mapping (64 MiB and up) out of forked children (what
+    `register` does before page-locking it), and leaves a small one (which may share pages with other objects)
+    alone; a child forked after it runs and exits normally, and the parent's buffer keeps its values."""
+    import os
+
+    from pstar_fx.runtime.host_memory import OWN_MAPPING_BYTES, not_inherited
+    big = torch.arange(OWN_MAPPING_BYTES // 4, dtype=torch.float32)
+    small = torch.ones(1024)
+    assert not_inherited(big) and not not_inherited(small)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if float(small.sum()) == 1024 else 1)     # the child reads what it has, never `big`
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    big[0] = 7.0
+    assert big[0] == 7.0 and big[-1] == OWN_MAPPING_BYTES // 4 - 1

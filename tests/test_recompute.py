@@ -397,3 +397,31 @@ def test_a_child_that_fails_leaves_its_try_to_the_search():
         assert ahead.take(1) == {"try": 1} and ahead.take(3) == {"try": 3}
         assert ahead.take(2) is None
         assert ahead.failed == ["2: ValueError: no plan for 2"]
+
+
+def test_a_child_that_does_not_answer_is_given_up_and_no_other_starts(monkeypatch):
+    """A child silent for longer than STALL_TRIES x the longest try planned in-process (at least MIN_STALL_S) is
+    killed, its try left to the search, and no further child is started (a fork that inherited another thread's
+    lock would never answer: the search must not wait on each)."""
+    import time
+
+    from pstar_fx.pipeline import plan_ahead
+    monkeypatch.setattr(plan_ahead, "MIN_STALL_S", 0.5)
+
+    def plan_of(t):
+        if t == 1:
+            time.sleep(120)
+        return t
+
+    with plan_ahead.PlanAhead(plan_of, workers=2) as ahead:
+        ahead.planned_here(0.05)
+        ahead.start([1])
+        pid = ahead.running[1][0]
+        t0 = time.monotonic()
+        assert ahead.take(1) is None
+        assert time.monotonic() - t0 < 10
+        assert ahead.workers == 0 and "no answer" in ahead.failed[0]
+        ahead.start([2])
+        assert 2 not in ahead
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)        # killed and reaped

@@ -9,8 +9,11 @@ names). The search itself is unchanged: a try it asks for is taken from its chil
 its own process as before, so the plan chosen is the same whatever ran ahead — only sooner. A child that fails or
 stalls costs nothing but its time: the try is planned in-process.
 
-Forking is safe here because a child only reads the graph and runs Python passes over meta/fake values: it touches
-no GPU, no thread pool and no file, and leaves by `os._exit` (no atexit handler of the parent runs twice).
+A child only reads the graph and runs Python passes over meta/fake values: it touches no GPU, no thread pool and no
+file, and leaves by `os._exit` (no atexit handler of the parent runs twice). The search plans ahead only before the
+engine has chunk memory (not for a plan `on` another's), and page-locked chunk buffers are kept out of forks anyway
+(runtime/host_memory.py `not_inherited`). A child that never answers (a fork that inherited a lock another thread
+held) is killed after STALL_TRIES x the longest in-process try, and no other is started.
 
 `PSTAR_FX_PLAN_WORKERS`: how many children at once (0: none); by default one fewer than the usable cores, at most 8
 and as many as the available memory holds, for a step of at least `LARGE` nodes (a small step's try takes
@@ -31,7 +34,10 @@ log = logging.getLogger("pstar_fx")
 
 LARGE = 4000            # graph nodes from which planning ahead pays (an 18B GPT's step: ~15k)
 MAX_WORKERS = 8
-STALL_S = 600.0         # a child silent this long is given up (the try is planned in-process)
+# a child silent for STALL_TRIES times the longest try planned in-process (at least MIN_STALL_S) is given up, and no
+# other child is started: its try is planned in-process (a fork that inherited a lock another thread held would
+# never answer)
+STALL_TRIES, MIN_STALL_S = 4.0, 30.0
 
 
 def workers_for(n_nodes: int) -> int:
@@ -66,6 +72,7 @@ class PlanAhead:
         self.running: dict[Hashable, tuple[int, int]] = {}      # try -> (pid, read end of its pipe)
         self.failed: list[str] = []
         self.taken, self.started = 0, 0
+        self.longest_try_s = 0.0        # the longest try the search planned itself (`planned_here`)
 
     def __enter__(self) -> "PlanAhead":
         return self
@@ -75,6 +82,10 @@ class PlanAhead:
 
     def __contains__(self, t) -> bool:
         return t in self.running
+
+    def planned_here(self, seconds: float) -> None:
+        """The search planned a try itself in `seconds`: what a child's silence is measured against."""
+        self.longest_try_s = max(self.longest_try_s, seconds)
 
     def start(self, tries, skip=()) -> None:
         """Fork a child for each try not in `skip` nor running, while fewer than `workers` run."""
@@ -108,13 +119,15 @@ class PlanAhead:
     def take(self, t):
         """The Plan the child running `t` made, or None (it failed or stalled: the caller plans it itself)."""
         pid, r = self.running.pop(t)
-        chunks, deadline = [], time.monotonic() + STALL_S
+        stall_s = max(MIN_STALL_S, STALL_TRIES * self.longest_try_s)
+        chunks, deadline = [], time.monotonic() + stall_s
         try:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0 or not select.select([r], [], [], left)[0]:
-                    self.failed.append(f"{t}: no answer in {STALL_S:.0f} s")
+                    self.failed.append(f"{t}: no answer in {stall_s:.0f} s (no more tries planned ahead)")
                     _kill(pid)
+                    self.workers = 0
                     return None
                 data = os.read(r, 1 << 20)
                 if not data:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from collections import Counter
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -84,12 +85,18 @@ def plan_with_recompute(gm: fx.GraphModule, ctx: PassContext, rates: Rates, buff
 
     # tries the search will likely ask for, planned meanwhile in forked children (plan_ahead.py); a try's graph
     # is made again here only if the search keeps it
-    with PlanAhead(lambda t: planned(t)[1], workers_for(len(gm.graph.nodes))) as ahead:
+    # (not for a plan on an engine's chunk memory, `on`: a fork of a process holding page-locked memory is avoided)
+    with PlanAhead(lambda t: planned(t)[1], workers_for(len(gm.graph.nodes)) if on is None else 0) as ahead:
 
         def attempt(t: Try) -> Plan:
             if t not in tried:
                 p = ahead.take(t) if t in ahead else None
-                tried[t] = (None, p) if p is not None else planned(t)
+                if p is None:
+                    t0 = time.perf_counter()
+                    tried[t] = planned(t)
+                    ahead.planned_here(time.perf_counter() - t0)
+                else:
+                    tried[t] = (None, p)
                 p = tried[t][1]
                 log.info("  tried recomputing %d of %d cheap values and %d of %d %s: device peak %s, %s", t.cheap,
                          every, t.runs, len(runs[t.run_len]),

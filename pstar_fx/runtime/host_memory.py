@@ -48,10 +48,36 @@ def register(t: torch.Tensor) -> int:
     H200 box: 10B training reached 75 GB RSS for 65 GB of planned host state). cudaHostRegister locks exactly the
     bytes the tensor has."""
     cudart = torch.cuda.cudart()
+    not_inherited(t)
     err = int(cudart.cudaHostRegister(t.data_ptr(), t.untyped_storage().nbytes(), 0))
     if err == 0:
         weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
     return err
+
+
+# buffers from this size up are their own mappings (glibc maps every allocation above its largest mmap threshold,
+# 32 MiB on 64-bit, by itself): advising their pages touches no other object's
+OWN_MAPPING_BYTES = 64 << 20
+MADV_DONTFORK = 10
+
+
+def not_inherited(t: torch.Tensor) -> bool:
+    """Keep `t`'s pages out of any process forked from this one (madvise MADV_DONTFORK), where the buffer is its own
+    mapping (`OWN_MAPPING_BYTES` and up); whether it was advised. A page-locked buffer shared copy-on-write with a
+    child (the recompute search's, pipeline/plan_ahead.py, or a DataLoader's worker) would move to a new page at the
+    parent's next write on kernels that do not copy pinned pages at fork, away from what the GPU reads; a child
+    never reads chunk memory."""
+    nbytes = t.untyped_storage().nbytes()
+    if nbytes < OWN_MAPPING_BYTES or not hasattr(os, "fork"):
+        return False
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = t.untyped_storage().data_ptr() // page * page
+    end = -(-(t.untyped_storage().data_ptr() + nbytes) // page) * page
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTFORK) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def _first_values(t: torch.Tensor, fill: float | int) -> None:
