@@ -7,6 +7,7 @@ the lowered step;
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
@@ -28,7 +29,9 @@ from .pipeline.shapes import ShapeSteps, check_compiled_length
 from .planning import BudgetError, Plan
 from .runtime import ChunkRuntime, StepRolledBack, run_graph
 from .runtime.dist import DataParallel, launch
+from .runtime.host_memory import HostReserve, pin_threads
 from .runtime.step import StepReport, Stepper
+from .runtime.store import host_buffer_sizes
 from .runtime.weights import masters_by_chunk, masters_from_rank0, materialize, skeleton
 
 log = logging.getLogger("pstar_fx")
@@ -63,6 +66,13 @@ def _build_regions(graph: fx.GraphModule, device: torch.device, phases, builders
                 torch.cuda.empty_cache()    # what autotuning allocated goes back before the activations need it
 
 
+def _host_reserve(config: Config) -> HostReserve | None:
+    """Where host buffers are page-locked (CUDA) by threads: a reserve to lock those the plan surely needs early."""
+    if config.device.startswith("cuda") and pin_threads() >= 2:
+        return HostReserve(pin_threads(), torch.device(config.device))
+    return None
+
+
 def _shape_runner(rt: ChunkRuntime, buffers: list, device: torch.device, tangent_dtype):
     """A step lowered for other input shapes -> its runner on the engine's runtime (pipeline/shapes.py): its
     regions built, then `_runner`. A closure for the same reason as `_runner`."""
@@ -94,24 +104,32 @@ class Engine:
                           "so it trains with dropout off and BatchNorm on its running statistics; call model.train() "
                           "before compile() for training behaviour (engine.evaluate runs eval mode either way)",
                           UserWarning, stacklevel=3)
-        self.lowered = Lowered(model, config, example_inputs)
-        self.phases = phases = self.lowered.phases
-        if not self.lowered.plan.fits:
-            raise BudgetError(self.lowered.plan.why)
-        self.device = self.lowered.device
-        cap = self.lowered.capture
-        plan = self.lowered.plan
-        self.dp = DataParallel(rank, world, chunked=self.lowered.chunked) if world > 1 else None
-        # Chunk memory first; then what is slow runs side by side: the host part's page-locking (~100 GiB at 18B:
-        # 15-21 s on the H200 box) on threads, and on a cold cache the region builds in worker processes (Inductor,
-        # ~45 s), while this process writes the initial weights. This process builds (or loads) the regions itself
-        # only after that, never during it: Dynamo saves and restores the global RNG around each build, which
-        # would cut into the init's draws. The builds find the device chunks allocated: their examples and
-        # autotuning take room the step's activations leave free until the first step.
-        with phases("allocate", f"chunk memory: {format_bytes(plan.device_peak_bytes - plan.activation_peak_bytes)} "
-                                f"on {self.lowered.device.type}, {format_bytes(plan.host_peak_bytes)} on the host"):
-            self.rt = ChunkRuntime(self.lowered.layout, plan, config, self.device, self.lowered.dtype, self.dp,
-                                   ready_later=True)
+        # on CUDA, the host buffers the plan surely needs are page-locked while the search goes on (the try that
+        # recomputes the most bounds them from below: pipeline/recompute_search.py), not only after it; the reserve
+        # closes (what nobody took is freed) once the chunk memory is allocated, or on an error before
+        reserve = _host_reserve(config)
+        hint = None if reserve is None else (
+            lambda plan, layout: reserve.want(host_buffer_sizes(layout, plan, config, config.torch_dtype)))
+        with contextlib.closing(reserve) if reserve is not None else contextlib.nullcontext():
+            self.lowered = Lowered(model, config, example_inputs, host_hint=hint)
+            self.phases = phases = self.lowered.phases
+            if not self.lowered.plan.fits:
+                raise BudgetError(self.lowered.plan.why)
+            self.device = self.lowered.device
+            cap = self.lowered.capture
+            plan = self.lowered.plan
+            self.dp = DataParallel(rank, world, chunked=self.lowered.chunked) if world > 1 else None
+            # Chunk memory first; then what is slow runs side by side: the host part's page-locking (~100 GiB at
+            # 18B: 15-21 s on the H200 box) on threads, and on a cold cache the region builds in worker processes
+            # (Inductor, ~45 s), while this process writes the initial weights. This process builds (or loads) the
+            # regions itself only after that, never during it: Dynamo saves and restores the global RNG around each
+            # build, which would cut into the init's draws. The builds find the device chunks allocated: their
+            # examples and autotuning take room the step's activations leave free until the first step.
+            chunk_bytes = plan.device_peak_bytes - plan.activation_peak_bytes
+            with phases("allocate", f"chunk memory: {format_bytes(chunk_bytes)} on {self.lowered.device.type}, "
+                                    f"{format_bytes(plan.host_peak_bytes)} on the host"):
+                self.rt = ChunkRuntime(self.lowered.layout, plan, config, self.device, self.lowered.dtype, self.dp,
+                                       ready_later=True, reserve=reserve)
         builders = start_region_builders(self.lowered.graph, self.device)     # None: no worker started
         named = dict(model.named_parameters(remove_duplicate=False))
         meta = any(p.is_meta for p in named.values())

@@ -227,3 +227,67 @@ def test_large_host_buffers_stay_out_of_forked_children():
     assert os.waitstatus_to_exitcode(status) == 0
     big[0] = 7.0
     assert big[0] == 7.0 and big[-1] == OWN_MAPPING_BYTES // 4 - 1
+
+
+def test_a_reserve_locks_ahead_and_a_batch_takes_its_buffers():
+    """HostReserve zeroes and locks buffers on its own workers before anyone asks; a batch's zero-filled (or
+    unfilled) buffer of a reserved size is taken from it, waited for like the batch's own, and viewed as its
+    dtype; other fills and sizes are the batch's; `close` frees what nobody took, each buffer locked once."""
+    lock = FakeLock()
+    reserve = host_memory.HostReserve(2, lock=lock)
+    reserve.want({4000: 3, 64: 1})
+    reserve.want({4000: 2})                                 # never fewer than asked before
+    assert reserve.made == 4
+    host = host_memory.HostBuffers(pin=True, threads=2, lock=lock)
+    host.reserve = reserve
+    with host.batch():
+        taken = [host.empty(1000, torch.float32, fill=0), host.empty(2000, torch.bfloat16)]
+        filled = host.empty(1000, torch.float32, fill=1.0)  # a fill other than 0: the batch's own buffer
+        other = host.empty(500, torch.float32, fill=0)      # a size not reserved
+    reserve.close()
+    assert reserve.taken == 2
+    assert taken[0].dtype == torch.float32 and taken[1].dtype == torch.bfloat16
+    assert all(t.numel() * t.element_size() == 4000 and not t.any() for t in taken)
+    assert bool((filled == 1.0).all()) and not other.any()
+    locked = [p for p, _, _ in lock.locked]
+    assert len(locked) == len(set(locked))                  # none twice
+    assert {t.data_ptr() for t in taken + [filled, other]} <= set(locked)
+    assert all(name.startswith(("pstar_fx-reserve", "pstar_fx-pin")) for _, _, name in lock.locked)
+
+
+def test_host_buffers_locked_ahead_of_the_plan_train_the_same_bits(monkeypatch):
+    """compile() with a reserve (as on CUDA, with the search's tries planned ahead): the search tells it the host
+    buffers the plan surely needs while it goes on, the store takes them, and the step trains the bits of a
+    compile without one; what was locked is what the host tier was charged, each buffer once."""
+    import pstar_fx.engine as engine_mod
+    monkeypatch.setenv("PSTAR_FX_PLAN_WORKERS", "2")
+    monkeypatch.setenv("PSTAR_FX_PLAN_CACHE", "0")
+    config = {"device": "cpu", "placement": "host", "chunk_size": 16384, "seed": 1, "optimizer": {"lr": 1e-3}}
+    inputs = batch()
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny"))
+    plain = pstar_fx.compile(model, config, inputs)
+    lock = FakeLock()
+    reserves = []
+
+    class Locked(host_memory.HostBuffers):
+        def __init__(self, pin, threads, device):
+            super().__init__(True, 2, lock)
+
+    def reserve(config):
+        reserves.append(host_memory.HostReserve(2, lock=lock))
+        return reserves[-1]
+
+    monkeypatch.setattr(store_mod, "HostBuffers", Locked)
+    monkeypatch.setattr(engine_mod, "_host_reserve", reserve)
+    ahead = pstar_fx.compile(model, config, inputs)
+    (r,) = reserves
+    n_host = ahead.plan.placement.count("host")
+    assert n_host and r.made == 3 * n_host and r.taken == r.made         # master and two moments a chunk
+    locked = [p for p, _, _ in lock.locked]
+    assert len(locked) == len(set(locked))
+    assert sum(n for _, n, _ in lock.locked) == ahead.rt.stats.host_bytes
+    for _ in range(2):
+        assert torch.equal(plain.step(*inputs), ahead.step(*inputs))
+    a, b = plain.state_dict(), ahead.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)

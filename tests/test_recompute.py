@@ -425,3 +425,38 @@ def test_a_child_that_does_not_answer_is_given_up_and_no_other_starts(monkeypatc
         assert 2 not in ahead
     with pytest.raises(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)        # killed and reaped
+
+
+def test_the_host_hint_bounds_the_final_plans_host_chunks_from_below(monkeypatch, tmp_path, fixed_rates):
+    """The search's early word on host memory (`PassContext.host_hint`, what the engine page-locks ahead): a plan
+    among the tries that recompute the most, told once, with no more host chunks than the plan the search picks;
+    and from the plan cache, the cached plan itself. A hint never costs the search a try: without tries planned
+    ahead it says nothing."""
+    from pstar_fx.config import Config
+    from pstar_fx.pipeline.lower import Lowered
+    from pstar_fx.runtime.store import host_buffer_sizes
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny", n_layer=6))
+    inputs = batch(b=4, t=64)
+    free = pstar_fx.plan(model, {"device": "cpu", "placement": "device"}, inputs)
+    config = Config(device="cpu", device_memory=tight(free, activations_left=0.3) * 3 // 4, chunk_size=16384)
+
+    def lowered(workers, cache="0"):
+        monkeypatch.setenv("PSTAR_FX_PLAN_WORKERS", str(workers))
+        monkeypatch.setenv("PSTAR_FX_PLAN_CACHE", cache)
+        hints = []
+        low = Lowered(model, config, inputs, host_hint=lambda plan, layout: hints.append((plan, layout)))
+        return low, hints
+
+    low, hints = lowered(2)
+    final = low.plan
+    assert final.fits and "host" in final.placement and "forward segments" in final.recompute, final.summary()
+    (hint, layout), = hints
+    assert hint.fits and hint.placement.count("host") <= final.placement.count("host")
+    need, early = (host_buffer_sizes(layout, p, config, torch.float32) for p in (final, hint))
+    assert all(early[b] <= need.get(b, 0) for b in early)
+    assert lowered(0)[1] == []
+    monkeypatch.setenv("PSTAR_FX_CACHE", str(tmp_path))
+    lowered(0, cache="1")                                   # searched, and its decision cached
+    cached, hints = lowered(0, cache="1")
+    assert [p.placement for p, _ in hints] == [cached.plan.placement] == [final.placement]

@@ -38,6 +38,9 @@ class PassContext:
     segments: tuple = ()                                # recompute's: the forward segments the plan step tries
     plan_step: Callable[[fx.GraphModule, "PassContext"], fx.GraphModule] | None = None
     record: Callable[[str, "fx.GraphModule | Callable[[], str]"], None] = lambda name, graph: None
+    # the plan step's early word on host memory: a plan with no more host chunks than the final one will have (the
+    # engine page-locks their buffers meanwhile: runtime/host_memory.py HostReserve)
+    host_hint: Callable[[Plan], None] | None = None
 
 
 @dataclass(frozen=True, repr=False)

@@ -108,11 +108,14 @@ class Lowered:
     """Everything short of memory: the captured step, its chunk layout, the plan and the lowered graph."""
 
     def __init__(self, model: nn.Module, config: Config, example_inputs, phases: Phases | None = None,
-                 world: int | None = None, rank: int = 0, on: Lowered | None = None):
+                 world: int | None = None, rank: int = 0, on: Lowered | None = None,
+                 host_hint: Callable[[Plan, Layout], None] | None = None):
         """`world`: the data-parallel ranks to plan for (default: as launched); `rank`: whose plan (default: this
         process's). Chunk partitioning applies when world > 1 and `config.data_parallel` is not "replicated".
         `on`: the same model's step lowered for other input shapes (`example_inputs` in `on`'s placeholder order),
-        on `on`'s layout and planned on its chunk memory (`make_plan(on=...)`): its runtime runs this graph too."""
+        on `on`'s layout and planned on its chunk memory (`make_plan(on=...)`): its runtime runs this graph too.
+        `host_hint(plan, layout)`: told, while the plan is searched, a plan with no more host chunks than the final
+        one (`PassContext.host_hint`)."""
         self.config = config
         self.on = on
         if on is not None:
@@ -147,8 +150,10 @@ class Lowered:
         self.graphs_before = GraphRecords()
         self._buffer_bytes = (on._buffer_bytes if on is not None
                               else sum(_buffer_nbytes(model, b) for b in self.capture.buffers))
+        hint = None if host_hint is None or on is not None else (lambda plan: host_hint(plan, self.layout))
         self.graph, ctx = run_pipeline(passes.PIPELINE, self.capture.gm,
-                                       self.context(plan_step=self._plan, record=self.graphs_before.put), phases)
+                                       self.context(plan_step=self._plan, record=self.graphs_before.put,
+                                                    host_hint=hint), phases)
         self.plan: Plan = ctx.plan
 
     def context(self, **kw) -> PassContext:

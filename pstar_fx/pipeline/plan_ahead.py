@@ -1,4 +1,4 @@
-"""plan_ahead: the recompute search's tries planned ahead, each in a forked process, on the cores the search leaves idle.
+"""plan_ahead: the recompute search's tries planned ahead, each in a forked process, on cores the search leaves idle.
 
 The search (recompute_search.py) is sequential: which try comes next depends on whether the last one fit. Each try
 of a large step is seconds of pure Python (copy the graph, recompute, fuse the optimizer, `make_plan`: 1.5-2.5 s at

@@ -114,12 +114,23 @@ def plan_with_recompute(gm: fx.GraphModule, ctx: PassContext, rates: Rates, buff
             if t.cheap <= every and t.run_len in runs and t.runs <= len(runs[t.run_len]) \
                     and plan_cache.matches(decision, attempt(t)):
                 log.info("plan: from cache (%s)", file)
+                if ctx.host_hint is not None:
+                    ctx.host_hint(attempt(t))
                 return _chosen(gm, ctx, recomputed, tried, t, decision.recompute, decision.why)
             log.debug("plan cache: %s does not reproduce its plan on this graph; searching", file)
 
-        if cheap or singles:    # what the first tries lead to whether or not recomputing nothing fits
-            ahead.start([Try(every, 1, 0)] + [Try(every, m, len(r)) for m, r in runs.items()], skip=tried)
+        most = [Try(every, m, len(r)) for m, r in runs.items()] if singles else [Try(every, 1, 0)] if cheap else []
+        if most:                # what the first tries lead to whether or not recomputing nothing fits
+            ahead.start([Try(every, 1, 0)] + most, skip=tried)
         best = Try(0, 1, 0)
+        attempt(best)
+        if ctx.host_hint is not None:
+            # the tries that recompute the most hold the most chunk state on the device, so the fewest chunks on the
+            # host: no plan the search can pick has fewer (only those already planned ahead are asked: a hint
+            # never costs the search a try)
+            bounds = [p for p in (attempt(t) for t in most if t in ahead or t in tried) if p.fits]
+            if bounds:
+                ctx.host_hint(min(bounds, key=lambda p: p.placement.count("host")))
         if not attempt(best).fits and (cheap or singles):
             # every cheap value at once: each costs less per byte than whole segments do, the lot a few per cent
             if cheap and attempt(Try(every, 1, 0)).fits:

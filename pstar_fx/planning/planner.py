@@ -22,8 +22,8 @@ from .plan import Estimate, Memory, Moves, NodeProfile, Placement, Plan, Remarks
 from .report import (KEEPS_COMPUTE_COPIES_NOTE, _transaction_cost, _why, cuda_memory_note, data_parallel_note,
                      exposed_copies_note, host_adam_note)
 from .schedule import Schedule, belady, place_prefetches
-from .shipping import (_choose_shipping, copy_seconds, fallback_code, keeps_compute_copies, kept_in_shadow, ship_bytes_per_elem,
-                       ship_codes)
+from .shipping import (_choose_shipping, copy_seconds, fallback_code, keeps_compute_copies, kept_in_shadow,
+                       ship_bytes_per_elem, ship_codes)
 from .transaction import (KEEPS, _choose_transaction, defer_above, n_grad_slots_to_keep, n_kept_on_device,
                           two_passes)
 

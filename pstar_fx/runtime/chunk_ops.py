@@ -21,14 +21,14 @@ class ChunkRuntime:
     The graph is the same on every device."""
 
     def __init__(self, layout: Layout, plan: Plan, config: Config, device: torch.device, compute_dtype: torch.dtype,
-                 dp=None, ready_later: bool = False):
+                 dp=None, ready_later: bool = False, reserve=None):
         self.layout, self.plan, self.config, self.device = layout, plan, config, device
         self.telemetry = Telemetry()
         self.stats: MemoryStats = self.telemetry.stats
         cuda = device.type == "cuda"
         self.copies = CudaCopies(device, self.telemetry) if cuda else CpuCopies()
         # ready_later: the host buffers' page-locking goes on after this returns, until `store.ready()`
-        self.store = ChunkStore(layout, plan, config, device, compute_dtype, self.stats, ready_later)
+        self.store = ChunkStore(layout, plan, config, device, compute_dtype, self.stats, ready_later, reserve)
         self.dp = dp                             # runtime.dist.DataParallel with several ranks
         self.mover = Mover(self.store, plan, self.copies, self.telemetry, dp)
         self.updater = Updater(self.store, plan, self.copies, self.telemetry, self.mover,

@@ -91,6 +91,68 @@ def _first_values(t: torch.Tensor, fill: float | int) -> None:
         t.fill_(fill)
 
 
+class HostReserve:
+    """Page-locked host buffers made before the plan is final, for the store to take (`HostBuffers.reserve`).
+
+    The recompute search knows early how many host buffers of which sizes the final plan needs at least (its tries
+    that recompute the most hold the most chunk state on the device, so the fewest on the host: pipeline/
+    recompute_search.py `host_hint`); `want` starts zeroing and page-locking that many on `threads` workers while
+    the search, lowering and region extraction go on, instead of after them (on the H200 box the page-locking of
+    ~100 GiB took 14-27 s after the plan). A buffer is its bytes (uint8), zero-filled; the store views it as its
+    dtype. `close` ends the reserve: buffers nobody took are freed (unlocked)."""
+
+    def __init__(self, threads: int, device: torch.device | None = None,
+                 lock: Callable[[torch.Tensor], int] = register):
+        on_device = device is not None and device.type == "cuda"
+        index = (device.index if device.index is not None else torch.cuda.current_device()) if on_device else None
+        self.lock = lock
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="pstar_fx-reserve",
+                                        initializer=torch.cuda.set_device if on_device else None,
+                                        initargs=(index,) if on_device else ())
+        self._free: dict[int, list[tuple[torch.Tensor, Future]]] = {}      # nbytes -> buffers not taken
+        self._wanted: dict[int, int] = {}
+        self.made = self.taken = 0
+
+    def want(self, sizes: dict[int, int]) -> None:
+        """At least `sizes[nbytes]` buffers of each size (more than asked before: the rest are started)."""
+        if self._pool is None:
+            return
+        for nbytes, count in sizes.items():
+            for _ in range(count - self._wanted.get(nbytes, 0)):
+                t = torch.empty(nbytes, dtype=torch.uint8)
+                self._free.setdefault(nbytes, []).append((t, self._pool.submit(self._make, t)))
+                self.made += 1
+            self._wanted[nbytes] = max(count, self._wanted.get(nbytes, 0))
+
+    def _make(self, t: torch.Tensor) -> int:
+        not_inherited(t)                    # before its pages exist: a fork meanwhile does not copy them
+        ctypes.memset(t.data_ptr(), 0, t.numel())
+        return self.lock(t)
+
+    def take(self, nbytes: int) -> tuple[torch.Tensor, Future] | None:
+        """A buffer of exactly `nbytes` (zeroed and page-locked once its future is done; its result: the lock's
+        error code), or None."""
+        free = self._free.get(nbytes)
+        if not free:
+            return None
+        self.taken += 1
+        return free.pop(0)
+
+    def close(self) -> None:
+        """Free the buffers nobody took (those not started are cancelled); the taken ones' work goes on."""
+        if self._pool is None:
+            return
+        for free in self._free.values():
+            for t, f in free:
+                if not f.cancel():
+                    f.result()              # being locked now: unlocked when `t` goes
+        self._free.clear()
+        self._pool.shutdown(wait=False)     # (the taken buffers' queued work still runs)
+        self._pool = None
+        if self.made:
+            log.info("  host buffers page-locked ahead of the plan: %d of %d used", self.taken, self.made)
+
+
 class HostBuffers:
     """Host buffers; with `pin`, page-locked by `lock` (cudaHostRegister). In a `batch()`, what makes a buffer ready
     (its first values, the lock) runs on `threads` workers."""
@@ -102,9 +164,16 @@ class HostBuffers:
         self._pool: ThreadPoolExecutor | None = None
         self._queued: list[Future] = []
         self.unlocked: list[int] = []           # error codes of buffers that stayed pageable (batch only)
+        self.reserve: HostReserve | None = None  # buffers page-locked ahead (a batch takes zero-filled ones there)
 
     def empty(self, n: int, dtype: torch.dtype, fill: float | int | None = None) -> torch.Tensor:
         """A host buffer of n elements; `fill`: its first value everywhere (None: left as allocated)."""
+        if self._pool is not None and self.reserve is not None and self.pin and fill in (0, None):
+            got = self.reserve.take(n * dtype.itemsize)
+            if got is not None:
+                buf, made = got
+                self._queued.append(made)
+                return buf.view(dtype)
         t = torch.empty(n, dtype=dtype)
         if self._pool is None:
             return self._ready_now(t, fill)
@@ -118,13 +187,10 @@ class HostBuffers:
             return t.pin_memory()       # the allocator's pinned memory still works, only bigger (a power of two)
         return t
 
-    def _ready(self, t: torch.Tensor, fill) -> None:
+    def _ready(self, t: torch.Tensor, fill) -> int:
         if fill is not None:
             _first_values(t, fill)      # also the first touch of its pages, here rather than in the lock
-        if self.pin:
-            err = self.lock(t)
-            if err != 0:
-                self.unlocked.append(err)
+        return self.lock(t) if self.pin else 0
 
     @property
     def queues(self) -> bool:
@@ -152,7 +218,9 @@ class HostBuffers:
             queued, self._queued = self._queued, []
             try:
                 for i, f in enumerate(queued):
-                    f.result()
+                    err = f.result()            # the lock's error code (0: locked)
+                    if err:
+                        self.unlocked.append(err)
                     if progress is not None:
                         progress(i + 1, len(queued))
             finally:

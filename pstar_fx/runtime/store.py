@@ -25,7 +25,7 @@ from ..kernels import cast_, quant8
 from ..layout import Layout
 from ..phases import Phases
 from ..planning import Plan
-from .host_memory import HostBuffers, pin_threads
+from .host_memory import HostBuffers, HostReserve, pin_threads
 from .telemetry import MemoryStats
 
 log = logging.getLogger("pstar_fx")
@@ -72,15 +72,36 @@ class ChunkState:
     update_spans: list[tuple[int, int]]                  # what an update runs over (one span per parameter: int8)
 
 
+def host_buffer_sizes(layout: Layout, plan: Plan, config: Config, compute_dtype: torch.dtype) -> dict[int, int]:
+    """Bytes -> count of the zero-filled host buffers `ChunkStore` allocates for `plan`'s host chunks: each trainable
+    chunk's fp32 master and moments (int8's first moment starts at a nonzero code, and its scales are small: not
+    counted), each frozen chunk's weights. What `HostReserve.want` makes ahead (the 16-bit shadows are left out:
+    how many depends on the final plan's shipping)."""
+    cs, sizes = layout.chunk_size, {}
+    for c, tier in enumerate(plan.placement):
+        if tier != "host":
+            continue
+        if layout.chunks[c].frozen:
+            nbytes = [cs * compute_dtype.itemsize]
+        else:
+            moment = config.moment_dtype.itemsize
+            nbytes = [cs * 4, cs * moment] + ([cs * moment] if config.optimizer_state != "int8" else [])
+        for b in nbytes:
+            sizes[b] = sizes.get(b, 0) + 1
+    return sizes
+
+
 class ChunkStore:
     def __init__(self, layout: Layout, plan: Plan, config: Config, device: torch.device,
-                 compute_dtype: torch.dtype, stats: MemoryStats, ready_later: bool = False):
+                 compute_dtype: torch.dtype, stats: MemoryStats, ready_later: bool = False,
+                 reserve: HostReserve | None = None):
         self.layout, self.plan, self.config = layout, plan, config
         self.device, self.host = device, torch.device("cpu")
         self.compute_dtype = compute_dtype
         self.stats = stats
         self._pin = device.type == "cuda"
         self._host = HostBuffers(self._pin, pin_threads(), device=device)
+        self._host.reserve = reserve            # host buffers page-locked while the plan was made (host_memory.py)
         self._ptrs: set[int] = set()
         self.quantized = config.optimizer_state == "int8"
         self.grad_spans = [ch.grad_spans() for ch in layout.chunks]
