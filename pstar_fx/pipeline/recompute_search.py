@@ -61,142 +61,185 @@ def plan_with_recompute(gm: fx.GraphModule, ctx: PassContext, rates: Rates, buff
     `gm` is left as it was (each try is a copy). Records the graphs `recompute` and `fuse_optimizer` received
     (`ctx.record`); the latter as a function that remakes the chosen try's copy only if it is read.
     """
-    segments = find_segments(gm)
-    singles = [s for s in segments if s.recomputable]
-    runs = {m: group_segments(singles, m) for m in (1, 2, 4)}     # runs of 1: the segments themselves
-    runs = {m: r for m, r in runs.items() if m == 1 or len(r) < len(runs[1])}
-    cheap = find_cheap_recomputes(gm, rates, CUDA_BLOCK_BYTES if ctx.device.type == "cuda" else 1, segments)
-    every = len(cheap)
-    tried: dict[Try, tuple[fx.GraphModule, Plan]] = {}
-    # what the tries' passes read; without the driver's hooks, which the record made on demand would keep alive
-    bare = dataclasses.replace(ctx, plan_step=None, record=lambda name, graph: None)
-
-    def recomputed(t: Try) -> fx.GraphModule:
-        g_k, nodes = _copy_graph(gm)
-        whole = runs[t.run_len][:t.runs]  # a segment recomputed whole remakes its cheap values its own way
-        ops = op_segments(cheap[:t.cheap], {n for s in whole for n in s.nodes})
-        chosen = tuple(Segment(s.start, [nodes[n] for n in s.nodes]) for s in whole + ops)
-        return recompute.run(g_k, dataclasses.replace(bare, segments=chosen))
-
-    def planned(t: Try) -> tuple[fx.GraphModule, Plan]:
-        g_k = fuse_optimizer.run(recomputed(t), bare)
-        return g_k, make_plan(g_k, ctx.layout, ctx.config, compute_itemsize=ctx.dtype.itemsize,
-                              buffer_bytes=buffer_bytes, rates=rates, on=on, **partition)
-
+    search = _Search(gm, ctx, rates, buffer_bytes, partition, on)
     # tries the search will likely ask for, planned meanwhile in forked children (plan_ahead.py); a try's graph
-    # is made again here only if the search keeps it
-    # (not for a plan on an engine's chunk memory, `on`: a fork of a process holding page-locked memory is avoided)
-    with PlanAhead(lambda t: planned(t)[1], workers_for(len(gm.graph.nodes)) if on is None else 0) as ahead:
-
-        def attempt(t: Try) -> Plan:
-            if t not in tried:
-                p = ahead.take(t) if t in ahead else None
-                if p is None:
-                    t0 = time.perf_counter()
-                    tried[t] = planned(t)
-                    ahead.planned_here(time.perf_counter() - t0)
-                else:
-                    tried[t] = (None, p)
-                p = tried[t][1]
-                log.info("  tried recomputing %d of %d cheap values and %d of %d %s: device peak %s, %s", t.cheap,
-                         every, t.runs, len(runs[t.run_len]),
-                         "segments" if t.run_len == 1 else f"runs of {t.run_len} segments",
-                         format_bytes(p.device_peak_bytes),
-                         f"fits, estimated {p.estimated_step_seconds:.2f} s/step" if p.fits else "does not fit")
-            return tried[t][1]
-
+    # is made again here only if the search keeps it (not for a plan on an engine's chunk memory, `on`: a fork of
+    # a process holding page-locked memory is avoided)
+    workers = workers_for(len(gm.graph.nodes)) if on is None else 0
+    with PlanAhead(lambda t: search.planned(t)[1], workers) as search.ahead:
         key = plan_cache.fingerprint(gm, ctx, rates, buffer_bytes, partition) \
             if on is None and plan_cache.enabled() else None
         cached = plan_cache.load(key) if key is not None else None
         if cached is not None:
             decision, file = cached
             t = Try(decision.cheap, decision.run_len, decision.runs)
-            if t.cheap <= every and t.run_len in runs and t.runs <= len(runs[t.run_len]) \
-                    and plan_cache.matches(decision, attempt(t)):
+            if search.holds(t) and plan_cache.matches(decision, search.attempt(t)):
                 log.info("plan: from cache (%s)", file)
                 if ctx.host_hint is not None:
-                    ctx.host_hint(attempt(t))
-                return _chosen(gm, ctx, recomputed, tried, t, decision.recompute, decision.why)
+                    ctx.host_hint(search.attempt(t))
+                return search.chosen(t, decision.recompute, decision.why)
             log.debug("plan cache: %s does not reproduce its plan on this graph; searching", file)
-
-        most = [Try(every, m, len(r)) for m, r in runs.items()] if singles else [Try(every, 1, 0)] if cheap else []
-        if most:                # what the first tries lead to whether or not recomputing nothing fits
-            ahead.start([Try(every, 1, 0)] + most, skip=tried)
-        best = Try(0, 1, 0)
-        attempt(best)
-        if ctx.host_hint is not None:
-            # the tries that recompute the most hold the most chunk state on the device, so the fewest chunks on the
-            # host: no plan the search can pick has fewer (only those already planned ahead are asked: a hint
-            # never costs the search a try)
-            bounds = [p for p in (attempt(t) for t in most if t in ahead or t in tried) if p.fits]
-            if bounds:
-                ctx.host_hint(min(bounds, key=lambda p: p.placement.count("host")))
-        if not attempt(best).fits and (cheap or singles):
-            # every cheap value at once: each costs less per byte than whole segments do, the lot a few per cent
-            if cheap and attempt(Try(every, 1, 0)).fits:
-                best = Try(every, 1, 0)
-            elif singles:
-                m = next((m for m in runs if attempt(Try(every, m, len(runs[m]))).fits), None)
-                if m is not None:
-                    # (no run recomputed is the try of every cheap value alone, already made)
-                    best = Try(every, m, _fewest_runs_that_fit(
-                        lambda k: attempt(Try(every, m if k else 1, k)), len(runs[m]), ctx.device.type == "cuda",
-                        ahead=lambda ks: ahead.start([Try(every, m if k else 1, k) for k in ks], skip=tried)))
-                else:                               # does not fit even so: report the smallest try
-                    best = min((Try(every, m, len(r)) for m, r in runs.items()),
-                               key=lambda t: attempt(t).device_peak_bytes)
-            else:
-                best = Try(every, 1, 0)
-        if on is None and attempt(best).fits and "host" in attempt(best).placement:   # (on: the placement is fixed)
-            # Recomputing more frees device memory for chunk state and compute slots, which saves copies
-            # and host Adam; the cost model says whether that pays for the extra forward work.
-            n = len(runs[best.run_len])
-            k = best.runs                   # every cheap value, with as many or more runs as the best so far
-            more = [Try(every, best.run_len, k2) for k2 in sorted({k, k + (n - k) // 4, k + (n - k) // 2, n})]
-            more += [Try(every, m2, len(runs[m2])) for m2 in runs if m2 > best.run_len]
-            ahead.start(more, skip=tried)
-            for t in more:
-                if t != best and attempt(t).fits and \
-                        attempt(t).estimated_step_seconds < attempt(best).estimated_step_seconds:
-                    best = t
-
-        def summary() -> str:
-            """What the plan recomputes, in the plan summary's words: the cheap values first, then segments."""
-            a0 = attempt(Try(0, 1, 0)).activation_peak_bytes
-            final = attempt(best).activation_peak_bytes
-            j, m, k = best
-            n_segments = len(runs[1])
-            if not j and not k:
-                return (f"none needed ({len(cheap)} cheap values and {n_segments} forward segments could be)"
-                        if cheap or n_segments else "")
-            parts = []
-            if j:
-                kinds = Counter(p.kind for p in cheap[:j])
-                ms = sum(p.seconds for p in cheap[:j]) * 1e3
-                ops_only = attempt(Try(j, 1, 0)).activation_peak_bytes
-                parts.append(f"{j} cheap values ({', '.join(f'{kind} {c}' for kind, c in kinds.most_common())}), "
-                             f"+{ms:.3g} ms: activation peak {format_bytes(a0)} -> {format_bytes(ops_only)}")
-                a0 = ops_only
-            if k:
-                unit = "forward segments" if m == 1 else f"runs of {m} forward segments"
-                whole_nodes = {n for s in runs[m][:k] for n in s.nodes}
-                inside = sum(1 for p in cheap[:j] if not whole_nodes.isdisjoint(p.nodes))
-                parts.append(("then " if j else "") + f"{k} of {len(runs[m])} {unit}, earliest first"
-                             + (f" ({inside} of the cheap values recomputed with them)" if inside else "")
-                             + f": activation peak {format_bytes(a0)} -> {format_bytes(final)}")
-            return "; ".join(parts)
-
-        tried_all = ([f"every forward segment ({len(singles)}, also in runs of "
-                      f"{', '.join(str(m) for m in runs if m > 1) or '-'})"] if singles else []) \
-            + ([f"every cheap value ({every})"] if every else [])
-        why = f"recomputing {' and '.join(tried_all)} was already tried" if best.runs or best.cheap else ""
-        said = summary()
+        best = search.least_that_fits()
+        best = search.more_if_it_pays(best)
+        said, why = search.summary(best), search.why(best)
         if key is not None:
-            p = tried[best][1]
+            p = search.attempt(best)
             plan_cache.store(key, plan_cache.Decision(*best, recompute=said, why=why,
                                                       device_peak_bytes=p.device_peak_bytes, fits=p.fits,
                                                       estimated_step_seconds=p.estimated_step_seconds))
-        return _chosen(gm, ctx, recomputed, tried, best, said, why)
+        return search.chosen(best, said, why)
+
+
+class _Search:
+    """One search's tries (`Try`), each planned once: here (`attempt`), or ahead in a child (`ahead`)."""
+
+    def __init__(self, gm: fx.GraphModule, ctx: PassContext, rates: Rates, buffer_bytes: int, partition: dict,
+                 on: Plan | None):
+        self.gm, self.ctx, self.rates, self.buffer_bytes, self.partition, self.on = \
+            gm, ctx, rates, buffer_bytes, partition, on
+        segments = find_segments(gm)
+        self.singles = [s for s in segments if s.recomputable]
+        runs = {m: group_segments(self.singles, m) for m in (1, 2, 4)}     # runs of 1: the segments themselves
+        self.runs = {m: r for m, r in runs.items() if m == 1 or len(r) < len(runs[1])}
+        self.cheap = find_cheap_recomputes(gm, rates, CUDA_BLOCK_BYTES if ctx.device.type == "cuda" else 1,
+                                           segments)
+        self.every = len(self.cheap)
+        self.tried: dict[Try, tuple[fx.GraphModule | None, Plan]] = {}
+        # what the tries' passes read; without the driver's hooks, which the record made on demand would keep alive
+        self.bare = dataclasses.replace(ctx, plan_step=None, record=lambda name, graph: None)
+        self.ahead: PlanAhead | None = None
+
+    def holds(self, t: Try) -> bool:
+        """Whether `t` names values and runs this graph has (a cached decision may be another graph's)."""
+        return t.cheap <= self.every and t.run_len in self.runs and t.runs <= len(self.runs[t.run_len])
+
+    def recomputed(self, t: Try) -> fx.GraphModule:
+        g_k, nodes = _copy_graph(self.gm)
+        whole = self.runs[t.run_len][:t.runs]  # a segment recomputed whole remakes its cheap values its own way
+        ops = op_segments(self.cheap[:t.cheap], {n for s in whole for n in s.nodes})
+        chosen = tuple(Segment(s.start, [nodes[n] for n in s.nodes]) for s in whole + ops)
+        return recompute.run(g_k, dataclasses.replace(self.bare, segments=chosen))
+
+    def planned(self, t: Try) -> tuple[fx.GraphModule, Plan]:
+        g_k = fuse_optimizer.run(self.recomputed(t), self.bare)
+        return g_k, make_plan(g_k, self.ctx.layout, self.ctx.config, compute_itemsize=self.ctx.dtype.itemsize,
+                              buffer_bytes=self.buffer_bytes, rates=self.rates, on=self.on, **self.partition)
+
+    def attempt(self, t: Try) -> Plan:
+        if t not in self.tried:
+            p = self.ahead.take(t) if self.ahead is not None and t in self.ahead else None
+            if p is None:
+                t0 = time.perf_counter()
+                self.tried[t] = self.planned(t)
+                if self.ahead is not None:
+                    self.ahead.planned_here(time.perf_counter() - t0)
+            else:
+                self.tried[t] = (None, p)
+            p = self.tried[t][1]
+            log.info("  tried recomputing %d of %d cheap values and %d of %d %s: device peak %s, %s", t.cheap,
+                     self.every, t.runs, len(self.runs[t.run_len]),
+                     "segments" if t.run_len == 1 else f"runs of {t.run_len} segments",
+                     format_bytes(p.device_peak_bytes),
+                     f"fits, estimated {p.estimated_step_seconds:.2f} s/step" if p.fits else "does not fit")
+        return self.tried[t][1]
+
+    def _plan_ahead(self, tries: list[Try]) -> None:
+        if self.ahead is not None:
+            self.ahead.start(tries, skip=self.tried)
+
+    def least_that_fits(self) -> Try:
+        """Nothing recomputed if that fits; else every cheap value; else on top of them the fewest runs that fit,
+        of the shortest run length where all of them do; else (nothing fits) the try with the smallest peak."""
+        every, runs, cheap, singles = self.every, self.runs, self.cheap, self.singles
+        most = [Try(every, m, len(r)) for m, r in runs.items()] if singles else [Try(every, 1, 0)] if cheap else []
+        self._plan_ahead([Try(every, 1, 0)] + most if most else [])   # needed whether or not nothing-recomputed fits
+        best = Try(0, 1, 0)
+        self.attempt(best)
+        if self.ctx.host_hint is not None:
+            # the tries that recompute the most hold the most chunk state on the device, so the fewest chunks on the
+            # host: no plan the search can pick has fewer (only those already planned ahead are asked: a hint
+            # never costs the search a try)
+            bounds = [p for p in (self.attempt(t) for t in most if t in self.ahead or t in self.tried) if p.fits]
+            if bounds:
+                self.ctx.host_hint(min(bounds, key=lambda p: p.placement.count("host")))
+        if self.attempt(best).fits or not (cheap or singles):
+            return best
+        # every cheap value at once: each costs less per byte than whole segments do, the lot a few per cent
+        if cheap and self.attempt(Try(every, 1, 0)).fits or not singles:
+            return Try(every, 1, 0)
+        m = next((m for m in runs if self.attempt(Try(every, m, len(runs[m]))).fits), None)
+        if m is None:                                   # does not fit even so: report the smallest try
+            return min((Try(every, m, len(r)) for m, r in runs.items()),
+                       key=lambda t: self.attempt(t).device_peak_bytes)
+        at = lambda k: Try(every, m if k else 1, k)     # noqa: E731  (no run recomputed: every cheap value alone)
+        return Try(every, m, _fewest_runs_that_fit(lambda k: self.attempt(at(k)), len(runs[m]),
+                                                   self.ctx.device.type == "cuda",
+                                                   ahead=lambda ks: self._plan_ahead([at(k) for k in ks])))
+
+    def more_if_it_pays(self, best: Try) -> Try:
+        """Recomputing more frees device memory for chunk state and compute slots, which saves copies and host
+        Adam; the cost model says whether that pays for the extra forward work. (On another plan's chunk memory,
+        `on`, the placement is fixed: never.)"""
+        p = self.attempt(best)
+        if self.on is not None or not p.fits or "host" not in p.placement:
+            return best
+        every, runs = self.every, self.runs
+        n = len(runs[best.run_len])
+        k = best.runs                   # every cheap value, with as many or more runs as the best so far
+        more = [Try(every, best.run_len, k2) for k2 in sorted({k, k + (n - k) // 4, k + (n - k) // 2, n})]
+        more += [Try(every, m2, len(runs[m2])) for m2 in runs if m2 > best.run_len]
+        self._plan_ahead(more)
+        for t in more:
+            if t != best and self.attempt(t).fits and \
+                    self.attempt(t).estimated_step_seconds < self.attempt(best).estimated_step_seconds:
+                best = t
+        return best
+
+    def summary(self, best: Try) -> str:
+        """What the plan recomputes, in the plan summary's words: the cheap values first, then segments."""
+        cheap, runs = self.cheap, self.runs
+        a0 = self.attempt(Try(0, 1, 0)).activation_peak_bytes
+        final = self.attempt(best).activation_peak_bytes
+        j, m, k = best
+        n_segments = len(runs[1])
+        if not j and not k:
+            return (f"none needed ({len(cheap)} cheap values and {n_segments} forward segments could be)"
+                    if cheap or n_segments else "")
+        parts = []
+        if j:
+            kinds = Counter(p.kind for p in cheap[:j])
+            ms = sum(p.seconds for p in cheap[:j]) * 1e3
+            ops_only = self.attempt(Try(j, 1, 0)).activation_peak_bytes
+            parts.append(f"{j} cheap values ({', '.join(f'{kind} {c}' for kind, c in kinds.most_common())}), "
+                         f"+{ms:.3g} ms: activation peak {format_bytes(a0)} -> {format_bytes(ops_only)}")
+            a0 = ops_only
+        if k:
+            unit = "forward segments" if m == 1 else f"runs of {m} forward segments"
+            whole_nodes = {n for s in runs[m][:k] for n in s.nodes}
+            inside = sum(1 for p in cheap[:j] if not whole_nodes.isdisjoint(p.nodes))
+            parts.append(("then " if j else "") + f"{k} of {len(runs[m])} {unit}, earliest first"
+                         + (f" ({inside} of the cheap values recomputed with them)" if inside else "")
+                         + f": activation peak {format_bytes(a0)} -> {format_bytes(final)}")
+        return "; ".join(parts)
+
+    def why(self, best: Try) -> str:
+        """What was tried, for a plan that does not fit."""
+        tried_all = ([f"every forward segment ({len(self.singles)}, also in runs of "
+                      f"{', '.join(str(m) for m in self.runs if m > 1) or '-'})"] if self.singles else []) \
+            + ([f"every cheap value ({self.every})"] if self.every else [])
+        return f"recomputing {' and '.join(tried_all)} was already tried" if best.runs or best.cheap else ""
+
+    def chosen(self, best: Try, summary: str, why: str) -> tuple[fx.GraphModule, Plan]:
+        """The search's result: the chosen try's graph and plan, with what it recomputes and why said in the plan."""
+        g_k, plan = self.tried[best]
+        if g_k is None:         # planned ahead in a child: its graph made here (the same, name for name)
+            g_k = fuse_optimizer.run(self.recomputed(best), self.bare)
+            if plan.profile is not None and plan.profile.node_names != [n.name for n in g_k.graph.nodes]:
+                raise AssertionError("a try planned ahead was planned on another graph than the one remade here")
+        plan = fold(plan, PlanDelta(recompute=summary, why=why))
+        self.ctx.record(recompute.NAME, self.gm)
+        self.ctx.record(fuse_optimizer.NAME, lambda: self.recomputed(best).code)
+        return g_k, plan
 
 
 def _fewest_runs_that_fit(attempt, n: int, cuda: bool, ahead=None) -> int:
@@ -248,21 +291,6 @@ def _likely_after(k: int, lo: int, hi: int, low, high, guesses: int, usable: int
                     nxt.append((k2, b_lo, b_hi, b_low, b_high, g2))
         level = nxt
     return list(dict.fromkeys(out))
-
-def _chosen(gm: fx.GraphModule, ctx: PassContext, recomputed, tried: dict, best: Try, summary: str,
-            why: str) -> tuple[fx.GraphModule, Plan]:
-    """The search's result: the chosen try's graph and plan, with what it recomputes and why said in the plan."""
-    g_k, plan = tried[best]
-    if g_k is None:         # planned ahead in a child: its graph made here (the same, name for name)
-        g_k = fuse_optimizer.run(recomputed(best), dataclasses.replace(ctx, plan_step=None,
-                                                                       record=lambda name, graph: None))
-        if plan.profile is not None and plan.profile.node_names != [n.name for n in g_k.graph.nodes]:
-            raise AssertionError("a try planned ahead was planned on another graph than the one remade here")
-    plan = fold(plan, PlanDelta(recompute=summary, why=why))
-    ctx.record(recompute.NAME, gm)
-    ctx.record(fuse_optimizer.NAME, lambda: recomputed(best).code)
-    return g_k, plan
-
 
 def _copy_graph(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
     """A copy to try a plan on. Lazy: its Python code is generated only if this copy is the one kept
