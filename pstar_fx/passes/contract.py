@@ -41,6 +41,9 @@ class PassContext:
     # the plan step's early word on host memory: a plan with no more host chunks than the final one will have (the
     # engine page-locks their buffers meanwhile: runtime/host_memory.py HostReserve)
     host_hint: Callable[[Plan], None] | None = None
+    # lint the graph a pass returns (the recompute search's tries do not: the try it keeps is linted by every pass
+    # after it, and the discarded dozen cost seconds at 70B)
+    lint: bool = True
 
 
 @dataclass(frozen=True, repr=False)

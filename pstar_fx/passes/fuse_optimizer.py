@@ -18,14 +18,14 @@ NAME = "fuse_optimizer"
 
 
 def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    return fuse_optimizer(gm, ctx.layout)
+    return fuse_optimizer(gm, ctx.layout, lint=ctx.lint)
 
 
 PASS = Pass(NAME, run, requires=frozenset({VIEWS_LOCAL}), provides=frozenset({FUSED}),
             why="the update runs inside backward: whole-model gradients never exist at once")
 
 
-def fuse_optimizer(gm: fx.GraphModule, layout: Layout) -> fx.GraphModule:
+def fuse_optimizer(gm: fx.GraphModule, layout: Layout, lint: bool = True) -> fx.GraphModule:
     g = gm.graph
     rt = role_nodes(g, "rt")[0]
     params = role_nodes(g, "param")
@@ -54,6 +54,7 @@ def fuse_optimizer(gm: fx.GraphModule, layout: Layout) -> fx.GraphModule:
         if layout.chunks[chunk].grad_spans():
             with g.inserting_after(node):
                 g.call_method("adam", (rt, chunk))
-    g.lint()
+    if lint:
+        g.lint()
     gm.recompile()
     return gm

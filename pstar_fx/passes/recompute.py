@@ -32,7 +32,7 @@ NAME = "recompute"
 
 
 def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    return recompute(gm, list(ctx.segments)) if ctx.segments else gm
+    return recompute(gm, list(ctx.segments), lint=ctx.lint) if ctx.segments else gm
 
 
 PASS = Pass(NAME, run, requires=frozenset({VIEWS_LOCAL}), provides=frozenset({RECOMPUTED}),
@@ -130,7 +130,7 @@ def group_segments(segments: list[Segment], size: int) -> list[Segment]:
     return groups
 
 
-def recompute(gm: fx.GraphModule, segments: list[Segment]) -> fx.GraphModule:
+def recompute(gm: fx.GraphModule, segments: list[Segment], lint: bool = True) -> fx.GraphModule:
     """Rewrite `gm` so that backward recomputes the interior values of `segments`."""
     g = gm.graph
     order = {n: i for i, n in enumerate(g.nodes)}
@@ -158,7 +158,8 @@ def recompute(gm: fx.GraphModule, segments: list[Segment]) -> fx.GraphModule:
 
         for user, n in uses:
             user.replace_input_with(n, clone(n))
-    g.lint()
+    if lint:
+        g.lint()
     gm.recompile()
     return gm
 

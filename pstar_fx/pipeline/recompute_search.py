@@ -106,7 +106,7 @@ class _Search:
         self.every = len(self.cheap)
         self.tried: dict[Try, tuple[fx.GraphModule | None, Plan]] = {}
         # what the tries' passes read; without the driver's hooks, which the record made on demand would keep alive
-        self.bare = dataclasses.replace(ctx, plan_step=None, record=lambda name, graph: None)
+        self.bare = dataclasses.replace(ctx, plan_step=None, record=lambda name, graph: None, lint=False)
         self.ahead: PlanAhead | None = None
 
     def holds(self, t: Try) -> bool:
