@@ -163,19 +163,42 @@ def code_later(graph: fx.Graph):
     return code
 
 
+def _fast(g: fx.Graph) -> bool:
+    """Whether `g` has the internals `create_node` uses that `node_copy` and `copy_graph` use directly."""
+    space, lookup = getattr(g, "_graph_namespace", None), getattr(g, "_find_nodes_lookup_table", None)
+    return all(hasattr(o, a) for o, a in [(space, "create_name"), (space, "associate_name_with_obj"),
+                                          (lookup, "insert"), (g, "_insert"), (g, "_len")])
+
+
+def _add(g: fx.Graph, node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
+    """A node like `node` with `args`/`kwargs`, made and linked at `g`'s insert point as `create_node` does, without
+    its walk over every argument to warn about raw SymInts (60% of a copy's time in torch 2.13): the arguments come
+    from a checked graph. Meta copied shallowly, as `Graph.node_copy` does."""
+    name = g._graph_namespace.create_name(node.name, None)
+    n = fx.Node(g, name, node.op, node.target, args, kwargs, node.type)
+    g._graph_namespace.associate_name_with_obj(name, n)
+    g._insert(n)
+    g._find_nodes_lookup_table.insert(n)
+    g._len += 1
+    n.meta = dict(node.meta)
+    return n
+
+
+def node_copy(g: fx.Graph, node: fx.Node, arg_transform) -> fx.Node:
+    """`g.node_copy(node, arg_transform)` (at `g`'s insert point), for the passes that copy thousands of nodes."""
+    if not _fast(g) or node.op in ("output", "placeholder"):
+        return g.node_copy(node, arg_transform)
+    return _add(g, node, fx.map_arg(node.args, arg_transform), fx.map_arg(node.kwargs, arg_transform))
+
+
 def copy_graph(src: fx.Graph) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
     """A copy of `src` (its output included; each node's meta copied shallowly, as `Graph.graph_copy` does) and the
-    map from its nodes to the copy's. The recompute search copies the whole step for every try; torch's
-    `create_node` walks every argument of every node to warn about raw SymInts (60% of a copy's time in torch
-    2.13), which a copy of a checked graph does not need, so nodes are made and linked here as `create_node`
-    does. Falls back to `graph_copy` where torch's Graph lacks the internals this uses."""
+    map from its nodes to the copy's. The recompute search copies the whole step for every try, without
+    `create_node`'s argument walk (`_add`); `graph_copy` where torch's Graph lacks the internals this uses."""
     g = fx.Graph()
     g._codegen = src._codegen
     nodes: dict[fx.Node, fx.Node] = {}
-    space, lookup = getattr(g, "_graph_namespace", None), getattr(g, "_find_nodes_lookup_table", None)
-    fast = all(hasattr(o, a) for o, a in [(space, "create_name"), (space, "associate_name_with_obj"),
-                                          (lookup, "insert"), (g, "_insert"), (g, "_len")])
-    if not fast:
+    if not _fast(g):
         g.output(g.graph_copy(src, nodes))
         return g, nodes
     remap = nodes.__getitem__
@@ -184,12 +207,5 @@ def copy_graph(src: fx.Graph) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
         if node.op == "output":
             g.output(args[0])
             break
-        name = space.create_name(node.name, None)
-        n = fx.Node(g, name, node.op, node.target, args, kwargs, node.type)
-        space.associate_name_with_obj(name, n)
-        g._insert(n)
-        lookup.insert(n)
-        g._len += 1
-        n.meta = dict(node.meta)
-        nodes[node] = n
+        nodes[node] = _add(g, node, args, kwargs)
     return g, nodes

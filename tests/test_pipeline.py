@@ -158,3 +158,13 @@ def test_a_copied_graph_is_graph_copys_node_for_node():
         added = ours.call_function(torch.ops.aten.clone.default, (first,))
     assert added.name not in {n.name for n in gm.graph.nodes}
     assert ours.find_nodes(op="call_function", target=torch.ops.aten.clone.default)
+    # one node copied at an insert point (what the recompute pass does), as Graph.node_copy copies it
+    from pstar_fx.fxutil import node_copy
+    src = nodes[next(n for n in gm.graph.nodes if n.op == "call_function")]
+    with ours.inserting_before(ours.output_node()):
+        a = node_copy(ours, src, lambda x: x)
+        b = ours.node_copy(src, lambda x: x)
+    assert (a.op, a.target, a.args, a.kwargs, a.meta.keys()) == (b.op, b.target, b.args, b.kwargs, b.meta.keys())
+    assert a.next is b and b.next is ours.output_node() and len({a.name, b.name, src.name}) == 3
+    assert a in ours.find_nodes(op="call_function", target=src.target)
+    ours.lint()

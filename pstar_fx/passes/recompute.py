@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from ..fxutil import (aliases_input, is_random, mutated_args, role_nodes, running_stats_args, value_bytes,
-                      without_stats_update)
+from ..fxutil import (aliases_input, is_random, mutated_args, node_copy, role_nodes, running_stats_args,
+                      value_bytes, without_stats_update)
 from .contract import RECOMPUTED, VIEWS_LOCAL, Pass, PassContext
 
 NAME = "recompute"
@@ -170,7 +170,7 @@ def clone_for_backward(g: fx.Graph, n: fx.Node, arg_transform) -> fx.Node:
     recomputes are the same)."""
     rewrite = without_stats_update(n)
     if rewrite is None:
-        return g.node_copy(n, arg_transform)
+        return node_copy(g, n, arg_transform)
     target, args, kwargs = rewrite
     remade = g.call_function(target, fx.map_arg(args, arg_transform), fx.map_arg(kwargs, arg_transform))
     remade.meta = dict(n.meta)
