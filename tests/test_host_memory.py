@@ -71,12 +71,18 @@ def test_pin_threads_reads_its_variable(monkeypatch):
             host_memory.pin_threads()
 
 
-def test_engine_with_host_state_locked_side_by_side_trains_the_same_bits(monkeypatch):
+def _host_state_run():
+    """A tiny GPT with its state on the host tier, compiled as the CPU compiles it (nothing page-locked): its
+    config, inputs, model and engine, what a run with locked host buffers must equal bit for bit."""
     config = {"device": "cpu", "placement": "host", "chunk_size": 16384, "seed": 1, "optimizer": {"lr": 1e-3}}
     inputs = batch()
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny"))
-    plain = pstar_fx.compile(model, config, inputs)
+    return config, inputs, model, pstar_fx.compile(model, config, inputs)
+
+
+def test_engine_with_host_state_locked_side_by_side_trains_the_same_bits(monkeypatch):
+    config, inputs, model, plain = _host_state_run()
     lock = FakeLock()
 
     class Locked(host_memory.HostBuffers):          # as on CUDA: page-locked host state, 4 workers
@@ -262,11 +268,7 @@ def test_host_buffers_locked_ahead_of_the_plan_train_the_same_bits(monkeypatch):
     import pstar_fx.engine as engine_mod
     monkeypatch.setenv("PSTAR_FX_PLAN_WORKERS", "2")
     monkeypatch.setenv("PSTAR_FX_PLAN_CACHE", "0")
-    config = {"device": "cpu", "placement": "host", "chunk_size": 16384, "seed": 1, "optimizer": {"lr": 1e-3}}
-    inputs = batch()
-    torch.manual_seed(0)
-    model = GPT(gpt_config("tiny"))
-    plain = pstar_fx.compile(model, config, inputs)
+    config, inputs, model, plain = _host_state_run()
     lock = FakeLock()
     reserves = []
 
