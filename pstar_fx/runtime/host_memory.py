@@ -94,6 +94,17 @@ def _first_values(t: torch.Tensor, fill: float | int) -> None:
         t.fill_(fill)
 
 
+def _lock_pool(threads: int, device: torch.device | None, name: str) -> ThreadPoolExecutor:
+    """Worker threads that page-lock host buffers for `device` (its CUDA context: a worker thread would default to
+    cuda:0)."""
+    on_device = device is not None and device.type == "cuda"
+    # set_device needs an index: "cuda" alone is the current device of this (the constructing) thread
+    index = (device.index if device.index is not None else torch.cuda.current_device()) if on_device else None
+    return ThreadPoolExecutor(threads, thread_name_prefix=name,
+                              initializer=torch.cuda.set_device if on_device else None,
+                              initargs=(index,) if on_device else ())
+
+
 class HostReserve:
     """Page-locked host buffers made before the plan is final, for the store to take (`HostBuffers.reserve`).
 
@@ -106,12 +117,8 @@ class HostReserve:
 
     def __init__(self, threads: int, device: torch.device | None = None,
                  lock: Callable[[torch.Tensor], int] = register):
-        on_device = device is not None and device.type == "cuda"
-        index = (device.index if device.index is not None else torch.cuda.current_device()) if on_device else None
         self.lock = lock
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="pstar_fx-reserve",
-                                        initializer=torch.cuda.set_device if on_device else None,
-                                        initargs=(index,) if on_device else ())
+        self._pool = _lock_pool(threads, device, "pstar_fx-reserve")
         self._free: dict[int, list[tuple[torch.Tensor, Future]]] = {}      # nbytes -> buffers not taken
         self._wanted: dict[int, int] = {}
         self.made = self.taken = 0
@@ -208,13 +215,7 @@ class HostBuffers:
         if self.threads < 2 or not self.pin or self._pool is not None:
             yield self
             return
-        on_device = self.device is not None and self.device.type == "cuda"
-        # set_device needs an index: "cuda" alone is the current device of this (the constructing) thread
-        index = (self.device.index if self.device.index is not None else torch.cuda.current_device()) \
-            if on_device else None
-        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="pstar_fx-pin",
-                                        initializer=torch.cuda.set_device if on_device else None,
-                                        initargs=(index,) if on_device else ())
+        self._pool = _lock_pool(self.threads, self.device, "pstar_fx-pin")
         try:
             yield self
         finally:
