@@ -163,11 +163,14 @@ def code_later(graph: fx.Graph):
     return code
 
 
-def _fast(g: fx.Graph) -> bool:
+def _has_node_internals(g: fx.Graph) -> bool:
     """Whether `g` has the internals `create_node` uses that `node_copy` and `copy_graph` use directly."""
     space, lookup = getattr(g, "_graph_namespace", None), getattr(g, "_find_nodes_lookup_table", None)
     return all(hasattr(o, a) for o, a in [(space, "create_name"), (space, "associate_name_with_obj"),
                                           (lookup, "insert"), (g, "_insert"), (g, "_len")])
+
+
+_FAST = _has_node_internals(fx.Graph())      # (this torch's Graph: asked once, not per node copied)
 
 
 def _add(g: fx.Graph, node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
@@ -186,7 +189,7 @@ def _add(g: fx.Graph, node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
 
 def node_copy(g: fx.Graph, node: fx.Node, arg_transform) -> fx.Node:
     """`g.node_copy(node, arg_transform)` (at `g`'s insert point), for the passes that copy thousands of nodes."""
-    if not _fast(g) or node.op in ("output", "placeholder"):
+    if not _FAST or node.op in ("output", "placeholder"):
         return g.node_copy(node, arg_transform)
     return _add(g, node, fx.map_arg(node.args, arg_transform), fx.map_arg(node.kwargs, arg_transform))
 
@@ -198,7 +201,7 @@ def copy_graph(src: fx.Graph) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
     g = fx.Graph()
     g._codegen = src._codegen
     nodes: dict[fx.Node, fx.Node] = {}
-    if not _fast(g):
+    if not _FAST:
         g.output(g.graph_copy(src, nodes))
         return g, nodes
     remap = nodes.__getitem__

@@ -141,20 +141,17 @@ def build_regions(gm: fx.GraphModule, device: torch.device,
             if any(s is None for s in specs):
                 outputs[region] = None
                 continue
-            examples, shared = [], {}
+            examples, stand_ins = [], {}    # one stand-in per tensor the step will pass: aliased outputs share one
             for a, spec in zip(node.args, specs):
-                key = same.get(a)
-                if key is None:
-                    examples.append(_example(spec, device))
-                    continue
-                if key not in shared:
-                    shared[key] = _example(spec, device)
-                examples.append(shared[key])
+                key = same.get(a, a)
+                if key not in stand_ins:
+                    stand_ins[key] = _example(spec, device)
+                examples.append(stand_ins[key])
             outs = region(*examples)
             firsts = [next(j for j, other in enumerate(outs) if other is o) if isinstance(o, torch.Tensor) else i
                       for i, o in enumerate(outs)]
             outputs[region] = ([_Layout.of(o) if isinstance(o, torch.Tensor) else None for o in outs], firsts)
-            del outs, examples, shared
+            del outs, examples, stand_ins
         if outputs[region] is not None:
             layouts, firsts = outputs[region]
             for user in node.users:
