@@ -460,3 +460,17 @@ def test_the_host_hint_bounds_the_final_plans_host_chunks_from_below(monkeypatch
     lowered(0, cache="1")                                   # searched, and its decision cached
     cached, hints = lowered(0, cache="1")
     assert [p.placement for p, _ in hints] == [cached.plan.placement] == [final.placement]
+
+
+def test_plan_workers_reads_its_variable(monkeypatch):
+    """PSTAR_FX_PLAN_WORKERS sets the children (0: none) whatever the step's size; a value that is not a count is
+    an error that names the variable."""
+    from pstar_fx.pipeline.plan_ahead import workers_for
+    monkeypatch.setenv("PSTAR_FX_PLAN_WORKERS", "3")
+    assert workers_for(10) == 3
+    monkeypatch.setenv("PSTAR_FX_PLAN_WORKERS", "0")
+    assert workers_for(10**6) == 0
+    for bad in ("-1", "many"):
+        monkeypatch.setenv("PSTAR_FX_PLAN_WORKERS", bad)
+        with pytest.raises(ValueError, match="PSTAR_FX_PLAN_WORKERS"):
+            workers_for(10)

@@ -243,7 +243,6 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
                                        sizes.state_bytes)), profile=profile)
 
 
-
 def _copy_bytes(sched: Schedule, ship_of: list[str], chunk_elems: int, compute_itemsize: int, host_chunks: list[int],
                 frozen: list[bool]) -> float:
     """Bytes a step moves over PCIe, each way through host memory: every fetch of a compute copy (the schedule's,

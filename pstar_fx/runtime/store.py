@@ -83,9 +83,9 @@ def host_buffer_sizes(layout: Layout, plan: Plan, config: Config, compute_dtype:
             continue
         if layout.chunks[c].frozen:
             nbytes = [cs * compute_dtype.itemsize]
-        else:
-            moment = config.moment_dtype.itemsize
-            nbytes = [cs * 4, cs * moment] + ([cs * moment] if config.optimizer_state != "int8" else [])
+        else:                                           # the master, and the moments that start at zero
+            zero_moments = 1 if config.optimizer_state == "int8" else 2
+            nbytes = [cs * 4] + [cs * config.moment_dtype.itemsize] * zero_moments
         for b in nbytes:
             sizes[b] = sizes.get(b, 0) + 1
     return sizes
