@@ -3,6 +3,7 @@ whether a value aliases its input, whether an op draws random numbers, and how m
 from __future__ import annotations
 
 import operator
+import re
 
 import torch
 import torch.fx as fx
@@ -167,17 +168,37 @@ def _has_node_internals(g: fx.Graph) -> bool:
     """Whether `g` has the internals `create_node` uses that `node_copy` and `copy_graph` use directly."""
     space, lookup = getattr(g, "_graph_namespace", None), getattr(g, "_find_nodes_lookup_table", None)
     return all(hasattr(o, a) for o, a in [(space, "create_name"), (space, "associate_name_with_obj"),
+                                          (space, "_used_names"), (space, "_base_count"),
                                           (lookup, "insert"), (g, "_insert"), (g, "_len")])
 
 
 _FAST = _has_node_internals(fx.Graph())      # (this torch's Graph: asked once, not per node copied)
 
 
+_NUMBERED = re.compile(r"^(.*?)(?:_(\d+))?$")
+
+
+def _unused_name(space, name: str) -> str:
+    """`name`, or where `g` has it (a node copied into its own graph: the recompute pass's clones, a localized
+    view) the next free `base_N`, as torch 2.13's `create_name` picks it. Torch up to 2.11 looks the count up under
+    the whole name (`mm_12`) instead of its base (`mm`) and so tries `mm_1`, `mm_2`, ... every time: quadratic in
+    the graph's size (93 of the 197 s a 70B LoRA plan took on the H200 box's torch 2.11, in `create_name`). A name
+    handed over unused skips that loop on any torch."""
+    if name not in space._used_names:
+        return name
+    base = _NUMBERED.match(name).group(1)
+    num = space._base_count.get(base, 0) + 1
+    while f"{base}_{num}" in space._used_names:
+        num += 1
+    return f"{base}_{num}"
+
+
 def _add(g: fx.Graph, node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
     """A node like `node` with `args`/`kwargs`, made and linked at `g`'s insert point as `create_node` does, without
     its walk over every argument to warn about raw SymInts (60% of a copy's time in torch 2.13): the arguments come
     from a checked graph. Meta copied shallowly, as `Graph.node_copy` does."""
-    name = g._graph_namespace.create_name(node.name, None)
+    space = g._graph_namespace
+    name = space.create_name(_unused_name(space, node.name), None)
     n = fx.Node(g, name, node.op, node.target, args, kwargs, node.type)
     g._graph_namespace.associate_name_with_obj(name, n)
     g._insert(n)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..fxutil import aliases_input, role_nodes
+from ..fxutil import aliases_input, node_copy, role_nodes
 from .contract import CAPTURED, VIEWS_LOCAL, Pass, PassContext
 
 NAME = "localize_param_views"
@@ -42,7 +42,7 @@ def localize_param_views(gm: fx.GraphModule) -> fx.GraphModule:
     def clone_chain(v: fx.Node) -> fx.Node:
         base = v.args[0]
         new_base = base if base in params else clone_chain(base)
-        return g.node_copy(v, lambda n: new_base if n is base else n)
+        return node_copy(g, v, lambda n: new_base if n is base else n)
 
     for user in list(g.nodes):
         if user in view_set:
