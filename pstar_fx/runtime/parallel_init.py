@@ -98,12 +98,34 @@ def _state_mover() -> Callable[[int, int], None] | None:
     return move
 
 
+@functools.cache
+def _redraws_last_block(dtype: torch.dtype) -> bool | None:
+    """Whether a CPU `normal_` of n >= 16 contiguous `dtype` values, n not a multiple of 16, takes n + 16 draws (its
+    last block of 16 drawn again: fp32, and the 16-bit dtypes up to torch 2.11) or n rounded up to 16 (the 16-bit
+    dtypes in later torch); None where it takes neither. Probed once per process: on the H200 box's torch 2.11 a
+    16-bit rule assumed from 2.13 failed the bits check, and a 70B LoRA's 26 G frozen host weights were drawn on one
+    thread (more than 6 minutes)."""
+    n = 16 * 3 + 5
+    gen = torch.Generator().manual_seed(7)
+    start = gen.get_state()
+    torch.empty(n, dtype=dtype).normal_(generator=gen)
+    end = gen.get_state()
+    scratch = torch.empty(64, dtype=torch.int64)
+    for redraw, draws in ((True, n + 16), (False, n + 16 - n % 16)):
+        probe = torch.Generator()
+        probe.set_state(start)
+        _draw_through(probe, draws, scratch)
+        if torch.equal(probe.get_state(), end):
+            return redraw
+    return None
+
+
 def _draws(n: int, dtype: torch.dtype = torch.float32) -> int:
-    """32-bit draws a CPU `normal_` of n >= 16 contiguous values takes: fp32 redraws its last block of 16 when n is
-    not a multiple of 16 (n + 16); the 16-bit dtypes draw whole blocks (n rounded up to 16)."""
+    """32-bit draws a CPU `normal_` of n >= 16 contiguous values takes: n when n is a multiple of 16; else n + 16 or
+    n rounded up to 16, as this torch draws into `dtype` (`_redraws_last_block`)."""
     if n % 16 == 0:
         return n
-    return n + 16 if dtype == torch.float32 else n + 16 - n % 16
+    return n + 16 if _redraws_last_block(dtype) else n + 16 - n % 16
 
 
 def _pieces(n: int, piece: int) -> list[tuple[int, int]]:
@@ -137,8 +159,16 @@ SPLIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # 16-bit: a froz
 
 @functools.cache
 def _same_bits_for(dtype: torch.dtype) -> bool:
-    """`same_bits_as_serial` for a `normal_` into `dtype` (a 16-bit one rounds the fp32 normals of each block of
-    16, drawing as fp32 does: checked here, not assumed)."""
+    """`same_bits_as_serial` for a `normal_` into `dtype` (how a 16-bit one draws differs between torch versions:
+    checked here, not assumed). A 16-bit dtype that does not split is said once (fp32's caller says it)."""
+    same = _redraws_last_block(dtype) is not None and _pieces_give_serial_bits(dtype)
+    if not same and dtype != torch.float32:
+        log.info("normal_ into %s host tensors runs on one thread: this torch's CPU normal_ into it does not split "
+                 "with the same bits", str(dtype).removeprefix("torch."))
+    return same
+
+
+def _pieces_give_serial_bits(dtype: torch.dtype) -> bool:
     n, piece = 16 * 23 + 5, 64
     gen = torch.Generator().manual_seed(1234)
     start = gen.get_state()
