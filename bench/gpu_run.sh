@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call on the H200 machine: build the C++ kernel there, then run the stages named as
-# arguments (kernels | plan_profile[:ARGS] | host_adam[:ARGS] (bench/host_adam_bench.py ARGS, spaces as commas) | tests | tests:PYTEST_K_EXPR (tests/test_gpu.py only) | integrations | hf_trainer[:ARGS] | lora[:ARGS] | probe | small_peak | checkpoint | gpt:MODEL:SYSTEM[:BATCH[:HOST_MEMORY[:LAYERS[:EXTRA ARGS]]]]).
+# arguments (kernels | plan_profile[:ARGS] | pinned[:ARGS] | host_adam[:ARGS] (bench/host_adam_bench.py ARGS, spaces as commas) | tests | tests:PYTEST_K_EXPR (tests/test_gpu.py only) | integrations | hf_trainer[:ARGS] | lora[:ARGS] | probe | small_peak | checkpoint | gpt:MODEL:SYSTEM[:BATCH[:HOST_MEMORY[:LAYERS[:EXTRA ARGS]]]]).
 # Output files land in $OUT. MODEL: a GPT name, llama/NAME or hf-llama/NAME (bench/gpt.py --model).
 # EXTRA ARGS go to bench/gpt.py as they are, e.g. gpt:GPT3_10B:pstar_fx:16:108GiB::--clip-sweep=none,1e9,1e-3
 # The strongest PyTorch peer: gpt:GPT_h3072_L36:torch-best:16 ({eager, compiled} x checkpoint {none, half, all}).
@@ -12,6 +12,8 @@
 # lora[:ARGS]: bench/lora_bench.py ARGS (spaces as commas): peft LoRA r=16 on HF LlamaForCausalLM at Llama-3-70B's
 #   shape, pstar_fx against peft under FSDP2 + CPUOffloadPolicy at the deepest shape whose weights fit the host (issue
 #   25); each side a subprocess, LORA_S (default 560) seconds for both; lines appended to $OUT/lora.jsonl.
+# pinned[:ARGS]: bench/pinned_alloc.py ARGS (spaces as commas): page-locking the host state's buffers, each way
+#   (e.g. pinned:--gib,100,--threads,4,16,--slab-gib,16,--huge-pages); RESULT lines in $OUT/pinned.txt.
 # plan_profile[:ARGS]: bench/plan_profile.py ARGS (spaces as commas): capture + plan of a meta-built model on this
 #   host under cProfile (no GPU used; e.g. plan_profile:--model,hf-llama/Llama3_70B,--lora,16); $OUT/plan.prof.
 # integrations: the GPU tests of PstarTrainer and the Lightning strategy (tests/test_integrations_*.py -m gpu).
@@ -36,6 +38,8 @@ for stage in "$@"; do
     plan_profile*) timeout 400 python3 bench/plan_profile.py --out "$OUT" --top 30 \
              $( [[ $stage == plan_profile:* ]] && echo "${stage#plan_profile:}" | tr , ' ') 2>&1 | grep -v "^DEBUG" \
              | tail -90 | tee -a "$OUT/plan_profile.txt" ;;
+    pinned*) timeout 300 python3 bench/pinned_alloc.py $( [[ $stage == pinned:* ]] && echo "${stage#pinned:}" | tr , ' ') \
+             2>&1 | tee -a "$OUT/pinned.txt" ;;
     probe) timeout 120 python3 bench/peak_probe.py 2>&1 | grep -v "^DEBUG" | tail -45 | tee -a "$OUT/probe.txt" ;;
     host_adam*) runs=$((${runs:-0} + 1))      # one JSON per stage: a second stage would overwrite the first
        timeout 240 python3 bench/host_adam_bench.py --json "$OUT/host_adam-$runs.json" \

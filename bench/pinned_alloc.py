@@ -1,6 +1,6 @@
 """How fast can the host tier's state be allocated page-locked? One JSON line per option: RESULT {json}
 
-    python bench/pinned_alloc.py --gib 107 --buffer-mib 1800 --threads 1,2,4,8,16 --slab-gib 4,16
+    python bench/pinned_alloc.py --gib 107 --buffer-mib 1800 --threads 1,2,4,8,16 --slab-gib 4,16 [--huge-pages]
 
 The chunk store allocates its host state as many equal buffers (per host chunk: fp32 master, exp_avg, exp_avg_sq
 of chunk_size elements; GPT3_18B: 107 GiB in all, 35-43 s on the H200 box one buffer after another). Options, each
@@ -9,7 +9,8 @@ on freshly allocated memory, freed before the next:
   touch            torch.zeros of every buffer, nothing locked: the first-touch cost alone
   serial           torch.zeros + cudaHostRegister, one buffer after another (the store before host_memory.py)
   threads=K        runtime.host_memory.HostBuffers with K workers: each buffer zeroed and registered on a worker
-                   (what the store does now, PSTAR_FX_PIN_THREADS=K)
+                   (what the store does now, PSTAR_FX_PIN_THREADS=K); ",huge" (--huge-pages): the same with
+                   transparent huge pages asked for before the first touch (PSTAR_FX_HUGE_PAGES=1)
   register-untouched=K  K workers cudaHostRegister buffers never touched (the driver faults the pages in), then zero
   pin_memory       torch.empty(pin_memory=True) (cudaHostAlloc through the caching allocator, which rounds every
                    block up to a power of two: `bytes_held` says how much that costs)
@@ -61,13 +62,17 @@ def run(args) -> None:
         return
     torch.cuda.init()
 
-    for k in args.threads:
-        host = HostBuffers(pin=True, threads=k, device=torch.device("cuda", torch.cuda.current_device()))
-        t = time.perf_counter()
-        with host.batch():
-            bufs = [host.empty(n_elems, torch.float32, fill=0) for _ in range(count)]
-        emit("serial" if k == 1 else f"threads={k}", time.perf_counter() - t, nbytes, unlocked=len(host.unlocked))
-        unregister(bufs)
+    for huge in ([False, True] if args.huge_pages else [False]):
+        os.environ["PSTAR_FX_HUGE_PAGES"] = "1" if huge else "0"
+        for k in args.threads:
+            host = HostBuffers(pin=True, threads=k, device=torch.device("cuda", torch.cuda.current_device()))
+            t = time.perf_counter()
+            with host.batch():
+                bufs = [host.empty(n_elems, torch.float32, fill=0) for _ in range(count)]
+            emit(("serial" if k == 1 else f"threads={k}") + (",huge" if huge else ""), time.perf_counter() - t,
+                 nbytes, unlocked=len(host.unlocked))
+            unregister(bufs)
+    os.environ.pop("PSTAR_FX_HUGE_PAGES")
 
     for k in args.threads:
         if k < 2:
@@ -118,6 +123,8 @@ def main(argv=None) -> None:
     ap.add_argument("--buffer-mib", type=int, default=1800, help="one buffer (a chunk's master or moment), MiB")
     ap.add_argument("--threads", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16])
     ap.add_argument("--slab-gib", type=lambda s: [float(x) for x in s.split(",")], default=[4, 16])
+    ap.add_argument("--huge-pages", action="store_true",
+                    help="also each threads=K with transparent huge pages asked for (PSTAR_FX_HUGE_PAGES=1)")
     run(ap.parse_args(argv))
 
 

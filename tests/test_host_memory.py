@@ -293,3 +293,51 @@ def test_host_buffers_locked_ahead_of_the_plan_train_the_same_bits(monkeypatch):
         assert torch.equal(plain.step(*inputs), ahead.step(*inputs))
     a, b = plain.state_dict(), ahead.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_huge_pages_are_asked_for_before_the_first_touch_only_when_wanted(monkeypatch):
+    """PSTAR_FX_HUGE_PAGES=1: every page-locked host buffer a batch, a reserve or a buffer made at once hands out is
+    advised huge pages before its first values are written (its pages do not exist yet); by default, or unpinned,
+    none is. A buffer so advised keeps its values (on the CPU box's kernel the advice itself is taken)."""
+    from pstar_fx.runtime.host_memory import OWN_MAPPING_BYTES, huge_pages
+    advised: list[tuple[int, bool]] = []                    # (address, touched already?)
+    real_first = host_memory._first_values
+    touched: set[int] = set()
+    monkeypatch.setattr(host_memory, "_first_values",
+                        lambda t, fill: (touched.add(t.data_ptr()), real_first(t, fill))[1])
+    monkeypatch.setattr(host_memory, "huge_pages", lambda t: advised.append((t.data_ptr(), t.data_ptr() in touched)))
+
+    def make(pin: bool) -> list[torch.Tensor]:
+        touched.clear()                                     # (a freed buffer's address comes back)
+        lock = FakeLock()
+        reserve = host_memory.HostReserve(2, lock=lock) if pin else None   # (the engine makes one on CUDA only)
+        if reserve is not None:
+            reserve.want({4000: 1})
+        host = host_memory.HostBuffers(pin=pin, threads=2, lock=lock)
+        host.reserve = reserve
+        with host.batch():
+            bufs = [host.empty(1000, torch.float32, fill=0), host.empty(300, torch.float32, fill=2.0)]
+        if reserve is not None:
+            reserve.close()
+            assert reserve.taken == 1
+        return bufs + [host.empty(10, torch.float32, fill=1.0)]
+
+    make(pin=True)
+    assert advised == []
+    monkeypatch.setenv("PSTAR_FX_HUGE_PAGES", "1")
+    make(pin=False)
+    assert advised == []
+    bufs = make(pin=True)
+    assert sorted(p for p, _ in advised) == sorted(b.data_ptr() for b in bufs)
+    assert not any(before for _, before in advised)
+    assert not bufs[0].any() and bool((bufs[1] == 2.0).all()) and bool((bufs[2] == 1.0).all())
+    monkeypatch.setenv("PSTAR_FX_HUGE_PAGES", "yes")
+    with pytest.raises(ValueError, match="PSTAR_FX_HUGE_PAGES"):
+        host_memory.huge_pages_wanted()
+    import os
+    big = torch.empty(OWN_MAPPING_BYTES // 4)
+    assert not huge_pages(torch.empty(16))                  # small: may share its pages, never advised
+    # a kernel built with transparent huge pages (it has this file) takes the advice, whatever its mode
+    assert huge_pages(big) == os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
+    big.fill_(3.0)
+    assert bool((big == 3.0).all())
