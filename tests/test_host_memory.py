@@ -52,6 +52,19 @@ def test_a_buffer_that_cannot_be_locked_stays_usable_and_is_reported(caplog):
     assert host.unlocked == [1, 1] and "2 host buffer(s) could not be page-locked" in caplog.text
 
 
+def test_a_buffer_no_copy_touches_is_first_touched_by_the_workers_but_never_locked():
+    lock = FakeLock()
+    host = host_memory.HostBuffers(pin=True, threads=2, lock=lock)
+    with host.batch():
+        kept = host.empty(1000, torch.float32, fill=0, lock=False)
+        odd = host.empty(500, torch.bfloat16, fill=1.5, lock=False)
+        crossing = host.empty(800, torch.bfloat16)
+    assert not kept.any() and bool((odd == 1.5).all()) and not crossing.any()   # (unfilled: zeroed as touched)
+    assert [p for p, _, _ in lock.locked] == [crossing.data_ptr()]
+    alone = host.empty(10, torch.float32, fill=2.0, lock=False)                # outside a batch: the same
+    assert bool((alone == 2.0).all()) and len(lock.locked) == 1
+
+
 def test_one_thread_or_no_pinning_makes_each_buffer_ready_when_handed_out():
     for pin, threads in ((True, 1), (False, 4)):
         lock = FakeLock()
@@ -71,18 +84,39 @@ def test_pin_threads_reads_its_variable(monkeypatch):
             host_memory.pin_threads()
 
 
-def _host_state_run():
+def _host_state_run(dtype: str = "fp32"):
     """A tiny GPT with its state on the host tier, compiled as the CPU compiles it (nothing page-locked): its
     config, inputs, model and engine, what a run with locked host buffers must equal bit for bit."""
-    config = {"device": "cpu", "placement": "host", "chunk_size": 16384, "seed": 1, "optimizer": {"lr": 1e-3}}
+    config = {"device": "cpu", "placement": "host", "chunk_size": 16384, "seed": 1, "optimizer": {"lr": 1e-3},
+              "dtype": dtype}
     inputs = batch()
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny"))
     return config, inputs, model, pstar_fx.compile(model, config, inputs)
 
 
-def test_engine_with_host_state_locked_side_by_side_trains_the_same_bits(monkeypatch):
-    config, inputs, model, plain = _host_state_run()
+def _locked_is_what_crosses(engine, lock: FakeLock) -> None:
+    """Each host buffer locked once and exactly its bytes; the locked ones are every host buffer but those no copy
+    reads (only the host Adam): the moments, and the master where its 16-bit shadow crosses instead. So the bytes
+    locked are the host tier's charge less theirs."""
+    from pstar_fx.runtime.store import master_crosses
+    store = engine.rt.store
+    locked = [p for p, _, _ in lock.locked]
+    assert len(locked) == len(set(locked))
+    host = [c for c in range(len(store.master)) if store.tier(c) == "host"]
+    unlocked = [t for c in host for t in (store.exp_avg[c], store.exp_avg_sq[c]) if t is not None]
+    unlocked += [store.master[c] for c in host if not master_crosses(engine.plan, c)]
+    assert host and unlocked and not {t.data_ptr() for t in unlocked} & set(locked)
+    assert {store.master[c].data_ptr() for c in host if master_crosses(engine.plan, c)} <= set(locked)
+    assert {t.data_ptr() for t in store.shadow.values()} <= set(locked)
+    assert sum(n for _, n, _ in lock.locked) == store.stats.host_bytes - sum(t.numel() * t.element_size()
+                                                                              for t in unlocked)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_engine_with_host_state_locked_side_by_side_trains_the_same_bits(monkeypatch, dtype):
+    """fp32: each host chunk's master crosses (locked); bf16: its 16-bit shadow does, and the master stays unlocked."""
+    config, inputs, model, plain = _host_state_run(dtype)
     lock = FakeLock()
 
     class Locked(host_memory.HostBuffers):          # as on CUDA: page-locked host state, 4 workers
@@ -92,8 +126,7 @@ def test_engine_with_host_state_locked_side_by_side_trains_the_same_bits(monkeyp
     monkeypatch.setattr(store_mod, "HostBuffers", Locked)
     locked = pstar_fx.compile(model, config, inputs)
     assert any(not name.startswith("MainThread") for _, _, name in lock.locked)
-    # what was locked is what the store charged to the host tier: each buffer exactly its bytes
-    assert sum(n for _, n, _ in lock.locked) == locked.rt.stats.host_bytes
+    _locked_is_what_crosses(locked, lock)
     for _ in range(2):
         assert torch.equal(plain.step(*inputs), locked.step(*inputs))
     a, b = plain.state_dict(), locked.state_dict()
@@ -140,7 +173,7 @@ def test_host_state_is_page_locked_beside_the_region_builds_and_ready_before_the
     assert waited and all(waited)                      # no lock finished before the build began
     assert locked_at_init == [(len(waited), False)]    # all locked, none pending, when the init ran
     assert "page-lock" in engine.phases.seconds
-    assert sum(n for _, n, _ in lock.locked) == engine.rt.stats.host_bytes
+    _locked_is_what_crosses(engine, lock)
 
 
 def test_a_failed_region_build_still_waits_for_the_page_locking(monkeypatch):
@@ -285,10 +318,8 @@ def test_host_buffers_locked_ahead_of_the_plan_train_the_same_bits(monkeypatch):
     ahead = pstar_fx.compile(model, config, inputs)
     (r,) = reserves
     n_host = ahead.plan.placement.count("host")
-    assert n_host and r.made == 3 * n_host and r.taken == r.made         # master and two moments a chunk
-    locked = [p for p, _, _ in lock.locked]
-    assert len(locked) == len(set(locked))
-    assert sum(n for _, n, _ in lock.locked) == ahead.rt.stats.host_bytes
+    assert n_host and r.made == n_host and r.taken == r.made     # each host chunk's master (the moments: unlocked)
+    _locked_is_what_crosses(ahead, lock)
     for _ in range(2):
         assert torch.equal(plain.step(*inputs), ahead.step(*inputs))
     a, b = plain.state_dict(), ahead.state_dict()

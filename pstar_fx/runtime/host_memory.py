@@ -201,9 +201,12 @@ class HostBuffers:
         self.unlocked: list[int] = []           # error codes of buffers that stayed pageable (batch only)
         self.reserve: HostReserve | None = None  # buffers page-locked ahead (a batch takes zero-filled ones there)
 
-    def empty(self, n: int, dtype: torch.dtype, fill: float | int | None = None) -> torch.Tensor:
-        """A host buffer of n elements; `fill`: its first value everywhere (None: left as allocated)."""
-        if self._pool is not None and self.reserve is not None and self.pin and fill in (0, None):
+    def empty(self, n: int, dtype: torch.dtype, fill: float | int | None = None, lock: bool = True) -> torch.Tensor:
+        """A host buffer of n elements; `fill`: its first value everywhere (None: left as allocated). `lock=False`:
+        never page-locked (memory no copy to or from the device reads or writes, e.g. a host chunk's moments),
+        though still first touched by the batch's workers."""
+        pin = self.pin and lock
+        if self._pool is not None and self.reserve is not None and pin and fill in (0, None):
             got = self.reserve.take(n * dtype.itemsize)
             if got is not None:
                 buf, made = got
@@ -211,25 +214,26 @@ class HostBuffers:
                 return buf.view(dtype)
         t = torch.empty(n, dtype=dtype)
         if self._pool is None:
-            return self._ready_now(t, fill)
-        self._queued.append(self._pool.submit(self._ready, t, fill))
+            return self._ready_now(t, fill, pin)
+        self._queued.append(self._pool.submit(self._ready, t, fill, pin))
         return t
 
-    def _ready_now(self, t: torch.Tensor, fill) -> torch.Tensor:
+    def _ready_now(self, t: torch.Tensor, fill, pin: bool) -> torch.Tensor:
         if self.huge:
             huge_pages(t)
         if fill is not None:
             t.fill_(fill)
-        if self.pin and self.lock(t) != 0:
+        if pin and self.lock(t) != 0:
             return t.pin_memory()       # the allocator's pinned memory still works, only bigger (a power of two)
         return t
 
-    def _ready(self, t: torch.Tensor, fill) -> int:
+    def _ready(self, t: torch.Tensor, fill, pin: bool) -> int:
         if self.huge:
             huge_pages(t)               # before the first touch
-        if fill is not None:
-            _first_values(t, fill)      # also the first touch of its pages, here rather than in the lock
-        return self.lock(t) if self.pin else 0
+        # the first touch of its pages, here rather than in the lock: cudaHostRegister faulting untouched pages in
+        # ran at 2.7 GB/s on the H200 box, zeroing and then registering at 13.9 (bench/RESULTS.md, session 9)
+        _first_values(t, 0 if fill is None else fill)
+        return self.lock(t) if pin else 0
 
     @property
     def queues(self) -> bool:

@@ -72,22 +72,24 @@ class ChunkState:
     update_spans: list[tuple[int, int]]                  # what an update runs over (one span per parameter: int8)
 
 
+def master_crosses(plan: Plan, c: int) -> bool:
+    """Whether a copy to the device reads host chunk c's master itself (so it is page-locked): fp32 shipping, or a
+    frozen chunk's weights. A 16-bit shadow crosses instead of the master, or a host-side cast of it
+    (movers.Mover._copy_in); a trainable chunk's moments never cross."""
+    return plan.ship[c] in ("fp32", "frozen")
+
+
 def host_buffer_sizes(layout: Layout, plan: Plan, config: Config, compute_dtype: torch.dtype) -> dict[int, int]:
-    """Bytes -> count of the zero-filled host buffers `ChunkStore` allocates for `plan`'s host chunks: each trainable
-    chunk's fp32 master and moments (int8's first moment starts at a nonzero code, and its scales are small: not
-    counted), each frozen chunk's weights. What `HostReserve.want` makes ahead (the 16-bit shadows are left out:
-    how many depends on the final plan's shipping)."""
+    """Bytes -> count of the zero-filled, page-locked host buffers `ChunkStore` allocates for `plan`'s host chunks:
+    each frozen chunk's weights, each trainable chunk's fp32 master where it crosses itself (`master_crosses`).
+    What `HostReserve.want` makes ahead (the 16-bit shadows are left out: how many depends on the final plan's
+    shipping; the moments are never locked)."""
     cs, sizes = layout.chunk_size, {}
     for c, tier in enumerate(plan.placement):
-        if tier != "host":
+        if tier != "host" or not master_crosses(plan, c):
             continue
-        if layout.chunks[c].frozen:
-            nbytes = [cs * compute_dtype.itemsize]
-        else:                                           # the master, and the moments that start at zero
-            zero_moments = 1 if config.optimizer_state == "int8" else 2
-            nbytes = [cs * 4] + [cs * config.moment_dtype.itemsize] * zero_moments
-        for b in nbytes:
-            sizes[b] = sizes.get(b, 0) + 1
+        b = cs * (compute_dtype.itemsize if layout.chunks[c].frozen else 4)
+        sizes[b] = sizes.get(b, 0) + 1
     return sizes
 
 
@@ -160,15 +162,17 @@ class ChunkStore:
                 for state in (self.exp_avg, self.exp_avg_sq, self.exp_avg_absmax, self.exp_avg_sq_absmax):
                     state.append(None)
                 continue
-            self.master.append(self.alloc(tier, cs, torch.float32, zero=True))
+            # a host chunk's state is page-locked only where a copy reads it: its master when the master itself
+            # crosses (`master_crosses`); its moments never (the host Adam alone reads them)
+            self.master.append(self.alloc(tier, cs, torch.float32, zero=True, lock=master_crosses(plan, c)))
             # int8: the code of 0 (the unsigned one is 0)
             self.exp_avg.append(self.alloc(tier, cs, config.moment_dtype,
-                                           fill=quant8.SIGNED_ZERO if self.quantized else 0))
-            self.exp_avg_sq.append(self.alloc(tier, cs, config.moment_dtype, zero=True))
+                                           fill=quant8.SIGNED_ZERO if self.quantized else 0, lock=False))
+            self.exp_avg_sq.append(self.alloc(tier, cs, config.moment_dtype, zero=True, lock=False))
             if self.quantized:
                 blocks = quant8.blocks_of(layout.chunks[c].param_spans())
-                self.exp_avg_absmax.append(self.alloc(tier, blocks, torch.float32, zero=True))
-                self.exp_avg_sq_absmax.append(self.alloc(tier, blocks, torch.float32, zero=True))
+                self.exp_avg_absmax.append(self.alloc(tier, blocks, torch.float32, zero=True, lock=False))
+                self.exp_avg_sq_absmax.append(self.alloc(tier, blocks, torch.float32, zero=True, lock=False))
             else:
                 self.exp_avg_absmax.append(None)
                 self.exp_avg_sq_absmax.append(None)
@@ -200,9 +204,10 @@ class ChunkStore:
         return self.plan.placement[c] != "remote"
 
     def alloc(self, tier: str, n: int, dtype: torch.dtype, zero: bool = False,
-              fill: float | int | None = None) -> torch.Tensor:
+              fill: float | int | None = None, lock: bool = True) -> torch.Tensor:
         """A persistent buffer on `tier` ("device" or "host"), charged against that tier's budget; zeroed, or
-        filled with `fill`, or left as allocated. A host one is page-locked on CUDA (runtime/host_memory.py)."""
+        filled with `fill`, or left as allocated. A host one is page-locked on CUDA (runtime/host_memory.py) unless
+        `lock=False` (no copy to or from the device touches it)."""
         on_device = tier == "device"
         self.stats.charge(tier, n * dtype.itemsize, self.config.device_memory if on_device else self.config.host_memory)
         fill = 0 if zero else fill
@@ -211,7 +216,7 @@ class ChunkStore:
             if fill is not None:
                 t.fill_(fill)
         else:
-            t = self._host.empty(n, dtype, fill)
+            t = self._host.empty(n, dtype, fill, lock=lock)
         self._ptrs.add(t.untyped_storage().data_ptr())
         return t
 
