@@ -119,6 +119,32 @@ def test_bad_lora_and_freeze_flags_are_clear_errors(tmp_path, flag, message, cap
     assert code in (1, 2) and message in capsys.readouterr().err
 
 
+def test_a_lora_model_built_on_meta_starts_as_its_base_model():
+    """Built on the meta device, its weights made by its own init in chunk memory: the base model's init, then
+    LoRA's (B zero, A Kaiming-uniform within 1/sqrt(fan_in)) — not the base model's normal draw for the adapters'
+    Linear layers, which made the adapted model differ from its base before any step."""
+    from transformers import LlamaForCausalLM
+    config = hf_model("llama").config
+    lora_config = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS["llama"])
+    with torch.device("meta"):
+        model = peft.get_peft_model(LlamaForCausalLM(config), peft.LoraConfig(**lora_config))
+    data = batches("llama")
+    engine = pstar_fx.compile(model, {"device": "cpu", "chunk_size": 16384, "optimizer": OPT},
+                              example_inputs=data[0])
+    sd = engine.state_dict()
+    a = {k: v for k, v in sd.items() if ".lora_A." in k}
+    b = {k: v for k, v in sd.items() if ".lora_B." in k}
+    assert a and len(a) == len(b) and all(not v.any() for v in b.values())
+    assert all(v.any() and float(v.abs().max()) <= v.shape[1] ** -0.5 for v in a.values())
+    torch.manual_seed(5)
+    real = engine.export(peft.get_peft_model(LlamaForCausalLM(config), peft.LoraConfig(**lora_config))).eval()
+    ids = data[0]["input_ids"]
+    with torch.no_grad():
+        adapted = real(input_ids=ids).logits
+        with real.disable_adapter():
+            assert torch.equal(adapted, real(input_ids=ids).logits)
+
+
 @pytest.mark.gpu
 def test_gpu_bf16_lora_with_base_weights_on_the_host_tracks_eager_fp32():
     if not torch.cuda.is_available():

@@ -73,6 +73,7 @@ def materialize(model: nn.Module, store: ChunkStore, layout: Layout, cap: Captur
             for m in model.modules():
                 if hasattr(m, "reset_parameters"):
                     m.reset_parameters()
+        _reset_lora_adapters(model)
     if store.device.type == "cuda":
         torch.cuda.synchronize(store.device)
     t1 = time.perf_counter()
@@ -80,6 +81,28 @@ def materialize(model: nn.Module, store: ChunkStore, layout: Layout, cap: Captur
     if store.device.type == "cuda":
         torch.cuda.synchronize(store.device)
     log.info("  initialize: the model's init %.1f s, its 16-bit copies %.1f s", t1 - t0, time.perf_counter() - t1)
+
+
+def _reset_lora_adapters(model: nn.Module) -> None:
+    """A peft LoRA model's adapters get peft's own init (B zero, A Kaiming-uniform, or what the adapter's
+    `init_lora_weights` says) after the base model's init, which treats their layers as plain Linear ones (a
+    Hugging Face model's `init_weights` drew B from a normal: the adapted model no longer equalled its base at
+    step 0). Other peft tuners keep the base model's init of their layers, and are said to."""
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict):
+        return
+    others = set()
+    for m in model.modules():
+        if not hasattr(m, "active_adapters") or not hasattr(m, "merged"):     # peft's BaseTunerLayer
+            continue
+        if not hasattr(m, "reset_lora_parameters"):
+            others.add(type(m).__name__)
+            continue
+        for name in getattr(m, "lora_A", {}):
+            m.reset_lora_parameters(name, getattr(configs.get(name), "init_lora_weights", True))
+    if others:
+        log.warning("peft adapter layers %s keep the base model's init of their weights (only LoRA's own init "
+                    "is run on a model built on the meta device)", ", ".join(sorted(others)))
 
 
 def masters_from_rank0(named: dict, store: ChunkStore, layout: Layout, cap: Capture, dp: DataParallel) -> None:
