@@ -376,25 +376,27 @@ def test_huge_pages_are_asked_for_before_the_first_touch_only_when_wanted(monkey
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_unlocked_zero_state_is_an_untouched_mapping_and_trains_the_same_bits(monkeypatch, dtype):
-    """An unlocked zero-filled host buffer (a host chunk's moments; its master where the shadow crosses; all host
-    state on the CPU runtime) of LAZY_ZERO_BYTES or more is a fresh anonymous mapping that nothing here writes
-    before the step does: zero when read, and the engine trains the bits of one whose buffers were zeroed ahead
-    (the threshold lowered so a tiny GPT's chunks take that path)."""
+    """An unlocked zero-filled host buffer that is written before it is read (a host chunk's master where its
+    shadow crosses; every master on the CPU runtime) of LAZY_ZERO_BYTES or more is a fresh anonymous mapping that
+    nothing touches before the init writes it: zero when read, and the engine trains the bits of one whose buffers
+    were zeroed ahead (the threshold lowered so a tiny GPT's chunks take that path). The moments, read first by
+    Adam, are zeroed ahead as before."""
     config, inputs, model, plain = _host_state_run(dtype)
     mapped_at = []
     real_mapping = host_memory.HostBuffers._zero_mapping
     monkeypatch.setattr(host_memory.HostBuffers, "_zero_mapping",
                         lambda self, n, dt: (lambda t: (mapped_at.append(t.data_ptr()), t)[1])(real_mapping(self, n, dt)))
     monkeypatch.setattr(host_memory, "LAZY_ZERO_BYTES", 1)
-    fresh = host_memory.HostBuffers(pin=False).empty(1000, torch.float32, fill=0)
-    assert not fresh.any() and fresh.untyped_storage().nbytes() == 4000
+    fresh = host_memory.HostBuffers(pin=False).empty(1000, torch.float32, fill=0, written_first=True)
+    assert mapped_at == [fresh.data_ptr()] and not fresh.any() and fresh.untyped_storage().nbytes() == 4000
     fresh[7] = 2.0                                          # writable, and its own
     assert float(fresh.sum()) == 2.0
     mapped = pstar_fx.compile(model, config, inputs)
     store = mapped.rt.store
     host = [c for c in range(len(store.master)) if store.tier(c) == "host"]
     moments = [store.exp_avg[c] for c in host] + [store.exp_avg_sq[c] for c in host]
-    assert host and {t.data_ptr() for t in moments + [store.master[c] for c in host]} <= set(mapped_at)
+    assert host and {store.master[c].data_ptr() for c in host} <= set(mapped_at)
+    assert not {t.data_ptr() for t in moments} & set(mapped_at)
     for _ in range(2):
         assert torch.equal(plain.step(*inputs), mapped.step(*inputs))
     a, b = plain.state_dict(), mapped.state_dict()

@@ -73,8 +73,9 @@ def register(t: torch.Tensor) -> int:
 OWN_MAPPING_BYTES = 64 << 20
 MADV_DONTFORK = 10
 MADV_HUGEPAGE = 14
-# unlocked zero-filled host buffers from this size up are anonymous mappings nobody touches before they are used
-# (HostBuffers.empty): at GPT3_18B, 86 GiB of masters and moments that were zeroed ahead of the first step
+# unlocked zero-filled host buffers written before they are read, from this size up, are anonymous mappings nobody
+# touches ahead (HostBuffers.empty): at GPT3_18B with bf16 moments, 43 GiB of masters that were zeroed before the
+# init wrote them
 LAZY_ZERO_BYTES = OWN_MAPPING_BYTES
 
 
@@ -205,14 +206,18 @@ class HostBuffers:
         self.unlocked: list[int] = []           # error codes of buffers that stayed pageable (batch only)
         self.reserve: HostReserve | None = None  # buffers page-locked ahead (a batch takes zero-filled ones there)
 
-    def empty(self, n: int, dtype: torch.dtype, fill: float | int | None = None, lock: bool = True) -> torch.Tensor:
+    def empty(self, n: int, dtype: torch.dtype, fill: float | int | None = None, lock: bool = True,
+              written_first: bool = False) -> torch.Tensor:
         """A host buffer of n elements; `fill`: its first value everywhere (None: left as allocated). `lock=False`:
-        never page-locked (memory no copy to or from the device reads or writes, e.g. a host chunk's moments). An
+        never page-locked (memory no copy to or from the device reads or writes, e.g. a host chunk's moments).
+        `written_first`: whoever uses it writes it before reading it (a master the init or a load writes); such an
         unlocked zero-filled buffer of `LAZY_ZERO_BYTES` or more is a fresh anonymous mapping, zero by the kernel's
-        contract and touched by nobody here: its pages appear where it is first written (the weights' init, the
-        first host Adam), on the threads that write it."""
+        contract and touched by nobody here: its pages appear where it is first written, on the threads that write
+        it. (Memory read first, like Adam's moments, would take two faults a page there, a read and a write: those
+        are zeroed ahead, as before.)"""
         pin = self.pin and lock
-        if not pin and fill is not None and fill == 0 and n and n * dtype.itemsize >= LAZY_ZERO_BYTES:
+        if written_first and not pin and fill is not None and fill == 0 and n \
+                and n * dtype.itemsize >= LAZY_ZERO_BYTES:
             return self._zero_mapping(n, dtype)
         if self._pool is not None and self.reserve is not None and pin and fill in (0, None):
             got = self.reserve.take(n * dtype.itemsize)

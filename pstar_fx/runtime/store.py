@@ -163,8 +163,10 @@ class ChunkStore:
                     state.append(None)
                 continue
             # a host chunk's state is page-locked only where a copy reads it: its master when the master itself
-            # crosses (`master_crosses`); its moments never (the host Adam alone reads them)
-            self.master.append(self.alloc(tier, cs, torch.float32, zero=True, lock=master_crosses(plan, c)))
+            # crosses (`master_crosses`); its moments never (the host Adam alone reads them). The init or a load
+            # writes every master before anything reads it
+            self.master.append(self.alloc(tier, cs, torch.float32, zero=True, lock=master_crosses(plan, c),
+                                          written_first=True))
             # int8: the code of 0 (the unsigned one is 0)
             self.exp_avg.append(self.alloc(tier, cs, config.moment_dtype,
                                            fill=quant8.SIGNED_ZERO if self.quantized else 0, lock=False))
@@ -204,10 +206,11 @@ class ChunkStore:
         return self.plan.placement[c] != "remote"
 
     def alloc(self, tier: str, n: int, dtype: torch.dtype, zero: bool = False,
-              fill: float | int | None = None, lock: bool = True) -> torch.Tensor:
+              fill: float | int | None = None, lock: bool = True, written_first: bool = False) -> torch.Tensor:
         """A persistent buffer on `tier` ("device" or "host"), charged against that tier's budget; zeroed, or
         filled with `fill`, or left as allocated. A host one is page-locked on CUDA (runtime/host_memory.py) unless
-        `lock=False` (no copy to or from the device touches it)."""
+        `lock=False` (no copy to or from the device touches it); `written_first`: its users write it before they
+        read it (HostBuffers.empty may then leave it untouched)."""
         on_device = tier == "device"
         self.stats.charge(tier, n * dtype.itemsize, self.config.device_memory if on_device else self.config.host_memory)
         fill = 0 if zero else fill
@@ -216,7 +219,7 @@ class ChunkStore:
             if fill is not None:
                 t.fill_(fill)
         else:
-            t = self._host.empty(n, dtype, fill, lock=lock)
+            t = self._host.empty(n, dtype, fill, lock=lock, written_first=written_first)
         self._ptrs.add(t.untyped_storage().data_ptr())
         return t
 
