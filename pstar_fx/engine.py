@@ -384,8 +384,10 @@ class Engine:
         lo = self.lowered
         layout, plan = lo.layout, lo.plan
         lines = [f"pstar_fx engine: {sum(s.numel for s in layout.slots):,} parameters in {len(layout.chunks)} "
-                 f"chunk(s) of {layout.chunk_size:,} elements ({layout.waste_elems:,} padding); "
-                 f"compute dtype {lo.config.dtype}; device {self.device}"]
+                 f"chunk(s) of {layout.chunk_size:,} elements ({layout.waste_elems:,} padding"
+                 + (f"; trainable chunks' state: {layout.state_elems:,} elements each"
+                    if layout.state_elems < layout.chunk_size else "")
+                 + f"); compute dtype {lo.config.dtype}; device {self.device}"]
         lines.append("chunks:")
         for c in layout.chunks:
             names = [s.param.name for s in c.slots]

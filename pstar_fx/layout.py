@@ -9,7 +9,10 @@ Frozen parameters (no gradient: `requires_grad=False`, or unused by the loss) go
 "frozen chunks", which hold only the weights in the compute dtype (no master, no moments, no gradient, no
 update): a trainable and a frozen parameter never share a chunk. Each kind fills its own open chunk, so the
 chunks of both kinds still follow first-use order (LoRA's frozen base weight and its trainable adapters,
-interleaved layer by layer, do not cut each other's chunks short).
+interleaved layer by layer, do not cut each other's chunks short). With frozen chunks the chunk size is set by the
+largest frozen parameter; a trainable chunk's state (master and moments) is then sized by the fullest trainable
+chunk (`Layout.state_elems`), not by the chunk size: LoRA's few trainable parameters do not pay for a chunk made
+to hold an embedding. Compute slots stay chunk-sized (they hold either kind).
 """
 from __future__ import annotations
 
@@ -65,6 +68,12 @@ class Layout:
     chunk_size: int
     chunks: list[Chunk]
     slots: list[Slot]          # indexed like Capture.params
+    # elements of a trainable chunk's state (fp32 master, moments): `chunk_size`, or, where frozen chunks set the
+    # chunk size, what the fullest trainable chunk holds (`state_elems_for`)
+    state_elems: int = 0
+
+    def __post_init__(self):
+        self.state_elems = self.state_elems or self.chunk_size
 
     @property
     def total_elems(self) -> int:
@@ -159,5 +168,17 @@ def build_layout(cap: Capture, chunk_size: int | str = "auto") -> Layout:
         slots[i] = Slot(i, p, c.id, c.used_elems)
         c.slots.append(slots[i])
         c.used_elems += p.numel
-    return Layout(chunk_size, chunks, slots)
+    return Layout(chunk_size, chunks, slots, state_elems_for(chunks, chunk_size))
+
+
+def state_elems_for(chunks: list[Chunk], chunk_size: int) -> int:
+    """Elements of each trainable chunk's state. With frozen chunks the chunk size is set by the largest frozen
+    parameter (a 70B model's 1.05 G-element embedding), and the trainable parameters (LoRA's 207 M) may fill only a
+    part of one chunk: their state is sized by the fullest trainable chunk (rounded up to whole 4 KiB), not by the
+    chunk size (at 70B LoRA r=16: 2.5 GB of fp32 master and moments, not 13). Without frozen chunks, the chunk
+    size."""
+    trainable = [ch.used_elems for ch in chunks if not ch.frozen]
+    if len(trainable) == len(chunks) or not trainable:
+        return chunk_size
+    return min(chunk_size, -(-max(trainable) // _ALIGN_ELEMS) * _ALIGN_ELEMS)
 

@@ -72,7 +72,8 @@ _PROBES: dict = {}
 
 
 def tight_budget(model, inputs, device_chunks=1, **cfg):
-    """A device budget that holds the working set plus `device_chunks` chunks' fp32 state, no more."""
+    """A device budget that holds the working set plus `device_chunks` trainable chunks' fp32 state, no more (a
+    trainable chunk's state: `Layout.state_elems` elements of master and two moments)."""
     from pstar_fx.planning.costs import calibrate
     from pstar_fx.pipeline.lower import Lowered
     from pstar_fx.runtime.dist import world_from_env
@@ -83,7 +84,7 @@ def tight_budget(model, inputs, device_chunks=1, **cfg):
     except _Uncacheable:
         key = None                               # probed every time
     if key is not None and key in _PROBES:
-        working, cs, n_chunks = _PROBES[key]
+        working, state_elems, n_chunks = _PROBES[key]
     else:
         probe = Lowered(model, config, inputs)   # one capture
         d, cs = probe.plan.device_breakdown, probe.layout.chunk_size
@@ -91,9 +92,10 @@ def tight_budget(model, inputs, device_chunks=1, **cfg):
         working = (d["activations"] + d["buffers"] + d["gradient slots"] + d.get("workspace margin", 0)
                    + 3 * cs * dtype_bytes)
         n_chunks = len(probe.plan.placement)
+        state_elems = probe.layout.state_elems
         if key is not None:
-            _PROBES[key] = (working, cs, n_chunks)
-    return working + device_chunks * 12 * cs, n_chunks
+            _PROBES[key] = (working, state_elems, n_chunks)
+    return working + device_chunks * 12 * state_elems, n_chunks
 
 
 class gradient_summands:

@@ -42,7 +42,7 @@ from ..planning.costs import cache_root
 
 log = logging.getLogger("pstar_fx")
 
-FORMAT = 2      # bump when what an entry means, or what the fingerprint covers, changes
+FORMAT = 3      # bump when what an entry means, or what the fingerprint covers, changes
 
 # Config fields planning never reads: the lr schedule (a callable's repr holds its address) and the process
 # group's timeout
@@ -174,6 +174,6 @@ def _value_text(v) -> str:
 
 
 def _layout_text(layout) -> str:
-    return _value_text([layout.chunk_size] + [(c.id, c.used_elems, c.frozen,
-                                               [(s.offset, s.numel, s.param.has_grad) for s in c.slots])
-                                              for c in layout.chunks])
+    return _value_text([layout.chunk_size, layout.state_elems]
+                       + [(c.id, c.used_elems, c.frozen, [(s.offset, s.numel, s.param.has_grad) for s in c.slots])
+                          for c in layout.chunks])

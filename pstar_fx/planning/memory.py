@@ -129,7 +129,8 @@ def step_bytes(g: fx.Graph, layout: Layout, config: Config, *, compute_itemsize:
     return StepBytes(
         activation_peak_bytes=activation_peak_bytes, buffer_bytes=buffer_bytes,
         compute_chunk_bytes=cs * compute_itemsize, accum_bytes=accum_bytes,
-        state_bytes=config.chunk_state_bytes(cs, scale_blocks) + accum_bytes, workspace_bytes=workspace_bytes,
+        state_bytes=config.chunk_state_bytes(layout.state_elems, scale_blocks) + accum_bytes,
+        workspace_bytes=workspace_bytes,
         device_staging_bytes=copy_staging_elems(cs) * 4 if (cuda and compute_itemsize != 4) else 0,
         batch_rest_bytes=batch_rest_bytes,
         host_overhead_bytes=host_overhead_bytes,

@@ -237,8 +237,11 @@ class Mover:
             self.stats.h2d_bytes += n * (4 if how == "fp32" else self.store.compute_dtype.itemsize)
 
     def _copy_in(self, c: int, dst: torch.Tensor) -> None:
-        n, store = dst.numel(), self.store
-        src = store.master[c][:n]
+        store = self.store
+        # the slot holds any chunk; a trainable chunk's state may be shorter (Layout.state_elems): its tail is
+        # no parameter's
+        n = min(dst.numel(), store.master[c].numel())
+        dst, src = dst[:n], store.master[c][:n]
         how = self.plan.ship[c]
         if how == "-":
             dst.copy_(src)                                      # cast on the device

@@ -88,7 +88,7 @@ def host_buffer_sizes(layout: Layout, plan: Plan, config: Config, compute_dtype:
     for c, tier in enumerate(plan.placement):
         if tier != "host" or not master_crosses(plan, c):
             continue
-        b = cs * (compute_dtype.itemsize if layout.chunks[c].frozen else 4)
+        b = cs * compute_dtype.itemsize if layout.chunks[c].frozen else layout.state_elems * 4
         sizes[b] = sizes.get(b, 0) + 1
     return sizes
 
@@ -165,12 +165,13 @@ class ChunkStore:
             # a host chunk's state is page-locked only where a copy reads it: its master when the master itself
             # crosses (`master_crosses`); its moments never (the host Adam alone reads them). The init or a load
             # writes every master before anything reads it
-            self.master.append(self.alloc(tier, cs, torch.float32, zero=True, lock=master_crosses(plan, c),
+            se = layout.state_elems         # (a trainable chunk's state: the chunk size, or less beside frozen ones)
+            self.master.append(self.alloc(tier, se, torch.float32, zero=True, lock=master_crosses(plan, c),
                                           written_first=True))
             # int8: the code of 0 (the unsigned one is 0)
-            self.exp_avg.append(self.alloc(tier, cs, config.moment_dtype,
+            self.exp_avg.append(self.alloc(tier, se, config.moment_dtype,
                                            fill=quant8.SIGNED_ZERO if self.quantized else 0, lock=False))
-            self.exp_avg_sq.append(self.alloc(tier, cs, config.moment_dtype, zero=True, lock=False))
+            self.exp_avg_sq.append(self.alloc(tier, se, config.moment_dtype, zero=True, lock=False))
             if self.quantized:
                 blocks = quant8.blocks_of(layout.chunks[c].param_spans())
                 self.exp_avg_absmax.append(self.alloc(tier, blocks, torch.float32, zero=True, lock=False))
@@ -243,7 +244,8 @@ class ChunkStore:
         """The fp32 masters were written outside Adam (loading, initialization, a rollback): refresh the shadows."""
         for c, shadow in self.shadow.items():
             if chunks is None or c in chunks:
-                cast_(shadow, self.master[c])
+                master = self.master[c]
+                cast_(shadow[: master.numel()], master)     # (a trainable chunk's master may be shorter)
 
     def state(self, c: int) -> ChunkState:
         """Chunk c's state, as one record (built on each call: its tensors are the store's, whatever replaced them)."""
