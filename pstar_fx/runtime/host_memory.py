@@ -7,8 +7,10 @@ while the store goes on; the batch ends when every buffer is ready, so nothing r
 buffer is made ready before it is handed out, as before. Each buffer is its own allocation of exactly its bytes,
 so the budget's accounting (what `ChunkStore.alloc` charges) is what is allocated.
 
-`HostReserve` starts earlier still: the buffers the plan surely needs, locked while the plan is searched (the
-store takes them from it).
+`HostReserve` starts earlier still: the locked buffers the plan surely needs (frozen weights, masters that cross
+themselves), locked while the plan is searched (the store takes them from it). Memory no copy reads or writes
+(moments, a master whose 16-bit shadow crosses instead) is never locked (`lock=False`), and a master is not even
+touched ahead (`written_first`).
 
 `bench/pinned_alloc.py` measures this against one thread, against `pin_memory` and against large slabs on the
 machine at hand; `PSTAR_FX_PIN_THREADS` sets the workers (default 4; 1: one buffer after another, as before).
