@@ -11,6 +11,8 @@ on freshly allocated memory, freed before the next:
   threads=K        runtime.host_memory.HostBuffers with K workers: each buffer zeroed and registered on a worker
                    (what the store does now, PSTAR_FX_PIN_THREADS=K); ",huge" (--huge-pages): the same with
                    transparent huge pages asked for before the first touch (PSTAR_FX_HUGE_PAGES=1)
+  touch-threads=K  the same K workers zeroing each buffer without registering it (the store's path for host memory
+                   no copy reads: a host chunk's moments), so threads=K less this is what registering costs
   register-untouched=K  K workers cudaHostRegister buffers never touched (the driver faults the pages in), then zero
   pin_memory       torch.empty(pin_memory=True) (cudaHostAlloc through the caching allocator, which rounds every
                    block up to a power of two: `bytes_held` says how much that costs)
@@ -73,6 +75,14 @@ def run(args) -> None:
                  nbytes, unlocked=len(host.unlocked))
             unregister(bufs)
     os.environ.pop("PSTAR_FX_HUGE_PAGES")
+
+    for k in args.threads:          # what the store does now for memory no copy reads (moments): zeroed, not locked
+        host = HostBuffers(pin=True, threads=k, lock=lambda t: 0)
+        t = time.perf_counter()
+        with host.batch():
+            bufs = [host.empty(n_elems, torch.float32, fill=0) for _ in range(count)]
+        emit(f"touch-threads={k}", time.perf_counter() - t, nbytes)
+        bufs.clear()
 
     for k in args.threads:
         if k < 2:
