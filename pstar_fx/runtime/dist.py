@@ -47,7 +47,18 @@ def init(device: str, timeout_s: float) -> tuple[int, int]:
 
 
 def _leave() -> None:
+    """At exit, after the last step: meet the other ranks once more, then leave the group. A gloo worker thread frees
+    a finished collective's tensors after the collective returned, and freeing a tensor Python made takes the GIL:
+    one still doing that when the interpreter shuts down is ended mid-call and aborts the process (exit -6,
+    "terminate called without an active exception": a core dump of tests/test_dist.py's rank showed
+    ProcessGroupGloo::runLoop in ~AsyncBroadcastWork waiting for the GIL during Py_FinalizeEx). The barrier waits
+    with the GIL released, so those frees finish first; a rank already gone ends it early or after 10 s at most."""
     if dist.is_available() and dist.is_initialized():
+        if dist.get_backend() == "gloo":      # (NCCL's barrier has no timeout of its own: a rank gone would hang it)
+            try:
+                dist.monitored_barrier(timeout=timedelta(seconds=10), wait_all_ranks=True)
+            except Exception:  # noqa: BLE001 - a rank that failed or left: leaving is all that is left to do
+                pass
         dist.destroy_process_group()
 
 
