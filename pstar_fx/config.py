@@ -57,6 +57,18 @@ def parse_bytes(value: Bytes, key: str) -> int | None:
     raise TypeError(f"{key}: expected bytes as an int or a string like '64MiB', got {type(value).__name__}")
 
 
+def parse_count(value: str, key: str, unit: str, least: int | None = None) -> int:
+    """An environment variable's whole number of `unit` (threads, processes); not a number, or below `least`: a
+    ValueError naming `key`."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"{key}: expected a number of {unit}, got {value!r}") from None
+    if least is not None and n < least:
+        raise ValueError(f"{key}: expected at least {least} {unit}, got {n}")
+    return n
+
+
 def format_bytes(n: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:

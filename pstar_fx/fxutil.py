@@ -200,7 +200,7 @@ def _add(g: fx.Graph, node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
     space = g._graph_namespace
     name = space.create_name(_unused_name(space, node.name), None)
     n = fx.Node(g, name, node.op, node.target, args, kwargs, node.type)
-    g._graph_namespace.associate_name_with_obj(name, n)
+    space.associate_name_with_obj(name, n)
     g._insert(n)
     g._find_nodes_lookup_table.insert(n)
     g._len += 1

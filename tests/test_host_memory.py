@@ -95,6 +95,26 @@ def _host_state_run(dtype: str = "fp32"):
     return config, inputs, model, pstar_fx.compile(model, config, inputs)
 
 
+def _lock_host_buffers(monkeypatch, lock, threads: int = 2) -> type:
+    """The store's host buffers page-locked as on CUDA, `lock` standing in for cudaHostRegister, on `threads`
+    workers; the class (its `made`: the last one made)."""
+    class Locked(host_memory.HostBuffers):
+        def __init__(self, pin, _threads, device):
+            super().__init__(True, threads, lock)
+            Locked.made = self
+
+    monkeypatch.setattr(store_mod, "HostBuffers", Locked)
+    return Locked
+
+
+def _assert_same_bits(plain, other, inputs) -> None:
+    """Two steps of each give the same losses, and their weights and moments are equal bit for bit."""
+    for _ in range(2):
+        assert torch.equal(plain.step(*inputs), other.step(*inputs))
+    a, b = plain.state_dict(), other.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def _locked_is_what_crosses(engine, lock: FakeLock) -> None:
     """Each host buffer locked once and exactly its bytes; the locked ones are every host buffer but those no copy
     reads (only the host Adam): the moments, and the master where its 16-bit shadow crosses instead. So the bytes
@@ -119,18 +139,11 @@ def test_engine_with_host_state_locked_side_by_side_trains_the_same_bits(monkeyp
     config, inputs, model, plain = _host_state_run(dtype)
     lock = FakeLock()
 
-    class Locked(host_memory.HostBuffers):          # as on CUDA: page-locked host state, 4 workers
-        def __init__(self, pin, threads, device):
-            super().__init__(True, 4, lock)
-
-    monkeypatch.setattr(store_mod, "HostBuffers", Locked)
+    _lock_host_buffers(monkeypatch, lock, threads=4)
     locked = pstar_fx.compile(model, config, inputs)
     assert any(not name.startswith("MainThread") for _, _, name in lock.locked)
     _locked_is_what_crosses(locked, lock)
-    for _ in range(2):
-        assert torch.equal(plain.step(*inputs), locked.step(*inputs))
-    a, b = plain.state_dict(), locked.state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    _assert_same_bits(plain, locked, inputs)
 
 
 def test_host_state_is_page_locked_beside_the_region_builds_and_ready_before_the_init(monkeypatch):
@@ -146,10 +159,7 @@ def test_host_state_is_page_locked_beside_the_region_builds_and_ready_before_the
         waited.append(building.wait(timeout=10))
         return lock(t)
 
-    class Locked(host_memory.HostBuffers):
-        def __init__(self, pin, threads, device):
-            super().__init__(True, 2, gated)
-
+    _lock_host_buffers(monkeypatch, gated)
     real_build = engine_mod._build_regions
 
     def build(graph, device, phases, **kw):
@@ -163,7 +173,6 @@ def test_host_state_is_page_locked_beside_the_region_builds_and_ready_before_the
         locked_at_init.append((len(lock.locked), store.pinning))
         return real_materialize(model, store, *args)
 
-    monkeypatch.setattr(store_mod, "HostBuffers", Locked)
     monkeypatch.setattr(engine_mod, "_build_regions", build)
     monkeypatch.setattr(engine_mod, "materialize", materialize)
     with torch.device("meta"):
@@ -180,21 +189,17 @@ def test_a_failed_region_build_still_waits_for_the_page_locking(monkeypatch):
     import pstar_fx.engine as engine_mod
     lock = FakeLock()
 
-    class Locked(host_memory.HostBuffers):
-        def __init__(self, pin, threads, device):
-            super().__init__(True, 2, lock)
-            Locked.made = self
+    locked = _lock_host_buffers(monkeypatch, lock)
 
     def build(graph, device, phases, **kw):
         raise RuntimeError("the build failed")
 
-    monkeypatch.setattr(store_mod, "HostBuffers", Locked)
     monkeypatch.setattr(engine_mod, "_build_regions", build)
     torch.manual_seed(0)
     with pytest.raises(RuntimeError, match="the build failed"):
         pstar_fx.compile(GPT(gpt_config("tiny")), {"device": "cpu", "placement": "host", "chunk_size": 16384},
                          batch())
-    assert not Locked.made.queues and lock.locked        # its workers finished and were shut down
+    assert not locked.made.queues and lock.locked        # its workers finished and were shut down
 
 
 @pytest.mark.parametrize("cold", [True, False])
@@ -305,25 +310,19 @@ def test_host_buffers_locked_ahead_of_the_plan_train_the_same_bits(monkeypatch):
     lock = FakeLock()
     reserves = []
 
-    class Locked(host_memory.HostBuffers):
-        def __init__(self, pin, threads, device):
-            super().__init__(True, 2, lock)
+    _lock_host_buffers(monkeypatch, lock)
 
     def reserve(config):
         reserves.append(host_memory.HostReserve(2, lock=lock))
         return reserves[-1]
 
-    monkeypatch.setattr(store_mod, "HostBuffers", Locked)
     monkeypatch.setattr(engine_mod, "_host_reserve", reserve)
     ahead = pstar_fx.compile(model, config, inputs)
     (r,) = reserves
     n_host = ahead.plan.placement.count("host")
     assert n_host and r.made == n_host and r.taken == r.made     # each host chunk's master (the moments: unlocked)
     _locked_is_what_crosses(ahead, lock)
-    for _ in range(2):
-        assert torch.equal(plain.step(*inputs), ahead.step(*inputs))
-    a, b = plain.state_dict(), ahead.state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    _assert_same_bits(plain, ahead, inputs)
 
 
 def test_huge_pages_are_asked_for_before_the_first_touch_only_when_wanted(monkeypatch):
@@ -397,7 +396,4 @@ def test_unlocked_zero_state_is_an_untouched_mapping_and_trains_the_same_bits(mo
     moments = [store.exp_avg[c] for c in host] + [store.exp_avg_sq[c] for c in host]
     assert host and {store.master[c].data_ptr() for c in host} <= set(mapped_at)
     assert not {t.data_ptr() for t in moments} & set(mapped_at)
-    for _ in range(2):
-        assert torch.equal(plain.step(*inputs), mapped.step(*inputs))
-    a, b = plain.state_dict(), mapped.state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    _assert_same_bits(plain, mapped, inputs)

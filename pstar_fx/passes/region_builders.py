@@ -28,6 +28,8 @@ import tempfile
 
 import torch
 
+from ..config import parse_count
+
 log = logging.getLogger("pstar_fx")
 
 
@@ -43,10 +45,7 @@ def inductor_cache_dir() -> str:
 def workers_for(n_regions: int) -> int:
     env = os.environ.get("PSTAR_FX_BUILD_WORKERS")
     if env is not None:
-        try:
-            wanted = int(env)
-        except ValueError:
-            raise ValueError(f"PSTAR_FX_BUILD_WORKERS: expected a number of processes, got {env!r}") from None
+        wanted = parse_count(env, "PSTAR_FX_BUILD_WORKERS", "processes")
     else:
         wanted = min(8, (os.cpu_count() or 1) // 4)
     return max(0, min(wanted, n_regions)) if wanted > 1 else 0

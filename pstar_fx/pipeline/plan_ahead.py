@@ -30,6 +30,8 @@ import time
 import warnings
 from typing import Callable, Hashable
 
+from ..config import parse_count
+
 log = logging.getLogger("pstar_fx")
 
 LARGE = 4000            # graph nodes from which planning ahead pays (an 18B GPT's step: ~15k)
@@ -44,13 +46,7 @@ def workers_for(n_nodes: int) -> int:
     """Children to run at once for a step of `n_nodes` graph nodes."""
     env = os.environ.get("PSTAR_FX_PLAN_WORKERS")
     if env is not None and env.strip():
-        try:
-            n = int(env)
-        except ValueError:
-            raise ValueError(f"PSTAR_FX_PLAN_WORKERS: expected a number of processes (0: none), got {env!r}") from None
-        if n < 0:
-            raise ValueError(f"PSTAR_FX_PLAN_WORKERS: expected 0 or more processes, got {n}")
-        return n
+        return parse_count(env, "PSTAR_FX_PLAN_WORKERS", "processes (0: none)", least=0)
     if not hasattr(os, "fork") or n_nodes < LARGE:
         return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -28,6 +28,8 @@ from typing import Callable
 
 import torch
 
+from ..config import parse_count
+
 log = logging.getLogger("pstar_fx")
 
 DEFAULT_THREADS = 4
@@ -35,15 +37,7 @@ DEFAULT_THREADS = 4
 
 def pin_threads() -> int:
     env = os.environ.get("PSTAR_FX_PIN_THREADS")
-    if env is None:
-        return DEFAULT_THREADS
-    try:
-        n = int(env)
-    except ValueError:
-        raise ValueError(f"PSTAR_FX_PIN_THREADS: expected a number of threads, got {env!r}") from None
-    if n < 1:
-        raise ValueError(f"PSTAR_FX_PIN_THREADS: expected at least 1 thread, got {n}")
-    return n
+    return DEFAULT_THREADS if env is None else parse_count(env, "PSTAR_FX_PIN_THREADS", "threads", least=1)
 
 
 def huge_pages_wanted() -> bool:
@@ -112,6 +106,13 @@ def not_inherited(t: torch.Tensor) -> bool:
     return _advise(t, MADV_DONTFORK)
 
 
+def _advise_untouched(t: torch.Tensor, huge: bool) -> None:
+    """Advice for a buffer whose pages do not exist yet: out of forked children, and huge pages where `huge`."""
+    not_inherited(t)                    # before its pages exist: a fork meanwhile does not copy them
+    if huge:
+        huge_pages(t)
+
+
 def _first_values(t: torch.Tensor, fill: float | int) -> None:
     """`fill` everywhere in `t` (a whole, contiguous buffer). A byte pattern (0 in any dtype, a byte of a 1-byte
     dtype) is a memset on this thread alone (ctypes releases the GIL): a pin worker then takes one core, where
@@ -164,10 +165,8 @@ class HostReserve:
             self._wanted[nbytes] = max(count, self._wanted.get(nbytes, 0))
 
     def _make(self, t: torch.Tensor) -> int:
-        not_inherited(t)                    # before its pages exist: a fork meanwhile does not copy them
-        if self.huge:
-            huge_pages(t)
-        ctypes.memset(t.data_ptr(), 0, t.numel())
+        _advise_untouched(t, self.huge)
+        _first_values(t, 0)
         return self.lock(t)
 
     def take(self, nbytes: int) -> tuple[torch.Tensor, Future] | None:
@@ -235,9 +234,7 @@ class HostBuffers:
 
     def _zero_mapping(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         t = torch.frombuffer(mmap.mmap(-1, n * dtype.itemsize), dtype=dtype)   # (the tensor keeps the mapping)
-        not_inherited(t)
-        if self.huge:
-            huge_pages(t)
+        _advise_untouched(t, self.huge)
         return t
 
     def _ready_now(self, t: torch.Tensor, fill, pin: bool) -> torch.Tensor:
