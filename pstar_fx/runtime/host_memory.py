@@ -250,7 +250,7 @@ class HostBuffers:
         if self.huge:
             huge_pages(t)               # before the first touch
         # the first touch of its pages, here rather than in the lock: cudaHostRegister faulting untouched pages in
-        # ran at 2.7 GB/s on the H200 box, zeroing and then registering at 13.9 (bench/RESULTS.md, session 9)
+        # ran at 2.7 GB/s on the H200 box, zeroing and then registering at 13.9 (bench/RESULTS.md, session 11)
         _first_values(t, 0 if fill is None else fill)
         return self.lock(t) if pin else 0
 
