@@ -252,3 +252,29 @@ def test_regions_fed_one_tensor_twice_by_inductor_are_built_for_it(monkeypatch):
         engine.step(**d)
     assert twice, "no region received one tensor twice: the case is not exercised"
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def _breaks_the_graph(x):
+    torch._dynamo.graph_break()
+    return x * 2
+
+
+def test_a_region_dynamo_cannot_compile_runs_op_by_op(caplog, monkeypatch):
+    """Dynamo refusing a region (torch 2.11 did, "Attempt to trace generator", for some of a 70B LoRA's regions)
+    leaves that region to run its ops as they are, with the same values, and says so once; it is not tried again."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(_breaks_the_graph, (x,))
+    g.output((g.call_function(torch.ops.aten.relu.default, (y,)),))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    # a pickled copy is traced again by torch.fx on loading, which would inline the graph break away
+    monkeypatch.setattr(regions_pass, "_as_a_worker_has_it", lambda m: m)
+    region = regions_pass.Region(gm, "region_t", "eager", [None])
+    a = torch.randn(5) - 0.5
+    with caplog.at_level("WARNING", logger="pstar_fx"):
+        out = region(a)
+        again = region(a)
+    assert torch.equal(out[0], torch.relu(a * 2)) and torch.equal(again[0], out[0])
+    assert region.eager_because and "graph" in region.eager_because.lower(), region.eager_because
+    said = [r.getMessage() for r in caplog.records if "region_t" in r.getMessage()]
+    assert len(said) == 1 and "op by op" in said[0], said

@@ -25,6 +25,7 @@ Regions with the same ops on the same shapes (every transformer block's) share o
 """
 from __future__ import annotations
 
+import logging
 import math
 import operator
 import pickle
@@ -40,6 +41,7 @@ from .region_builders import inductor_cache_dir
 from .contract import CHUNK_OPS, PLANNED, REGIONS, Pass, PassContext
 
 NAME = "compile_regions"
+log = logging.getLogger("pstar_fx")
 
 
 def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -69,10 +71,23 @@ class Region:
         self._specs = specs
         self.backend, self.key = backend, key   # key: equal for equal regions (ops and input layouts)
         self._compiled = torch.compile(_as_a_worker_has_it(gm), backend=backend, fullgraph=True, dynamic=False)
+        self.eager_because: str | None = None   # why Dynamo could not compile it (it then runs op by op)
 
     def __call__(self, *args):
         with torch.no_grad():               # one grad mode, whoever calls: the compiled guards never differ
-            return self._compiled(*args)
+            if self.eager_because is not None:
+                return self.graph_module(*args)
+            try:
+                return self._compiled(*args)
+            except torch._dynamo.exc.Unsupported as e:
+                # Raised while compiling, before anything ran. Seen on torch 2.11 with a 70B LoRA's regions
+                # ("Attempt to trace generator", in build workers and at a recompile in the step, never on 2.13):
+                # the region's ops are what they were, so they run as they are, slower but the same values.
+                self.eager_because = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                log.warning("%s (%d ops) runs op by op: Dynamo could not compile it (%s)", self.__name__,
+                            region_builders.n_ops(self.graph_module), self.eager_because,
+                            exc_info=torch._dynamo.config.verbose)    # TORCHDYNAMO_VERBOSE=1: where it failed
+                return self.graph_module(*args)
 
     def __repr__(self):
         return f"<Region {self.__name__}: {region_builders.n_ops(self.graph_module)} ops>"

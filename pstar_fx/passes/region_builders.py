@@ -165,6 +165,8 @@ def _work(path: str) -> None:
     for i, (gm, specs) in enumerate(job["regions"]):
         region = Region(gm, f"region_w{i}", "inductor", specs)
         region(*(_example(s, device) for s in specs))
+        if region.eager_because is not None:     # the others are still worth building; the parent says which
+            print(f"region_w{i} not built: {region.eager_because}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
