@@ -71,7 +71,10 @@ class Region:
         self._specs = specs
         self.backend, self.key = backend, key   # key: equal for equal regions (ops and input layouts)
         self._compiled = torch.compile(_as_a_worker_has_it(gm), backend=backend, fullgraph=True, dynamic=False)
-        self.eager_because: str | None = None   # why Dynamo could not compile it (it then runs op by op)
+        self.eager_because: str | None = None   # why it runs op by op after all (Dynamo refused it, or memory)
+        # the device memory the plan leaves free at its fullest call (None: no budget): what compiling may add
+        # to its ops' own (`build_regions` measures that)
+        self.spare_bytes: int | None = None
 
     def __call__(self, *args):
         with torch.no_grad():               # one grad mode, whoever calls: the compiled guards never differ
@@ -80,9 +83,12 @@ class Region:
             try:
                 return self._compiled(*args)
             except torch._dynamo.exc.Unsupported as e:
-                # Raised while compiling, before anything ran. Seen on torch 2.11 with a 70B LoRA's regions
-                # ("Attempt to trace generator", in build workers and at a recompile in the step, never on 2.13):
-                # the region's ops are what they were, so they run as they are, slower but the same values.
+                if e.__context__ is not None and not isinstance(e.__context__, torch._dynamo.exc.TorchDynamoException):
+                    # the compiled code itself failed (CUDA out of memory): torch 2.11's GraphModule walks that
+                    # error's traceback with a generator, which Dynamo, still watching, refuses ("Attempt to trace
+                    # generator"), hiding the error that happened
+                    raise e.__context__
+                # Dynamo refused to compile it, before anything ran: its ops run as they are (same values, slower)
                 self.eager_because = (str(e).strip().splitlines() or [type(e).__name__])[0]
                 log.warning("%s (%d ops) runs op by op: Dynamo could not compile it (%s)", self.__name__,
                             region_builders.n_ops(self.graph_module), self.eager_because,
@@ -163,6 +169,8 @@ def build_regions(gm: fx.GraphModule, device: torch.device,
                     stand_ins[key] = _example(spec, device)
                 examples.append(stand_ins[key])
             outs = region(*examples)
+            if region.spare_bytes is not None and region.eager_because is None:
+                _fits_compiled(region, examples, device)
             firsts = [next(j for j, other in enumerate(outs) if other is o) if isinstance(o, torch.Tensor) else i
                       for i, o in enumerate(outs)]
             outputs[region] = ([_Layout.of(o) if isinstance(o, torch.Tensor) else None for o in outs], firsts)
@@ -175,6 +183,40 @@ def build_regions(gm: fx.GraphModule, device: torch.device,
                         made[user] = layouts[user.args[1]]
                     same[user] = (node, firsts[user.args[1]])
     return sum(v is not None for v in outputs.values())
+
+
+def _fits_compiled(region: Region, examples: list, device: torch.device) -> None:
+    """The plan counts a region's intermediates as its ops make them one by one; Inductor's code may hold more at
+    once (a 70B LoRA's MLP backward allocated a 16384 x 28672 buffer for two of them), which the plan's spare
+    memory at the region's fullest call may not cover (that first step ran out of memory). Measured here on the
+    build's inputs, compiled against op by op; a region that needs more than that spare runs op by op."""
+    extra = _extra_bytes(region, examples, device)
+    if extra is not None and extra > max(region.spare_bytes, 0):
+        region.eager_because = (f"compiled, it holds {format_bytes(extra)} more device memory than its ops one by "
+                                f"one, and the plan leaves {format_bytes(max(region.spare_bytes, 0))} at its fullest call")
+        log.warning("%s (%d ops) runs op by op: %s", region.__name__, region_builders.n_ops(region.graph_module),
+                    region.eager_because)
+
+
+def _extra_bytes(region: Region, examples: list, device: torch.device) -> int | None:
+    """Device bytes the compiled region holds beyond its ops run one by one: at its peak, or in what it returns
+    (an output that is a view of a larger buffer holds all of it). The compiled function is built already. None
+    off CUDA (no allocator statistics: the CPU tier's budget is the plan's count)."""
+    if device.type != "cuda":
+        return None
+    def use(fn) -> tuple[int, int]:
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        with torch.no_grad():
+            outs = fn(*examples)
+        torch.cuda.synchronize(device)
+        held = torch.cuda.memory_allocated(device) - base
+        top = torch.cuda.max_memory_allocated(device) - base
+        del outs
+        return top, held
+    compiled, eager = use(region._compiled), use(region.graph_module)
+    return max(0, compiled[0] - eager[0], compiled[1] - eager[1])
 
 
 class _Layout:
@@ -372,6 +414,9 @@ def compile_regions(gm: fx.GraphModule, plan, *, cuda: bool, backend: str | None
         chosen.remove(worst)
         left_eager += 1
 
+    pos = {n: i for i, n in enumerate(order)}
+    spare = {id(ops): None if limit is None else
+             limit - max(per_node[pos[(up or ops)[0]]:pos[(down or ops)[-1]] + 1]) for up, ops, down in chosen}
     _reorder(g, chosen)
     regions: dict[str, Region] = {}
     for up, ops, down in chosen:
@@ -379,6 +424,9 @@ def compile_regions(gm: fx.GraphModule, plan, *, cuda: bool, backend: str | None
         sub, key = _extract(ops, inputs, outputs)
         if key not in regions:
             regions[key] = Region(_module(sub), f"region_{len(regions)}", backend, [_spec(a) for a in inputs], key)
+        if spare[id(ops)] is not None:
+            left = regions[key].spare_bytes
+            regions[key].spare_bytes = spare[id(ops)] if left is None else min(left, spare[id(ops)])
         with g.inserting_before(ops[0]):
             call = g.call_function(regions[key], tuple(inputs))
         call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
