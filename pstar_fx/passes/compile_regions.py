@@ -81,19 +81,25 @@ class Region:
             if self.eager_because is not None:
                 return self.graph_module(*args)
             try:
-                return self._compiled(*args)
+                return self.compiled(*args)
             except torch._dynamo.exc.Unsupported as e:
-                if e.__context__ is not None and not isinstance(e.__context__, torch._dynamo.exc.TorchDynamoException):
-                    # the compiled code itself failed (CUDA out of memory): torch 2.11's GraphModule walks that
-                    # error's traceback with a generator, which Dynamo, still watching, refuses ("Attempt to trace
-                    # generator"), hiding the error that happened
-                    raise e.__context__
                 # Dynamo refused to compile it, before anything ran: its ops run as they are (same values, slower)
                 self.eager_because = (str(e).strip().splitlines() or [type(e).__name__])[0]
                 log.warning("%s (%d ops) runs op by op: Dynamo could not compile it (%s)", self.__name__,
                             region_builders.n_ops(self.graph_module), self.eager_because,
                             exc_info=torch._dynamo.config.verbose)    # TORCHDYNAMO_VERBOSE=1: where it failed
                 return self.graph_module(*args)
+
+    def compiled(self, *args):
+        """The compiled function called, an error inside it raised as itself: a failure in the compiled code (CUDA
+        out of memory) reached torch 2.11's GraphModule, which walks its traceback with a generator, which Dynamo,
+        still watching, refused ("Attempt to trace generator"), hiding the error that happened."""
+        try:
+            return self._compiled(*args)
+        except torch._dynamo.exc.Unsupported as e:
+            if e.__context__ is not None and not isinstance(e.__context__, torch._dynamo.exc.TorchDynamoException):
+                raise e.__context__ from None
+            raise
 
     def __repr__(self):
         return f"<Region {self.__name__}: {region_builders.n_ops(self.graph_module)} ops>"
@@ -169,12 +175,13 @@ def build_regions(gm: fx.GraphModule, device: torch.device,
                     stand_ins[key] = _example(spec, device)
                 examples.append(stand_ins[key])
             outs = region(*examples)
-            if region.spare_bytes is not None and region.eager_because is None:
-                _fits_compiled(region, examples, device)
             firsts = [next(j for j, other in enumerate(outs) if other is o) if isinstance(o, torch.Tensor) else i
                       for i, o in enumerate(outs)]
             outputs[region] = ([_Layout.of(o) if isinstance(o, torch.Tensor) else None for o in outs], firsts)
-            del outs, examples, stand_ins
+            del outs
+            if region.spare_bytes is not None and region.eager_because is None:
+                _fits_compiled(region, examples, device)
+            del examples, stand_ins
         if outputs[region] is not None:
             layouts, firsts = outputs[region]
             for user in node.users:
@@ -190,12 +197,19 @@ def _fits_compiled(region: Region, examples: list, device: torch.device) -> None
     once (a 70B LoRA's MLP backward allocated a 16384 x 28672 buffer for two of them), which the plan's spare
     memory at the region's fullest call may not cover (that first step ran out of memory). Measured here on the
     build's inputs, compiled against op by op; a region that needs more than that spare runs op by op."""
-    extra = _extra_bytes(region, examples, device)
-    if extra is not None and extra > max(region.spare_bytes, 0):
-        region.eager_because = (f"compiled, it holds {format_bytes(extra)} more device memory than its ops one by "
-                                f"one, and the plan leaves {format_bytes(max(region.spare_bytes, 0))} at its fullest call")
-        log.warning("%s (%d ops) runs op by op: %s", region.__name__, region_builders.n_ops(region.graph_module),
-                    region.eager_because)
+    spare = max(region.spare_bytes, 0)
+    try:
+        extra = _extra_bytes(region, examples, device)
+    except torch.OutOfMemoryError:      # with no activation held yet: the step's call would surely run out
+        torch.cuda.empty_cache()
+        why = "compiled, it ran out of device memory at its build, with no activation held yet"
+    else:
+        if extra is None or extra <= spare:
+            return
+        why = (f"compiled, it holds {format_bytes(extra)} more device memory than its ops one by one, and the plan "
+               f"leaves {format_bytes(spare)} at its fullest call")
+    region.eager_because = why
+    log.warning("%s (%d ops) runs op by op: %s", region.__name__, region_builders.n_ops(region.graph_module), why)
 
 
 def _extra_bytes(region: Region, examples: list, device: torch.device) -> int | None:
@@ -205,6 +219,7 @@ def _extra_bytes(region: Region, examples: list, device: torch.device) -> int | 
     if device.type != "cuda":
         return None
     def use(fn) -> tuple[int, int]:
+        torch.cuda.empty_cache()        # the build's other allocations (autotuning) returned, not fragmenting
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -215,7 +230,7 @@ def _extra_bytes(region: Region, examples: list, device: torch.device) -> int | 
         top = torch.cuda.max_memory_allocated(device) - base
         del outs
         return top, held
-    compiled, eager = use(region._compiled), use(region.graph_module)
+    compiled, eager = use(region.compiled), use(region.graph_module)
     return max(0, compiled[0] - eager[0], compiled[1] - eager[1])
 
 

@@ -174,7 +174,8 @@ def _work(path: str) -> None:
     torch._inductor.config.compile_threads = job["threads"]
     device = torch.device(job["device"])
     if job.get("memory_fraction"):
-        torch.cuda.set_per_process_memory_fraction(job["memory_fraction"], device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        torch.cuda.set_per_process_memory_fraction(job["memory_fraction"], index)
     for i, (gm, specs) in enumerate(job["regions"]):
         region = Region(gm, f"region_w{i}", "inductor", specs)
         region(*(_example(s, device) for s in specs))
