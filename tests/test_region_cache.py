@@ -94,3 +94,44 @@ def test_workers_get_shares_of_about_equal_ops_and_every_region_once():
     shuffled = jobs[:]
     random.Random(0).shuffle(shuffled)
     assert sorted(sum(n_ops(gm) for _, gm, _ in share) for share in shares(shuffled, 4)) == sorted(loads)
+
+
+def test_a_worker_out_of_device_memory_on_one_region_builds_the_others(tmp_path, monkeypatch, capsys):
+    """A build worker that runs out of device memory on one region (the largest come first) goes on to the others,
+    says which it left (the engine's process builds that one), and exits normally; the room a region needs is
+    guessed from its inputs (the zeros it is built on), three times over."""
+    import pickle
+
+    import torch
+    import torch.fx as fx
+
+    from pstar_fx.passes import compile_regions, region_builders
+
+    def region(n):
+        g = fx.Graph()
+        x = g.placeholder("x")
+        g.output((g.call_function(torch.ops.aten.mul.Tensor, (x, float(n))),))
+        return fx.GraphModule(torch.nn.Module(), g)
+
+    spec = ("value", compile_regions._Layout((4, 8), (8, 1), 0, 32, torch.float32, torch.device("cpu")), None)
+    param = ("param", compile_regions._Layout((2, 8), (8, 1), 0, 16, torch.bfloat16, torch.device("cpu")), 40)
+    assert region_builders.room_needed([spec, None, param]) == 3 * (32 * 4 + 16 * 2)
+    built = []
+    call = compile_regions.Region.__call__
+
+    def short_of_memory(self, *args):
+        if self.__name__ == "region_w0":
+            raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+        built.append(self.__name__)
+        return call(self, *args)
+
+    monkeypatch.setattr(compile_regions.Region, "__call__", short_of_memory)
+    monkeypatch.setattr(compile_regions, "BACKEND", "eager")
+    job = tmp_path / "job.pkl"
+    job.write_bytes(pickle.dumps({"regions": [(region(2), [spec]), (region(3), [spec])], "device": "cpu",
+                                  "inductor_config": torch._inductor.config.save_config(), "threads": 1,
+                                  "memory_fraction": None}))
+    monkeypatch.setattr(torch._inductor.config, "compile_threads", torch._inductor.config.compile_threads)
+    region_builders._work(str(job))
+    assert built == ["region_w1"]
+    assert "region_w0 not built: out of device memory" in capsys.readouterr().err

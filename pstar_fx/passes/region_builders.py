@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import pickle
 import subprocess
@@ -117,16 +118,19 @@ def start(jobs: list[tuple[str, torch.fx.GraphModule, list]], device: torch.devi
     if os.path.exists(marker):
         return None
     workers = workers_for(len(jobs))
+    # The chunk memory is allocated; the step's activations are not yet. The workers share most of what is free
+    # (each capped at its part: one overrunning it loses that region alone, never the engine), the rest is left to
+    # this process's init; as many as each has room for the largest region. Uncapped, four workers ran a 70B
+    # LoRA's GPU out of memory; capped at a quarter each (5.9 GiB), all four failed on its largest region.
+    fraction = None
+    if device.type == "cuda" and workers >= 2:
+        free, total = torch.cuda.mem_get_info(device)
+        need = max(room_needed(specs) for _, _, specs in jobs)
+        workers = min(workers, int(WORKERS_SHARE * free // max(need, 1)))
+        fraction = WORKERS_SHARE * free / max(workers, 1) / total
     if workers < 2:
         return None
     threads = max(1, (os.cpu_count() or 1) // workers)          # Inductor's own kernel-compile pool, per worker
-    # The chunk memory is allocated; the step's activations are not yet. The workers share most of what is free
-    # (each capped at its part: one overrunning it fails alone, never the engine), the rest is left to this
-    # process's init. Uncapped, four workers ran a 70B LoRA's GPU out of memory (3 of 4 failed).
-    fraction = None
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        fraction = WORKERS_SHARE * free / workers / total
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # pstar_fx's parent
     env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS=str(threads), PSTAR_FX_BUILD_WORKERS="0",
                PYTHONPATH=os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p))
@@ -161,6 +165,19 @@ def shares(jobs: list[tuple[str, torch.fx.GraphModule, list]], workers: int) -> 
     return out
 
 
+def room_needed(specs: list) -> int:
+    """Device bytes a worker needs to build a region, guessed: its inputs (the zeros it is built on) three times
+    over, for what it returns and makes in between (a guess errs only in speed: a region a worker has no room for
+    is built by the engine's process)."""
+    inputs = 0
+    for spec in specs:
+        if spec is not None:
+            kind, layout, _ = spec
+            elems = math.prod(layout.shape) if kind == "param" else layout.storage_elems
+            inputs += elems * layout.dtype.itemsize
+    return 3 * inputs
+
+
 def n_ops(gm: torch.fx.GraphModule) -> int:
     """The ops a region's graph calls (what `Region`'s repr counts too)."""
     return sum(1 for n in gm.graph.nodes if n.op == "call_function")
@@ -178,8 +195,12 @@ def _work(path: str) -> None:
         torch.cuda.set_per_process_memory_fraction(job["memory_fraction"], index)
     for i, (gm, specs) in enumerate(job["regions"]):
         region = Region(gm, f"region_w{i}", "inductor", specs)
-        region(*(_example(s, device) for s in specs))
-        if region.eager_because is not None:     # the others are still worth building; the parent says which
+        try:
+            region(*(_example(s, device) for s in specs))
+        except torch.OutOfMemoryError:          # the others are still worth building; the parent builds this one
+            torch.cuda.empty_cache()
+            print(f"region_w{i} not built: out of device memory", file=sys.stderr, flush=True)
+        if region.eager_because is not None:
             print(f"region_w{i} not built: {region.eager_because}", file=sys.stderr, flush=True)
 
 
