@@ -306,3 +306,20 @@ def test_a_region_needing_more_memory_compiled_than_the_plan_leaves_runs_op_by_o
     assert len(said) == 1 and greedy[0].__name__ in said[0], said
     for b in batches:
         assert torch.equal(ours.step(*b), plain.step(*b))
+
+
+@pytest.mark.gpu
+def test_the_build_measures_what_a_compiled_region_holds_beyond_its_ops_on_cuda():
+    """On CUDA, `_extra_bytes` runs the built region and its ops one by one on the build's inputs: a region whose
+    compiled code holds no more than its ops (an elementwise chain Inductor fuses into one kernel) measures 0, and
+    its outputs are the same values either way."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
+    y = g.call_function(torch.ops.aten.relu.default, (y,))
+    g.output((g.call_function(torch.ops.aten.add.Tensor, (y, 1.0)),))
+    region = regions_pass.Region(torch.fx.GraphModule(torch.nn.Module(), g), "region_g", "inductor", [None])
+    device = torch.device("cuda")
+    x = torch.randn(1 << 20, device=device)
+    assert torch.equal(region(x)[0], torch.relu(x * 2) + 1)
+    assert regions_pass._extra_bytes(region, [x], device) == 0
