@@ -110,7 +110,9 @@ def pstar_side(cfg, args) -> dict:
     return {"layers": cfg.n_layer, "params_frozen": frozen, "params_trainable": trainable,
             "compile_s": round(compile_s, 2), "steps_s": [round(t, 4) for t in times], "losses": losses,
             "chunks": len(plan.placement), "device_chunks": plan.placement.count("device"),
-            "estimated_step_s": round(plan.estimated_step_seconds, 3), "memory_stats": engine.memory_stats()}
+            "estimated_step_s": round(plan.estimated_step_seconds, 3), "memory_stats": engine.memory_stats(),
+            "regions_op_by_op": {r.__name__: r.eager_because for r in engine.graph.meta.get("regions", [])
+                                 if r.eager_because}}
 
 
 def _free_port() -> int:

@@ -404,6 +404,10 @@ class Engine:
                      + ", ".join(f"{k} {ops[k]}" for k in ("prefetch", "fetch", "release", "offload", "reduce",
                                                             "all_reduce", "adam", "grad", "grad_mm", "param")
                                  if ops[k]))
+        calls = Counter(n.target for n in self.graph.graph.nodes if n.op == "call_function")
+        for r in self.graph.meta.get("regions", []):
+            if r.eager_because:             # compiled, it would not have fitted (or Dynamo refused it)
+                lines.append(f"region {r.__name__} ({calls[r]} call(s)) runs op by op: {r.eager_because}")
         return "\n".join(lines)
 
 

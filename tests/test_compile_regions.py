@@ -304,6 +304,7 @@ def test_a_region_needing_more_memory_compiled_than_the_plan_leaves_runs_op_by_o
     assert "1.00 GiB more device memory" in greedy[0].eager_because, greedy[0].eager_because
     said = [r.getMessage() for r in caplog.records if "op by op" in r.getMessage()]
     assert len(said) == 1 and greedy[0].__name__ in said[0], said
+    assert f"region {greedy[0].__name__} (" in ours.explain() and "runs op by op" in ours.explain()
     for b in batches:
         assert torch.equal(ours.step(*b), plain.step(*b))
 
