@@ -324,3 +324,26 @@ def test_the_build_measures_what_a_compiled_region_holds_beyond_its_ops_on_cuda(
     x = torch.randn(1 << 20, device=device)
     assert torch.equal(region(x)[0], torch.relu(x * 2) + 1)
     assert regions_pass._extra_bytes(region, [x], device) == 0
+
+
+def test_a_region_out_of_memory_at_its_build_runs_op_by_op(dynamo_only, monkeypatch):
+    """A region whose compiled code runs out of device memory at its build (no activation is held yet: the step's
+    call would too) runs op by op; the step keeps the uncompiled step's bits."""
+    model = _gpt()
+    batches = [batch(seed=s) for s in range(2)]
+    first = []
+    compiled = regions_pass.Region.compiled
+
+    def short(region, *args):
+        first.extend([] if first else [region])
+        if region is first[0]:
+            raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+        return compiled(region, *args)
+
+    monkeypatch.setattr(regions_pass.Region, "compiled", short)
+    ours = _engine(model, batches[0], "inductor")
+    plain = _engine(model, batches[0], "eager")
+    assert [r for r in ours.graph.meta["regions"] if r.eager_because] == first
+    assert "out of device memory at its build" in first[0].eager_because
+    for b in batches:
+        assert torch.equal(ours.step(*b), plain.step(*b))

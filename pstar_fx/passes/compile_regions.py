@@ -177,7 +177,11 @@ def build_regions(gm: fx.GraphModule, device: torch.device,
                 if key not in stand_ins:
                     stand_ins[key] = _example(spec, device)
                 examples.append(stand_ins[key])
-            outs = region(*examples)
+            try:
+                outs = region(*examples)
+            except torch.OutOfMemoryError:  # compiling or running it, with no activation held yet
+                _out_of_memory_at_build(region)
+                outs = region(*examples)    # op by op now (what the plan counted)
             firsts = [next(j for j, other in enumerate(outs) if other is o) if isinstance(o, torch.Tensor) else i
                       for i, o in enumerate(outs)]
             outputs[region] = ([_Layout.of(o) if isinstance(o, torch.Tensor) else None for o in outs], firsts)
@@ -203,14 +207,22 @@ def _fits_compiled(region: Region, examples: list, device: torch.device) -> None
     spare = max(region.spare_bytes, 0)
     try:
         extra = _extra_bytes(region, examples, device)
-    except torch.OutOfMemoryError:      # with no activation held yet: the step's call would surely run out
-        torch.cuda.empty_cache()
-        why = "compiled, it ran out of device memory at its build, with no activation held yet"
-    else:
-        if extra is None or extra <= spare:
-            return
-        why = (f"compiled, it holds {format_bytes(extra)} more device memory than its ops one by one, and the plan "
-               f"leaves {format_bytes(spare)} at its fullest call")
+    except torch.OutOfMemoryError:
+        _out_of_memory_at_build(region)
+        return
+    if extra is None or extra <= spare:
+        return
+    _op_by_op(region, f"compiled, it holds {format_bytes(extra)} more device memory than its ops one by one, and "
+                      f"the plan leaves {format_bytes(spare)} at its fullest call")
+
+
+def _out_of_memory_at_build(region: Region) -> None:
+    """With no activation held yet, the step's call would surely run out too."""
+    torch.cuda.empty_cache()
+    _op_by_op(region, "compiled, it ran out of device memory at its build, with no activation held yet")
+
+
+def _op_by_op(region: Region, why: str) -> None:
     region.eager_because = why
     log.warning("%s (%d ops) runs op by op: %s", region.__name__, region_builders.n_ops(region.graph_module), why)
 
