@@ -135,3 +135,15 @@ def test_a_worker_out_of_device_memory_on_one_region_builds_the_others(tmp_path,
     region_builders._work(str(job))
     assert built == ["region_w1"]
     assert "region_w0 not built: out of device memory" in capsys.readouterr().err
+
+
+def test_workers_are_as_many_as_have_room_for_the_most_regions_and_build_only_those():
+    """`fit_workers`: the free device memory shared equally; the worker count (2 to the most) whose share holds the
+    most regions, the more workers on a tie; a region no share holds is left to the engine's process."""
+    from pstar_fx.passes.region_builders import fit_workers
+    GiB = 2**30
+    assert fit_workers([3 * GiB] * 24, 52 * GiB, 4) == (4, 13 * GiB, list(range(24)))     # an 18B GPT: all fit
+    lora = [20 * GiB, 20 * GiB, 5 * GiB, 5 * GiB, 5 * GiB, 5 * GiB, 3 * GiB]
+    assert fit_workers(lora, 23 * GiB, 4) == (4, 23 * GiB / 4, [2, 3, 4, 5, 6])            # the two largest: here
+    assert fit_workers([6 * GiB, 11 * GiB, 11 * GiB], 23 * GiB, 4) == (2, 11.5 * GiB, [0, 1, 2])
+    assert fit_workers([30 * GiB], 23 * GiB, 4)[2] == []

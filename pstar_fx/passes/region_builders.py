@@ -14,7 +14,8 @@ the regions, device, backend and torch version says they were built (the marker 
 region loads or compiles is Inductor's cache's decision, as always).
 
 Workers: `PSTAR_FX_BUILD_WORKERS` (0 or 1: none), else one per 4 host cores, at most 8, never more than there
-are regions to build.
+are regions to build. On CUDA they share 80% of the device memory free once the chunks are allocated, each capped at
+its share, and build only the regions a share has room for (`fit_workers`); this process builds the rest.
 """
 from __future__ import annotations
 
@@ -120,15 +121,17 @@ def start(jobs: list[tuple[str, torch.fx.GraphModule, list]], device: torch.devi
     workers = workers_for(len(jobs))
     # The chunk memory is allocated; the step's activations are not yet. The workers share most of what is free
     # (each capped at its part: one overrunning it loses that region alone, never the engine), the rest is left to
-    # this process's init; as many as each has room for the largest region. Uncapped, four workers ran a 70B
-    # LoRA's GPU out of memory; capped at a quarter each (5.9 GiB), all four failed on its largest region.
+    # this process's init; each gets the regions it has room for, this process builds the others. Uncapped, four
+    # workers ran a 70B LoRA's GPU out of memory; capped at a quarter each (5.9 GiB), all four failed on its largest.
     fraction = None
     if device.type == "cuda" and workers >= 2:
         free, total = torch.cuda.mem_get_info(device)
-        need = max(room_needed(specs) for _, _, specs in jobs)
-        workers = min(workers, int(WORKERS_SHARE * free // max(need, 1)))
-        fraction = WORKERS_SHARE * free / max(workers, 1) / total
-    if workers < 2:
+        workers, room, chosen = fit_workers([room_needed(specs) for _, _, specs in jobs], WORKERS_SHARE * free,
+                                            workers)
+        jobs = [jobs[i] for i in chosen]
+        workers = min(workers, len(jobs))
+        fraction = room / total
+    if workers < 2 or len(jobs) < 2:
         return None
     threads = max(1, (os.cpu_count() or 1) // workers)          # Inductor's own kernel-compile pool, per worker
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # pstar_fx's parent
@@ -163,6 +166,19 @@ def shares(jobs: list[tuple[str, torch.fx.GraphModule, list]], workers: int) -> 
         out[w].append(job)
         load[w] += n_ops(job[1])
     return out
+
+
+def fit_workers(needs: list[int], free: float, most: int) -> tuple[int, float, list[int]]:
+    """(workers, each one's bytes, the regions they build) for regions needing `needs` bytes each, `free` bytes
+    shared equally: the count (2 to `most`) whose share has room for the most regions, the more workers on a tie.
+    An 18B GPT's regions all fit four shares; a 70B LoRA's largest fit none, its smaller ones do."""
+    best = None
+    for w in range(most, 1, -1):
+        room = free / w
+        fits = [i for i, n in enumerate(needs) if n <= room]
+        if best is None or len(fits) > len(best[2]):
+            best = (w, room, fits)
+    return best if best is not None else (0, 0.0, [])
 
 
 def room_needed(specs: list) -> int:
