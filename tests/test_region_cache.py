@@ -38,13 +38,15 @@ print(json.dumps({"losses": losses, "regions": len(engine.graph.meta["regions"])
                   "hits": counters["inductor"]["fxgraph_cache_hit"], "misses": counters["inductor"]["fxgraph_cache_miss"],
                   "aot_hits": counters["aot_autograd"]["autograd_cache_hit"],
                   "aot_misses": counters["aot_autograd"]["autograd_cache_miss"],
+                  "dynamo_graphs": counters["stats"]["unique_graphs"],
                   "cache": __import__("os").environ["TORCHINDUCTOR_CACHE_DIR"]}))
 """
 
 
-def compile_in_a_fresh_process(cache: Path, workers: int) -> dict:
+def compile_in_a_fresh_process(cache: Path, workers: int, artifacts: bool = False) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     env.update(PSTAR_FX_CACHE=str(cache), PSTAR_FX_BUILD_WORKERS=str(workers),
+               PSTAR_FX_REGION_ARTIFACTS="1" if artifacts else "0",
                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
@@ -147,3 +149,19 @@ def test_workers_are_as_many_as_have_room_for_the_most_regions_and_build_only_th
     assert fit_workers(lora, 23 * GiB, 4) == (4, 23 * GiB / 4, [2, 3, 4, 5, 6])            # the two largest: here
     assert fit_workers([6 * GiB, 11 * GiB, 11 * GiB], 23 * GiB, 4) == (2, 11.5 * GiB, [0, 1, 2])
     assert fit_workers([30 * GiB], 23 * GiB, 4)[2] == []
+
+
+def test_region_artifacts_train_the_same_bits_without_dynamo(tmp_path):
+    """PSTAR_FX_REGION_ARTIFACTS=1: each region is built as a standalone Inductor artifact (by this process, or by
+    the build workers), saved by its key beside Inductor's caches and loaded from there by the next compile; no
+    region goes through Dynamo, and every run trains the bits of today's torch.compile regions."""
+    plain = compile_in_a_fresh_process(tmp_path / "plain", workers=0)
+    cold = compile_in_a_fresh_process(tmp_path / "here", workers=0, artifacts=True)
+    warm = compile_in_a_fresh_process(tmp_path / "here", workers=0, artifacts=True)
+    by_workers = compile_in_a_fresh_process(tmp_path / "workers", workers=2, artifacts=True)
+    assert plain["dynamo_graphs"] == 2
+    assert len(list((tmp_path / "here" / "inductor" / "pstar_fx-artifacts").glob("*.bin"))) == 2
+    for run in (cold, warm, by_workers):
+        assert run["dynamo_graphs"] == 0, run
+        assert run["losses"] == plain["losses"] and run["state"] == plain["state"], run
+    assert (warm["hits"], warm["misses"]) == (2, 0) and (by_workers["hits"], by_workers["misses"]) == (2, 0)

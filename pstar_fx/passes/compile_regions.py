@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import operator
+import os
 import pickle
 
 import torch
@@ -78,6 +79,7 @@ class Region:
         # the device memory the plan leaves free at its fullest call (None: no budget): what compiling may add
         # to its ops' own (`build_regions` measures that)
         self.spare_bytes: int | None = None
+        self._artifact = None               # a standalone Inductor artifact run instead of Dynamo's (artifacts_on)
 
     def __call__(self, *args):
         with torch.no_grad():               # one grad mode, whoever calls: the compiled guards never differ
@@ -97,6 +99,13 @@ class Region:
         """The compiled function called, an error inside it raised as itself: a failure in the compiled code (CUDA
         out of memory) reached torch 2.11's GraphModule, which walks its traceback with a generator, which Dynamo,
         still watching, refused ("Attempt to trace generator"), hiding the error that happened."""
+        if self._artifact is not None:
+            try:
+                return self._artifact(*args)
+            except AssertionError as e:     # its code checks every input's size and strides before it runs
+                log.warning("%s: its Inductor artifact was built for other input layouts (%s); Dynamo compiles "
+                            "it now", self.__name__, str(e).splitlines()[0] if str(e) else "size or stride")
+                self._artifact = None
         try:
             return self._compiled(*args)
         except torch._dynamo.exc.Unsupported as e:
@@ -178,6 +187,8 @@ def build_regions(gm: fx.GraphModule, device: torch.device,
                     stand_ins[key] = _example(spec, device)
                 examples.append(stand_ins[key])
             try:
+                if region_builders.artifacts_on() and region.backend == "inductor":
+                    _use_artifact(region, examples, device)
                 outs = region(*examples)
             except torch.OutOfMemoryError:  # compiling or running it, with no activation held yet
                 _out_of_memory_at_build(region)
@@ -197,6 +208,21 @@ def build_regions(gm: fx.GraphModule, device: torch.device,
                         made[user] = layouts[user.args[1]]
                     same[user] = (node, firsts[user.args[1]])
     return sum(v is not None for v in outputs.values())
+
+
+def _use_artifact(region: Region, examples: list, device: torch.device) -> None:
+    """The region's standalone Inductor artifact, loaded from the cache folder (a build worker or an earlier
+    compile saved it), else built here and saved: its calls then skip Dynamo (region_builders.artifacts_on)."""
+    from torch._inductor import CompiledArtifact
+    path = region_builders.artifact_path(region.key, device)
+    if os.path.exists(path):
+        try:
+            region._artifact = CompiledArtifact.load(path=path, format="binary")
+            return
+        except Exception as e:          # an unreadable file is rebuilt, never trusted
+            log.warning("%s: its saved Inductor artifact could not be loaded (%s: %s); building it again",
+                        region.__name__, type(e).__name__, e)
+    region._artifact = region_builders.save_artifact(region.graph_module, examples, path)
 
 
 def _fits_compiled(region: Region, examples: list, device: torch.device) -> None:

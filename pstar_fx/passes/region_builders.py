@@ -16,6 +16,9 @@ region loads or compiles is Inductor's cache's decision, as always).
 Workers: `PSTAR_FX_BUILD_WORKERS` (0 or 1: none), else one per 4 host cores, at most 8, never more than there
 are regions to build. On CUDA they share 80% of the device memory free once the chunks are allocated, each capped at
 its share, and build only the regions a share has room for (`fit_workers`); this process builds the rest.
+
+PSTAR_FX_REGION_ARTIFACTS=1 (an experiment, off by default): the regions are built as standalone Inductor artifacts
+(`save_artifact`), by the workers or this process, saved by region key and loaded by `build_regions` without Dynamo.
 """
 from __future__ import annotations
 
@@ -56,9 +59,39 @@ def workers_for(n_regions: int) -> int:
     return max(0, min(wanted, n_regions)) if wanted > 1 else 0
 
 
+def artifacts_on() -> bool:
+    """PSTAR_FX_REGION_ARTIFACTS=1: regions are built as `torch._inductor.standalone_compile` artifacts, saved in
+    the cache folder by region key and loaded from there, without Dynamo (an experiment, off by default: on the
+    VM a warm region loads in ~5 ms instead of ~0.14 s, bench/region_artifacts.py; not yet measured on CUDA)."""
+    return os.environ.get("PSTAR_FX_REGION_ARTIFACTS", "0") not in ("", "0")
+
+
+def artifact_path(key: str, device: torch.device) -> str:
+    """Where the artifact of the region with `key` lives: named by a hash of the key, the torch version and the
+    device kind (and a GPU's compute capability)."""
+    h = hashlib.sha256()
+    arch = torch.cuda.get_device_capability(device) if device.type == "cuda" else ()
+    for part in (torch.__version__, device.type, repr(arch), key):
+        h.update(part.encode())
+        h.update(b"\0")
+    return os.path.join(inductor_cache_dir(), "pstar_fx-artifacts", h.hexdigest()[:40] + ".bin")
+
+
+def save_artifact(gm: torch.fx.GraphModule, examples: list, path: str):
+    """The region compiled by Inductor alone on `examples` (its layouts specialized: the artifact's code asserts
+    every input's size and strides), saved at `path` (written aside, then renamed: a reader never sees half)."""
+    from torch._inductor import standalone_compile
+    art = standalone_compile(gm, examples, dynamic_shapes="from_example_inputs")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    part = f"{path}.tmp-{os.getpid()}"
+    art.save(path=part, format="binary")
+    os.replace(part, path)
+    return art
+
+
 def _marker(keys: list[str], device: torch.device, backend: str) -> str:
     h = hashlib.sha256()
-    for part in (torch.__version__, str(device), backend, *sorted(keys)):
+    for part in (torch.__version__, str(device), backend, "artifacts" * artifacts_on(), *sorted(keys)):
         h.update(part.encode())
         h.update(b"\0")
     return os.path.join(inductor_cache_dir(), f"pstar_fx-regions-{h.hexdigest()[:32]}")
@@ -144,6 +177,7 @@ def start(jobs: list[tuple[str, torch.fx.GraphModule, list]], device: torch.devi
             path = os.path.join(tmp.name, f"job{w}.pkl")
             with open(path, "wb") as f:
                 pickle.dump({"regions": [(gm, specs) for _, gm, specs in share], "device": str(device),
+                             "artifacts": [artifact_path(k, device) if artifacts_on() else None for k, _, _ in share],
                              "inductor_config": torch._inductor.config.save_config(), "threads": threads,
                              "memory_fraction": fraction}, f)
             procs.append(subprocess.Popen([sys.executable, "-m", __name__, path], env=env,
@@ -209,10 +243,16 @@ def _work(path: str) -> None:
     if job.get("memory_fraction"):
         index = device.index if device.index is not None else torch.cuda.current_device()
         torch.cuda.set_per_process_memory_fraction(job["memory_fraction"], index)
-    for i, (gm, specs) in enumerate(job["regions"]):
+    artifacts = job.get("artifacts") or [None] * len(job["regions"])
+    for i, ((gm, specs), artifact) in enumerate(zip(job["regions"], artifacts)):
         region = Region(gm, f"region_w{i}", "inductor", specs)
         try:
-            region(*(_example(s, device) for s in specs))
+            examples = [_example(s, device) for s in specs]
+            if artifact is not None:
+                save_artifact(region.graph_module, examples, artifact)
+            else:
+                region(*examples)
+            del examples
         except torch.OutOfMemoryError:          # the others are still worth building; the parent builds this one
             torch.cuda.empty_cache()
             print(f"region_w{i} not built: out of device memory", file=sys.stderr, flush=True)
