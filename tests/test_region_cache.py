@@ -133,8 +133,11 @@ def test_a_worker_out_of_device_memory_on_one_region_builds_the_others(tmp_path,
     job.write_bytes(pickle.dumps({"regions": [(region(2), [spec]), (region(3), [spec])], "device": "cpu",
                                   "inductor_config": torch._inductor.config.save_config(), "threads": 1,
                                   "memory_fraction": None}))
-    monkeypatch.setattr(torch._inductor.config, "compile_threads", torch._inductor.config.compile_threads)
-    region_builders._work(str(job))
+    saved = torch._inductor.config.save_config()       # _work loads the job's Inductor config into this process
+    try:
+        region_builders._work(str(job))
+    finally:
+        torch._inductor.config.load_config(saved)
     assert built == ["region_w1"]
     assert "region_w0 not built: out of device memory" in capsys.readouterr().err
 

@@ -188,7 +188,7 @@ def build_regions(gm: fx.GraphModule, device: torch.device,
                 examples.append(stand_ins[key])
             try:
                 if region_builders.artifacts_on() and region.backend == "inductor":
-                    _use_artifact(region, examples, device)
+                    _use_artifact(region, specs, examples, device)
                 outs = region(*examples)
             except torch.OutOfMemoryError:  # compiling or running it, with no activation held yet
                 _out_of_memory_at_build(region)
@@ -210,11 +210,12 @@ def build_regions(gm: fx.GraphModule, device: torch.device,
     return sum(v is not None for v in outputs.values())
 
 
-def _use_artifact(region: Region, examples: list, device: torch.device) -> None:
-    """The region's standalone Inductor artifact, loaded from the cache folder (a build worker or an earlier
-    compile saved it), else built here and saved: its calls then skip Dynamo (region_builders.artifacts_on)."""
+def _use_artifact(region: Region, specs: list, examples: list, device: torch.device) -> None:
+    """The region's standalone Inductor artifact for inputs laid out as `specs`, loaded from the cache folder (a
+    build worker or an earlier compile saved it), else built here and saved: its calls then skip Dynamo
+    (region_builders.artifacts_on)."""
     from torch._inductor import CompiledArtifact
-    path = region_builders.artifact_path(region.key, device)
+    path = region_builders.artifact_path(region.key, specs, device)
     if os.path.exists(path):
         try:
             region._artifact = CompiledArtifact.load(path=path, format="binary")

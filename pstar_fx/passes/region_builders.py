@@ -66,12 +66,17 @@ def artifacts_on() -> bool:
     return os.environ.get("PSTAR_FX_REGION_ARTIFACTS", "0") not in ("", "0")
 
 
-def artifact_path(key: str, device: torch.device) -> str:
-    """Where the artifact of the region with `key` lives: named by a hash of the key, the torch version and the
-    device kind (and a GPU's compute capability)."""
+def artifact_path(key: str, specs: list, device: torch.device) -> str:
+    """Where the artifact of the region with `key`, built on inputs laid out as `specs`, lives: named by a hash of
+    both (an input another region returns may lie otherwise than its fake value, the key's, says), the torch
+    version and the device kind (and a GPU's compute capability). Alignment counts: Inductor's code for aligned
+    inputs is another."""
     h = hashlib.sha256()
     arch = torch.cuda.get_device_capability(device) if device.type == "cuda" else ()
-    for part in (torch.__version__, device.type, repr(arch), key):
+    layouts = [None if s is None else (s[0], tuple(s[1].shape), tuple(s[1].stride), str(s[1].dtype),
+                                       ((s[2] if s[0] == "param" else s[1].storage_offset) * s[1].dtype.itemsize) % 16)
+               for s in specs]
+    for part in (torch.__version__, device.type, repr(arch), key, repr(layouts)):
         h.update(part.encode())
         h.update(b"\0")
     return os.path.join(inductor_cache_dir(), "pstar_fx-artifacts", h.hexdigest()[:40] + ".bin")
@@ -177,7 +182,8 @@ def start(jobs: list[tuple[str, torch.fx.GraphModule, list]], device: torch.devi
             path = os.path.join(tmp.name, f"job{w}.pkl")
             with open(path, "wb") as f:
                 pickle.dump({"regions": [(gm, specs) for _, gm, specs in share], "device": str(device),
-                             "artifacts": [artifact_path(k, device) if artifacts_on() else None for k, _, _ in share],
+                             "artifacts": [artifact_path(k, sp, device) if artifacts_on() else None
+                                           for k, _, sp in share],
                              "inductor_config": torch._inductor.config.save_config(), "threads": threads,
                              "memory_fraction": fraction}, f)
             procs.append(subprocess.Popen([sys.executable, "-m", __name__, path], env=env,
