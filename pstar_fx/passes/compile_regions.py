@@ -89,10 +89,8 @@ class Region:
                 return self.compiled(*args)
             except torch._dynamo.exc.Unsupported as e:
                 # Dynamo refused to compile it, before anything ran: its ops run as they are (same values, slower)
-                self.eager_because = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                log.warning("%s (%d ops) runs op by op: Dynamo could not compile it (%s)", self.__name__,
-                            region_builders.n_ops(self.graph_module), self.eager_because,
-                            exc_info=torch._dynamo.config.verbose)    # TORCHDYNAMO_VERBOSE=1: where it failed
+                _op_by_op(self, (str(e).strip().splitlines() or [type(e).__name__])[0],
+                          trace=torch._dynamo.config.verbose)     # TORCHDYNAMO_VERBOSE=1: where it failed
                 return self.graph_module(*args)
 
     def compiled(self, *args):
@@ -249,9 +247,11 @@ def _out_of_memory_at_build(region: Region) -> None:
     _op_by_op(region, "compiled, it ran out of device memory at its build, with no activation held yet")
 
 
-def _op_by_op(region: Region, why: str) -> None:
+def _op_by_op(region: Region, why: str, trace: bool = False) -> None:
+    """`region` runs its ops as they are from now on, said once (with the error being handled, where `trace`)."""
     region.eager_because = why
-    log.warning("%s (%d ops) runs op by op: %s", region.__name__, region_builders.n_ops(region.graph_module), why)
+    log.warning("%s (%d ops) runs op by op: %s", region.__name__, region_builders.n_ops(region.graph_module), why,
+                exc_info=trace)
 
 
 def _extra_bytes(region: Region, examples: list, device: torch.device) -> int | None:

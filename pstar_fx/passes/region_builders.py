@@ -71,15 +71,12 @@ def artifact_path(key: str, specs: list, device: torch.device) -> str:
     both (an input another region returns may lie otherwise than its fake value, the key's, says), the torch
     version and the device kind (and a GPU's compute capability). Alignment counts: Inductor's code for aligned
     inputs is another."""
-    h = hashlib.sha256()
     arch = torch.cuda.get_device_capability(device) if device.type == "cuda" else ()
     layouts = [None if s is None else (s[0], tuple(s[1].shape), tuple(s[1].stride), str(s[1].dtype),
                                        ((s[2] if s[0] == "param" else s[1].storage_offset) * s[1].dtype.itemsize) % 16)
                for s in specs]
-    for part in (torch.__version__, device.type, repr(arch), key, repr(layouts)):
-        h.update(part.encode())
-        h.update(b"\0")
-    return os.path.join(inductor_cache_dir(), "pstar_fx-artifacts", h.hexdigest()[:40] + ".bin")
+    name = _digest([torch.__version__, device.type, repr(arch), key, repr(layouts)])[:40]
+    return os.path.join(inductor_cache_dir(), "pstar_fx-artifacts", name + ".bin")
 
 
 def save_artifact(gm: torch.fx.GraphModule, examples: list, path: str):
@@ -94,12 +91,18 @@ def save_artifact(gm: torch.fx.GraphModule, examples: list, path: str):
     return art
 
 
-def _marker(keys: list[str], device: torch.device, backend: str) -> str:
+def _digest(parts: list[str]) -> str:
     h = hashlib.sha256()
-    for part in (torch.__version__, str(device), backend, "artifacts" * artifacts_on(), *sorted(keys)):
+    for part in parts:
         h.update(part.encode())
         h.update(b"\0")
-    return os.path.join(inductor_cache_dir(), f"pstar_fx-regions-{h.hexdigest()[:32]}")
+    return h.hexdigest()
+
+
+def _marker(keys: list[str], device: torch.device, backend: str) -> str:
+    how = "artifacts" if artifacts_on() else ""
+    name = _digest([torch.__version__, str(device), backend, how, *sorted(keys)])[:32]
+    return os.path.join(inductor_cache_dir(), f"pstar_fx-regions-{name}")
 
 
 class Builders:
@@ -251,18 +254,18 @@ def _work(path: str) -> None:
         torch.cuda.set_per_process_memory_fraction(job["memory_fraction"], index)
     artifacts = job.get("artifacts") or [None] * len(job["regions"])
     for i, ((gm, specs), artifact) in enumerate(zip(job["regions"], artifacts)):
-        region = Region(gm, f"region_w{i}", "inductor", specs)
+        region = None if artifact is not None else Region(gm, f"region_w{i}", "inductor", specs)
         try:
             examples = [_example(s, device) for s in specs]
-            if artifact is not None:
-                save_artifact(region.graph_module, examples, artifact)
+            if region is None:
+                save_artifact(gm, examples, artifact)
             else:
                 region(*examples)
             del examples
         except torch.OutOfMemoryError:          # the others are still worth building; the parent builds this one
             torch.cuda.empty_cache()
             print(f"region_w{i} not built: out of device memory", file=sys.stderr, flush=True)
-        if region.eager_because is not None:
+        if region is not None and region.eager_because is not None:
             print(f"region_w{i} not built: {region.eager_because}", file=sys.stderr, flush=True)
 
 
