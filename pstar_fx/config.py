@@ -69,6 +69,14 @@ def parse_count(value: str, key: str, unit: str, least: int | None = None) -> in
     return n
 
 
+def parse_flag(value: str, key: str) -> bool:
+    """An environment variable that switches something on ("1") or off ("0"); anything else: a ValueError naming
+    `key` (a "false" must not turn it on)."""
+    if value not in ("0", "1"):
+        raise ValueError(f"{key}: expected 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def format_bytes(n: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:

@@ -168,3 +168,20 @@ def test_region_artifacts_train_the_same_bits_without_dynamo(tmp_path):
         assert run["dynamo_graphs"] == 0, run
         assert run["losses"] == plain["losses"] and run["state"] == plain["state"], run
     assert (warm["hits"], warm["misses"]) == (2, 0) and (by_workers["hits"], by_workers["misses"]) == (2, 0)
+
+
+def test_the_artifacts_switch_takes_0_or_1_only(monkeypatch):
+    """PSTAR_FX_REGION_ARTIFACTS (like PSTAR_FX_HUGE_PAGES, one parser): "0" off, "1" on, anything else a clear
+    error naming the variable, never on by accident."""
+    import pytest
+
+    from pstar_fx.passes.region_builders import artifacts_on
+    from pstar_fx.runtime.host_memory import huge_pages_wanted
+    for var, wanted in (("PSTAR_FX_REGION_ARTIFACTS", artifacts_on), ("PSTAR_FX_HUGE_PAGES", huge_pages_wanted)):
+        monkeypatch.setenv(var, "0")
+        assert wanted() is False
+        monkeypatch.setenv(var, "1")
+        assert wanted() is True
+        monkeypatch.setenv(var, "false")
+        with pytest.raises(ValueError, match=f"{var}: expected 0 or 1, got 'false'"):
+            wanted()

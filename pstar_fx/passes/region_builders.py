@@ -33,7 +33,7 @@ import tempfile
 
 import torch
 
-from ..config import parse_count
+from ..config import parse_count, parse_flag
 
 log = logging.getLogger("pstar_fx")
 
@@ -63,7 +63,7 @@ def artifacts_on() -> bool:
     """PSTAR_FX_REGION_ARTIFACTS=1: regions are built as `torch._inductor.standalone_compile` artifacts, saved in
     the cache folder by region key and loaded from there, without Dynamo (an experiment, off by default: on the
     VM a warm region loads in ~5 ms instead of ~0.14 s, bench/region_artifacts.py; not yet measured on CUDA)."""
-    return os.environ.get("PSTAR_FX_REGION_ARTIFACTS", "0") not in ("", "0")
+    return parse_flag(os.environ.get("PSTAR_FX_REGION_ARTIFACTS", "0"), "PSTAR_FX_REGION_ARTIFACTS")
 
 
 def artifact_path(key: str, specs: list, device: torch.device) -> str:

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from ..config import parse_count
+from ..config import parse_count, parse_flag
 
 log = logging.getLogger("pstar_fx")
 
@@ -43,10 +43,7 @@ def pin_threads() -> int:
 def huge_pages_wanted() -> bool:
     """`PSTAR_FX_HUGE_PAGES=1`: back the host buffers with transparent huge pages (off by default until measured on
     the GPU box, whose huge pages are `madvise`-only: bench/pinned_alloc.py --huge-pages)."""
-    env = os.environ.get("PSTAR_FX_HUGE_PAGES", "0")
-    if env not in ("0", "1"):
-        raise ValueError(f"PSTAR_FX_HUGE_PAGES: expected 0 or 1, got {env!r}")
-    return env == "1"
+    return parse_flag(os.environ.get("PSTAR_FX_HUGE_PAGES", "0"), "PSTAR_FX_HUGE_PAGES")
 
 
 def register(t: torch.Tensor) -> int:
