@@ -107,12 +107,43 @@ def pstar_side(cfg, args) -> dict:
     print(engine.explain(), file=sys.stderr, flush=True)
     times, losses = timed_steps(engine.step, cfg, args, device)
     plan = engine.plan
-    return {"layers": cfg.n_layer, "params_frozen": frozen, "params_trainable": trainable,
+    extra = {"phases": engine.rt.timing() if hasattr(engine.rt, "timing") else {}}
+    if device == "cuda":
+        stats = torch.cuda.memory_stats()
+        extra["allocator"] = {k: stats.get(k) for k in ("num_alloc_retries", "num_ooms", "num_sync_all_streams",
+                                                         "num_device_alloc", "num_device_free")}
+        # host chunks whose weights cross to the GPU, and how many of them are page-locked (all should be)
+        from pstar_fx.runtime.store import master_crosses
+        store = engine.rt.store
+        crossing = [c for c, tier in enumerate(plan.placement) if tier == "host" and master_crosses(plan, c)]
+        extra["host_chunks_crossing"] = len(crossing)
+        extra["host_chunks_crossing_pinned"] = sum(store.master[c].is_pinned() for c in crossing)
+    if args.profile and device == "cuda":
+        extra["profile"] = profile_step(engine.step, batch(cfg, args, device, args.steps))
+    return {**extra, "layers": cfg.n_layer, "params_frozen": frozen, "params_trainable": trainable,
             "compile_s": round(compile_s, 2), "steps_s": [round(t, 4) for t in times], "losses": losses,
             "chunks": len(plan.placement), "device_chunks": plan.placement.count("device"),
             "estimated_step_s": round(plan.estimated_step_seconds, 3), "memory_stats": engine.memory_stats(),
             "regions_op_by_op": {r.__name__: r.eager_because for r in engine.graph.meta.get("regions", [])
                                  if r.eager_because}}
+
+
+def profile_step(step, b) -> dict:
+    """One more step under torch.profiler: the device's busy seconds (kernels, copies) against the wall, and the
+    ops that took the most device and host time (printed)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step(b)
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    avg = prof.key_averages()
+    for key in ("self_cuda_time_total", "self_cpu_time_total"):
+        print(avg.table(sort_by=key, row_limit=25, max_name_column_width=60), file=sys.stderr, flush=True)
+    kernels = sum(e.self_device_time_total for e in avg if "Memcpy" not in e.key) / 1e6
+    copies = sum(e.self_device_time_total for e in avg if "Memcpy" in e.key) / 1e6
+    return {"wall_s": round(wall, 3), "device_kernels_s": round(kernels, 3), "device_copies_s": round(copies, 3)}
 
 
 def _free_port() -> int:
@@ -241,6 +272,7 @@ def main(argv=None):
     ap.add_argument("--system", default="both", choices=("both", *SYSTEMS))
     ap.add_argument("--timeout", type=float, default=560, help="seconds for both sides' subprocesses together")
     ap.add_argument("--json", default=None, help="append the RESULT lines to this file")
+    ap.add_argument("--profile", action="store_true", help="pstar_fx: one more step under torch.profiler")
     ap.add_argument("--dump-after", type=float, default=0, help="print every thread's stack every this many s")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)

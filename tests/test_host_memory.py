@@ -1,6 +1,7 @@
 """Host buffers page-locked side by side (runtime/host_memory.py), without CUDA: a stand-in lock records what
 cudaHostRegister would be asked to lock. Every buffer is filled and locked once, exactly its bytes, before the
 batch ends; the engine trains the same bits with it, and what it locks is what the store charged."""
+import gc
 import logging
 import threading
 
@@ -16,13 +17,17 @@ from test_engine import batch
 class FakeLock:
     def __init__(self, fail_every: int = 0):
         self.locked: list[tuple[int, int, str]] = []       # (address, bytes, thread)
+        self.unlocked: list[int] = []                       # addresses, as `register` unlocks them: when freed
         self.fail_every = fail_every
         self._mutex = threading.Lock()
 
     def __call__(self, t: torch.Tensor) -> int:
         with self._mutex:
             self.locked.append((t.data_ptr(), t.untyped_storage().nbytes(), threading.current_thread().name))
-            return 1 if self.fail_every and len(self.locked) % self.fail_every == 0 else 0
+            if self.fail_every and len(self.locked) % self.fail_every == 0:
+                return 1
+            host_memory.when_freed(t, self.unlocked.append, t.data_ptr())
+            return 0
 
 
 def test_a_batch_fills_and_locks_every_buffer_on_its_workers_before_it_ends():
@@ -297,6 +302,45 @@ def test_a_reserve_locks_ahead_and_a_batch_takes_its_buffers():
     assert len(locked) == len(set(locked))                  # none twice
     assert {t.data_ptr() for t in taken + [filled, other]} <= set(locked)
     assert all(name.startswith(("pstar_fx-reserve", "pstar_fx-pin")) for _, _, name in lock.locked)
+    # a taken buffer stays locked while its view lives (the reserve's byte tensor is gone), and no longer
+    gc.collect()
+    ptrs = {t.data_ptr() for t in taken}
+    assert not ptrs & set(lock.unlocked)
+    del taken
+    gc.collect()
+    assert ptrs <= set(lock.unlocked)
+
+
+def test_memory_is_unlocked_when_its_storage_goes_not_the_tensor_it_was_locked_as(monkeypatch):
+    """`register` unlocks when the last tensor of the memory goes, whatever its dtype or extent: the 70B LoRA's
+    frozen host chunks, reserved as bytes and handed out as bf16 views, were unlocked while in use and crossed to
+    the GPU from pageable memory at a sixth of the bus's rate."""
+    calls = []
+
+    class CudaRuntime:                          # cudaHostRegister / cudaHostUnregister, recorded
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            calls.append(("register", ptr))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", CudaRuntime)
+    t = torch.zeros(4096, dtype=torch.uint8)
+    ptr = t.data_ptr()
+    assert host_memory.register(t) == 0
+    view = t.view(torch.bfloat16)
+    assert view._base is None                   # (a dtype view of another size keeps no reference to `t`)
+    del t
+    gc.collect()
+    part = view[:16]
+    del view
+    gc.collect()
+    assert calls == [("register", ptr)]
+    del part
+    gc.collect()
+    assert calls == [("register", ptr), ("unregister", ptr)]
 
 
 def test_host_buffers_locked_ahead_of_the_plan_train_the_same_bits(monkeypatch):
