@@ -347,3 +347,37 @@ def test_a_region_out_of_memory_at_its_build_runs_op_by_op(dynamo_only, monkeypa
     assert "out of device memory at its build" in first[0].eager_because
     for b in batches:
         assert torch.equal(ours.step(*b), plain.step(*b))
+
+
+def test_an_artifact_failing_at_its_first_call_gives_way_to_dynamo_and_a_later_failure_is_raised(caplog):
+    """A region's standalone Inductor artifact (PSTAR_FX_REGION_ARTIFACTS=1) that fails at its first call (torch
+    2.11's alignment wrapper raised IndexError on the H200) leaves the region to Dynamo's build, said with the
+    error; once it has run, a failure inside it is the step's and is raised."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    g.output((g.call_function(torch.ops.aten.relu.default, (g.call_function(torch.ops.aten.mul.Tensor, (x, 2.0)),)),))
+    region = regions_pass.Region(torch.fx.GraphModule(torch.nn.Module(), g), "region_a", "eager", [None])
+    a = torch.randn(5)
+
+    def broken(*args):
+        raise IndexError("list index out of range")
+
+    region._artifact = broken
+    with caplog.at_level("WARNING", logger="pstar_fx"):
+        out = region(a)
+    assert torch.equal(out[0], torch.relu(a * 2)) and region._artifact is None
+    said = [r.getMessage() for r in caplog.records if "region_a" in r.getMessage()]
+    assert len(said) == 1 and "IndexError" in said[0] and "Dynamo compiles it now" in said[0], said
+
+    calls = []
+
+    def fails_on_the_second_call(*args):
+        calls.append(1)
+        if len(calls) > 1:
+            raise IndexError("the step's own failure")
+        return (torch.relu(args[0] * 2),)
+
+    region._artifact, region._artifact_ran = fails_on_the_second_call, False
+    assert torch.equal(region(a)[0], out[0])
+    with pytest.raises(IndexError, match="the step's own"):
+        region(a)

@@ -80,6 +80,7 @@ class Region:
         # to its ops' own (`build_regions` measures that)
         self.spare_bytes: int | None = None
         self._artifact = None               # a standalone Inductor artifact run instead of Dynamo's (artifacts_on)
+        self._artifact_ran = False          # whether it has returned once (a later failure is the step's own)
 
     def __call__(self, *args):
         with torch.no_grad():               # one grad mode, whoever calls: the compiled guards never differ
@@ -99,11 +100,25 @@ class Region:
         still watching, refused ("Attempt to trace generator"), hiding the error that happened."""
         if self._artifact is not None:
             try:
-                return self._artifact(*args)
+                out = self._artifact(*args)
             except AssertionError as e:     # its code checks every input's size and strides before it runs
                 log.warning("%s: its Inductor artifact was built for other input layouts (%s); Dynamo compiles "
                             "it now", self.__name__, str(e).splitlines()[0] if str(e) else "size or stride")
                 self._artifact = None
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:
+                if self._artifact_ran:
+                    raise
+                # its first call (the build's, on zeros) failed inside Inductor's own wrappers: torch 2.11 on the
+                # H200 raised IndexError in `copy_misaligned_inputs` for GPT3_18B's regions, which the CPU (no
+                # alignment checks) never shows. Dynamo's build of the same region is the default path
+                log.warning("%s: its Inductor artifact failed at its first call (%s: %s); Dynamo compiles it now",
+                            self.__name__, type(e).__name__, e, exc_info=True)
+                self._artifact = None
+            else:
+                self._artifact_ran = True
+                return out
         try:
             return self._compiled(*args)
         except torch._dynamo.exc.Unsupported as e:
