@@ -43,8 +43,10 @@ print(json.dumps({"losses": losses, "regions": len(engine.graph.meta["regions"])
 """
 
 
-def compile_in_a_fresh_process(cache: Path, workers: int, artifacts: bool = False) -> dict:
+def compile_in_a_fresh_process(cache: Path, workers: int, artifacts: bool = False, capability: str | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    if capability is not None:
+        env["ATEN_CPU_CAPABILITY"] = capability
     env.update(PSTAR_FX_CACHE=str(cache), PSTAR_FX_BUILD_WORKERS=str(workers),
                PSTAR_FX_REGION_ARTIFACTS="1" if artifacts else "0",
                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
@@ -57,12 +59,13 @@ def compile_in_a_fresh_process(cache: Path, workers: int, artifacts: bool = Fals
 def test_second_compile_loads_the_regions_the_workers_built_and_trains_the_same_bits(tmp_path):
     cold = compile_in_a_fresh_process(tmp_path, workers=2)
     assert cold["regions"] == 2
-    assert cold["cache"] == str(tmp_path / "inductor")                 # beside the plan cache
+    inductor = Path(cold["cache"])
+    assert inductor.parent == tmp_path and inductor.name.startswith("inductor-")    # beside the plan cache
     # the workers built both regions; this process only loaded them, Inductor's graphs and AOTAutograd's (which
     # missed before the regions were compiled from their pickled copies, as the workers compile them)
     assert (cold["hits"], cold["misses"]) == (2, 0), cold
     assert (cold["aot_hits"], cold["aot_misses"]) == (2, 0), cold
-    assert list((tmp_path / "inductor").glob("pstar_fx-regions-*")), "no marker of the built regions"
+    assert list(inductor.glob("pstar_fx-regions-*")), "no marker of the built regions"
     warm = compile_in_a_fresh_process(tmp_path, workers=2)          # the marker: no worker starts
     assert (warm["hits"], warm["misses"]) == (2, 0) and (warm["aot_hits"], warm["aot_misses"]) == (2, 0), warm
     assert warm["losses"] == cold["losses"] and warm["state"] == cold["state"]
@@ -163,7 +166,7 @@ def test_region_artifacts_train_the_same_bits_without_dynamo(tmp_path):
     warm = compile_in_a_fresh_process(tmp_path / "here", workers=0, artifacts=True)
     by_workers = compile_in_a_fresh_process(tmp_path / "workers", workers=2, artifacts=True)
     assert plain["dynamo_graphs"] == 2
-    assert len(list((tmp_path / "here" / "inductor" / "pstar_fx-artifacts").glob("*.bin"))) == 2
+    assert len(list((Path(cold["cache"]) / "pstar_fx-artifacts").glob("*.bin"))) == 2
     for run in (cold, warm, by_workers):
         assert run["dynamo_graphs"] == 0, run
         assert run["losses"] == plain["losses"] and run["state"] == plain["state"], run
@@ -185,3 +188,16 @@ def test_the_artifacts_switch_takes_0_or_1_only(monkeypatch):
         monkeypatch.setenv(var, "false")
         with pytest.raises(ValueError, match=f"{var}: expected 0 or 1, got 'false'"):
             wanted()
+
+
+def test_a_cache_filled_under_one_cpu_capability_serves_another_the_bits_of_its_own(tmp_path):
+    """Inductor's caches live in one folder per ATen CPU capability: filled under this machine's (AVX512 on the
+    development VM) and then read under ATEN_CPU_CAPABILITY=default, Inductor's keys alone gave a C++ compile error
+    (`at::vec` undeclared). Now the second capability trains the bits it trains on a cache of its own."""
+    native = compile_in_a_fresh_process(tmp_path / "shared", workers=0)
+    lowered = compile_in_a_fresh_process(tmp_path / "shared", workers=0, capability="default")
+    alone = compile_in_a_fresh_process(tmp_path / "alone", workers=0, capability="default")
+    assert Path(lowered["cache"]).name == "inductor-default"
+    if Path(native["cache"]).name != "inductor-default":    # (a machine whose own capability is DEFAULT shares it)
+        assert native["cache"] != lowered["cache"] and (lowered["hits"], lowered["misses"]) == (0, 2), lowered
+    assert lowered["losses"] == alone["losses"] and lowered["state"] == alone["state"]

@@ -8,8 +8,8 @@ each build a share of the regions on zeros laid out as the step's, and `build_re
 in this process, in the step's order, from the cache. A region whose inputs another region makes is built in a
 worker on its fake layout; where the real one differs, this process builds it itself (correct, only not sped up).
 
-Where the caches live: Inductor's own `TORCHINDUCTOR_CACHE_DIR` where it is set, else `inductor/` beside the plan
-cache (`costs.cache_root()`). A second compile of the same regions starts no worker: a marker named by a hash of
+Where the caches live: Inductor's own `TORCHINDUCTOR_CACHE_DIR` where it is set, else `inductor-<cpu capability>/`
+beside the plan cache (`costs.cache_root()`). A second compile of the same regions starts no worker: a marker named by a hash of
 the regions, device, backend and torch version says they were built (the marker only skips the workers; whether a
 region loads or compiles is Inductor's cache's decision, as always).
 
@@ -40,10 +40,14 @@ log = logging.getLogger("pstar_fx")
 
 def inductor_cache_dir() -> str:
     """Where Inductor caches what it builds: its own setting (TORCHINDUCTOR_CACHE_DIR, which Inductor itself sets
-    for the process when it first runs), or set now to `inductor/` beside our caches (pstar_fx sets it at import)."""
+    for the process when it first runs), or set now to `inductor-<cpu capability>/` beside our caches (pstar_fx sets
+    it at import). The capability (ATen's: AVX512, AVX2, DEFAULT, ..., which ATEN_CPU_CAPABILITY lowers) is in the
+    name because Inductor's own keys leave part of it out: a cache filled under AVX512 and read under DEFAULT failed
+    to compile its C++ (`at::vec` undeclared), and one home folder may serve machines of several CPU kinds."""
     if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
         from ..planning.costs import cache_root
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root(), "inductor")
+        capability = torch.backends.cpu.get_cpu_capability().lower()
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root(), f"inductor-{capability}")
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
