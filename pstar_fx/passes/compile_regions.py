@@ -113,8 +113,10 @@ class Region:
                 # its first call (the build's, on zeros) failed inside Inductor's own wrappers: torch 2.11 on the
                 # H200 raised IndexError in `copy_misaligned_inputs` for GPT3_18B's regions, which the CPU (no
                 # alignment checks) never shows. Dynamo's build of the same region is the default path
-                log.warning("%s: its Inductor artifact failed at its first call (%s: %s); Dynamo compiles it now",
-                            self.__name__, type(e).__name__, e, exc_info=True)
+                repeated = len(args) - len({id(a) for a in args})   # (what to look at next: Dynamo dedupes)
+                log.warning("%s: its Inductor artifact failed at its first call (%s: %s; %d inputs, %d of them a "
+                            "tensor passed before); Dynamo compiles it now", self.__name__, type(e).__name__, e,
+                            len(args), repeated, exc_info=True)
                 self._artifact = None
             else:
                 self._artifact_ran = True
