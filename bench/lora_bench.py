@@ -141,8 +141,10 @@ def profile_step(step, b) -> dict:
     avg = prof.key_averages()
     for key in ("self_cuda_time_total", "self_cpu_time_total"):
         print(avg.table(sort_by=key, row_limit=25, max_name_column_width=60), file=sys.stderr, flush=True)
-    kernels = sum(e.self_device_time_total for e in avg if "Memcpy" not in e.key) / 1e6
-    copies = sum(e.self_device_time_total for e in avg if "Memcpy" in e.key) / 1e6
+    # the device's own events only: a CPU op's self device time is its kernels' again (counted twice before)
+    on_device = [e for e in avg if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = sum(e.self_device_time_total for e in on_device if not e.key.startswith(("Memcpy", "Memset"))) / 1e6
+    copies = sum(e.self_device_time_total for e in on_device if e.key.startswith("Memcpy")) / 1e6
     return {"wall_s": round(wall, 3), "device_kernels_s": round(kernels, 3), "device_copies_s": round(copies, 3)}
 
 
