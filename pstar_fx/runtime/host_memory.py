@@ -67,7 +67,10 @@ def when_freed(t: torch.Tensor, fn: Callable, *args) -> None:
     no `_base`) holds the storage but not `t`; a finalizer on `t` unregistered the 70B LoRA's frozen host chunks
     while they were in use, and each of their copies to the GPU went through pageable memory (263 ms for 2.2 GB,
     blocking the launching thread: 26.7 s steps for 14.7 planned)."""
-    weakref.finalize(t.untyped_storage(), fn, *args)
+    storage = t.untyped_storage()
+    # torch keeps one Python object per storage while the storage lives (since 2.1); were this one a temporary,
+    # the finalizer would run now, so the tensor is the lesser evil
+    weakref.finalize(storage if storage is t.untyped_storage() else t, fn, *args)
 
 
 # buffers from this size up are their own mappings (glibc maps every allocation above its largest mmap threshold,
