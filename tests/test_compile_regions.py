@@ -381,3 +381,47 @@ def test_an_artifact_failing_at_its_first_call_gives_way_to_dynamo_and_a_later_f
     assert torch.equal(region(a)[0], out[0])
     with pytest.raises(IndexError, match="the step's own"):
         region(a)
+
+
+def test_artifacts_of_regions_fed_one_tensor_twice_are_built_on_two_and_give_the_same_bits(monkeypatch, tmp_path):
+    """PSTAR_FX_REGION_ARTIFACTS=1 on HF Llama, whose regions receive one tensor twice (RMSNorm's aliased outputs):
+    each artifact is built on distinct inputs (AOTAutograd would dedupe a repeat, and torch 2.11's artifact of such
+    a graph failed at its call on the H200), every region then runs its artifact, one tensor twice included, and
+    the steps give the bits of Dynamo's regions."""
+    pytest.importorskip("transformers")
+    from pstar_fx.passes import region_builders
+    from test_hf import batches, hf_model
+    data = batches("llama", 2)
+    config = pstar_fx.Config(device="cpu", compute="inductor", chunk_size=CHUNK)
+    plain = pstar_fx.compile(hf_model("llama", dropout=False), config, data[0])
+    built = []
+    save = region_builders.save_artifact
+
+    def recording(gm, examples, path):
+        ids = [id(e) for e in examples if isinstance(e, torch.Tensor)]
+        built.append(len(set(ids)) == len(ids))
+        return save(gm, examples, path)
+
+    monkeypatch.setenv("PSTAR_FX_REGION_ARTIFACTS", "1")
+    monkeypatch.setenv("PSTAR_FX_BUILD_WORKERS", "0")
+    monkeypatch.setattr(region_builders, "save_artifact", recording)
+    monkeypatch.setattr(region_builders, "artifact_path",
+                        lambda key, specs, device: str(tmp_path / f"{abs(hash((key, repr(specs)))):x}.bin"))
+    ours = pstar_fx.compile(hf_model("llama", dropout=False), config, data[0])
+    regions = ours.graph.meta["regions"]
+    assert built and all(built), built
+    twice = []
+    call = regions_pass.Region.__call__
+
+    def running(region, *args):
+        ids = [id(a) for a in args if isinstance(a, torch.Tensor)]
+        twice.extend([region] if len(set(ids)) < len(ids) else [])
+        return call(region, *args)
+
+    monkeypatch.setattr(regions_pass.Region, "__call__", running)
+    for d in data:
+        assert torch.equal(ours.step(**d), plain.step(**d))
+    assert twice, "no region received one tensor twice: the case is not exercised"
+    assert all(r._artifact is not None and r._artifact_ran for r in regions), \
+        [r.__name__ for r in regions if r._artifact is None]
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), plain.state_dict().values()))

@@ -195,15 +195,23 @@ def build_regions(gm: fx.GraphModule, device: torch.device,
             if any(s is None for s in specs):
                 outputs[region] = None
                 continue
+            artifact = region_builders.artifacts_on() and region.backend == "inductor"
             examples, stand_ins = [], {}    # one stand-in per tensor the step will pass: aliased outputs share one
+            distinct = []                   # an artifact's build: each repeat a stand-in of its own
             for a, spec in zip(node.args, specs):
                 key = same.get(a, a)
-                if key not in stand_ins:
+                repeat = key in stand_ins
+                if not repeat:
                     stand_ins[key] = _example(spec, device)
                 examples.append(stand_ins[key])
+                distinct.append(_example(spec, device) if repeat and artifact else stand_ins[key])
             try:
-                if region_builders.artifacts_on() and region.backend == "inductor":
-                    _use_artifact(region, specs, examples, device)
+                if artifact:
+                    # built on distinct inputs: AOTAutograd dedupes a repeated one, and torch 2.11's artifact of
+                    # a deduped graph indexed past its inputs at the call (IndexError on the H200, likely this);
+                    # a graph that writes no input computes the same on one tensor passed twice
+                    _use_artifact(region, specs, distinct, device)
+                    distinct.clear()
                 outs = region(*examples)
             except torch.OutOfMemoryError:  # compiling or running it, with no activation held yet
                 _out_of_memory_at_build(region)
@@ -214,7 +222,7 @@ def build_regions(gm: fx.GraphModule, device: torch.device,
             del outs
             if region.spare_bytes is not None and region.eager_because is None:
                 _fits_compiled(region, examples, device)
-            del examples, stand_ins
+            del examples, stand_ins, distinct
         if outputs[region] is not None:
             layouts, firsts = outputs[region]
             for user in node.users:
