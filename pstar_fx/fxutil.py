@@ -193,12 +193,12 @@ def _unused_name(space, name: str) -> str:
     return f"{base}_{num}"
 
 
-def _add(g: fx.Graph, node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
-    """A node like `node` with `args`/`kwargs`, made and linked at `g`'s insert point as `create_node` does, without
-    its walk over every argument to warn about raw SymInts (60% of a copy's time in torch 2.13): the arguments come
-    from a checked graph. Meta copied shallowly, as `Graph.node_copy` does."""
+def _add(g: fx.Graph, node: fx.Node, args: tuple, kwargs: dict, name: str | None = None) -> fx.Node:
+    """A node like `node` with `args`/`kwargs` (named `name`, else as `node`), made and linked at `g`'s insert point
+    as `create_node` does, without its walk over every argument to warn about raw SymInts (60% of a copy's time in
+    torch 2.13): the arguments come from a checked graph. Meta copied shallowly, as `Graph.node_copy` does."""
     space = g._graph_namespace
-    name = space.create_name(_unused_name(space, node.name), None)
+    name = space.create_name(_unused_name(space, name or node.name), None)
     n = fx.Node(g, name, node.op, node.target, args, kwargs, node.type)
     space.associate_name_with_obj(name, n)
     g._insert(n)
@@ -208,11 +208,15 @@ def _add(g: fx.Graph, node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
     return n
 
 
-def node_copy(g: fx.Graph, node: fx.Node, arg_transform) -> fx.Node:
-    """`g.node_copy(node, arg_transform)` (at `g`'s insert point), for the passes that copy thousands of nodes."""
+def node_copy(g: fx.Graph, node: fx.Node, arg_transform, name: str | None = None) -> fx.Node:
+    """`g.node_copy(node, arg_transform)` (at `g`'s insert point), for the passes that copy thousands of nodes;
+    `name`: the copy's name (else `node`'s, or the next free one like it)."""
     if not _FAST or node.op in ("output", "placeholder"):
-        return g.node_copy(node, arg_transform)
-    return _add(g, node, fx.map_arg(node.args, arg_transform), fx.map_arg(node.kwargs, arg_transform))
+        n = g.node_copy(node, arg_transform)
+        if name is not None:
+            n._rename(name)
+        return n
+    return _add(g, node, fx.map_arg(node.args, arg_transform), fx.map_arg(node.kwargs, arg_transform), name)
 
 
 def copy_graph(src: fx.Graph) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:

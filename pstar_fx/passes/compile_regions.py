@@ -39,7 +39,7 @@ import torch.fx as fx
 
 from ..config import format_bytes
 from .. import planning as plan_mod
-from ..fxutil import aliases_input, args_by_position, mutated_args, role_nodes
+from ..fxutil import aliases_input, args_by_position, mutated_args, node_copy, role_nodes
 from . import region_builders
 from .region_builders import inductor_cache_dir
 from .contract import CHUNK_OPS, PLANNED, REGIONS, Pass, PassContext
@@ -403,8 +403,7 @@ def _extract(ops: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) 
         env[a] = g.placeholder(f"in{i}")
         env[a].meta["val"] = a.meta.get("val")
     for i, n in enumerate(ops):
-        env[n] = g.node_copy(n, lambda a: env[a])
-        env[n]._rename(f"v{i}")
+        env[n] = node_copy(g, n, env.__getitem__, name=f"v{i}")
     g.output(tuple(env[o] for o in outputs))
     metas = []
     for spec in map(_spec, inputs):
