@@ -42,7 +42,8 @@ from ..planning.costs import cache_root
 
 log = logging.getLogger("pstar_fx")
 
-FORMAT = 3      # bump when what an entry means, or what the fingerprint covers, changes
+FORMAT = 4      # bump when what an entry means, or what the fingerprint covers, changes (4: gradient buffers
+#                sized by Layout.state_elems: a LoRA decision made with chunk-long ones would place otherwise)
 
 # Config fields planning never reads: the lr schedule (a callable's repr holds its address) and the process
 # group's timeout

@@ -61,8 +61,7 @@ class StepBytes:
     """The byte sizes the stages share, for one layout, config and graph."""
     activation_peak_bytes: int     # live graph values at their peak (liveness.activation_profile)
     buffer_bytes: int              # the model's buffers, on the device
-    compute_chunk_bytes: int       # one chunk in the compute dtype: a compute or gradient slot, a shadow, a kept
-    #                                gradient, a host gradient buffer
+    compute_chunk_bytes: int       # one chunk in the compute dtype: a compute slot, a shadow, a frozen chunk
     accum_bytes: int               # one chunk's fp32 gradient accumulator (grad_accum > 1), on its tier
     state_bytes: int               # one chunk's state: master, moments (+ int8 scales), accumulator
     workspace_bytes: int           # the libraries' workspaces and the step's small allocations
@@ -73,6 +72,14 @@ class StepBytes:
     host_staging_bytes: int        # 2 host buffers in the compute dtype, plus the process overhead
     frozen: tuple[bool, ...] = ()  # per chunk: a frozen chunk (layout.Chunk.frozen) holds only its weights
     world: int = 1                 # chunk c is owned by rank c % world
+    # one trainable chunk's gradient in the compute dtype: a gradient slot, a kept gradient, a host gradient
+    # buffer. As long as a compute slot, or shorter beside frozen chunks (Layout.state_elems): a 70B LoRA's
+    # gradient buffers held 1.1 G elements for the 207 M its adapters have (0 here: the compute chunk's size)
+    grad_chunk_bytes: int = 0
+
+    def __post_init__(self):
+        if not self.grad_chunk_bytes:
+            object.__setattr__(self, "grad_chunk_bytes", self.compute_chunk_bytes)
 
     @property
     def frozen_chunk_bytes(self) -> int:
@@ -102,7 +109,7 @@ class StepBytes:
 
     def device_fixed_bytes(self, n_grad_slots: int) -> int:
         """Device bytes besides chunk state and compute slots."""
-        return (self.activation_peak_bytes + self.buffer_bytes + n_grad_slots * self.compute_chunk_bytes
+        return (self.activation_peak_bytes + self.buffer_bytes + n_grad_slots * self.grad_chunk_bytes
                 + self.workspace_bytes + self.batch_rest_bytes)
 
 
@@ -114,7 +121,7 @@ def copy_staging_elems(chunk_elems: int) -> int:
 def step_bytes(g: fx.Graph, layout: Layout, config: Config, *, compute_itemsize: int, buffer_bytes: int,
                activation_peak_bytes: int, rates: Rates, cuda: bool, world: int = 1) -> StepBytes:
     cs = layout.chunk_size
-    accum_bytes = cs * 4 if config.grad_accum > 1 else 0
+    accum_bytes = layout.state_elems * 4 if config.grad_accum > 1 else 0     # (trainable chunks only)
     # int8 moments: their block scales, as many as the chunk with the most blocks (each parameter's own) needs
     scale_blocks = max((quant8.blocks_of(ch.param_spans()) for ch in layout.chunks), default=0)
     # the libraries' workspaces (cuBLAS keeps one per handle for the process's life), measured with the rates
@@ -126,6 +133,7 @@ def step_bytes(g: fx.Graph, layout: Layout, config: Config, *, compute_itemsize:
     # the CPU runtime 1 gradient buffer and 1 cast staging buffer. Kept gradients need no gradient buffer (each
     # lands in its own): then only the CPU runtime's cast staging (16-bit compute) is held back
     host_overhead_bytes = CUDA_HOST_OVERHEAD_BYTES if cuda else 0
+    grad_chunk_bytes = layout.state_elems * compute_itemsize
     return StepBytes(
         activation_peak_bytes=activation_peak_bytes, buffer_bytes=buffer_bytes,
         compute_chunk_bytes=cs * compute_itemsize, accum_bytes=accum_bytes,
@@ -135,8 +143,9 @@ def step_bytes(g: fx.Graph, layout: Layout, config: Config, *, compute_itemsize:
         batch_rest_bytes=batch_rest_bytes,
         host_overhead_bytes=host_overhead_bytes,
         kept_staging_bytes=0 if cuda or compute_itemsize == 4 else cs * compute_itemsize,
-        host_staging_bytes=2 * cs * compute_itemsize + host_overhead_bytes,
-        frozen=tuple(ch.frozen for ch in layout.chunks), world=world)
+        host_staging_bytes=(2 * grad_chunk_bytes if cuda else grad_chunk_bytes + cs * compute_itemsize)
+        + host_overhead_bytes,
+        frozen=tuple(ch.frozen for ch in layout.chunks), world=world, grad_chunk_bytes=grad_chunk_bytes)
 
 
 def device_breakdown(sizes: StepBytes, *, device_chunks: list[int], n_slots: int, n_grad_slots: int,
@@ -150,7 +159,7 @@ def device_breakdown(sizes: StepBytes, *, device_chunks: list[int], n_slots: int
         "buffers": sizes.buffer_bytes,
         "chunk state": state_bytes,
         "compute slots": n_slots * sizes.compute_chunk_bytes,
-        "gradient slots": n_grad_slots * sizes.compute_chunk_bytes,
+        "gradient slots": n_grad_slots * sizes.grad_chunk_bytes,
     }
     if frozen_bytes:
         device["frozen chunks"] = frozen_bytes
@@ -177,7 +186,7 @@ def host_breakdown(sizes: StepBytes, *, host_chunks: list[int], n_host_grad_buff
         # (kept in a shadow, a host chunk's gradient is counted once, as a kept gradient)
         "16-bit shadows": 0 if kept_in_shadow else host_ship.count("shadow") * sizes.compute_chunk_bytes,
         # gradients of host chunks queue here for the host Adam (CUDA: while backward goes on)
-        "gradient staging": sizes.compute_chunk_bytes * n_host_grad_buffers,
+        "gradient staging": sizes.grad_chunk_bytes * n_host_grad_buffers,
         "cast staging": sizes.compute_chunk_bytes if "cast" in host_ship else 0,
         "kept gradients": kept_bytes,
     }

@@ -77,14 +77,14 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     host_free_bytes = (None if config.host_memory is None else config.host_memory - sizes.host_overhead_bytes
                        - sizes.kept_staging_bytes - sizes.rest_bytes(n_device))
     n_updated = sum(1 for c, ch in enumerate(layout.chunks) if ch.grad_spans() and c % world == 0)
-    transaction, kept_bytes = _choose_transaction(config, n_updated * sizes.compute_chunk_bytes,
+    transaction, kept_bytes = _choose_transaction(config, n_updated * sizes.grad_chunk_bytes,
                                                   host_free=host_free_bytes, random_ops=random_ops)
     if on is not None:
         # another plan's runtime runs this graph: its gradient slots and transaction, whatever this graph would pick
         transaction, n_grad = on.transaction, on.grad_slots
         fixed_bytes = sizes.device_fixed_bytes(n_grad)
     elif n_grad_slots_to_keep(transaction, n_grad, cuda=cuda, n_device=n_device) != n_grad:
-        n_grad, fixed_bytes = 2, fixed_bytes + sizes.compute_chunk_bytes
+        n_grad, fixed_bytes = 2, fixed_bytes + sizes.grad_chunk_bytes
         n_device = place(fixed_bytes)
     n_host = n_own - n_device
     tier_of, placement, rank0_placement = tiers(n_chunks, n_device, world, rank)
@@ -105,7 +105,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     host_adam_rate = rates.host_adam_with(config.optimizer_state)
     host_used_bytes = sizes.rest_bytes(n_device) + sizes.host_staging_bytes
     n_spare_buffers = (None if config.host_memory is None
-                       else (config.host_memory - host_used_bytes) // sizes.compute_chunk_bytes)
+                       else (config.host_memory - host_used_bytes) // sizes.grad_chunk_bytes)
     after_verdict = transaction == "deferred" and cuda and bool(kept_bytes)
     n_host_grad, adam_exposed, adam_hidden = (0, 0.0, 0.0) if after_verdict else _host_adam_pipeline(
         rank0_placement, layout, node_secs, use.reads, use.adam_at, host_adam_rate, cuda, n_spare_buffers)
@@ -116,7 +116,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         host_used_bytes = (sizes.rest_bytes(n_device) + sizes.host_overhead_bytes + sizes.kept_staging_bytes
                            + kept_bytes)
     else:
-        host_used_bytes += max(0, n_host_grad - 2) * sizes.compute_chunk_bytes
+        host_used_bytes += max(0, n_host_grad - 2) * sizes.grad_chunk_bytes
 
     # shipping and the chunk moves
     host_ids = [c for c in range(n_chunks) if tier_of[c] == "host" and c % world == rank]
@@ -146,11 +146,11 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     notes += [KEEPS_COMPUTE_COPIES_NOTE] if keeps_copies else []
     notes += [cuda_memory_note(config, sizes.workspace_bytes, budget_bytes)] if cuda else []
     kept_on_device = (on.kept_on_device if on is not None else
-                      n_kept_on_device(n_updated_device, sizes.compute_chunk_bytes, sum(device.values()), budget_bytes)
+                      n_kept_on_device(n_updated_device, sizes.grad_chunk_bytes, sum(device.values()), budget_bytes)
                       if transaction in KEEPS else 0)
     if kept_on_device:
-        device, host = with_kept_on_device(device, host, kept_on_device * sizes.compute_chunk_bytes)
-        kept_bytes -= kept_on_device * sizes.compute_chunk_bytes
+        device, host = with_kept_on_device(device, host, kept_on_device * sizes.grad_chunk_bytes)
+        kept_bytes -= kept_on_device * sizes.grad_chunk_bytes
     chunks = Placement(placement, n_device, world, rank)
     memory = Memory(sum(device.values()), sum(host.values()), device, host, act_peak_bytes, config.optimizer_state,
                     config.state_bytes_per_param, budget_bytes=config.device_memory,
@@ -165,7 +165,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
 
     # the host Adam shares the host's memory with the step's PCIe copies: its rate beside them (costs.py
     # host_adam_share), from the bytes this schedule moves over the step's compute; the pool sized above stays
-    kept_copy_s = (n_updated_device - kept_on_device) * sizes.compute_chunk_bytes / rates.d2h_bw
+    kept_copy_s = (n_updated_device - kept_on_device) * sizes.grad_chunk_bytes / rates.d2h_bw
     share = 1.0
     if cuda and host_chunks:
         moved = _copy_bytes(sched, ship_of, chunk_elems, compute_itemsize, host_chunks, frozen) \

@@ -20,7 +20,8 @@ from .store import ChunkStore, Pool
 class KeptGradients:
     def __init__(self, store: ChunkStore, plan: Plan, copies, mover: Mover, *, accumulates: bool, blocking: bool):
         self.store, self.copies, self.mover = store, copies, mover
-        cs, dtype = store.layout.chunk_size, store.compute_dtype
+        # a trainable chunk's gradient: as long as its state (Layout.state_elems: shorter beside frozen chunks)
+        elems, dtype = store.layout.state_elems, store.compute_dtype
         updated = [c for c, s in enumerate(store.grad_spans) if s and store.holds(c)]
         host = [c for c in updated if store.tier(c) == "host"]
         self.grads: dict[int, torch.Tensor] = {}
@@ -33,11 +34,11 @@ class KeptGradients:
             here = set([c for c in updated if store.tier(c) == "device"][:plan.kept_on_device])
             where = lambda c: "device" if c in here else "host"  # noqa: E731
             self.in_shadow = [c for c in updated if plan.kept_in_shadow and store.tier(c) == "host"]
-            self.grads = {c: store.shadow[c] if c in self.in_shadow else store.alloc(where(c), cs, dtype)
+            self.grads = {c: store.shadow[c] if c in self.in_shadow else store.alloc(where(c), elems, dtype)
                           for c in updated}
-        self.acc = {c: store.alloc(store.tier(c), cs, torch.float32) for c in updated} if accumulates else {}
+        self.acc = {c: store.alloc(store.tier(c), elems, torch.float32) for c in updated} if accumulates else {}
         staging = 0 if (self.grads or not host) else max(1, plan.host_grad_buffers)
-        self.host_grads = Pool([store.alloc("host", cs, dtype) for _ in range(staging)], blocking=blocking)
+        self.host_grads = Pool([store.alloc("host", elems, dtype) for _ in range(staging)], blocking=blocking)
 
     def __contains__(self, c: int) -> bool:
         """Whether chunk c's gradient is kept (in its own buffer) until the verdict."""
