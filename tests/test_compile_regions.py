@@ -425,3 +425,40 @@ def test_artifacts_of_regions_fed_one_tensor_twice_are_built_on_two_and_give_the
     assert all(r._artifact is not None and r._artifact_ran for r in regions), \
         [r.__name__ for r in regions if r._artifact is None]
     assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), plain.state_dict().values()))
+
+
+def test_a_regions_measured_extra_memory_is_kept_for_its_next_build(monkeypatch, tmp_path):
+    """On CUDA the build measures what a compiled region holds beyond its ops one by one (two runs of it); the
+    figure is kept beside Inductor's caches by region key, input layouts, device and torch, so the next build of the
+    same region (a warm compile) reads it instead of measuring again, and decides the same."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    g.output((g.call_function(torch.ops.aten.relu.default, (g.call_function(torch.ops.aten.mul.Tensor, (x, 2.0)),)),))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    a = torch.zeros(8)
+    specs = [("value", regions_pass._Layout.of(a), None)]
+    measured = []
+
+    def extra(region, examples, device):          # the measurement, stood in for (no CUDA here)
+        measured.append(region.__name__)
+        return 3 << 20
+
+    monkeypatch.setattr(regions_pass, "_extra_bytes", extra)
+    cuda = torch.device("cuda")
+    decisions = []
+    for name in ("region_first", "region_again"):
+        region = regions_pass.Region(gm, name, "eager", specs, key="k")
+        region.spare_bytes = 2 << 20
+        regions_pass._fits_compiled(region, specs, [a], cuda)
+        decisions.append(region.eager_because)
+    assert measured == ["region_first"]
+    assert decisions[0] == decisions[1] and "3.00 MiB more device memory" in decisions[0], decisions
+    other = regions_pass.Region(gm, "region_other", "eager", specs, key="another key")
+    other.spare_bytes = 4 << 20
+    regions_pass._fits_compiled(other, specs, [a], cuda)
+    assert measured == ["region_first", "region_other"] and other.eager_because is None
+    on_cpu = regions_pass.Region(gm, "region_cpu", "eager", specs, key="k")
+    on_cpu.spare_bytes = 2 << 20
+    regions_pass._fits_compiled(on_cpu, specs, [a], torch.device("cpu"))     # off CUDA nothing is read or kept
+    assert measured[-1] == "region_cpu" and len(list((tmp_path / "pstar_fx-extra").iterdir())) == 2

@@ -221,7 +221,7 @@ def build_regions(gm: fx.GraphModule, device: torch.device,
             outputs[region] = ([_Layout.of(o) if isinstance(o, torch.Tensor) else None for o in outs], firsts)
             del outs
             if region.spare_bytes is not None and region.eager_because is None:
-                _fits_compiled(region, examples, device)
+                _fits_compiled(region, specs, examples, device)
             del examples, stand_ins, distinct
         if outputs[region] is not None:
             layouts, firsts = outputs[region]
@@ -249,17 +249,23 @@ def _use_artifact(region: Region, specs: list, examples: list, device: torch.dev
     region._artifact = region_builders.save_artifact(region.graph_module, examples, path)
 
 
-def _fits_compiled(region: Region, examples: list, device: torch.device) -> None:
+def _fits_compiled(region: Region, specs: list, examples: list, device: torch.device) -> None:
     """The plan counts a region's intermediates as its ops make them one by one; Inductor's code may hold more at
     once (a 70B LoRA's MLP backward allocated a 16384 x 28672 buffer for two of them), which the plan's spare
     memory at the region's fullest call may not cover (that first step ran out of memory). Measured here on the
-    build's inputs, compiled against op by op; a region that needs more than that spare runs op by op."""
-    spare = max(region.spare_bytes, 0)
-    try:
-        extra = _extra_bytes(region, examples, device)
-    except torch.OutOfMemoryError:
-        _out_of_memory_at_build(region)
-        return
+    build's inputs, compiled against op by op, once: the figure is kept beside Inductor's caches for the next
+    build of the same region (region_builders.recorded_extra); a region that needs more than that spare runs op
+    by op."""
+    spare, cuda = max(region.spare_bytes, 0), device.type == "cuda"
+    extra = region_builders.recorded_extra(region.key, specs, device) if cuda else None
+    if extra is None:
+        try:
+            extra = _extra_bytes(region, examples, device)
+        except torch.OutOfMemoryError:
+            _out_of_memory_at_build(region)
+            return
+        if cuda and extra is not None:
+            region_builders.record_extra(region.key, specs, device, extra)
     if extra is None or extra <= spare:
         return
     _op_by_op(region, f"compiled, it holds {format_bytes(extra)} more device memory than its ops one by one, and "

@@ -23,6 +23,7 @@ PSTAR_FX_REGION_ARTIFACTS=1 (an experiment, off by default): the regions are bui
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import os
@@ -75,12 +76,41 @@ def artifact_path(key: str, specs: list, device: torch.device) -> str:
     both (an input another region returns may lie otherwise than its fake value, the key's, says), the torch
     version and the device kind (and a GPU's compute capability). Alignment counts: Inductor's code for aligned
     inputs is another."""
-    arch = torch.cuda.get_device_capability(device) if device.type == "cuda" else ()
+    return os.path.join(inductor_cache_dir(), "pstar_fx-artifacts", _region_name(key, specs, device) + ".bin")
+
+
+def _region_name(key: str, specs: list, device: torch.device, *more: str) -> str:
+    arch = torch.cuda.get_device_capability(device) if device.type == "cuda" and torch.cuda.is_available() else ()
     layouts = [None if s is None else (s[0], tuple(s[1].shape), tuple(s[1].stride), str(s[1].dtype),
                                        ((s[2] if s[0] == "param" else s[1].storage_offset) * s[1].dtype.itemsize) % 16)
                for s in specs]
-    name = _digest([torch.__version__, device.type, repr(arch), key, repr(layouts)])[:40]
-    return os.path.join(inductor_cache_dir(), "pstar_fx-artifacts", name + ".bin")
+    return _digest([torch.__version__, device.type, repr(arch), key, repr(layouts), *more])[:40]
+
+
+def _extra_path(key: str, specs: list, device: torch.device) -> str:
+    return os.path.join(inductor_cache_dir(), "pstar_fx-extra",
+                        _region_name(key, specs, device, "artifact" if artifacts_on() else "dynamo") + ".json")
+
+
+def recorded_extra(key: str, specs: list, device: torch.device) -> int | None:
+    """The device bytes a compiled region held beyond its ops one by one, as an earlier build measured them for the
+    same region, input layouts, device, torch and build path (compile_regions._fits_compiled); None: not yet."""
+    try:
+        with open(_extra_path(key, specs, device)) as f:
+            extra = json.load(f)["extra_bytes"]
+        return extra if isinstance(extra, int) and extra >= 0 else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def record_extra(key: str, specs: list, device: torch.device, extra: int) -> None:
+    """Keep a measured `extra` for the next build (written aside, then renamed: a reader never sees half)."""
+    path = _extra_path(key, specs, device)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    part = f"{path}.tmp-{os.getpid()}"
+    with open(part, "w") as f:
+        json.dump({"extra_bytes": int(extra)}, f)
+    os.replace(part, path)
 
 
 def save_artifact(gm: torch.fx.GraphModule, examples: list, path: str):
