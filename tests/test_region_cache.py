@@ -133,9 +133,10 @@ def test_a_worker_out_of_device_memory_on_one_region_builds_the_others(tmp_path,
     monkeypatch.setattr(compile_regions.Region, "__call__", short_of_memory)
     monkeypatch.setattr(compile_regions, "BACKEND", "eager")
     job = tmp_path / "job.pkl"
+    done = [str(tmp_path / "done-0"), str(tmp_path / "done-1")]
     job.write_bytes(pickle.dumps({"regions": [(region(2), [spec]), (region(3), [spec])], "device": "cpu",
-                                  "inductor_config": torch._inductor.config.save_config(), "threads": 1,
-                                  "memory_fraction": None}))
+                                  "done": done, "inductor_config": torch._inductor.config.save_config(),
+                                  "threads": 1, "memory_fraction": None}))
     saved = torch._inductor.config.save_config()       # _work loads the job's Inductor config into this process
     try:
         region_builders._work(str(job))
@@ -143,6 +144,7 @@ def test_a_worker_out_of_device_memory_on_one_region_builds_the_others(tmp_path,
         torch._inductor.config.load_config(saved)
     assert built == ["region_w1"]
     assert "region_w0 not built: out of device memory" in capsys.readouterr().err
+    assert all(os.path.exists(d) for d in done)          # each said done, built or not: the parent goes on
 
 
 def test_workers_are_as_many_as_have_room_for_the_most_regions_and_build_only_those():
@@ -201,3 +203,32 @@ def test_a_cache_filled_under_one_cpu_capability_serves_another_the_bits_of_its_
     if Path(native["cache"]).name != "inductor-default":    # (a machine whose own capability is DEFAULT shares it)
         assert native["cache"] != lowered["cache"] and (lowered["hits"], lowered["misses"]) == (0, 2), lowered
     assert lowered["losses"] == alone["losses"] and lowered["state"] == alone["state"]
+
+
+def test_this_process_goes_on_with_a_region_as_soon_as_its_worker_has_built_it(tmp_path):
+    """`Builders.wait_for(key)` returns once the worker building that region says so (its file in the job folder),
+    while the worker goes on with others; once a worker has ended, whether or not it got to the region; at once for
+    a region no worker builds. `wait()` then marks the set built."""
+    import tempfile
+
+    from pstar_fx.passes import region_builders
+
+    tmp = tempfile.TemporaryDirectory(dir=tmp_path)
+    built = os.path.join(tmp.name, region_builders.done_name("built"))
+    go_on = tmp_path / "go-on"
+    # worker 0 says it built "built", then waits until told to end (it is busy with its other regions)
+    busy = subprocess.Popen([sys.executable, "-c", "import os, sys, time\nopen(sys.argv[1], 'w').close()\n"
+                             "while not os.path.exists(sys.argv[2]): time.sleep(0.01)", built, str(go_on)])
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])          # worker 1 ends without a word
+    for w in (0, 1):
+        (Path(tmp.name) / f"err{w}.txt").write_text("")
+    marker = str(tmp_path / "marker")
+    b = region_builders.Builders([busy, ended], tmp, marker, 3, {"built": 0, "never": 1})
+    b.wait_for("built")
+    assert busy.poll() is None                  # returned on its word, the worker still at work
+    b.wait_for("never")
+    assert ended.poll() is not None             # returned once that worker had ended
+    b.wait_for("nobody's")                      # no worker builds it
+    go_on.write_text("")
+    assert b.wait() == 3 and os.path.exists(marker)
+    b.wait_for("built")                         # after wait(): at once, the job folder gone

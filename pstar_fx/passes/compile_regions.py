@@ -149,7 +149,7 @@ def _distinct(gm: fx.GraphModule) -> list["Region"]:
 
 def start_region_builders(gm: fx.GraphModule, device: torch.device) -> region_builders.Builders | None:
     """On a cold cache, worker processes start building `gm`'s regions (region_builders.py); None when none
-    start. `build_regions(gm, device, builders)` waits for them, then loads what they built."""
+    start. `build_regions(gm, device, builders)` loads each region once its worker has built it."""
     inductor_cache_dir()
     known = [r for r in _distinct(gm) if all(s is not None for s in r._specs)]
     if not known:
@@ -171,14 +171,25 @@ def build_regions(gm: fx.GraphModule, device: torch.device,
     wrong device, or with other strides, would make the step recompile what was built.
 
     Inductor's caches fill and load under `region_builders.inductor_cache_dir()`; on a cold cache, worker processes
-    build the regions side by side first (region_builders.py), and this process then loads what they built.
+    build the regions side by side (region_builders.py), and this process loads each as soon as its worker has
+    built it (until then, the ones before it in the step).
     `builders`: those workers, started by `start_region_builders` (None: none were; True, the default: start
     them here)."""
     inductor_cache_dir()
     if builders is True:
         builders = start_region_builders(gm, device)
+    try:
+        built = _build_in_order(gm, device, builders)
+    except BaseException:
+        if builders is not None:
+            builders.stop()             # nothing marked built
+        raise
     if builders is not None:
-        builders.wait()
+        builders.wait()                 # (done by now: this process waited for each region; marks them built)
+    return built
+
+
+def _build_in_order(gm: fx.GraphModule, device: torch.device, builders: region_builders.Builders | None) -> int:
     made: dict[fx.Node, _Layout] = {}              # a region's output (its getitem node) -> its layout as built
     # a region's output -> (the call, the first of its outputs that is the same tensor): a compiled region returns
     # one tensor for outputs that alias (a value and its detach), and a consumer handed it twice is compiled for
@@ -205,6 +216,8 @@ def build_regions(gm: fx.GraphModule, device: torch.device,
                     stand_ins[key] = _example(spec, device)
                 examples.append(stand_ins[key])
                 distinct.append(_example(spec, device) if repeat and artifact else stand_ins[key])
+            if builders is not None:        # loaded as soon as its worker has built it, while they build others
+                builders.wait_for(region.key)
             try:
                 if artifact:
                     # built on distinct inputs: AOTAutograd dedupes a repeated one, and torch 2.11's artifact of

@@ -31,6 +31,7 @@ import pickle
 import subprocess
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -140,12 +141,26 @@ def _marker(keys: list[str], device: torch.device, backend: str) -> str:
 
 
 class Builders:
-    """Worker processes building a share of the regions each (started by `start`); `wait()` -> how many regions
-    they built (0 when one failed: this process then builds them itself, slower, never wrong)."""
+    """Worker processes building a share of the regions each (started by `start`). Each says when it has built a
+    region (a file in the job folder), so this process can load that region while the workers build others:
+    `wait_for(key)` returns once the region with `key` is built (or its worker has ended); `wait()` -> how many
+    regions they built (0 when one failed: this process then builds the rest itself, slower, never wrong)."""
 
-    def __init__(self, procs: list[subprocess.Popen], tmp: tempfile.TemporaryDirectory, marker: str, n_jobs: int):
+    def __init__(self, procs: list[subprocess.Popen], tmp: tempfile.TemporaryDirectory, marker: str, n_jobs: int,
+                 owner: dict[str, int] | None = None):
         self._procs, self._tmp, self._marker, self._n = procs, tmp, marker, n_jobs
+        self._owner = owner or {}                  # region key -> the worker building it
         self._built: int | None = None
+
+    def wait_for(self, key: str) -> None:
+        """Until the region with `key` is built by its worker, or that worker has ended (a region no worker builds:
+        at once)."""
+        w = self._owner.get(key)
+        if w is None or self._built is not None:
+            return
+        done, proc = os.path.join(self._tmp.name, done_name(key)), self._procs[w]
+        while not os.path.exists(done) and proc.poll() is None:
+            time.sleep(0.02)
 
     def _end(self) -> None:
         """No worker left behind (one still running is killed), and their job files gone."""
@@ -166,10 +181,10 @@ class Builders:
             return self._built
         failed = []
         try:
-            for p in self._procs:
-                _, err = p.communicate()
-                if p.returncode:
-                    failed.append(err.decode(errors="replace").strip().splitlines()[-1:] or ["(no message)"])
+            for w, p in enumerate(self._procs):
+                if p.wait():
+                    with open(os.path.join(self._tmp.name, f"err{w}.txt"), errors="replace") as f:
+                        failed.append(f.read().strip().splitlines()[-1:] or ["(no message)"])
         finally:
             self._end()                     # (an interrupted wait too)
         if failed:
@@ -181,6 +196,11 @@ class Builders:
             pass
         self._built = self._n
         return self._n
+
+
+def done_name(key: str) -> str:
+    """The file a worker writes in its job folder once it has built the region with `key`."""
+    return "done-" + _digest([key])[:24]
 
 
 def start(jobs: list[tuple[str, torch.fx.GraphModule, list]], device: torch.device, backend: str) -> Builders | None:
@@ -212,7 +232,7 @@ def start(jobs: list[tuple[str, torch.fx.GraphModule, list]], device: torch.devi
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # pstar_fx's parent
     env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS=str(threads), PSTAR_FX_BUILD_WORKERS="0",
                PYTHONPATH=os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p))
-    procs = []
+    procs, owner = [], {}
     tmp = tempfile.TemporaryDirectory(prefix="pstar_fx-regions-")
     try:
         for w, share in enumerate(shares(jobs, workers)):
@@ -221,14 +241,18 @@ def start(jobs: list[tuple[str, torch.fx.GraphModule, list]], device: torch.devi
                 pickle.dump({"regions": [(gm, specs) for _, gm, specs in share], "device": str(device),
                              "artifacts": [artifact_path(k, sp, device) if artifacts_on() else None
                                            for k, _, sp in share],
+                             "done": [os.path.join(tmp.name, done_name(k)) for k, _, _ in share],
                              "inductor_config": torch._inductor.config.save_config(), "threads": threads,
                              "memory_fraction": fraction}, f)
-            procs.append(subprocess.Popen([sys.executable, "-m", __name__, path], env=env,
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+            owner.update({k: w for k, _, _ in share})
+            # (its messages to a file: a pipe nobody reads until the end could fill and stall the worker)
+            with open(os.path.join(tmp.name, f"err{w}.txt"), "wb") as err:
+                procs.append(subprocess.Popen([sys.executable, "-m", __name__, path], env=env,
+                                              stdout=subprocess.DEVNULL, stderr=err))
     except BaseException:                   # the ones started must not mark a partial set built
         Builders(procs, tmp, marker, len(jobs)).stop()
         raise
-    return Builders(procs, tmp, marker, len(jobs))
+    return Builders(procs, tmp, marker, len(jobs), owner)
 
 
 def shares(jobs: list[tuple[str, torch.fx.GraphModule, list]], workers: int) -> list[list]:
@@ -287,7 +311,7 @@ def _work(path: str) -> None:
         index = device.index if device.index is not None else torch.cuda.current_device()
         torch.cuda.set_per_process_memory_fraction(job["memory_fraction"], index)
     artifacts = job.get("artifacts") or [None] * len(job["regions"])
-    for i, ((gm, specs), artifact) in enumerate(zip(job["regions"], artifacts)):
+    for i, ((gm, specs), artifact, done) in enumerate(zip(job["regions"], artifacts, job["done"])):
         region = None if artifact is not None else Region(gm, f"region_w{i}", "inductor", specs)
         try:
             examples = [_example(s, device) for s in specs]
@@ -299,6 +323,9 @@ def _work(path: str) -> None:
         except torch.OutOfMemoryError:          # the others are still worth building; the parent builds this one
             torch.cuda.empty_cache()
             print(f"region_w{i} not built: out of device memory", file=sys.stderr, flush=True)
+        finally:                                # built or not, the parent may go on with it
+            with open(done, "w"):
+                pass
         if region is not None and region.eager_because is not None:
             print(f"region_w{i} not built: {region.eager_because}", file=sys.stderr, flush=True)
 
