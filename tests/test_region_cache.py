@@ -94,6 +94,8 @@ def test_workers_get_shares_of_about_equal_ops_and_every_region_once():
     jobs = [(f"k{i}", region(n), []) for i, n in enumerate(sizes)]     # an 18B GPT's distinct regions' ops
     split = shares(jobs, 4)
     assert sorted(k for share in split for k, _, _ in share) == sorted(k for k, _, _ in jobs)
+    order = [k for k, _, _ in jobs]                                     # each share built in the step's order
+    assert all([k for k, _, _ in share] == sorted((k for k, _, _ in share), key=order.index) for share in split)
     loads = [sum(n_ops(gm) for _, gm, _ in share) for share in split]
     assert max(loads) <= sum(sizes) / 4 + max(sizes) and max(loads) == 332
     shuffled = jobs[:]

@@ -259,14 +259,16 @@ def shares(jobs: list[tuple[str, torch.fx.GraphModule, list]], workers: int) -> 
     """`jobs` split over `workers` so that they finish together: the largest region first, each to the worker with
     the least work so far, counting a region's work as its ops (what Inductor lowers and generates kernels for).
     Regions differ (an 18B GPT's 24 distinct ones hold 5 to 110 ops): dealt out in turn, one of 4 workers got 445 of
-    their 1304 ops; shared this way, at most 332."""
+    their 1304 ops; shared this way, at most 332. Each share is then built in `jobs`' order (the step's: the
+    compiling process loads the regions in that order, each as soon as it is built)."""
     load = [0] * workers
     out: list[list] = [[] for _ in range(workers)]
+    at = {id(job): i for i, job in enumerate(jobs)}
     for job in sorted(jobs, key=lambda j: -n_ops(j[1])):
         w = load.index(min(load))
         out[w].append(job)
         load[w] += n_ops(job[1])
-    return out
+    return [sorted(share, key=lambda j: at[id(j)]) for share in out]
 
 
 def fit_workers(needs: list[int], free: float, most: int) -> tuple[int, float, list[int]]:
