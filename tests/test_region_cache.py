@@ -43,7 +43,8 @@ print(json.dumps({"losses": losses, "regions": len(engine.graph.meta["regions"])
 """
 
 
-def compile_in_a_fresh_process(cache: Path, workers: int, artifacts: bool = False, capability: str | None = None) -> dict:
+def compile_in_a_fresh_process(cache: Path, workers: int, artifacts: bool = False,
+                               capability: str | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     if capability is not None:
         env["ATEN_CPU_CAPABILITY"] = capability

@@ -4,14 +4,15 @@ Inductor builds one graph at a time in a process (Dynamo holds a global compile 
 of an 18B GPT took 47-74 s one after another. Its on-disk caches (FX graph cache, AOTAutograd cache, autotune
 results) are keyed by the graph, its inputs' layouts and Inductor's config, not by the process: so fresh Python
 processes (`python -m pstar_fx.passes.region_builders`, never a fork of this one, which may hold CUDA and threads)
-each build a share of the regions on zeros laid out as the step's, and `build_regions` then builds every region
-in this process, in the step's order, from the cache. A region whose inputs another region makes is built in a
+each build a share of the regions (in the step's order) on zeros laid out as the step's, and `build_regions` builds
+every region in this process, in the step's order, from the cache: each as soon as its worker says it has built
+it (a file per region in the job folder), while the workers go on with the others. A region whose inputs another region makes is built in a
 worker on its fake layout; where the real one differs, this process builds it itself (correct, only not sped up).
 
 Where the caches live: Inductor's own `TORCHINDUCTOR_CACHE_DIR` where it is set, else `inductor-<cpu capability>/`
-beside the plan cache (`costs.cache_root()`). A second compile of the same regions starts no worker: a marker named by a hash of
-the regions, device, backend and torch version says they were built (the marker only skips the workers; whether a
-region loads or compiles is Inductor's cache's decision, as always).
+beside the plan cache (`costs.cache_root()`). A second compile of the same regions starts no worker: a marker named
+by a hash of the regions, device, backend and torch version says they were built (the marker only skips the workers;
+whether a region loads or compiles is Inductor's cache's decision, as always).
 
 Workers: `PSTAR_FX_BUILD_WORKERS` (0 or 1: none), else one per 4 host cores, at most 8, never more than there
 are regions to build. On CUDA they share 80% of the device memory free once the chunks are allocated, each capped at
