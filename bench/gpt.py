@@ -172,11 +172,47 @@ def torch_system(cfg, args):
     return step, extra
 
 
+CHAT_KEYS = ("input_ids", "labels", "attention_mask")
+
+
+def chat_batches(vocab: int, rows: int, seq: int, device: str, n: int = 2) -> list[tuple]:
+    """`n` batches of `rows` rows of packed chat data: synthetic records (a user turn, then an assistant turn, their
+    lengths drawn) rendered by a chat template with a word-level tokenizer built here over the model's vocabulary
+    (no network), encoded and packed into rows of `seq` tokens by pstar_fx.records, as `pstar-fx train --data
+    chat.jsonl` does: (input_ids, labels (-100 off the assistant turns and on padding), attention_mask) each."""
+    import random
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from pstar_fx import records
+    special = ["<|user|>", "<|assistant|>"]
+    words = {"[UNK]": 0, "<eos>": 1, "<pad>": 2, special[0]: 3, special[1]: 4,
+             **{f"w{i}": i for i in range(5, vocab)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="<eos>",
+                                        pad_token="<pad>", additional_special_tokens=special)
+    tokenizer.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <eos> {% endfor %}"
+                               "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+    rng = random.Random(0)
+    say = lambda k: " ".join(f"w{rng.randrange(5, vocab)}" for _ in range(k))  # noqa: E731
+    examples, got = [], None
+    while got is None or len(got) < rows * n:
+        for _ in range(64):
+            record = {"messages": [{"role": "user", "content": say(rng.randint(16, max(17, seq // 8)))},
+                                   {"role": "assistant", "content": say(rng.randint(32, max(33, seq // 3)))}]}
+            examples.append(records.Example(*records.encode_record(record, tokenizer), len(examples) + 1))
+        got = records.pack_rows(examples, seq, records.pad_id(tokenizer))
+    return [tuple(getattr(got, k)[i * rows:(i + 1) * rows].to(device) for k in CHAT_KEYS) for i in range(n)]
+
+
 def pstar_system(cfg, args, example):
     with torch.device("meta"):
         model = build(cfg, hf=args.hf)
     if args.hf:
-        example = {"input_ids": example[0], "labels": example[0]}   # HF shifts the labels itself
+        example = (dict(zip(CHAT_KEYS, example)) if args.chat_packed else
+                   {"input_ids": example[0], "labels": example[0]})   # HF shifts the labels itself
     sweep = [float(x.partition("@")[0]) for x in (args.clip_sweep or "").split(",") if x and x[:4] != "none"]
     clip = args.grad_clip or (max(sweep) if sweep else None)
     config = pstar_fx.Config(device="cuda", dtype="bf16", host_memory=args.host_memory,
@@ -206,7 +242,8 @@ def pstar_system(cfg, args, example):
              "transaction": engine.plan.transaction, "transaction_cost": engine.plan.transaction_cost,
              "compute": "inductor" if engine.config.compiles_compute else "eager",
              "optimizer_state": engine.config.optimizer_state}
-    step = (lambda idx, tgt: engine.step(input_ids=idx, labels=idx)) if args.hf else engine.step
+    step = ((lambda *b: engine.step(**dict(zip(CHAT_KEYS, b)))) if args.chat_packed else
+            (lambda idx, tgt: engine.step(input_ids=idx, labels=idx)) if args.hf else engine.step)
     return step, extra, engine
 
 
@@ -475,6 +512,8 @@ def main(argv=None):
     ap.add_argument("--dump-after", type=float, default=0, help="print every thread's stack after this many s")
     ap.add_argument("--grad-clip", type=float, default=None, help="max global gradient norm (clip_grad_norm_)")
     ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches of --batch per update")
+    ap.add_argument("--chat-packed", action="store_true",
+                    help="hf-llama: packed chat rows (loss on assistant turns, padding masked) instead of random ids")
     ap.add_argument("--lr-schedule", default=None, help="cosine:WARMUP:TOTAL[:MIN_LR] or linear:...")
     ap.add_argument("--transaction", default="auto", help="pstar_fx Config.transaction")
     ap.add_argument("--compute", default="auto", choices=("auto", "eager", "inductor"),
@@ -517,6 +556,8 @@ def main(argv=None):
     cfg, args.hf = model_config(args.model, args.seq, args.layers)
     if args.hf and args.system != "pstar_fx":
         ap.error("hf-llama: models run with --system pstar_fx only")
+    if args.chat_packed and not args.hf:
+        ap.error("--chat-packed: an hf-llama model only (its forward takes labels and an attention mask)")
     with torch.device("meta"):
         params = sum(p.numel() for p in build(cfg, hf=args.hf).parameters())
     tokens = args.batch * args.seq * args.grad_accum
@@ -546,6 +587,10 @@ def main(argv=None):
         batches = [(torch.randint(0, cfg.vocab_size, (rows, args.seq), device=args.device, generator=g),
                     torch.randint(0, cfg.vocab_size, (rows, args.seq), device=args.device, generator=g))
                    for _ in range(2)]
+        if args.chat_packed:
+            batches = chat_batches(cfg.vocab_size, rows, args.seq, args.device)
+            result.update(data="chat-packed", trained_tokens=[int((b[1] != -100).sum()) for b in batches],
+                          real_tokens=[int(b[2].sum()) for b in batches])
         engine = None
         if args.system == "torch":
             step, extra = torch_system(cfg, args)

@@ -4,6 +4,7 @@ The real runs are GPU-only; here the tiny model runs on --device cpu, --compile 
 (inductor on this CPU takes minutes for the tiny model) and torch-best's subprocesses are faked, except
 one real child that is cut off by its timeout.
 """
+import copy
 import json
 import time
 
@@ -143,3 +144,33 @@ def test_late_binding_off_never_records_the_verdicts_update_and_is_restored():
     assert log.verdict_hyper is hyper
     with gpt.late_binding(True):
         assert StepLog.__dict__["verdict_hyper"] is None
+
+
+def test_chat_batches_are_packed_chat_rows_whose_loss_the_engine_computes_as_hugging_face_does():
+    """--chat-packed (issue 25's 8B run at seq 4096 against 1024): rows of synthetic chat records over the model's
+    vocabulary, packed by pstar_fx.records: trained tokens only on assistant turns (each its own id), padding masked
+    and never trained; a tiny HF Llama's loss on them through the engine equals the eager model's."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
+    import pstar_fx
+    batches = gpt.chat_batches(vocab=300, rows=3, seq=64, device="cpu")
+    assert len(batches) == 2
+    for ids, labels, mask in batches:
+        assert ids.shape == labels.shape == mask.shape == (3, 64) and int(ids.max()) < 300
+        trained = labels != -100
+        assert trained.any() and (~trained & (mask == 1)).any()        # prompts are in the rows, not trained
+        assert not (trained & (mask == 0)).any() and torch.equal(labels[trained], ids[trained])
+        assert (mask == 0).any()                                       # some padding at rows' ends
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=300, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.config.use_cache = False
+    keys = gpt.CHAT_KEYS
+    from test_engine import rounding_tolerance
+    with torch.no_grad():
+        eager = float(model(**dict(zip(keys, batches[0]))).loss)
+        truth = float(copy.deepcopy(model).double()(**dict(zip(keys, batches[0]))).loss)
+    engine = pstar_fx.compile(model, {"device": "cpu", "optimizer": {"type": "adamw", "lr": 1e-3}},
+                              example_inputs=dict(zip(keys, batches[0])))
+    loss = float(engine.step(**dict(zip(keys, batches[0]))))
+    assert loss == pytest.approx(eager, rel=rounding_tolerance(eager, truth, 1), abs=0)
