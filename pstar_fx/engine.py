@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import warnings
 import weakref
 from collections import Counter
@@ -30,6 +31,7 @@ from .planning import BudgetError, Plan
 from .runtime import ChunkRuntime, StepRolledBack, run_graph
 from .runtime.dist import DataParallel, launch
 from .runtime.host_memory import HostReserve, pin_threads
+from .runtime.parallel_init import own_generators, settle
 from .runtime.step import StepReport, Stepper
 from .runtime.store import host_buffer_sizes
 from .runtime.weights import masters_by_chunk, masters_from_rank0, materialize, skeleton
@@ -64,6 +66,33 @@ def _build_regions(graph: fx.GraphModule, device: torch.device, phases, builders
                          len(regions) - built, len(regions))
             if device.type == "cuda":
                 torch.cuda.empty_cache()    # what autotuning allocated goes back before the activations need it
+
+
+class _Beside:
+    """`fn` run on a thread of its own (on `device`, as the caller), started at once; `join` waits for it and raises
+    what it raised."""
+
+    def __init__(self, fn, device: torch.device):
+        self._error: BaseException | None = None
+        # a new thread's current CUDA device is device 0: this one's, or the device named
+        index = (device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else None
+
+        def run():
+            try:
+                if index is not None:
+                    torch.cuda.set_device(index)
+                fn()
+            except BaseException as e:      # noqa: BLE001 - raised again by join
+                self._error = e
+        self._thread = threading.Thread(target=run, name="pstar_fx-weights", daemon=True)
+        self._thread.start()
+
+    def join(self, quiet: bool = False) -> None:
+        """Wait for it; raise its exception (unless `quiet`: the caller is raising its own)."""
+        self._thread.join()
+        if self._error is not None and not quiet:
+            raise self._error
 
 
 def _host_reserve(config: Config) -> HostReserve | None:
@@ -120,11 +149,13 @@ class Engine:
             plan = self.lowered.plan
             self.dp = DataParallel(rank, world, chunked=self.lowered.chunked) if world > 1 else None
             # Chunk memory first; then what is slow runs side by side: the host part's page-locking (~100 GiB at
-            # 18B: 15-21 s on the H200 box) on threads, and on a cold cache the region builds in worker processes
-            # (Inductor, ~45 s), while this process writes the initial weights. This process builds (or loads) the
-            # regions itself only after that, never during it: Dynamo saves and restores the global RNG around each
-            # build, which would cut into the init's draws. The builds find the device chunks allocated: their
-            # examples and autotuning take room the step's activations leave free until the first step.
+            # 18B: 15-21 s on the H200 box) on threads, on a cold cache the region builds in worker processes
+            # (Inductor, ~45 s), the initial weights written on a thread of their own once the pages are locked,
+            # and this process's own building (or loading) of the regions. The init draws from generators of its
+            # own (parallel_init.own_generators): Dynamo saves and restores the global ones around each build,
+            # which would cut into its draws; the global ones are moved where the init leaves them after. The
+            # builds find the device chunks allocated: their examples and autotuning take room the step's
+            # activations leave free until the first step.
             chunk_bytes = plan.device_peak_bytes - plan.activation_peak_bytes
             with phases("allocate", f"chunk memory: {format_bytes(chunk_bytes)} on {self.lowered.device.type}, "
                                     f"{format_bytes(plan.host_peak_bytes)} on the host"):
@@ -133,29 +164,34 @@ class Engine:
         builders = start_region_builders(self.lowered.graph, self.device)     # None: no worker started
         named = dict(model.named_parameters(remove_duplicate=False))
         meta = any(p.is_meta for p in named.values())
-        try:
-            if builders is None:            # warm cache (or no workers): build here while the pages are locked
-                _build_regions(self.lowered.graph, self.device, phases, builders=None)
+        generators = own_generators(config.seed, self.device)
+
+        def write_weights() -> None:
             if self.rt.store.pinning:
-                # the step's Python code (a lazy GraphModule's, ~0.4 s at 18B; else made at the first step), made
-                # while the pages lock: this thread only waits for them here
-                getattr(self.lowered.graph, "real_recompile", lambda: None)()
                 with phases("page-lock", "the rest of the host chunk memory's page-locking, which ran beside the "
                                          "region builds"):
                     self.rt.store.ready("page-lock")
             self.rt.store.ready()           # (closes the allocation batch even where nothing was queued)
             with phases("initialize", "weights written into the fp32 masters"):
                 if meta:
-                    materialize(model, self.rt.store, self.lowered.layout, cap, self.device, config.seed)
+                    materialize(model, self.rt.store, self.lowered.layout, cap, self.device, generators)
                 else:
                     self.rt.store.load_params([named[p.name] for p in cap.params])
-            if builders is not None:        # cold cache: what the workers built, loaded here
-                _build_regions(self.lowered.graph, self.device, phases, builders=builders)
+
+        weights = _Beside(write_weights, self.device)
+        try:
+            # the step's Python code (a lazy GraphModule's, ~0.4 s at 18B; else made at the first step)
+            getattr(self.lowered.graph, "real_recompile", lambda: None)()
+            _build_regions(self.lowered.graph, self.device, phases, builders=builders)
+            weights.join()
         except BaseException:
+            weights.join(quiet=True)        # never left writing chunk memory
             if builders is not None:
                 builders.stop()
             self.rt.store.ready()
             raise
+        if meta:
+            settle(config.seed, generators)     # the global generators where a serial init leaves them
         self._buffers = [self.rt.store.adopt(model.get_buffer(b).detach().to(self.device, copy=True))
                          for b in cap.buffers]
         if self.dp is not None:

@@ -453,3 +453,20 @@ def test_bench_without_a_saved_run_or_a_bench_folder_is_a_clear_error(tmp_path, 
     assert main(["bench"]) == 2
     err = capfd.readouterr().err
     assert "no bench/ folder with test_bench_*.py beside the package" in err and "pip install -e ." in err
+
+
+def test_status_line_follows_overlapping_phases():
+    """Phases overlap (the weights are written on a thread while the regions build): the one started last is
+    shown, with its own progress; when it ends, the one still in flight is shown again, and none after both."""
+    stream = io.StringIO()
+    handler = cli.progress.Progress(live=True, stream=stream, tick_s=60)
+    handler.on_phase(PhaseEvent("build regions", "start"))
+    handler.on_phase(PhaseEvent("initialize", "start"))
+    handler.on_phase(PhaseEvent("initialize", "progress", done=1, total=4))
+    handler.on_phase(PhaseEvent("build regions", "progress", done=1, total=2))    # in flight, not shown now
+    assert stream.getvalue().endswith("\r  initialize ... 0 s (25%)\033[K")
+    handler.on_phase(PhaseEvent("initialize", "end"))
+    assert stream.getvalue().endswith("\r\033[K\r  build regions ... 0 s (50%)\033[K")
+    handler.on_phase(PhaseEvent("build regions", "end"))
+    assert stream.getvalue().endswith("(50%)\033[K\r\033[K")          # cleared, nothing shown after
+    handler.close()

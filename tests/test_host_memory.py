@@ -208,45 +208,69 @@ def test_a_failed_region_build_still_waits_for_the_page_locking(monkeypatch):
 
 
 @pytest.mark.parametrize("cold", [True, False])
-def test_weights_are_written_while_region_workers_build_and_before_this_process_builds(monkeypatch, cold):
-    """On a cold cache the region workers (separate processes) build while this process writes the initial
-    weights, and this process loads their regions only after; warm, it builds first (the page-locking runs
-    beside it). Never both at once in this process: Dynamo restores the global RNG around each build."""
+def test_weights_are_written_beside_this_processs_region_builds_with_the_bits_of_a_serial_init(monkeypatch, cold):
+    """The initial weights are written on a thread of their own while this process builds (or loads) the regions,
+    cold (workers building too) or warm. A build saves and restores the global RNG around each compile (Dynamo
+    does) and may draw from it: done here all through the init, it changes no bit of the weights, and after
+    compile() the global generator is where a serial init leaves it."""
+    import threading
+
     import pstar_fx.engine as engine_mod
-    events = []
+    events, started, ended = [], threading.Event(), threading.Event()
 
     class Workers:
         def wait(self):
-            events.append("workers waited")
             return 1
 
         def stop(self):
             events.append("workers stopped")
 
     def start(graph, device):
-        events.append("workers started")
         return Workers() if cold else None
 
     def build(graph, device, phases, builders=True):
+        assert started.wait(60)                     # the init is under way: meddle all through it
+        while not ended.is_set():
+            state = torch.get_rng_state()
+            torch.randn(4096)
+            torch.manual_seed(99)
+            torch.set_rng_state(state)
         events.append(("built here", isinstance(builders, Workers) if cold else builders))
 
     real_materialize = engine_mod.materialize
 
     def materialize(*args):
-        events.append("initialized")
-        return real_materialize(*args)
+        started.set()
+        try:
+            return real_materialize(*args)
+        finally:
+            ended.set()
+            events.append("initialized")
 
-    monkeypatch.setattr(engine_mod, "start_region_builders", start)
-    monkeypatch.setattr(engine_mod, "_build_regions", build)
-    monkeypatch.setattr(engine_mod, "materialize", materialize)
-    with torch.device("meta"):
-        model = GPT(gpt_config("tiny"))
-    pstar_fx.compile(model, {"device": "cpu", "compute": "inductor", "placement": "host", "chunk_size": 16384},
-                     batch())
-    if cold:
-        assert events == ["workers started", "initialized", ("built here", True)]
-    else:
-        assert events == ["workers started", ("built here", None), "initialized"]
+    def compiled(meddle: bool):
+        with torch.device("meta"):
+            model = GPT(gpt_config("tiny"))
+        torch.manual_seed(1234)                     # the caller's global state: compile() must not depend on it
+        with monkeypatch.context() as m:
+            if meddle:
+                m.setattr(engine_mod, "start_region_builders", start)
+                m.setattr(engine_mod, "_build_regions", build)
+                m.setattr(engine_mod, "materialize", materialize)
+            engine = pstar_fx.compile(model, {"device": "cpu", "compute": "inductor", "placement": "host",
+                                              "chunk_size": 16384}, batch())
+        return {k: v.clone() for k, v in engine.state_dict().items()}, torch.get_rng_state()
+
+    weights, after = compiled(meddle=True)
+    assert sorted(map(str, events)) == sorted(map(str, ["initialized", ("built here", True if cold else None)]))
+    plain, plain_after = compiled(meddle=False)
+    assert weights.keys() == plain.keys() and all(torch.equal(weights[k], plain[k]) for k in plain)
+    assert torch.equal(after, plain_after)
+    # and those are a serial init's: the model's own init after torch.manual_seed(Config.seed)
+    torch.manual_seed(pstar_fx.Config().seed)
+    model = GPT(gpt_config("tiny"))
+    serial = model.state_dict()
+    assert all(torch.equal(plain[k], serial[k]) for k in plain if k in serial)
+    assert torch.equal(plain_after, torch.get_rng_state())
 
 
 @pytest.mark.parametrize("dtype,fill", [(torch.float32, 0), (torch.bfloat16, 0), (torch.uint8, 127),

@@ -45,8 +45,11 @@ class Progress(logging.Handler):
     def __init__(self, live: bool, stream=None, tick_s: float = 0.5):
         super().__init__()
         self.live, self.stream, self.tick_s = live, stream, tick_s
-        self._phase: tuple[str, float] | None = None       # (name, started) of the phase in flight
+        self._phase: tuple[str, float] | None = None       # (name, started) of the phase shown
         self._done: tuple[int, int] | None = None           # its progress (done, total), once it sent some
+        # every phase in flight, by name: (started, progress); phases overlap (the weights are written while the
+        # regions build), and the one started last is shown, the one before it again once it ends
+        self._flight: dict[str, tuple[float, tuple[int, int] | None]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None
@@ -63,18 +66,25 @@ class Progress(logging.Handler):
             return
         with self._lock:
             if event.state == "start":
-                self._phase = (event.phase, time.perf_counter())
-                self._done = None
+                self._flight[event.phase] = (time.perf_counter(), None)
+                self._phase, self._done = (event.phase, self._flight[event.phase][0]), None
                 self._show()
                 if self._ticker is None:
                     self._ticker = threading.Thread(target=self._tick, daemon=True, name="pstar-fx progress")
                     self._ticker.start()
-            elif event.state == "progress" and self._phase is not None and self._phase[0] == event.phase:
-                self._done = (event.done, event.total)
-                self._show()
+            elif event.state == "progress" and event.phase in self._flight:
+                self._flight[event.phase] = (self._flight[event.phase][0], (event.done, event.total))
+                if self._phase is not None and self._phase[0] == event.phase:
+                    self._done = (event.done, event.total)
+                    self._show()
             elif event.state == "end":
                 self._clear()           # its "done in" line is printed; a tick since may have shown the status
-                self._phase = None
+                self._flight.pop(event.phase, None)
+                self._phase, self._done = None, None
+                if self._flight:        # a phase still in flight beside it: shown again
+                    name = next(reversed(self._flight))
+                    self._phase, self._done = (name, self._flight[name][0]), self._flight[name][1]
+                    self._show()
 
     def _out(self):
         return self.stream or sys.stderr

@@ -198,9 +198,11 @@ class _SplitNormal(TorchDispatchMode):
     progress count, not an exact one)."""
 
     def __init__(self, pool: ThreadPoolExecutor | None, piece_elems: int,
-                 progress: Callable[[int], None] | None = None):
+                 progress: Callable[[int], None] | None = None,
+                 generators: dict[torch.device, torch.Generator] | None = None):
         super().__init__()
         self.pool, self.piece_elems, self.progress = pool, piece_elems, progress
+        self.generators = generators or {}
         self.written = 0
         self.pending: list[tuple[tuple[int, int, int], list[Future]]] = []
         self.scratch = torch.empty(_SCRATCH_ELEMS, dtype=torch.int64)
@@ -208,6 +210,11 @@ class _SplitNormal(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.generators and kwargs.get("generator") is None:
+            drawing = func if _takes_generator(func) else _with_generator(func)
+            gen = self.generators.get(_device_of(args, kwargs)) if drawing is not None else None
+            if gen is not None:                     # the block's own generator instead of the global one
+                func, kwargs = drawing, {**kwargs, "generator": gen}
         if self.progress is not None and args and isinstance(args[0], torch.Tensor) \
                 and func._schema.name.endswith("_"):
             self.written += args[0].numel()
@@ -217,7 +224,7 @@ class _SplitNormal(TorchDispatchMode):
             self._wait_for(t)                       # an earlier pending write to the same values lands first
             mean = args[1] if len(args) > 1 else kwargs.get("mean", 0.0)
             std = args[2] if len(args) > 2 else kwargs.get("std", 1.0)
-            self._split(t, mean, std)
+            self._split(t, mean, std, kwargs.get("generator") or torch.default_generator)
             return t
         if self.pending and not func.is_view:
             for x in tree_leaves((args, kwargs)):
@@ -225,15 +232,14 @@ class _SplitNormal(TorchDispatchMode):
                     self._wait_for(x)
         return func(*args, **kwargs)
 
-    @staticmethod
-    def _splittable(args, kwargs) -> bool:
+    def _splittable(self, args, kwargs) -> bool:
         t = args[0]
+        gen = kwargs.get("generator")
         return type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" \
             and t.dtype in SPLIT_DTYPES and t.is_contiguous() and t.numel() >= MIN_ELEMS \
-            and kwargs.get("generator") is None and _same_bits_for(t.dtype)
+            and (gen is None or gen is self.generators.get(torch.device("cpu"))) and _same_bits_for(t.dtype)
 
-    def _split(self, t: torch.Tensor, mean: float, std: float) -> None:
-        gen = torch.default_generator
+    def _split(self, t: torch.Tensor, mean: float, std: float, gen: torch.Generator) -> None:
         flat = t.view(-1)
         n = flat.numel()
         futures = []
@@ -257,29 +263,82 @@ class _SplitNormal(TorchDispatchMode):
                 f.result()
 
 
+def _takes_generator(func) -> bool:
+    return any(a.name == "generator" and a.kwarg_only for a in func._schema.arguments)
+
+
+# a factory's overload without a generator -> its overload with one (aten.randn.default -> aten.randn.generator)
+_GENERATOR_OVERLOADS = {"default": "generator", "low": "low_generator"}
+
+
+def _with_generator(func):
+    """The overload of random factory `func` (randn, rand, randint, randperm) that takes a generator, else None."""
+    name = _GENERATOR_OVERLOADS.get(func._overloadname)
+    other = getattr(func.overloadpacket, name, None) if name else None
+    if other is None or not _takes_generator(other):
+        return None
+    given = [a.name for a in func._schema.arguments]
+    return other if [a.name for a in other._schema.arguments if a.name != "generator"] == given else None
+
+
+def _device_of(args, kwargs) -> torch.device | None:
+    """The device a random op draws on: its first tensor argument's (in place), else its `device` keyword (a
+    factory: randn, rand, randperm, ...), else the CPU."""
+    t = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    device = t.device if t is not None else torch.device(kwargs.get("device") or "cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def own_generators(seed: int, device: torch.device) -> dict[torch.device, torch.Generator]:
+    """Generators of this CPU and of `device` (if CUDA), each in the state `torch.manual_seed(seed)` puts the global
+    one in: an init drawing from these draws what it would from the global ones, while another thread (Dynamo
+    saves and restores the global generators around each compile) may use those."""
+    gens = {torch.device("cpu"): torch.Generator().manual_seed(seed)}
+    if device.type == "cuda":
+        cuda = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        gens[cuda] = torch.Generator(device=cuda).manual_seed(seed)
+    return gens
+
+
+def settle(seed: int, generators: dict[torch.device, torch.Generator]) -> None:
+    """The global generators where an init from `torch.manual_seed(seed)` would have left them: seeded (all
+    devices, as manual_seed does), then each of `generators`' devices at its generator's state."""
+    torch.manual_seed(seed)
+    for device, gen in generators.items():
+        if device.type == "cpu":
+            torch.set_rng_state(gen.get_state())
+        else:
+            torch.cuda.set_rng_state(gen.get_state(), device)
+
+
 @contextlib.contextmanager
 def split_normal_draws(threads: int | None = None, piece_elems: int | None = None,
-                       progress: Callable[[int], None] | None = None):
+                       progress: Callable[[int], None] | None = None,
+                       generators: dict[torch.device, torch.Generator] | None = None):
     """Within the block, large host fp32 or 16-bit `normal_` calls on the global generator run on `threads` threads
     (default: torch's intra-op threads) with the bits and generator state one thread gives: this one advances the
     generator and `threads` others fill the pieces (`threads` - 1 where the advance draws through the stream, which
     costs a core); the block ends when every value is written. Drawing through, nothing is split with fewer than
     MIN_THREADS threads (the advance would only add work); nothing is split either where this torch draws otherwise
-    (`same_bits_as_serial`). `progress(values)`: called as in-place ops write values (for a progress display)."""
+    (`same_bits_as_serial`). `progress(values)`: called as in-place ops write values (for a progress display).
+    `generators` (`own_generators`): every random op without a generator of its own draws from the one for its
+    device instead of the global one (whose state this block then leaves alone; `settle` moves it after)."""
     threads = threads or torch.get_num_threads()
     moved = _state_mover() is not None     # the advance costs little: every thread of `threads` fills
     least = min(2, MIN_THREADS) if moved else MIN_THREADS     # (MIN_THREADS below 2: a test splitting on 1 core)
     split = threads >= least and same_bits_as_serial()
     if threads >= least and not split:
         log.info("initialization runs on one thread: this torch's CPU normal_ does not split with the same bits")
-    if not split and progress is None:
+    if not split and progress is None and not generators:
         yield None
         return
     with contextlib.ExitStack() as stack:
         pool = stack.enter_context(ThreadPoolExecutor(threads if moved else threads - 1,
                                                       thread_name_prefix="pstar_fx-init")) \
             if split else None
-        mode = _SplitNormal(pool, piece_elems or PIECE_ELEMS, progress)
+        mode = _SplitNormal(pool, piece_elems or PIECE_ELEMS, progress, generators)
         try:
             with mode:
                 yield mode

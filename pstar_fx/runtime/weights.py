@@ -36,10 +36,12 @@ def skeleton(model: nn.Module) -> nn.Module:
 
 
 def materialize(model: nn.Module, store: ChunkStore, layout: Layout, cap: Capture, device: torch.device,
-                seed: int) -> None:
+                generators: dict[torch.device, torch.Generator]) -> None:
     """A model built on the meta device gets its weights made directly in chunk memory: its parameters
     become views of the fp32 masters (on their tier), then its own init runs on them. The model is
-    never whole in memory anywhere else, which is what lets a model larger than either tier start."""
+    never whole in memory anywhere else, which is what lets a model larger than either tier start.
+    Its random draws come from `generators` (parallel_init.own_generators: the global ones' states after
+    `torch.manual_seed(seed)`), not the global ones, which another thread may be saving and restoring."""
     owner = {alias: i for i, p in enumerate(cap.params) for alias in p.aliases}
     # a parameter whose chunk another rank holds (chunk-partitioned) is initialized in a temporary on the
     # host and dropped: every rank runs the model's whole init alike, so the owners' values agree with it
@@ -54,7 +56,6 @@ def materialize(model: nn.Module, store: ChunkStore, layout: Layout, cap: Captur
         for name, b in list(mod._buffers.items()):
             if b is not None and b.is_meta:
                 mod._buffers[name] = torch.empty_like(b, device=device)
-    torch.manual_seed(seed)
     total = sum(s.numel for s in layout.slots)
     shown = [-1]
 
@@ -66,7 +67,7 @@ def materialize(model: nn.Module, store: ChunkStore, layout: Layout, cap: Captur
 
     # its normal_ draws on every host core, with one thread's bits (runtime/parallel_init.py)
     t0 = time.perf_counter()
-    with torch.no_grad(), split_normal_draws(progress=progress):
+    with torch.no_grad(), split_normal_draws(progress=progress, generators=generators):
         if hasattr(model, "init_weights"):
             model.init_weights()
         else:
