@@ -203,3 +203,34 @@ def test_the_draws_a_normal_takes_are_this_torchs_for_every_length_and_dtype(dty
         probe.set_state(start)
         parallel_init._draw_through(probe, parallel_init._draws(n, dtype), scratch)
         assert torch.equal(probe.get_state(), gen.get_state()), (dtype, n)
+
+
+def test_an_init_on_its_own_generators_draws_what_it_would_from_the_global_ones():
+    """`split_normal_draws(generators=own_generators(seed, cpu))`: every random op without a generator of its own
+    (normal_, split or not; uniform_ under kaiming and trunc_normal_; the factories randn, rand, randint, randperm,
+    whose generator takes another overload) draws from the block's generator: the values of an init after
+    torch.manual_seed(seed), the global generator untouched meanwhile, and `settle` leaves it where that init
+    does."""
+    from pstar_fx.runtime.parallel_init import own_generators, settle
+
+    def init(ts):
+        for t in ts:
+            t.normal_(0, 0.02)
+        torch.nn.init.kaiming_uniform_(ts[1])
+        torch.nn.init.trunc_normal_(ts[2][:1000], std=0.02)
+        return [torch.randn(5), torch.rand(3), torch.randint(0, 10, (4,)), torch.randperm(7),
+                torch.randint(10, (3,))]
+
+    ts = [torch.empty(1 << 18), torch.empty(64, 64), torch.empty(1 << 17)]
+    torch.manual_seed(7)
+    made = init(ts)
+    ref, ref_end = [t.clone() for t in ts] + made, torch.get_rng_state()
+    gens = own_generators(7, torch.device("cpu"))
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    with parallel_init.split_normal_draws(2, generators=gens):
+        made = init(ts)
+    assert all(torch.equal(a, b) for a, b in zip(ref, ts + made))
+    assert torch.equal(torch.get_rng_state(), before)
+    settle(7, gens)
+    assert torch.equal(torch.get_rng_state(), ref_end)
