@@ -10,10 +10,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
 import warnings
 import weakref
 from collections import Counter
+from concurrent import futures
 
 import torch
 import torch.fx as fx
@@ -30,7 +30,7 @@ from .pipeline.shapes import ShapeSteps, check_compiled_length
 from .planning import BudgetError, Plan
 from .runtime import ChunkRuntime, StepRolledBack, run_graph
 from .runtime.dist import DataParallel, launch
-from .runtime.host_memory import HostReserve, pin_threads
+from .runtime.host_memory import HostReserve, device_threads, pin_threads
 from .runtime.parallel_init import own_generators, settle
 from .runtime.step import StepReport, Stepper
 from .runtime.store import host_buffer_sizes
@@ -66,33 +66,6 @@ def _build_regions(graph: fx.GraphModule, device: torch.device, phases, builders
                          len(regions) - built, len(regions))
             if device.type == "cuda":
                 torch.cuda.empty_cache()    # what autotuning allocated goes back before the activations need it
-
-
-class _Beside:
-    """`fn` run on a thread of its own (on `device`, as the caller), started at once; `join` waits for it and raises
-    what it raised."""
-
-    def __init__(self, fn, device: torch.device):
-        self._error: BaseException | None = None
-        # a new thread's current CUDA device is device 0: this one's, or the device named
-        index = (device.index if device.index is not None else torch.cuda.current_device()) \
-            if device.type == "cuda" else None
-
-        def run():
-            try:
-                if index is not None:
-                    torch.cuda.set_device(index)
-                fn()
-            except BaseException as e:      # noqa: BLE001 - raised again by join
-                self._error = e
-        self._thread = threading.Thread(target=run, name="pstar_fx-weights", daemon=True)
-        self._thread.start()
-
-    def join(self, quiet: bool = False) -> None:
-        """Wait for it; raise its exception (unless `quiet`: the caller is raising its own)."""
-        self._thread.join()
-        if self._error is not None and not quiet:
-            raise self._error
 
 
 def _host_reserve(config: Config) -> HostReserve | None:
@@ -178,18 +151,19 @@ class Engine:
                 else:
                     self.rt.store.load_params([named[p.name] for p in cap.params])
 
-        weights = _Beside(write_weights, self.device)
-        try:
-            # the step's Python code (a lazy GraphModule's, ~0.4 s at 18B; else made at the first step)
-            getattr(self.lowered.graph, "real_recompile", lambda: None)()
-            _build_regions(self.lowered.graph, self.device, phases, builders=builders)
-            weights.join()
-        except BaseException:
-            weights.join(quiet=True)        # never left writing chunk memory
-            if builders is not None:
-                builders.stop()
-            self.rt.store.ready()
-            raise
+        with device_threads(1, self.device, "pstar_fx-weights") as thread:
+            weights = thread.submit(write_weights)
+            try:
+                # the step's Python code (a lazy GraphModule's, ~0.4 s at 18B; else made at the first step)
+                getattr(self.lowered.graph, "real_recompile", lambda: None)()
+                _build_regions(self.lowered.graph, self.device, phases, builders=builders)
+                weights.result()
+            except BaseException:
+                futures.wait([weights])     # never left writing chunk memory
+                if builders is not None:
+                    builders.stop()
+                self.rt.store.ready()
+                raise
         if meta:
             settle(config.seed, generators)     # the global generators where a serial init leaves them
         self._buffers = [self.rt.store.adopt(model.get_buffer(b).detach().to(self.device, copy=True))

@@ -133,9 +133,9 @@ def _first_values(t: torch.Tensor, fill: float | int) -> None:
         t.fill_(fill)
 
 
-def _lock_pool(threads: int, device: torch.device | None, name: str) -> ThreadPoolExecutor:
-    """Worker threads that page-lock host buffers for `device` (its CUDA context: a worker thread would default to
-    cuda:0)."""
+def device_threads(threads: int, device: torch.device | None, name: str) -> ThreadPoolExecutor:
+    """Worker threads on `device`'s CUDA context (a new thread's current device would be cuda:0): those that
+    page-lock host buffers, the one that writes the initial weights (engine.py)."""
     on_device = device is not None and device.type == "cuda"
     # set_device needs an index: "cuda" alone is the current device of this (the constructing) thread
     index = (device.index if device.index is not None else torch.cuda.current_device()) if on_device else None
@@ -157,7 +157,7 @@ class HostReserve:
     def __init__(self, threads: int, device: torch.device | None = None,
                  lock: Callable[[torch.Tensor], int] = register):
         self.lock, self.huge = lock, huge_pages_wanted()
-        self._pool = _lock_pool(threads, device, "pstar_fx-reserve")
+        self._pool = device_threads(threads, device, "pstar_fx-reserve")
         self._free: dict[int, list[tuple[torch.Tensor, Future]]] = {}      # nbytes -> buffers not taken
         self._wanted: dict[int, int] = {}
         self.made = self.taken = 0
@@ -276,7 +276,7 @@ class HostBuffers:
         if self.threads < 2 or not self.pin or self._pool is not None:
             yield self
             return
-        self._pool = _lock_pool(self.threads, self.device, "pstar_fx-pin")
+        self._pool = device_threads(self.threads, self.device, "pstar_fx-pin")
         try:
             yield self
         finally:
