@@ -62,6 +62,10 @@ class StepBytes:
     activation_peak_bytes: int     # live graph values at their peak (liveness.activation_profile)
     buffer_bytes: int              # the model's buffers, on the device
     compute_chunk_bytes: int       # one chunk in the compute dtype: a compute slot, a shadow, a frozen chunk
+    # one trainable chunk's gradient in the compute dtype: a gradient slot, a kept gradient, a host gradient
+    # buffer. As long as a compute slot, or shorter beside frozen chunks (Layout.state_elems): a 70B LoRA's
+    # gradient buffers held 1.1 G elements for the 207 M its adapters have
+    grad_chunk_bytes: int
     accum_bytes: int               # one chunk's fp32 gradient accumulator (grad_accum > 1), on its tier
     state_bytes: int               # one chunk's state: master, moments (+ int8 scales), accumulator
     workspace_bytes: int           # the libraries' workspaces and the step's small allocations
@@ -72,14 +76,6 @@ class StepBytes:
     host_staging_bytes: int        # 2 host buffers in the compute dtype, plus the process overhead
     frozen: tuple[bool, ...] = ()  # per chunk: a frozen chunk (layout.Chunk.frozen) holds only its weights
     world: int = 1                 # chunk c is owned by rank c % world
-    # one trainable chunk's gradient in the compute dtype: a gradient slot, a kept gradient, a host gradient
-    # buffer. As long as a compute slot, or shorter beside frozen chunks (Layout.state_elems): a 70B LoRA's
-    # gradient buffers held 1.1 G elements for the 207 M its adapters have (0 here: the compute chunk's size)
-    grad_chunk_bytes: int = 0
-
-    def __post_init__(self):
-        if not self.grad_chunk_bytes:
-            object.__setattr__(self, "grad_chunk_bytes", self.compute_chunk_bytes)
 
     @property
     def frozen_chunk_bytes(self) -> int:
@@ -136,7 +132,7 @@ def step_bytes(g: fx.Graph, layout: Layout, config: Config, *, compute_itemsize:
     grad_chunk_bytes = layout.state_elems * compute_itemsize
     return StepBytes(
         activation_peak_bytes=activation_peak_bytes, buffer_bytes=buffer_bytes,
-        compute_chunk_bytes=cs * compute_itemsize, accum_bytes=accum_bytes,
+        compute_chunk_bytes=cs * compute_itemsize, grad_chunk_bytes=grad_chunk_bytes, accum_bytes=accum_bytes,
         state_bytes=config.chunk_state_bytes(layout.state_elems, scale_blocks) + accum_bytes,
         workspace_bytes=workspace_bytes,
         device_staging_bytes=copy_staging_elems(cs) * 4 if (cuda and compute_itemsize != 4) else 0,
@@ -145,7 +141,7 @@ def step_bytes(g: fx.Graph, layout: Layout, config: Config, *, compute_itemsize:
         kept_staging_bytes=0 if cuda or compute_itemsize == 4 else cs * compute_itemsize,
         host_staging_bytes=(2 * grad_chunk_bytes if cuda else grad_chunk_bytes + cs * compute_itemsize)
         + host_overhead_bytes,
-        frozen=tuple(ch.frozen for ch in layout.chunks), world=world, grad_chunk_bytes=grad_chunk_bytes)
+        frozen=tuple(ch.frozen for ch in layout.chunks), world=world)
 
 
 def device_breakdown(sizes: StepBytes, *, device_chunks: list[int], n_slots: int, n_grad_slots: int,
