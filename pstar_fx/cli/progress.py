@@ -45,10 +45,9 @@ class Progress(logging.Handler):
     def __init__(self, live: bool, stream=None, tick_s: float = 0.5):
         super().__init__()
         self.live, self.stream, self.tick_s = live, stream, tick_s
-        self._phase: tuple[str, float] | None = None       # (name, started) of the phase shown
-        self._done: tuple[int, int] | None = None           # its progress (done, total), once it sent some
-        # every phase in flight, by name: (started, progress); phases overlap (the weights are written while the
-        # regions build), and the one started last is shown, the one before it again once it ends
+        # every phase in flight, by name: (started, its progress (done, total) once it sent some). Phases overlap
+        # (the weights are written while the regions build): the one started last is shown, the one before it
+        # again once it ends
         self._flight: dict[str, tuple[float, tuple[int, int] | None]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -66,38 +65,38 @@ class Progress(logging.Handler):
             return
         with self._lock:
             if event.state == "start":
+                self._flight.pop(event.phase, None)     # (shown as the last started)
                 self._flight[event.phase] = (time.perf_counter(), None)
-                self._phase, self._done = (event.phase, self._flight[event.phase][0]), None
                 self._show()
                 if self._ticker is None:
                     self._ticker = threading.Thread(target=self._tick, daemon=True, name="pstar-fx progress")
                     self._ticker.start()
             elif event.state == "progress" and event.phase in self._flight:
                 self._flight[event.phase] = (self._flight[event.phase][0], (event.done, event.total))
-                if self._phase is not None and self._phase[0] == event.phase:
-                    self._done = (event.done, event.total)
+                if event.phase == self._shown():
                     self._show()
             elif event.state == "end":
                 self._clear()           # its "done in" line is printed; a tick since may have shown the status
                 self._flight.pop(event.phase, None)
-                self._phase, self._done = None, None
-                if self._flight:        # a phase still in flight beside it: shown again
-                    name = next(reversed(self._flight))
-                    self._phase, self._done = (name, self._flight[name][0]), self._flight[name][1]
-                    self._show()
+                self._show()            # a phase still in flight beside it, if any
+
+    def _shown(self) -> str | None:
+        """The phase the status line shows: the last started of those in flight."""
+        return next(reversed(self._flight), None)
 
     def _out(self):
         return self.stream or sys.stderr
 
     def _show(self) -> None:
-        if self._phase is not None:
-            name, t0 = self._phase
-            done = f" ({100 * self._done[0] // max(1, self._done[1])}%)" if self._done else ""
+        name = self._shown()
+        if name is not None:
+            t0, progress = self._flight[name]
+            done = f" ({100 * progress[0] // max(1, progress[1])}%)" if progress else ""
             self._out().write(f"\r  {name} ... {time.perf_counter() - t0:.0f} s{done}\033[K")
             self._out().flush()
 
     def _clear(self) -> None:
-        if self.live and self._phase is not None:
+        if self.live and self._flight:
             self._out().write("\r\033[K")
 
     def _tick(self) -> None:
@@ -109,5 +108,5 @@ class Progress(logging.Handler):
         self._stop.set()
         with self._lock:
             self._clear()
-            self._phase = None
+            self._flight.clear()
         super().close()
