@@ -58,23 +58,15 @@ def _best(fn, rounds: int) -> float:
     return min(fn() for _ in range(rounds))
 
 
-def _cuda_timed(fn) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
-
-
 def device_limits(copy_bytes: int, rounds: int) -> dict:
+    from pstar_fx.planning.costs import _timeit     # (the calibration's timer: best of `reps` after a warm-up)
+    cuda = torch.device("cuda")
     host = torch.empty(copy_bytes, dtype=torch.uint8, pin_memory=True).fill_(1)
     dev = torch.empty(copy_bytes, dtype=torch.uint8, device="cuda").fill_(1)
     other = torch.empty_like(dev)
-    out = {"h2d_gb_s": copy_bytes / _best(lambda: _cuda_timed(lambda: dev.copy_(host, non_blocking=True)),
-                                          rounds) / 1e9,
-           "d2h_gb_s": copy_bytes / _best(lambda: _cuda_timed(lambda: host.copy_(dev, non_blocking=True)),
-                                          rounds) / 1e9,
-           "device_copy_gb_s": 2 * copy_bytes / _best(lambda: _cuda_timed(lambda: other.copy_(dev)), rounds) / 1e9}
+    out = {"h2d_gb_s": copy_bytes / _timeit(lambda: dev.copy_(host, non_blocking=True), cuda, rounds) / 1e9,
+           "d2h_gb_s": copy_bytes / _timeit(lambda: host.copy_(dev, non_blocking=True), cuda, rounds) / 1e9,
+           "device_copy_gb_s": 2 * copy_bytes / _timeit(lambda: other.copy_(dev), cuda, rounds) / 1e9}
     del host, dev, other
     both = hab.Copies(copy_bytes)               # both directions at once, each on its own stream
     rates = []
@@ -86,7 +78,7 @@ def device_limits(copy_bytes: int, rounds: int) -> dict:
     del both
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    out["matmul_tflops"] = 2 * n**3 / _best(lambda: _cuda_timed(lambda: a @ a), rounds) / 1e12
+    out["matmul_tflops"] = 2 * n**3 / _timeit(lambda: a @ a, cuda, rounds) / 1e12
     return out
 
 
