@@ -462,3 +462,10 @@ def test_a_regions_measured_extra_memory_is_kept_for_its_next_build(monkeypatch,
     on_cpu.spare_bytes = 2 << 20
     regions_pass._fits_compiled(on_cpu, specs, [a], torch.device("cpu"))     # off CUDA nothing is read or kept
     assert measured[-1] == "region_cpu" and len(list((tmp_path / "pstar_fx-extra").iterdir())) == 2
+    # a cache folder that cannot be written: measured, decided, and nothing raised
+    unkept = regions_pass.Region(gm, "region_unkept", "eager", specs, key="k")
+    unkept.spare_bytes = 2 << 20
+    (tmp_path / "a file").write_text("")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "a file" / "cache"))
+    regions_pass._fits_compiled(unkept, specs, [a], cuda)
+    assert measured[-1] == "region_unkept" and "3.00 MiB more device memory" in unkept.eager_because

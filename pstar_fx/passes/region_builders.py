@@ -23,6 +23,7 @@ PSTAR_FX_REGION_ARTIFACTS=1 (an experiment, off by default): the regions are bui
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -106,13 +107,28 @@ def recorded_extra(key: str, specs: list, device: torch.device) -> int | None:
 
 
 def record_extra(key: str, specs: list, device: torch.device, extra: int) -> None:
-    """Keep a measured `extra` for the next build (written aside, then renamed: a reader never sees half)."""
+    """Keep a measured `extra` for the next build; a cache folder that cannot be written costs the next build the
+    measurement, nothing more."""
     path = _extra_path(key, specs, device)
+    try:
+        with _written_aside(path) as part, open(part, "w") as f:
+            json.dump({"extra_bytes": int(extra)}, f)
+    except OSError as e:
+        log.debug("%s could not be written (%s); the next build measures again", path, e)
+
+
+@contextlib.contextmanager
+def _written_aside(path: str):
+    """A name beside `path` to write, renamed to `path` once written (a reader never sees half); removed if the
+    writing fails."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     part = f"{path}.tmp-{os.getpid()}"
-    with open(part, "w") as f:
-        json.dump({"extra_bytes": int(extra)}, f)
-    os.replace(part, path)
+    try:
+        yield part
+        os.replace(part, path)
+    finally:
+        if os.path.exists(part):
+            os.unlink(part)
 
 
 def save_artifact(gm: torch.fx.GraphModule, examples: list, path: str):
@@ -120,10 +136,8 @@ def save_artifact(gm: torch.fx.GraphModule, examples: list, path: str):
     every input's size and strides), saved at `path` (written aside, then renamed: a reader never sees half)."""
     from torch._inductor import standalone_compile
     art = standalone_compile(gm, examples, dynamic_shapes="from_example_inputs")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    part = f"{path}.tmp-{os.getpid()}"
-    art.save(path=part, format="binary")
-    os.replace(part, path)
+    with _written_aside(path) as part:
+        art.save(path=part, format="binary")
     return art
 
 
