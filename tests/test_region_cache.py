@@ -235,3 +235,37 @@ def test_this_process_goes_on_with_a_region_as_soon_as_its_worker_has_built_it(t
     go_on.write_text("")
     assert b.wait() == 3 and os.path.exists(marker)
     b.wait_for("built")                         # after wait(): at once, the job folder gone
+
+
+def test_a_region_no_worker_builds_waits_for_the_workers_shares_of_the_device(tmp_path):
+    """On CUDA the workers hold their shares of the device memory until they end; a region none of them builds is
+    one no share had room for, so this process builds it only once they have ended (`make_room`). Where they share
+    no device memory (CPU), it goes on at once."""
+    import tempfile
+    import threading
+
+    from pstar_fx.passes import region_builders
+
+    def busy_worker(go_on):
+        return subprocess.Popen([sys.executable, "-c", "import os, sys, time\n"
+                                 "while not os.path.exists(sys.argv[1]): time.sleep(0.01)", str(go_on)])
+
+    for shared in (False, True):
+        tmp = tempfile.TemporaryDirectory(dir=tmp_path)
+        go_on = tmp_path / f"go-on-{shared}"
+        proc = busy_worker(go_on)
+        (Path(tmp.name) / "err0.txt").write_text("")
+        b = region_builders.Builders([proc], tmp, str(tmp_path / f"marker-{shared}"), 1, {"theirs": 0},
+                                     device_shared=shared)
+        assert b.running()
+        b.make_room("theirs")                   # a worker's region: loaded beside them
+        assert b.running()
+        if not shared:
+            b.make_room("nobody's")
+            assert b.running()                  # no device memory held: at once
+            go_on.write_text("")
+        else:
+            threading.Timer(0.3, go_on.write_text, ("",)).start()
+            b.make_room("nobody's")
+            assert proc.poll() is not None and not b.running()
+        assert b.wait() == 1

@@ -218,6 +218,7 @@ def _build_in_order(gm: fx.GraphModule, device: torch.device, builders: region_b
                 distinct.append(_example(spec, device) if repeat and artifact else stand_ins[key])
             if builders is not None:        # loaded as soon as its worker has built it, while they build others
                 builders.wait_for(region.key)
+                builders.make_room(region.key)
             try:
                 if artifact:
                     # built on distinct inputs: AOTAutograd dedupes a repeated one, and torch 2.11's artifact of
@@ -227,8 +228,7 @@ def _build_in_order(gm: fx.GraphModule, device: torch.device, builders: region_b
                     distinct.clear()
                 outs = region(*examples)
             except torch.OutOfMemoryError:  # compiling or running it, with no activation held yet
-                _out_of_memory_at_build(region)
-                outs = region(*examples)    # op by op now (what the plan counted)
+                outs = _after_out_of_memory(region, examples, builders)
             firsts = [next(j for j, other in enumerate(outs) if other is o) if isinstance(o, torch.Tensor) else i
                       for i, o in enumerate(outs)]
             outputs[region] = ([_Layout.of(o) if isinstance(o, torch.Tensor) else None for o in outs], firsts)
@@ -283,6 +283,20 @@ def _fits_compiled(region: Region, specs: list, examples: list, device: torch.de
         return
     _op_by_op(region, f"compiled, it holds {format_bytes(extra)} more device memory than its ops one by one, and "
                       f"the plan leaves {format_bytes(spare)} at its fullest call")
+
+
+def _after_out_of_memory(region: Region, examples: list, builders: region_builders.Builders | None) -> tuple:
+    """The region's build outputs after its first try ran out of device memory: tried again compiled once the build
+    workers have given their shares of the device memory back (while they were still running), else op by op."""
+    if builders is not None and builders.running():
+        builders.wait()
+        torch.cuda.empty_cache()
+        try:
+            return region(*examples)
+        except torch.OutOfMemoryError:
+            pass
+    _out_of_memory_at_build(region)
+    return region(*examples)        # op by op now (what the plan counted)
 
 
 def _out_of_memory_at_build(region: Region) -> None:

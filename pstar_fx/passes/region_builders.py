@@ -162,10 +162,19 @@ class Builders:
     regions they built (0 when one failed: this process then builds the rest itself, slower, never wrong)."""
 
     def __init__(self, procs: list[subprocess.Popen], tmp: tempfile.TemporaryDirectory, marker: str, n_jobs: int,
-                 owner: dict[str, int] | None = None):
+                 owner: dict[str, int] | None = None, device_shared: bool = False):
         self._procs, self._tmp, self._marker, self._n = procs, tmp, marker, n_jobs
         self._owner = owner or {}                  # region key -> the worker building it
+        self._device_shared = device_shared        # the workers hold shares of the device memory until they end
         self._built: int | None = None
+
+    def make_room(self, key: str) -> None:
+        """Before this process builds the region with `key` itself: where the workers share the device memory and
+        none builds that region (no share had room for it), wait until they have ended and given their shares
+        back. Built beside them, a 70B LoRA's largest region ran out of device memory compiled and then op by
+        op, which the plan counts on (two workers held 7.5 GiB each)."""
+        if self._device_shared and key not in self._owner:
+            self.wait()
 
     def wait_for(self, key: str) -> None:
         """Until the region with `key` is built by its worker, or that worker has ended (a region no worker builds:
@@ -176,6 +185,10 @@ class Builders:
         done, proc = os.path.join(self._tmp.name, done_name(key)), self._procs[w]
         while not os.path.exists(done) and proc.poll() is None:
             time.sleep(0.02)
+
+    def running(self) -> bool:
+        """Whether any worker is still at work (its share of the device memory still held)."""
+        return self._built is None and any(p.poll() is None for p in self._procs)
 
     def _end(self) -> None:
         """No worker left behind (one still running is killed), and their job files gone."""
@@ -267,7 +280,7 @@ def start(jobs: list[tuple[str, torch.fx.GraphModule, list]], device: torch.devi
     except BaseException:                   # the ones started must not mark a partial set built
         Builders(procs, tmp, marker, len(jobs)).stop()
         raise
-    return Builders(procs, tmp, marker, len(jobs), owner)
+    return Builders(procs, tmp, marker, len(jobs), owner, device_shared=fraction is not None)
 
 
 def shares(jobs: list[tuple[str, torch.fx.GraphModule, list]], workers: int) -> list[list]:
