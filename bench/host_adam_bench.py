@@ -120,9 +120,12 @@ class Bench:
         self.out = torch.empty(n, dtype=torch.bfloat16)
         self.out.zero_()
         if register:  # page-lock the buffers as the engine's host chunks are (cudaHostRegister)
-            cudart = torch.cuda.cudart()
-            for t in (self.p, self.m, self.v, self.g32, self.g16, self.out):
-                assert int(cudart.cudaHostRegister(t.data_ptr(), t.untyped_storage().nbytes(), 0)) == 0
+            # (unregistered when freed: a second Bench in one process may get the first one's addresses back)
+            from pstar_fx.runtime import host_memory
+            for name in ("p", "m", "v", "g32", "g16", "out"):
+                err = host_memory.register(getattr(self, name))
+                if err:
+                    raise RuntimeError(f"cudaHostRegister of {name} failed: CUDA error {err}")
         self.moments = moments
         # torch's fused AdamW on the same param and moments (its state is ours: no second copy)
         self.param = torch.nn.Parameter(self.p, requires_grad=True)

@@ -190,6 +190,38 @@ def test_host_state_is_page_locked_beside_the_region_builds_and_ready_before_the
     _locked_is_what_crosses(engine, lock)
 
 
+def test_masters_that_do_not_cross_are_initialized_while_the_host_state_is_page_locked(monkeypatch):
+    """bf16 compute: a host chunk's 16-bit shadow crosses, its master does not (never locked). The init writes the
+    masters while the rest is still being locked (the locks here hold until the init has begun: an init that
+    waited for them would leave them timing out), and the shadows get their values once the locks are done: the
+    same bits as a run that locks nothing."""
+    import pstar_fx.engine as engine_mod
+    config, inputs, model, plain = _host_state_run("bf16")
+    initializing = threading.Event()
+    waited: list[bool] = []
+    lock = FakeLock()
+
+    def gated(t):
+        waited.append(initializing.wait(timeout=10))
+        return lock(t)
+
+    _lock_host_buffers(monkeypatch, gated)
+    real_load = store_mod.ChunkStore.load_params
+    pending_at_init = []
+
+    def load_params(store, tensors):
+        pending_at_init.append(store.pinning)
+        initializing.set()
+        return real_load(store, tensors)
+
+    monkeypatch.setattr(store_mod.ChunkStore, "load_params", load_params)
+    locked = pstar_fx.compile(model, config, inputs)
+    assert pending_at_init == [True] and waited and all(waited)
+    assert "16-bit copies" in locked.phases.seconds
+    _locked_is_what_crosses(locked, lock)
+    _assert_same_bits(plain, locked, inputs)
+
+
 def test_a_failed_region_build_still_waits_for_the_page_locking(monkeypatch):
     import pstar_fx.engine as engine_mod
     lock = FakeLock()
@@ -465,3 +497,65 @@ def test_unlocked_zero_state_is_an_untouched_mapping_and_trains_the_same_bits(mo
     assert host and {store.master[c].data_ptr() for c in host} <= set(mapped_at)
     assert not {t.data_ptr() for t in moments} & set(mapped_at)
     _assert_same_bits(plain, mapped, inputs)
+
+
+def test_a_second_compile_makes_the_host_buffers_of_the_first_before_its_capture(monkeypatch, tmp_path):
+    """The host buffers a compile's store asked for are remembered (runtime/reserve_cache.py); a second compile of
+    the same model, inputs and config starts making all of them (locked and merely zeroed) before its capture, and
+    the store takes every one. A remembered entry whose plan is not this compile's plan is a guess proved wrong:
+    what it made is freed before the store allocates. Either way the step trains the bits of a plain compile."""
+    import json
+
+    import pstar_fx.engine as engine_mod
+    from pstar_fx.runtime import reserve_cache
+    monkeypatch.setenv("PSTAR_FX_CACHE", str(tmp_path))
+    monkeypatch.setenv("PSTAR_FX_PLAN_CACHE", "1")          # (the suite's default: off; this cache goes with it)
+    config, inputs, model, plain = _host_state_run()
+    plain_too = pstar_fx.compile(model, config, inputs)     # (each comparison steps its plain engine)
+    locks = [FakeLock()]                                    # each compile's own
+    lock = lambda t: locks[-1](t)                           # noqa: E731
+    reserves, made_at_capture = [], []
+    _lock_host_buffers(monkeypatch, lock)
+
+    reserve_lock = [lock]
+
+    def reserve(config):
+        reserves.append(host_memory.HostReserve(2, lock=reserve_lock[-1]))
+        return reserves[-1]
+
+    real_lowered = engine_mod.Lowered
+
+    def lowered(*args, **kw):
+        made_at_capture.append(reserves[-1].made)
+        return real_lowered(*args, **kw)
+
+    monkeypatch.setattr(engine_mod, "_host_reserve", reserve)
+    monkeypatch.setattr(engine_mod, "Lowered", lowered)
+    first = pstar_fx.compile(model, config, inputs)
+    (entry,) = tmp_path.glob("reserve-v*.json")
+    asked = first.rt.store.host_asked
+    n_host = first.plan.placement.count("host")
+    unlocked = sum(v for (_, locked), v in asked.items() if not locked)
+    assert unlocked == 2 * n_host and sum(asked.values()) - unlocked >= n_host   # moments; masters and more, locked
+    total = sum(asked.values())
+
+    locks.append(FakeLock())
+    second = pstar_fx.compile(model, config, inputs)
+    assert made_at_capture == [0, total]
+    assert reserves[-1].taken == reserves[-1].made == total
+    _locked_is_what_crosses(second, locks[-1])
+    _assert_same_bits(plain, second, inputs)
+
+    remembered = json.loads(entry.read_text())
+    entry.write_text(json.dumps(dict(remembered, plan="another plan's")))
+    locks.append(FakeLock())
+    reserve_lock.append(FakeLock())                         # what the guess locks, apart
+    third = pstar_fx.compile(model, config, inputs)
+    assert made_at_capture[-1] == total and reserves[-1].taken == 0
+    gc.collect()
+    guessed = [p for p, _, _ in reserve_lock[-1].locked]
+    assert guessed and set(guessed) <= set(reserve_lock[-1].unlocked)        # all freed again
+    assert json.loads(entry.read_text())["plan"] == remembered["plan"]      # rewritten by this compile
+    _locked_is_what_crosses(third, locks[-1])
+    _assert_same_bits(plain_too, third, inputs)
+    assert reserve_cache.load("not a key") is None

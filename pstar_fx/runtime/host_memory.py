@@ -158,30 +158,33 @@ class HostReserve:
                  lock: Callable[[torch.Tensor], int] = register):
         self.lock, self.huge = lock, huge_pages_wanted()
         self._pool = device_threads(threads, device, "pstar_fx-reserve")
-        self._free: dict[int, list[tuple[torch.Tensor, Future]]] = {}      # nbytes -> buffers not taken
-        self._wanted: dict[int, int] = {}
+        # (nbytes, page-locked) -> buffers not taken
+        self._free: dict[tuple[int, bool], list[tuple[torch.Tensor, Future]]] = {}
+        self._wanted: dict[tuple[int, bool], int] = {}
         self.made = self.taken = 0
 
-    def want(self, sizes: dict[int, int]) -> None:
-        """At least `sizes[nbytes]` buffers of each size (more than asked before: the rest are started)."""
+    def want(self, sizes: dict[int, int], lock: bool = True) -> None:
+        """At least `sizes[nbytes]` buffers of each size (more than asked before: the rest are started), page-locked
+        or, with `lock=False`, only zeroed (memory nobody copies, e.g. Adam's moments: reserve_cache.py)."""
         if self._pool is None:
             return
         for nbytes, count in sizes.items():
-            for _ in range(count - self._wanted.get(nbytes, 0)):
+            k = (nbytes, lock)
+            for _ in range(count - self._wanted.get(k, 0)):
                 t = torch.empty(nbytes, dtype=torch.uint8)
-                self._free.setdefault(nbytes, []).append((t, self._pool.submit(self._make, t)))
+                self._free.setdefault(k, []).append((t, self._pool.submit(self._make, t, lock)))
                 self.made += 1
-            self._wanted[nbytes] = max(count, self._wanted.get(nbytes, 0))
+            self._wanted[k] = max(count, self._wanted.get(k, 0))
 
-    def _make(self, t: torch.Tensor) -> int:
-        _advise_untouched(t, self.huge)
+    def _make(self, t: torch.Tensor, lock: bool) -> int:
+        _advise_untouched(t, self.huge and lock)
         _first_values(t, 0)
-        return self.lock(t)
+        return self.lock(t) if lock else 0
 
-    def take(self, nbytes: int) -> tuple[torch.Tensor, Future] | None:
-        """A buffer of exactly `nbytes` (zeroed and page-locked once its future is done; its result: the lock's
-        error code), or None."""
-        free = self._free.get(nbytes)
+    def take(self, nbytes: int, lock: bool = True) -> tuple[torch.Tensor, Future] | None:
+        """A buffer of exactly `nbytes` (zeroed, and page-locked unless `lock=False`, once its future is done; its
+        result: the lock's error code), or None."""
+        free = self._free.get((nbytes, lock))
         if not free:
             return None
         self.taken += 1
@@ -199,7 +202,7 @@ class HostReserve:
         self._pool.shutdown(wait=False)     # (the taken buffers' queued work still runs)
         self._pool = None
         if self.made:
-            log.info("  host buffers page-locked ahead of the plan: %d of %d used", self.taken, self.made)
+            log.info("  host buffers made ready ahead of the plan: %d of %d used", self.taken, self.made)
 
 
 class HostBuffers:
@@ -213,8 +216,12 @@ class HostBuffers:
         self.device = device        # the CUDA device whose context locks (a worker thread would default to cuda:0)
         self._pool: ThreadPoolExecutor | None = None
         self._queued: list[Future] = []
+        self._pending: set[int] = set()         # the storages of the buffers queued in this batch
         self.unlocked: list[int] = []           # error codes of buffers that stayed pageable (batch only)
         self.reserve: HostReserve | None = None  # buffers page-locked ahead (a batch takes zero-filled ones there)
+        # (nbytes, page-locked) -> how many zero-filled (or unfilled) buffers a batch handed out: what a reserve
+        # could have made ahead (reserve_cache.py remembers it for the next compile)
+        self.asked: dict[tuple[int, bool], int] = {}
 
     def empty(self, n: int, dtype: torch.dtype, fill: float | int | None = None, lock: bool = True,
               written_first: bool = False) -> torch.Tensor:
@@ -223,23 +230,36 @@ class HostBuffers:
         `written_first`: whoever uses it writes it before reading it (a master the init or a load writes); such an
         unlocked zero-filled buffer of `LAZY_ZERO_BYTES` or more is a fresh anonymous mapping, zero by the kernel's
         contract and touched by nobody here: its pages appear where it is first written, on the threads that write
-        it. (Memory read first, like Adam's moments, would take two faults a page there, a read and a write: those
-        are zeroed ahead, as before.)"""
+        it; a smaller one is filled here, never queued, so its writer never waits for the batch. (Memory read
+        first, like Adam's moments, would take two faults a page there, a read and a write: those are zeroed ahead,
+        as before.)"""
         pin = self.pin and lock
         if written_first and not pin and fill is not None and fill == 0 and n \
                 and n * dtype.itemsize >= LAZY_ZERO_BYTES:
             return self._zero_mapping(n, dtype)
-        if self._pool is not None and self.reserve is not None and pin and fill in (0, None):
-            got = self.reserve.take(n * dtype.itemsize)
+        if written_first and not pin:       # (smaller: ready now, never pending: its writer need not wait)
+            return self._ready_now(torch.empty(n, dtype=dtype), fill, pin)
+        if self._pool is not None and fill in (0, None):
+            k = (n * dtype.itemsize, pin)
+            self.asked[k] = self.asked.get(k, 0) + 1
+        if self._pool is not None and self.reserve is not None and fill in (0, None):
+            got = self.reserve.take(n * dtype.itemsize, pin)
             if got is not None:
                 buf, made = got
                 self._queued.append(made)
+                self._pending.add(buf.untyped_storage().data_ptr())
                 return buf.view(dtype)
         t = torch.empty(n, dtype=dtype)
         if self._pool is None:
             return self._ready_now(t, fill, pin)
         self._queued.append(self._pool.submit(self._ready, t, fill, pin))
+        self._pending.add(t.untyped_storage().data_ptr())
         return t
+
+    def pending(self, t: torch.Tensor) -> bool:
+        """Whether `t`'s buffer is still queued in the open batch (its workers may yet zero it: write it only once
+        the batch has ended)."""
+        return t.untyped_storage().data_ptr() in self._pending
 
     def _zero_mapping(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         t = torch.frombuffer(mmap.mmap(-1, n * dtype.itemsize), dtype=dtype)   # (the tensor keeps the mapping)
@@ -291,6 +311,7 @@ class HostBuffers:
             finally:
                 self._pool.shutdown()
                 self._pool = None
+                self._pending.clear()
             if self.unlocked:
                 log.warning("%d host buffer(s) could not be page-locked (cudaHostRegister error %d): their copies "
                             "to and from the device are synchronous", len(self.unlocked), self.unlocked[0])

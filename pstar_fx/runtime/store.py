@@ -139,6 +139,18 @@ class ChunkStore:
         """Whether host buffers are still being made ready (page-locked) on threads: `ready()` waits for them."""
         return self._host.queues
 
+    @property
+    def host_asked(self) -> dict[tuple[int, bool], int]:
+        """(bytes, page-locked) -> how many zero-filled host buffers the store allocated in its batch (what a
+        reserve can make ahead: runtime/reserve_cache.py)."""
+        return dict(self._host.asked)
+
+    def masters_pending(self) -> bool:
+        """Whether a master is a host buffer still being made ready (zeroed and page-locked: one that crosses to the
+        device as it is): the init must wait for `ready()` before it writes the masters. Other masters (device ones,
+        host ones whose 16-bit shadow crosses instead) can be written while the rest is page-locked."""
+        return any(m is not None and self._host.pending(m) for m in self.master)
+
     def ready(self, phase: str | None = None) -> None:
         """Wait until every host buffer handed out so far is filled and page-locked (a no-op when they are);
         `phase`: the compile phase its progress is reported under meanwhile. Nothing reads or writes chunk
@@ -238,7 +250,6 @@ class ChunkStore:
         for slot, t in zip(self.layout.slots, tensors):
             if self.holds(slot.chunk):
                 self.master[slot.chunk][slot.offset: slot.offset + slot.numel].copy_(t.detach().reshape(-1))
-        self.masters_changed()
 
     def masters_changed(self, chunks=None) -> None:
         """The fp32 masters were written outside Adam (loading, initialization, a rollback): refresh the shadows."""

@@ -40,6 +40,7 @@ def materialize(model: nn.Module, store: ChunkStore, layout: Layout, cap: Captur
     """A model built on the meta device gets its weights made directly in chunk memory: its parameters
     become views of the fp32 masters (on their tier), then its own init runs on them. The model is
     never whole in memory anywhere else, which is what lets a model larger than either tier start.
+    The masters only: the caller refreshes their 16-bit copies (`store.masters_changed()`) once those are ready.
     Its random draws come from `generators` (parallel_init.own_generators: the global ones' states after
     `torch.manual_seed(seed)`), not the global ones, which another thread may be saving and restoring."""
     owner = {alias: i for i, p in enumerate(cap.params) for alias in p.aliases}
@@ -77,11 +78,7 @@ def materialize(model: nn.Module, store: ChunkStore, layout: Layout, cap: Captur
         _reset_lora_adapters(model)
     if store.device.type == "cuda":
         torch.cuda.synchronize(store.device)
-    t1 = time.perf_counter()
-    store.masters_changed()
-    if store.device.type == "cuda":
-        torch.cuda.synchronize(store.device)
-    log.info("  initialize: the model's init %.1f s, its 16-bit copies %.1f s", t1 - t0, time.perf_counter() - t1)
+    log.info("  initialize: the model's init %.1f s", time.perf_counter() - t0)
 
 
 def _reset_lora_adapters(model: nn.Module) -> None:
