@@ -14,7 +14,7 @@ for run in cold warm; do
   echo "=== ttfs $model $run $(date +%T) (limit ${remaining}s)"
   timeout "$remaining" python3 bench/gpt.py --model "$model" --system pstar_fx --batch 16 --seq 1024 \
     --steps "${STEPS:-2}" --host-memory "${HOST:-110GiB}" $extra --json "$OUT/ttfs-$run.jsonl" 2>&1 \
-    | grep -v "^DEBUG" | grep -E "^(compile|step|fits|Traceback)|Error|build regions|initialize|allocate|page-lock|plan done|ahead of the plan|artifact|op by op" | tail -24
+    | grep -v "^DEBUG" | grep -E "^(compile|step|fits|Traceback)|Error|build regions|initialize|allocate|page-lock|plan done|ahead of the plan|another plan|16-bit copies|artifact|op by op" | tail -24
   python3 - "$OUT/ttfs-$run.jsonl" "$run" >> "$OUT/ttfs.jsonl" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):
