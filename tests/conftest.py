@@ -23,3 +23,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def cache_folder(tmp_path, monkeypatch):
+    """A fresh cache folder (PSTAR_FX_CACHE) holding only the suite's CPU rates, the plan cache on. The rates are
+    copied in so that nothing is measured again: a new measurement would differ from the one a test's budget was
+    probed with, and would stand for the rest of the process (costs._MEASURED), changing later tests' plans."""
+    import dataclasses
+    import json
+
+    from pstar_fx.planning import costs
+    cpu = torch.device("cpu")
+    rates = costs.calibrate(cpu, torch.float32)
+    monkeypatch.setattr(costs, "_MEASURED", dict(costs._MEASURED))
+    monkeypatch.setenv("PSTAR_FX_CACHE", str(tmp_path))
+    with open(costs._cache_path(costs._device_key(cpu) + "-float32"), "w") as f:
+        json.dump(dataclasses.asdict(rates), f)
+    assert costs.calibrate(cpu, torch.float32) == rates
+    monkeypatch.setenv("PSTAR_FX_PLAN_CACHE", "1")
+    return tmp_path

@@ -499,7 +499,7 @@ def test_unlocked_zero_state_is_an_untouched_mapping_and_trains_the_same_bits(mo
     _assert_same_bits(plain, mapped, inputs)
 
 
-def test_a_second_compile_makes_the_host_buffers_of_the_first_before_its_capture(monkeypatch, tmp_path):
+def test_a_second_compile_makes_the_host_buffers_of_the_first_before_its_capture(monkeypatch, cache_folder):
     """The host buffers a compile's store asked for are remembered (runtime/reserve_cache.py); a second compile of
     the same model, inputs and config starts making all of them (locked and merely zeroed) before its capture, and
     the store takes every one. A remembered entry whose plan is not this compile's plan is a guess proved wrong:
@@ -508,8 +508,6 @@ def test_a_second_compile_makes_the_host_buffers_of_the_first_before_its_capture
 
     import pstar_fx.engine as engine_mod
     from pstar_fx.runtime import reserve_cache
-    monkeypatch.setenv("PSTAR_FX_CACHE", str(tmp_path))
-    monkeypatch.setenv("PSTAR_FX_PLAN_CACHE", "1")          # (the suite's default: off; this cache goes with it)
     config, inputs, model, plain = _host_state_run()
     plain_too = pstar_fx.compile(model, config, inputs)     # (each comparison steps its plain engine)
     locks = [FakeLock()]                                    # each compile's own
@@ -532,7 +530,7 @@ def test_a_second_compile_makes_the_host_buffers_of_the_first_before_its_capture
     monkeypatch.setattr(engine_mod, "_host_reserve", reserve)
     monkeypatch.setattr(engine_mod, "Lowered", lowered)
     first = pstar_fx.compile(model, config, inputs)
-    (entry,) = tmp_path.glob("reserve-v*.json")
+    (entry,) = cache_folder.glob("reserve-v*.json")
     asked = first.rt.store.host_asked
     n_host = first.plan.placement.count("host")
     unlocked = sum(v for (_, locked), v in asked.items() if not locked)

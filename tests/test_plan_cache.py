@@ -1,6 +1,5 @@
 """The plan cache (pipeline/plan_cache.py): a second compile of the same step reuses the search's decision and gets
 the same plan, graph and training bits; a cached plan for another graph, budget or rates is never used."""
-import dataclasses
 import glob
 import json
 import logging
@@ -23,18 +22,9 @@ CHUNK = 16384
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
-    """A cache folder holding only the suite's rates, the plan cache on, and a count of the planner's runs in the
-    recompute search. The rates are copied in so that nothing is measured again: a new measurement would differ
-    from the one the `budget` was probed with, and would stand for the rest of the process (costs._MEASURED)."""
-    cpu = torch.device("cpu")
-    rates = costs.calibrate(cpu, torch.float32)
-    monkeypatch.setattr(costs, "_MEASURED", dict(costs._MEASURED))
-    monkeypatch.setenv("PSTAR_FX_CACHE", str(tmp_path))
-    with open(costs._cache_path(costs._device_key(cpu) + "-float32"), "w") as f:
-        json.dump(dataclasses.asdict(rates), f)
-    assert costs.calibrate(cpu, torch.float32) == rates
-    monkeypatch.setenv("PSTAR_FX_PLAN_CACHE", "1")
+def cache(cache_folder, monkeypatch):
+    """conftest's `cache_folder` (only the suite's rates, the plan cache on) and a count of the planner's runs in
+    the recompute search."""
     calls = []
     real = recompute_search.make_plan
 
@@ -43,7 +33,7 @@ def cache(tmp_path, monkeypatch):
         return real(*a, **kw)
 
     monkeypatch.setattr(recompute_search, "make_plan", counted)
-    return tmp_path, calls
+    return cache_folder, calls
 
 
 def model(n_layer=2):
