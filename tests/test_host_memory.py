@@ -557,3 +557,7 @@ def test_a_second_compile_makes_the_host_buffers_of_the_first_before_its_capture
     _locked_is_what_crosses(third, locks[-1])
     _assert_same_bits(plain_too, third, inputs)
     assert reserve_cache.load("not a key") is None
+    monkeypatch.setenv("PSTAR_FX_RESERVE_CACHE", "0")      # off alone: nothing read
+    assert reserve_cache.load(entry.name.split("-", 2)[2][:-5]) is None
+    monkeypatch.setenv("PSTAR_FX_RESERVE_CACHE", "1")
+    assert reserve_cache.load(entry.name.split("-", 2)[2][:-5]) is not None

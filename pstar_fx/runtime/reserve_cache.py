@@ -13,7 +13,8 @@ holds the buffers' sizes (bytes, whether locked) and a digest of the plan they s
 shipping and host bytes by kind). It is a guess, never trusted: the engine compares the digest with the plan it
 made, and on a difference frees whatever the reserve made that nobody took, before the store allocates (the
 host tier never holds a guess and the real buffers together). Files lie beside the plan cache
-(`costs.cache_root()`), as reserve-v<FORMAT>-<key>.json; PSTAR_FX_PLAN_CACHE=0 switches this off with it.
+(`costs.cache_root()`), as reserve-v<FORMAT>-<key>.json; PSTAR_FX_PLAN_CACHE=0 switches this off with it, and
+PSTAR_FX_RESERVE_CACHE=0 alone (an A/B of the head start against the host work it competes with).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import tempfile
 
 import torch
 
+from ..config import parse_flag
 from ..pipeline import plan_cache
 from ..planning.costs import cache_root
 
@@ -73,13 +75,18 @@ class Remembered:
     sizes: dict[tuple[int, bool], int]          # (bytes, page-locked) -> how many
 
 
+def enabled() -> bool:
+    return plan_cache.enabled() and parse_flag(os.environ.get("PSTAR_FX_RESERVE_CACHE", "1"),
+                                               "PSTAR_FX_RESERVE_CACHE")
+
+
 def _path(k: str) -> str:
     return os.path.join(cache_root(), f"reserve-v{FORMAT}-{k}.json")
 
 
 def load(k: str) -> Remembered | None:
     """The buffers remembered under `k`, or None (none, off, or unreadable: a debug line, rewritten later)."""
-    if not plan_cache.enabled():
+    if not enabled():
         return None
     path = _path(k)
     try:
@@ -101,7 +108,7 @@ def load(k: str) -> Remembered | None:
 def store(k: str, plan, sizes: dict[tuple[int, bool], int]) -> None:
     """Remember `sizes` for `k` (written aside, then renamed); a cache that cannot be written costs the next
     compile its head start, nothing more."""
-    if not plan_cache.enabled() or not sizes:
+    if not enabled() or not sizes:
         return
     path = _path(k)
     try:
