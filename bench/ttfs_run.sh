@@ -4,15 +4,19 @@
 # machine: plan cache, Inductor's caches under ~/.cache/pstar_fx), then "warm" (same shapes). Each run's JSON goes
 # to $OUT/ttfs.jsonl with a field "run"; gpt.py's compile_phases_s and time_to_first_step_s say where the time went.
 #   bash bench/ttfs_run.sh GPT3_18B "--compute inductor --optimizer-state bf16" [SECONDS_LEFT]
+# RUNS (default "cold warm") names the runs in order; a run named "warm-noreserve" is a warm one with
+# PSTAR_FX_RESERVE_CACHE=0 (the same-machine A/B of the remembered reserve: RUNS="cold warm warm-noreserve warm").
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 model=$1; extra=${2:-}; left=${3:-560}
 start=$(date +%s)
-for run in cold warm; do
+for run in ${RUNS:-cold warm}; do
   remaining=$(( left - ($(date +%s) - start) ))
   (( remaining > 30 )) || { echo "=== ttfs $run: no time left"; break; }
   echo "=== ttfs $model $run $(date +%T) (limit ${remaining}s)"
-  timeout "$remaining" python3 bench/gpt.py --model "$model" --system pstar_fx --batch 16 --seq 1024 \
+  reserve=1; [[ $run == warm-noreserve ]] && reserve=0
+  rm -f "$OUT/ttfs-$run.jsonl"                          # (a run named twice: ttfs.jsonl gets each once)
+  PSTAR_FX_RESERVE_CACHE=$reserve timeout "$remaining" python3 bench/gpt.py --model "$model" --system pstar_fx --batch 16 --seq 1024 \
     --steps "${STEPS:-2}" --host-memory "${HOST:-110GiB}" $extra --json "$OUT/ttfs-$run.jsonl" 2>&1 \
     | grep -v "^DEBUG" | grep -E "^(compile|step|fits|Traceback)|Error|build regions|initialize|allocate|page-lock|plan done|ahead of the plan|another plan|16-bit copies|artifact|op by op" | tail -24
   python3 - "$OUT/ttfs-$run.jsonl" "$run" >> "$OUT/ttfs.jsonl" <<'PY'

@@ -27,6 +27,7 @@ from .fxutil import role_nodes
 from .passes.compile_regions import build_regions, start_region_builders
 from .pipeline.lower import Lowered
 from .pipeline.shapes import ShapeSteps, check_compiled_length
+from .phases import Phases
 from .planning import BudgetError, Plan
 from .runtime import ChunkRuntime, StepRolledBack, reserve_cache, run_graph
 from .runtime.dist import DataParallel, launch
@@ -121,37 +122,23 @@ class Engine:
             for lock in (True, False):
                 if remembered is not None:
                     reserve.want({n: c for (n, locked), c in remembered.sizes.items() if locked == lock}, lock)
-        with contextlib.closing(reserve) if reserve is not None else contextlib.nullcontext():
-            self.lowered = Lowered(model, config, example_inputs, host_hint=hint)
-            self.phases = phases = self.lowered.phases
-            if not self.lowered.plan.fits:
-                raise BudgetError(self.lowered.plan.why)
-            if remembered is not None and remembered.plan != reserve_cache.plan_digest(self.lowered.plan):
-                log.info("  the host buffers made ahead were another plan's: freed")
-                reserve.close()
-            self.device = self.lowered.device
-            cap = self.lowered.capture
-            plan = self.lowered.plan
-            self.dp = DataParallel(rank, world, chunked=self.lowered.chunked) if world > 1 else None
-            # Chunk memory first; then what is slow runs side by side: the host part's page-locking (~100 GiB at
-            # 18B: 15-21 s on the H200 box) on threads, on a cold cache the region builds in worker processes
-            # (Inductor, ~45 s), the initial weights written on a thread of their own once the pages are locked,
-            # and this process's own building (or loading) of the regions. The init draws from generators of its
-            # own (parallel_init.own_generators): Dynamo saves and restores the global ones around each build,
-            # which would cut into its draws; the global ones are moved where the init leaves them after. The
-            # builds find the device chunks allocated: their examples and autotuning take room the step's
-            # activations leave free until the first step.
-            chunk_bytes = plan.device_peak_bytes - plan.activation_peak_bytes
-            with phases("allocate", f"chunk memory: {format_bytes(chunk_bytes)} on {self.lowered.device.type}, "
-                                    f"{format_bytes(plan.host_peak_bytes)} on the host"):
-                self.rt = ChunkRuntime(self.lowered.layout, plan, config, self.device, self.lowered.dtype, self.dp,
-                                       ready_later=True, reserve=reserve)
-            if remembered_at is not None:
-                reserve_cache.store(remembered_at, plan, self.rt.store.host_asked)
-        builders = start_region_builders(self.lowered.graph, self.device)     # None: no worker started
+        # Chunk memory as soon as the plan is made (`on_planned`, one rank: data parallelism sets its group up
+        # first); then what is slow runs side by side: lowering and the regions pass in this process, the host
+        # part's page-locking (~100 GiB at 18B: 15-21 s on the H200 box) on threads, the initial weights written on
+        # a thread of their own, on a cold cache the region builds in worker processes (Inductor, ~45 s), and this
+        # process's own building (or loading) of the regions. The init draws from generators of its own
+        # (parallel_init.own_generators): Dynamo saves and restores the global ones around each build, which would
+        # cut into its draws; the global ones are moved where the init leaves them after. The builds find the device
+        # chunks allocated: their examples and autotuning take room the step's activations leave free until the
+        # first step.
+        phases = Phases()
         named = dict(model.named_parameters(remove_duplicate=False))
-        meta = any(p.is_meta for p in named.values())
-        generators = own_generators(config.seed, self.device)
+        meta = any(p.is_meta for p in named.values())       # (read now: the init makes them views of the masters)
+        generators = own_generators(config.seed, torch.device(config.device))
+        self.rt: ChunkRuntime | None = None
+        self.dp = None
+        weights: futures.Future | None = None
+        builders = None
 
         def locked() -> None:
             if self.rt.store.pinning:
@@ -160,7 +147,7 @@ class Engine:
                     self.rt.store.ready("page-lock")
             self.rt.store.ready()           # (closes the allocation batch even where nothing was queued)
 
-        def write_weights() -> None:
+        def write_weights(lowered: Lowered) -> None:
             # the masters are written while the page-locking goes on, unless one is a buffer being locked (its
             # worker zeroes it first); the 16-bit copies, which cross, once it is done (GPT3_18B with bf16
             # moments on the H200 box: 8.9 s of page-locking, then 6.4 s of init, one after the other)
@@ -168,29 +155,60 @@ class Engine:
                 locked()
             with phases("initialize", "weights written into the fp32 masters"):
                 if meta:
-                    materialize(model, self.rt.store, self.lowered.layout, cap, self.device, generators)
+                    materialize(model, self.rt.store, lowered.layout, lowered.capture, lowered.device, generators)
                 else:
-                    self.rt.store.load_params([named[p.name] for p in cap.params])
+                    self.rt.store.load_params([named[p.name] for p in lowered.capture.params])
             locked()
             if self.rt.store.shadow:
                 with phases("16-bit copies", "the masters cast into the copies that cross to the device"):
                     self.rt.store.masters_changed()
-                    if self.device.type == "cuda":
-                        torch.cuda.synchronize(self.device)
+                    if lowered.device.type == "cuda":
+                        torch.cuda.synchronize(lowered.device)
 
-        with device_threads(1, self.device, "pstar_fx-weights") as thread:
-            weights = thread.submit(write_weights)
+        def allocate(plan: Plan, lowered: Lowered) -> None:
+            """The chunk memory for `plan`, and the initial weights started on their own thread."""
+            nonlocal weights
+            if remembered is not None and remembered.plan != reserve_cache.plan_digest(plan):
+                log.info("  the host buffers made ahead were another plan's: freed")
+                reserve.close()
+            chunk_bytes = plan.device_peak_bytes - plan.activation_peak_bytes
+            with phases("allocate", f"chunk memory: {format_bytes(chunk_bytes)} on {lowered.device.type}, "
+                                    f"{format_bytes(plan.host_peak_bytes)} on the host"):
+                # (a plan the regions pass may yet add activation bytes to: what is allocated stays the same)
+                self.rt = ChunkRuntime(lowered.layout, plan, config, lowered.device, lowered.dtype, self.dp,
+                                       ready_later=True, reserve=reserve)
+            if remembered_at is not None:
+                reserve_cache.store(remembered_at, plan, self.rt.store.host_asked)
+            weights = on_thread.enter_context(device_threads(1, lowered.device, "pstar_fx-weights")).submit(
+                write_weights, lowered)
+
+        with contextlib.ExitStack() as on_thread:
             try:
+                with contextlib.closing(reserve) if reserve is not None else contextlib.nullcontext():
+                    self.lowered = Lowered(model, config, example_inputs, phases=phases, host_hint=hint,
+                                           on_planned=allocate if world == 1 else None)
+                    self.phases = phases
+                    if not self.lowered.plan.fits:
+                        raise BudgetError(self.lowered.plan.why)
+                    self.device = self.lowered.device
+                    if world > 1:
+                        self.dp = DataParallel(rank, world, chunked=self.lowered.chunked)
+                    if self.rt is None:
+                        allocate(self.lowered.plan, self.lowered)
+                builders = start_region_builders(self.lowered.graph, self.device)     # None: no worker started
                 # the step's Python code (a lazy GraphModule's, ~0.4 s at 18B; else made at the first step)
                 getattr(self.lowered.graph, "real_recompile", lambda: None)()
                 _build_regions(self.lowered.graph, self.device, phases, builders=builders)
                 weights.result()
             except BaseException:
-                futures.wait([weights])     # never left writing chunk memory
+                if weights is not None:
+                    futures.wait([weights])     # never left writing chunk memory
                 if builders is not None:
                     builders.stop()
-                self.rt.store.ready()
+                if self.rt is not None:
+                    self.rt.store.ready()
                 raise
+        cap, plan = self.lowered.capture, self.lowered.plan
         if meta:
             settle(config.seed, generators)     # the global generators where a serial init leaves them
         self._buffers = [self.rt.store.adopt(model.get_buffer(b).detach().to(self.device, copy=True))

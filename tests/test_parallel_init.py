@@ -131,6 +131,45 @@ def test_compile_sends_allocation_and_initialization_progress():
         assert all(a.done <= b.done for a, b in zip(sent, sent[1:])), phase
 
 
+def test_the_chunk_memory_is_allocated_and_the_init_started_as_soon_as_the_plan_is_made(monkeypatch):
+    """One rank: compile() allocates the chunk memory once the plan step has made a plan that fits, before lowering
+    and the regions pass, and the initial weights are written meanwhile (on their own thread: the regions pass here
+    waits until the init has begun, which an init started after it would never do); the plan phase ends before the
+    allocation starts. The weights equal those of the model's own init."""
+    import threading
+
+    import pstar_fx.engine as engine_mod
+    from pstar_fx.passes import compile_regions
+    initializing, seen = threading.Event(), []
+    real_regions, real_materialize = compile_regions.compile_regions, engine_mod.materialize
+
+    def regions(*args, **kw):
+        seen.append(initializing.wait(timeout=30))
+        return real_regions(*args, **kw)
+
+    def materialize(*args):
+        initializing.set()
+        return real_materialize(*args)
+
+    monkeypatch.setattr(compile_regions, "compile_regions", regions)
+    monkeypatch.setattr(engine_mod, "materialize", materialize)
+    events = []
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT(gpt_config("tiny"))
+    torch.manual_seed(0)
+    eager = GPT(gpt_config("tiny")).state_dict()
+    with pstar_fx.phases.subscribe(events.append):
+        engine = pstar_fx.compile(model, {"device": "cpu", "placement": "host", "chunk_size": 16384, "seed": 0,
+                                          "compute": "inductor"}, batch())
+    order = [(e.phase, e.state) for e in events if e.state in ("start", "end")]
+    at = {step: order.index(step) for step in order}
+    assert at[("plan", "end")] < at[("allocate", "start")] < at[("allocate", "end")] < at[("lower", "start")]
+    assert seen == [True]
+    state = engine.state_dict()
+    assert all(torch.equal(state[k], eager[k]) for k in eager)
+
+
 def test_the_state_moved_forward_in_cpp_is_the_state_drawing_leaves():
     """kernels' mt19937_advance moves a CPU generator's state as drawing that many values does, from any point of
     a block of 624 and across twists; the values drawn after are the same."""

@@ -41,6 +41,10 @@ class PassContext:
     # the plan step's early word on host memory: a plan with no more host chunks than the final one will have (the
     # engine page-locks their buffers meanwhile: runtime/host_memory.py HostReserve)
     host_hint: Callable[[Plan], None] | None = None
+    # told the plan as soon as the plan step has made it (a plan that fits), before the passes after it: the engine
+    # allocates the chunk memory and starts writing the initial weights while lowering and regions go on. Only the
+    # memory model's peaks and remarks may still change after it (a PlanDelta), never what is allocated
+    on_planned: Callable[[Plan], None] | None = None
     # lint the graph a pass returns (the recompute search's tries do not: the try it keeps is linted by every pass
     # after it, and the discarded dozen cost seconds at 70B)
     lint: bool = True

@@ -26,7 +26,7 @@ from ..capture import Capture, capture
 from ..config import Config, format_bytes
 from ..fxutil import code_later, tag
 from ..layout import Layout, build_layout
-from ..passes.contract import Pass, PassContext, check_pipeline
+from ..passes.contract import PLANNED, Pass, PassContext, check_pipeline
 from ..phases import Phases
 from ..planning import BudgetError, Plan, PlanDelta, calibrate, fold, make_plan, usable_budget
 from ..planning.costs import start_calibration
@@ -90,6 +90,10 @@ def run_pipeline(pipeline: list[Pass], gm: fx.GraphModule, ctx: PassContext,
             if "plan_delta" in gm.meta:
                 ctx = dataclasses.replace(ctx, plan=fold(ctx.plan, gm.meta.pop("plan_delta")))
             log.debug("pass %s: %.3f s", p.name, time.perf_counter() - t0)
+            if PLANNED in p.provides and ctx.on_planned is not None and ctx.plan.fits:
+                in_phase.close()                # (the plan phase ends here, not after what the hook does)
+                current = None
+                ctx.on_planned(ctx.plan)
     return gm, ctx
 
 
@@ -109,13 +113,15 @@ class Lowered:
 
     def __init__(self, model: nn.Module, config: Config, example_inputs, phases: Phases | None = None,
                  world: int | None = None, rank: int = 0, on: Lowered | None = None,
-                 host_hint: Callable[[Plan, Layout], None] | None = None):
+                 host_hint: Callable[[Plan, Layout], None] | None = None,
+                 on_planned: Callable[[Plan, Lowered], None] | None = None):
         """`world`: the data-parallel ranks to plan for (default: as launched); `rank`: whose plan (default: this
         process's). Chunk partitioning applies when world > 1 and `config.data_parallel` is not "replicated".
         `on`: the same model's step lowered for other input shapes (`example_inputs` in `on`'s placeholder order),
         on `on`'s layout and planned on its chunk memory (`make_plan(on=...)`): its runtime runs this graph too.
         `host_hint(plan, layout)`: told, while the plan is searched, a plan with no more host chunks than the final
-        one (`PassContext.host_hint`)."""
+        one (`PassContext.host_hint`). `on_planned(plan, self)`: told the plan once it is made and fits, before
+        lowering and regions (`PassContext.on_planned`; `self.layout`, `.capture`, `.device`, `.dtype` are set)."""
         self.config = config
         self.on = on
         if on is not None:
@@ -151,9 +157,16 @@ class Lowered:
         self._buffer_bytes = (on._buffer_bytes if on is not None
                               else sum(_buffer_nbytes(model, b) for b in self.capture.buffers))
         hint = None if host_hint is None or on is not None else (lambda plan: host_hint(plan, self.layout))
-        self.graph, ctx = run_pipeline(passes.PIPELINE, self.capture.gm,
-                                       self.context(plan_step=self._plan, record=self.graphs_before.put,
-                                                    host_hint=hint), phases)
+        # (held here only while the pipeline runs: the search's records keep its context, and the engine's hook
+        # kept there would hold the engine in a reference cycle, its chunk memory freed only by the collector)
+        hook = [on_planned] if on_planned is not None and on is None else []
+        planned = (lambda plan: hook[0](plan, self)) if hook else None
+        try:
+            self.graph, ctx = run_pipeline(passes.PIPELINE, self.capture.gm,
+                                           self.context(plan_step=self._plan, record=self.graphs_before.put,
+                                                        host_hint=hint, on_planned=planned), phases)
+        finally:
+            hook.clear()
         self.plan: Plan = ctx.plan
 
     def context(self, **kw) -> PassContext:
