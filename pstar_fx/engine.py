@@ -1,19 +1,17 @@
 """engine: `pstar_fx.compile(model, config, example_inputs) -> Engine`, and `pstar_fx.plan(...)`.
 
 The pipeline, in order: capture -> layout -> passes (`pstar_fx.passes.PIPELINE`, run by `pipeline/lower.py`)
--> runtime (chunk memory allocated, then the regions built while its host part is page-locked). `Engine.graph` is
-the lowered step;
+-> runtime (chunk memory allocated once the plan is made, then the weights written and the regions built while
+its host part is page-locked: `startup.py`). `Engine.graph` is the lowered step;
 `Engine.explain()` says what the plan decided; `Engine.memory_stats()` says what the runtime measured.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import warnings
 import weakref
 from collections import Counter
-from concurrent import futures
 
 import torch
 import torch.fx as fx
@@ -22,20 +20,16 @@ from torch import nn
 from . import checkpoint
 from .capture import check_has_data, check_inputs
 from .checkpoint.adapters import adapter_of
-from .config import Config, format_bytes
+from .config import Config
 from .fxutil import role_nodes
-from .passes.compile_regions import build_regions, start_region_builders
 from .pipeline.lower import Lowered
 from .pipeline.shapes import ShapeSteps, check_compiled_length
-from .phases import Phases
 from .planning import BudgetError, Plan
-from .runtime import ChunkRuntime, StepRolledBack, reserve_cache, run_graph
+from .runtime import ChunkRuntime, StepRolledBack, run_graph
 from .runtime.dist import DataParallel, launch
-from .runtime.host_memory import HostReserve, device_threads, pin_threads
-from .runtime.parallel_init import own_generators, settle
 from .runtime.step import StepReport, Stepper
-from .runtime.store import host_buffer_sizes
-from .runtime.weights import masters_by_chunk, masters_from_rank0, materialize, skeleton
+from .runtime.weights import masters_by_chunk, masters_from_rank0, skeleton
+from .startup import Startup, build_regions_now
 
 log = logging.getLogger("pstar_fx")
 
@@ -54,33 +48,11 @@ def _runner(graph: fx.GraphModule, rt: ChunkRuntime, buffers: list, device: torc
     return run
 
 
-def _build_regions(graph: fx.GraphModule, device: torch.device, phases, builders=True) -> None:
-    """The graph's compute regions compiled (Inductor) now, where their inputs' layouts are known; `builders`:
-    worker processes already building them (`start_region_builders`), None for none, True to start them here."""
-    regions = graph.meta.get("regions", [])
-    if regions:
-        with phases("build regions", f"{len(regions)} compiled functions for the compute (Inductor), before "
-                                     "the first step"):
-            built = build_regions(graph, device, builders)
-            if built < len(regions):
-                log.info("%d of %d regions compile at their first call (an input's layout is unknown)",
-                         len(regions) - built, len(regions))
-            if device.type == "cuda":
-                torch.cuda.empty_cache()    # what autotuning allocated goes back before the activations need it
-
-
-def _host_reserve(config: Config) -> HostReserve | None:
-    """Where host buffers are page-locked (CUDA) by threads: a reserve to lock those the plan surely needs early."""
-    if config.device.startswith("cuda") and pin_threads() >= 2:
-        return HostReserve(pin_threads(), torch.device(config.device))
-    return None
-
-
 def _shape_runner(rt: ChunkRuntime, buffers: list, device: torch.device, tangent_dtype):
     """A step lowered for other input shapes -> its runner on the engine's runtime (pipeline/shapes.py): its
     regions built, then `_runner`. A closure for the same reason as `_runner`."""
     def prepare(lowered: Lowered):
-        _build_regions(lowered.graph, device, lowered.phases)
+        build_regions_now(lowered.graph, device, lowered.phases)
         return _runner(lowered.graph, rt, buffers, device, tangent_dtype)
     return prepare
 
@@ -107,110 +79,18 @@ class Engine:
                           "so it trains with dropout off and BatchNorm on its running statistics; call model.train() "
                           "before compile() for training behaviour (engine.evaluate runs eval mode either way)",
                           UserWarning, stacklevel=3)
-        # on CUDA, the host buffers the plan surely needs are page-locked while the search goes on (the try that
-        # recomputes the most bounds them from below: pipeline/recompute_search.py), not only after it; the reserve
-        # closes (what nobody took is freed) once the chunk memory is allocated, or on an error before
-        reserve = _host_reserve(config)
-        hint = None if reserve is None else (
-            lambda plan, layout: reserve.want(host_buffer_sizes(layout, plan, config, config.torch_dtype)))
-        # and a compile of this model, inputs and config before this one: the buffers it made, started now,
-        # before the capture (reserve_cache.py), freed if this plan turns out to be another
-        remembered_at = remembered = None
-        if reserve is not None:
-            remembered_at = reserve_cache.key(model, example_inputs, config, torch.device(config.device))
-            remembered = reserve_cache.load(remembered_at)
-            for lock in (True, False):
-                if remembered is not None:
-                    reserve.want({n: c for (n, locked), c in remembered.sizes.items() if locked == lock}, lock)
-        # Chunk memory as soon as the plan is made (`on_planned`, one rank: data parallelism sets its group up
-        # first); then what is slow runs side by side: lowering and the regions pass in this process, the host
-        # part's page-locking (~100 GiB at 18B: 15-21 s on the H200 box) on threads, the initial weights written on
-        # a thread of their own, on a cold cache the region builds in worker processes (Inductor, ~45 s), and this
-        # process's own building (or loading) of the regions. The init draws from generators of its own
-        # (parallel_init.own_generators): Dynamo saves and restores the global ones around each build, which would
-        # cut into its draws; the global ones are moved where the init leaves them after. The builds find the device
-        # chunks allocated: their examples and autotuning take room the step's activations leave free until the
-        # first step.
-        phases = Phases()
-        named = dict(model.named_parameters(remove_duplicate=False))
-        meta = any(p.is_meta for p in named.values())       # (read now: the init makes them views of the masters)
-        generators = own_generators(config.seed, torch.device(config.device))
-        self.rt: ChunkRuntime | None = None
-        self.dp = None
-        weights: futures.Future | None = None
-        builders = None
-
-        def locked() -> None:
-            if self.rt.store.pinning:
-                with phases("page-lock", "the rest of the host chunk memory's page-locking, which ran beside the "
-                                         "region builds"):
-                    self.rt.store.ready("page-lock")
-            self.rt.store.ready()           # (closes the allocation batch even where nothing was queued)
-
-        def write_weights(lowered: Lowered) -> None:
-            # the masters are written while the page-locking goes on, unless one is a buffer being locked (its
-            # worker zeroes it first); the 16-bit copies, which cross, once it is done (GPT3_18B with bf16
-            # moments on the H200 box: 8.9 s of page-locking, then 6.4 s of init, one after the other)
-            if self.rt.store.masters_pending():
-                locked()
-            with phases("initialize", "weights written into the fp32 masters"):
-                if meta:
-                    materialize(model, self.rt.store, lowered.layout, lowered.capture, lowered.device, generators)
-                else:
-                    self.rt.store.load_params([named[p.name] for p in lowered.capture.params])
-            locked()
-            if self.rt.store.shadow:
-                with phases("16-bit copies", "the masters cast into the copies that cross to the device"):
-                    self.rt.store.masters_changed()
-                    if lowered.device.type == "cuda":
-                        torch.cuda.synchronize(lowered.device)
-
-        def allocate(plan: Plan, lowered: Lowered) -> None:
-            """The chunk memory for `plan`, and the initial weights started on their own thread."""
-            nonlocal weights
-            if remembered is not None and remembered.plan != reserve_cache.plan_digest(plan):
-                log.info("  the host buffers made ahead were another plan's: freed")
-                reserve.close()
-            chunk_bytes = plan.device_peak_bytes - plan.activation_peak_bytes
-            with phases("allocate", f"chunk memory: {format_bytes(chunk_bytes)} on {lowered.device.type}, "
-                                    f"{format_bytes(plan.host_peak_bytes)} on the host"):
-                # (a plan the regions pass may yet add activation bytes to: what is allocated stays the same)
-                self.rt = ChunkRuntime(lowered.layout, plan, config, lowered.device, lowered.dtype, self.dp,
-                                       ready_later=True, reserve=reserve)
-            if remembered_at is not None:
-                reserve_cache.store(remembered_at, plan, self.rt.store.host_asked)
-            weights = on_thread.enter_context(device_threads(1, lowered.device, "pstar_fx-weights")).submit(
-                write_weights, lowered)
-
-        with contextlib.ExitStack() as on_thread:
-            try:
-                with contextlib.closing(reserve) if reserve is not None else contextlib.nullcontext():
-                    self.lowered = Lowered(model, config, example_inputs, phases=phases, host_hint=hint,
-                                           on_planned=allocate if world == 1 else None)
-                    self.phases = phases
-                    if not self.lowered.plan.fits:
-                        raise BudgetError(self.lowered.plan.why)
-                    self.device = self.lowered.device
-                    if world > 1:
-                        self.dp = DataParallel(rank, world, chunked=self.lowered.chunked)
-                    if self.rt is None:
-                        allocate(self.lowered.plan, self.lowered)
-                builders = start_region_builders(self.lowered.graph, self.device)     # None: no worker started
-                # the step's Python code (a lazy GraphModule's, ~0.4 s at 18B; else made at the first step)
-                getattr(self.lowered.graph, "real_recompile", lambda: None)()
-                _build_regions(self.lowered.graph, self.device, phases, builders=builders)
-                weights.result()
-            except BaseException:
-                if weights is not None:
-                    futures.wait([weights])     # never left writing chunk memory
-                if builders is not None:
-                    builders.stop()
-                if self.rt is not None:
-                    self.rt.store.ready()
-                raise
+        # the chunk memory, the initial weights and the region builds, side by side from the plan on (startup.py)
+        with Startup(model, config, example_inputs) as startup:
+            self.lowered = Lowered(model, config, example_inputs, phases=startup.phases, host_hint=startup.hint,
+                                   on_planned=startup.allocate if world == 1 else None)
+            self.phases = startup.phases
+            if not self.lowered.plan.fits:
+                raise BudgetError(self.lowered.plan.why)
+            self.device = self.lowered.device
+            self.dp = DataParallel(rank, world, chunked=self.lowered.chunked) if world > 1 else None
+            self.rt = startup.finish(self.lowered, self.dp)
+        named, meta = startup.named, startup.meta
         cap, plan = self.lowered.capture, self.lowered.plan
-        if meta:
-            settle(config.seed, generators)     # the global generators where a serial init leaves them
         self._buffers = [self.rt.store.adopt(model.get_buffer(b).detach().to(self.device, copy=True))
                          for b in cap.buffers]
         if self.dp is not None:

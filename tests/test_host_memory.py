@@ -155,7 +155,7 @@ def test_host_state_is_page_locked_beside_the_region_builds_and_ready_before_the
     """compile() allocates the chunks, then builds the regions while the host buffers are page-locked, and waits
     for every lock before the weights are written: the locks here hold until the build has started (a build
     that came after them would leave them timing out), and init finds every buffer locked."""
-    import pstar_fx.engine as engine_mod
+    import pstar_fx.startup as startup_mod
     building = threading.Event()
     waited: list[bool] = []
     lock = FakeLock()
@@ -165,21 +165,21 @@ def test_host_state_is_page_locked_beside_the_region_builds_and_ready_before_the
         return lock(t)
 
     _lock_host_buffers(monkeypatch, gated)
-    real_build = engine_mod._build_regions
+    real_build = startup_mod.build_regions_now
 
     def build(graph, device, phases, **kw):
         building.set()
         real_build(graph, device, phases, **kw)
 
     locked_at_init = []
-    real_materialize = engine_mod.materialize
+    real_materialize = startup_mod.materialize
 
     def materialize(model, store, *args):
         locked_at_init.append((len(lock.locked), store.pinning))
         return real_materialize(model, store, *args)
 
-    monkeypatch.setattr(engine_mod, "_build_regions", build)
-    monkeypatch.setattr(engine_mod, "materialize", materialize)
+    monkeypatch.setattr(startup_mod, "build_regions_now", build)
+    monkeypatch.setattr(startup_mod, "materialize", materialize)
     with torch.device("meta"):
         model = GPT(gpt_config("tiny"))
     engine = pstar_fx.compile(model, {"device": "cpu", "placement": "host", "chunk_size": 16384, "seed": 1},
@@ -195,7 +195,7 @@ def test_masters_that_do_not_cross_are_initialized_while_the_host_state_is_page_
     masters while the rest is still being locked (the locks here hold until the init has begun: an init that
     waited for them would leave them timing out), and the shadows get their values once the locks are done: the
     same bits as a run that locks nothing."""
-    import pstar_fx.engine as engine_mod
+    import pstar_fx.startup as startup_mod
     config, inputs, model, plain = _host_state_run("bf16")
     initializing = threading.Event()
     waited: list[bool] = []
@@ -223,7 +223,7 @@ def test_masters_that_do_not_cross_are_initialized_while_the_host_state_is_page_
 
 
 def test_a_failed_region_build_still_waits_for_the_page_locking(monkeypatch):
-    import pstar_fx.engine as engine_mod
+    import pstar_fx.startup as startup_mod
     lock = FakeLock()
 
     locked = _lock_host_buffers(monkeypatch, lock)
@@ -231,7 +231,7 @@ def test_a_failed_region_build_still_waits_for_the_page_locking(monkeypatch):
     def build(graph, device, phases, **kw):
         raise RuntimeError("the build failed")
 
-    monkeypatch.setattr(engine_mod, "_build_regions", build)
+    monkeypatch.setattr(startup_mod, "build_regions_now", build)
     torch.manual_seed(0)
     with pytest.raises(RuntimeError, match="the build failed"):
         pstar_fx.compile(GPT(gpt_config("tiny")), {"device": "cpu", "placement": "host", "chunk_size": 16384},
@@ -247,7 +247,7 @@ def test_weights_are_written_beside_this_processs_region_builds_with_the_bits_of
     compile() the global generator is where a serial init leaves it."""
     import threading
 
-    import pstar_fx.engine as engine_mod
+    import pstar_fx.startup as startup_mod
     events, started, ended = [], threading.Event(), threading.Event()
 
     class Workers:
@@ -269,7 +269,7 @@ def test_weights_are_written_beside_this_processs_region_builds_with_the_bits_of
             torch.set_rng_state(state)
         events.append(("built here", isinstance(builders, Workers) if cold else builders))
 
-    real_materialize = engine_mod.materialize
+    real_materialize = startup_mod.materialize
 
     def materialize(*args):
         started.set()
@@ -285,9 +285,9 @@ def test_weights_are_written_beside_this_processs_region_builds_with_the_bits_of
         torch.manual_seed(1234)                     # the caller's global state: compile() must not depend on it
         with monkeypatch.context() as m:
             if meddle:
-                m.setattr(engine_mod, "start_region_builders", start)
-                m.setattr(engine_mod, "_build_regions", build)
-                m.setattr(engine_mod, "materialize", materialize)
+                m.setattr(startup_mod, "start_region_builders", start)
+                m.setattr(startup_mod, "build_regions_now", build)
+                m.setattr(startup_mod, "materialize", materialize)
             engine = pstar_fx.compile(model, {"device": "cpu", "compute": "inductor", "placement": "host",
                                               "chunk_size": 16384}, batch())
         return {k: v.clone() for k, v in engine.state_dict().items()}, torch.get_rng_state()
@@ -403,7 +403,7 @@ def test_host_buffers_locked_ahead_of_the_plan_train_the_same_bits(monkeypatch):
     """compile() with a reserve (as on CUDA, with the search's tries planned ahead): the search tells it the host
     buffers the plan surely needs while it goes on, the store takes them, and the step trains the bits of a
     compile without one; what was locked is what the host tier was charged, each buffer once."""
-    import pstar_fx.engine as engine_mod
+    import pstar_fx.startup as startup_mod
     monkeypatch.setenv("PSTAR_FX_PLAN_WORKERS", "2")
     monkeypatch.setenv("PSTAR_FX_PLAN_CACHE", "0")
     config, inputs, model, plain = _host_state_run()
@@ -416,7 +416,7 @@ def test_host_buffers_locked_ahead_of_the_plan_train_the_same_bits(monkeypatch):
         reserves.append(host_memory.HostReserve(2, lock=lock))
         return reserves[-1]
 
-    monkeypatch.setattr(engine_mod, "_host_reserve", reserve)
+    monkeypatch.setattr(startup_mod, "host_reserve", reserve)
     ahead = pstar_fx.compile(model, config, inputs)
     (r,) = reserves
     n_host = ahead.plan.placement.count("host")
@@ -507,6 +507,7 @@ def test_a_second_compile_makes_the_host_buffers_of_the_first_before_its_capture
     import json
 
     import pstar_fx.engine as engine_mod
+    import pstar_fx.startup as startup_mod
     from pstar_fx.runtime import reserve_cache
     config, inputs, model, plain = _host_state_run()
     plain_too = pstar_fx.compile(model, config, inputs)     # (each comparison steps its plain engine)
@@ -527,7 +528,7 @@ def test_a_second_compile_makes_the_host_buffers_of_the_first_before_its_capture
         made_at_capture.append(reserves[-1].made)
         return real_lowered(*args, **kw)
 
-    monkeypatch.setattr(engine_mod, "_host_reserve", reserve)
+    monkeypatch.setattr(startup_mod, "host_reserve", reserve)
     monkeypatch.setattr(engine_mod, "Lowered", lowered)
     first = pstar_fx.compile(model, config, inputs)
     (entry,) = cache_folder.glob("reserve-v*.json")

@@ -138,10 +138,10 @@ def test_the_chunk_memory_is_allocated_and_the_init_started_as_soon_as_the_plan_
     allocation starts. The weights equal those of the model's own init."""
     import threading
 
-    import pstar_fx.engine as engine_mod
+    import pstar_fx.startup as startup_mod
     from pstar_fx.passes import compile_regions
     initializing, seen = threading.Event(), []
-    real_regions, real_materialize = compile_regions.compile_regions, engine_mod.materialize
+    real_regions, real_materialize = compile_regions.compile_regions, startup_mod.materialize
 
     def regions(*args, **kw):
         seen.append(initializing.wait(timeout=30))
@@ -152,7 +152,7 @@ def test_the_chunk_memory_is_allocated_and_the_init_started_as_soon_as_the_plan_
         return real_materialize(*args)
 
     monkeypatch.setattr(compile_regions, "compile_regions", regions)
-    monkeypatch.setattr(engine_mod, "materialize", materialize)
+    monkeypatch.setattr(startup_mod, "materialize", materialize)
     events = []
     torch.manual_seed(0)
     with torch.device("meta"):

@@ -135,7 +135,7 @@ def _first_values(t: torch.Tensor, fill: float | int) -> None:
 
 def device_threads(threads: int, device: torch.device | None, name: str) -> ThreadPoolExecutor:
     """Worker threads on `device`'s CUDA context (a new thread's current device would be cuda:0): those that
-    page-lock host buffers, the one that writes the initial weights (engine.py)."""
+    page-lock host buffers, the one that writes the initial weights (startup.py)."""
     on_device = device is not None and device.type == "cuda"
     # set_device needs an index: "cuda" alone is the current device of this (the constructing) thread
     index = (device.index if device.index is not None else torch.cuda.current_device()) if on_device else None

@@ -1,0 +1,172 @@
+"""startup: what `compile()` does around and after the plan to make the step ready, side by side.
+
+The chunk memory is allocated as soon as the plan step has made a plan that fits (one rank: `Startup.allocate` is
+Lowered's `on_planned`; data parallelism sets its group up first and allocates after lowering). Then what is slow
+runs side by side: lowering and the regions pass in this process, the host part's zeroing and page-locking on
+threads (~100 GiB at 18B; begun during the search for the buffers the plan surely needs, and before the capture for
+all of a compile before this one's: runtime/host_memory.py HostReserve, runtime/reserve_cache.py), the initial
+weights written on a thread of their own (into the masters at once where none is a buffer being locked, the 16-bit
+copies once all are ready), on a cold cache the region builds in worker processes (Inductor), and this process's
+own building or loading of the regions. The init draws from generators of its own (parallel_init.own_generators):
+Dynamo saves and restores the global ones around each build, which would cut into its draws; after the init the
+global ones are moved where a serial init leaves them. The builds find the device chunks allocated: their examples
+and autotuning take room the step's activations leave free until the first step.
+
+`Startup` is a context manager: on an error it never leaves a thread writing chunk memory or a build worker
+running, and it always closes the reserve.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from concurrent import futures
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from .config import Config, format_bytes
+from .passes.compile_regions import build_regions, start_region_builders
+from .phases import Phases
+from .pipeline.lower import Lowered
+from .planning import Plan
+from .runtime import ChunkRuntime, reserve_cache
+from .runtime.dist import DataParallel
+from .runtime.host_memory import HostReserve, device_threads, pin_threads
+from .runtime.parallel_init import own_generators, settle
+from .runtime.store import host_buffer_sizes
+from .runtime.weights import materialize
+
+log = logging.getLogger("pstar_fx")
+
+
+def host_reserve(config: Config) -> HostReserve | None:
+    """Where host buffers are page-locked (CUDA) by threads: a reserve to make those the plan surely needs early."""
+    if config.device.startswith("cuda") and pin_threads() >= 2:
+        return HostReserve(pin_threads(), torch.device(config.device))
+    return None
+
+
+def build_regions_now(graph: fx.GraphModule, device: torch.device, phases: Phases, builders=True) -> None:
+    """The graph's compute regions compiled (Inductor) now, where their inputs' layouts are known; `builders`:
+    worker processes already building them (`start_region_builders`), None for none, True to start them here."""
+    regions = graph.meta.get("regions", [])
+    if regions:
+        with phases("build regions", f"{len(regions)} compiled functions for the compute (Inductor), before "
+                                     "the first step"):
+            built = build_regions(graph, device, builders)
+            if built < len(regions):
+                log.info("%d of %d regions compile at their first call (an input's layout is unknown)",
+                         len(regions) - built, len(regions))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()    # what autotuning allocated goes back before the activations need it
+
+
+class Startup:
+    """One compile()'s chunk memory, initial weights and region builds (the module docstring)."""
+
+    def __init__(self, model: nn.Module, config: Config, example_inputs):
+        self.model, self.config = model, config
+        self.phases = Phases()
+        self.named = dict(model.named_parameters(remove_duplicate=False))
+        self.meta = any(p.is_meta for p in self.named.values())   # (read now: the init makes them master views)
+        self._generators = own_generators(config.seed, torch.device(config.device))
+        self.rt: ChunkRuntime | None = None
+        self._weights: futures.Future | None = None
+        self._builders = None
+        self._threads = contextlib.ExitStack()
+        self.reserve = host_reserve(config)
+        self._remembered_at = self._remembered = None
+        if self.reserve is not None:
+            # a compile of this model, inputs and config before this one: the buffers it made, started now
+            self._remembered_at = reserve_cache.key(model, example_inputs, config, torch.device(config.device))
+            self._remembered = reserve_cache.load(self._remembered_at)
+            if self._remembered is not None:
+                for lock in (True, False):
+                    self.reserve.want({n: c for (n, locked), c in self._remembered.sizes.items()
+                                       if locked == lock}, lock)
+
+    @property
+    def hint(self):
+        """Lowered's `host_hint` (None without a reserve): the search's early word on the host buffers."""
+        if self.reserve is None:
+            return None
+        reserve, config = self.reserve, self.config
+        return lambda plan, layout: reserve.want(host_buffer_sizes(layout, plan, config, config.torch_dtype))
+
+    def __enter__(self) -> Startup:
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        try:
+            if kind is not None:
+                if self._weights is not None:
+                    futures.wait([self._weights])       # never left writing chunk memory
+                if self._builders is not None:
+                    self._builders.stop()
+                if self.rt is not None:
+                    self.rt.store.ready()
+        finally:
+            if self.reserve is not None:
+                self.reserve.close()
+            self._threads.close()
+
+    def allocate(self, plan: Plan, lowered: Lowered, dp: DataParallel | None = None) -> None:
+        """The chunk memory for `plan`, and the initial weights started on their own thread. Called by the pipeline
+        once the plan is made (a plan the regions pass may yet add activation bytes to: what is allocated stays
+        the same), or by `finish`."""
+        remembered, reserve = self._remembered, self.reserve
+        if remembered is not None and remembered.plan != reserve_cache.plan_digest(plan):
+            log.info("  the host buffers made ahead were another plan's: freed")
+            reserve.close()
+        chunk_bytes = plan.device_peak_bytes - plan.activation_peak_bytes
+        with self.phases("allocate", f"chunk memory: {format_bytes(chunk_bytes)} on {lowered.device.type}, "
+                                     f"{format_bytes(plan.host_peak_bytes)} on the host"):
+            self.rt = ChunkRuntime(lowered.layout, plan, self.config, lowered.device, lowered.dtype, dp,
+                                   ready_later=True, reserve=reserve)
+        if reserve is not None:
+            reserve.close()                 # (what the store did not take is freed)
+        if self._remembered_at is not None:
+            reserve_cache.store(self._remembered_at, plan, self.rt.store.host_asked)
+        thread = self._threads.enter_context(device_threads(1, lowered.device, "pstar_fx-weights"))
+        self._weights = thread.submit(self._write_weights, lowered)
+
+    def finish(self, lowered: Lowered, dp: DataParallel | None) -> ChunkRuntime:
+        """The runtime, its weights written and the regions built (allocated here if the pipeline did not)."""
+        if self.rt is None:
+            self.allocate(lowered.plan, lowered, dp)
+        self._builders = start_region_builders(lowered.graph, lowered.device)   # None: no worker started
+        # the step's Python code (a lazy GraphModule's, ~0.4 s at 18B; else made at the first step)
+        getattr(lowered.graph, "real_recompile", lambda: None)()
+        build_regions_now(lowered.graph, lowered.device, self.phases, builders=self._builders)
+        self._weights.result()
+        if self.meta:
+            settle(self.config.seed, self._generators)     # the global generators where a serial init leaves them
+        return self.rt
+
+    def _locked(self) -> None:
+        store = self.rt.store
+        if store.pinning:
+            with self.phases("page-lock", "the rest of the host chunk memory's page-locking, which ran beside the "
+                                          "region builds"):
+                store.ready("page-lock")
+        store.ready()                   # (closes the allocation batch even where nothing was queued)
+
+    def _write_weights(self, lowered: Lowered) -> None:
+        # the masters are written while the page-locking goes on, unless one is a buffer being locked (its worker
+        # zeroes it first); the 16-bit copies, which cross, once it is done (GPT3_18B with bf16 moments on the H200
+        # box: 8.9 s of page-locking, then 6.4 s of init, one after the other)
+        store = self.rt.store
+        if store.masters_pending():
+            self._locked()
+        with self.phases("initialize", "weights written into the fp32 masters"):
+            if self.meta:
+                materialize(self.model, store, lowered.layout, lowered.capture, lowered.device, self._generators)
+            else:
+                store.load_params([self.named[p.name] for p in lowered.capture.params])
+        self._locked()
+        if store.shadow:
+            with self.phases("16-bit copies", "the masters cast into the copies that cross to the device"):
+                store.masters_changed()
+                if lowered.device.type == "cuda":
+                    torch.cuda.synchronize(lowered.device)
