@@ -4,7 +4,7 @@ The chunk memory is allocated as soon as the plan step has made a plan that fits
 Lowered's `on_planned`; data parallelism sets its group up first and allocates after lowering). Then what is slow
 runs side by side: lowering and the regions pass in this process, the host part's zeroing and page-locking on
 threads (~100 GiB at 18B; begun during the search for the buffers the plan surely needs, and before the capture for
-all of a compile before this one's: runtime/host_memory.py HostReserve, runtime/reserve_cache.py), the initial
+all of a compile before this one's: runtime/host_memory.py HostReserve, pipeline/reserve_cache.py), the initial
 weights written on a thread of their own (into the masters at once where none is a buffer being locked, the 16-bit
 copies once all are ready), on a cold cache the region builds in worker processes (Inductor), and this process's
 own building or loading of the regions. The init draws from generators of its own (parallel_init.own_generators):
@@ -28,9 +28,10 @@ from torch import nn
 from .config import Config, format_bytes
 from .passes.compile_regions import build_regions, start_region_builders
 from .phases import Phases
+from .pipeline import reserve_cache
 from .pipeline.lower import Lowered
 from .planning import Plan
-from .runtime import ChunkRuntime, reserve_cache
+from .runtime import ChunkRuntime
 from .runtime.dist import DataParallel
 from .runtime.host_memory import HostReserve, device_threads, pin_threads
 from .runtime.parallel_init import own_generators, settle

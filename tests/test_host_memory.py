@@ -500,7 +500,7 @@ def test_unlocked_zero_state_is_an_untouched_mapping_and_trains_the_same_bits(mo
 
 
 def test_a_second_compile_makes_the_host_buffers_of_the_first_before_its_capture(monkeypatch, cache_folder):
-    """The host buffers a compile's store asked for are remembered (runtime/reserve_cache.py); a second compile of
+    """The host buffers a compile's store asked for are remembered (pipeline/reserve_cache.py); a second compile of
     the same model, inputs and config starts making all of them (locked and merely zeroed) before its capture, and
     the store takes every one. A remembered entry whose plan is not this compile's plan is a guess proved wrong:
     what it made is freed before the store allocates. Either way the step trains the bits of a plain compile."""
@@ -508,7 +508,7 @@ def test_a_second_compile_makes_the_host_buffers_of_the_first_before_its_capture
 
     import pstar_fx.engine as engine_mod
     import pstar_fx.startup as startup_mod
-    from pstar_fx.runtime import reserve_cache
+    from pstar_fx.pipeline import reserve_cache
     config, inputs, model, plain = _host_state_run()
     plain_too = pstar_fx.compile(model, config, inputs)     # (each comparison steps its plain engine)
     locks = [FakeLock()]                                    # each compile's own

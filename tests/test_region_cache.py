@@ -113,7 +113,7 @@ def test_a_worker_out_of_device_memory_on_one_region_builds_the_others(tmp_path,
     import torch
     import torch.fx as fx
 
-    from pstar_fx.passes import compile_regions, region_builders
+    from pstar_fx.passes import compile_regions, region_builders, region_worker
 
     def region(n):
         g = fx.Graph()
@@ -140,9 +140,9 @@ def test_a_worker_out_of_device_memory_on_one_region_builds_the_others(tmp_path,
     job.write_bytes(pickle.dumps({"regions": [(region(2), [spec]), (region(3), [spec])], "device": "cpu",
                                   "done": done, "inductor_config": torch._inductor.config.save_config(),
                                   "threads": 1, "memory_fraction": None}))
-    saved = torch._inductor.config.save_config()       # _work loads the job's Inductor config into this process
+    saved = torch._inductor.config.save_config()       # work loads the job's Inductor config into this process
     try:
-        region_builders._work(str(job))
+        region_worker.work(str(job))
     finally:
         torch._inductor.config.load_config(saved)
     assert built == ["region_w1"]

@@ -3,7 +3,7 @@
 Inductor builds one graph at a time in a process (Dynamo holds a global compile lock), so the 23 distinct regions
 of an 18B GPT took 47-74 s one after another. Its on-disk caches (FX graph cache, AOTAutograd cache, autotune
 results) are keyed by the graph, its inputs' layouts and Inductor's config, not by the process: so fresh Python
-processes (`python -m pstar_fx.passes.region_builders`, never a fork of this one, which may hold CUDA and threads)
+processes (`python -m pstar_fx.passes.region_worker`, never a fork of this one, which may hold CUDA and threads)
 each build a share of the regions (in the step's order) on zeros laid out as the step's, and `build_regions` builds
 every region in this process, in the step's order, from the cache: each as soon as its worker says it has built
 it (a file per region in the job folder), while the workers go on with the others. A region whose inputs another region makes is built in a
@@ -55,6 +55,7 @@ def inductor_cache_dir() -> str:
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
+WORKER = "pstar_fx.passes.region_worker"     # the module a worker process runs
 WORKERS_SHARE = 0.8     # of the device memory free when the workers start, theirs together
 
 
@@ -275,7 +276,7 @@ def start(jobs: list[tuple[str, torch.fx.GraphModule, list]], device: torch.devi
             owner.update({k: w for k, _, _ in share})
             # (its messages to a file: a pipe nobody reads until the end could fill and stall the worker)
             with open(os.path.join(tmp.name, f"err{w}.txt"), "wb") as err:
-                procs.append(subprocess.Popen([sys.executable, "-m", __name__, path], env=env,
+                procs.append(subprocess.Popen([sys.executable, "-m", WORKER, path], env=env,
                                               stdout=subprocess.DEVNULL, stderr=err))
     except BaseException:                   # the ones started must not mark a partial set built
         Builders(procs, tmp, marker, len(jobs)).stop()
@@ -328,38 +329,3 @@ def room_needed(specs: list) -> int:
 def n_ops(gm: torch.fx.GraphModule) -> int:
     """The ops a region's graph calls (what `Region`'s repr counts too)."""
     return sum(1 for n in gm.graph.nodes if n.op == "call_function")
-
-
-def _work(path: str) -> None:
-    from .compile_regions import Region, _example
-    with open(path, "rb") as f:
-        job = pickle.load(f)
-    torch._inductor.config.load_config(job["inductor_config"])
-    torch._inductor.config.compile_threads = job["threads"]
-    device = torch.device(job["device"])
-    if job.get("memory_fraction"):
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        torch.cuda.set_per_process_memory_fraction(job["memory_fraction"], index)
-    artifacts = job.get("artifacts") or [None] * len(job["regions"])
-    for i, ((gm, specs), artifact, done) in enumerate(zip(job["regions"], artifacts, job["done"])):
-        region = None if artifact is not None else Region(gm, f"region_w{i}", "inductor", specs)
-        try:
-            examples = [_example(s, device) for s in specs]
-            if region is None:
-                save_artifact(gm, examples, artifact)
-            else:
-                region(*examples)
-            del examples
-        except torch.OutOfMemoryError:          # the others are still worth building; the parent builds this one
-            torch.cuda.empty_cache()
-            print(f"region_w{i} not built: out of device memory", file=sys.stderr, flush=True)
-        finally:                                # built or not, the parent may go on with it
-            with open(done, "w"):
-                pass
-        if region is not None and region.eager_because is not None:
-            print(f"region_w{i} not built: {region.eager_because}", file=sys.stderr, flush=True)
-
-
-if __name__ == "__main__":
-    import pstar_fx  # noqa: F401  (its custom ops, which a region may call)
-    _work(sys.argv[1])

@@ -165,7 +165,7 @@ class HostReserve:
 
     def want(self, sizes: dict[int, int], lock: bool = True) -> None:
         """At least `sizes[nbytes]` buffers of each size (more than asked before: the rest are started), page-locked
-        or, with `lock=False`, only zeroed (memory nobody copies, e.g. Adam's moments: reserve_cache.py)."""
+        or, with `lock=False`, only zeroed (memory nobody copies, e.g. Adam's moments: pipeline/reserve_cache.py)."""
         if self._pool is None:
             return
         for nbytes, count in sizes.items():
@@ -220,7 +220,7 @@ class HostBuffers:
         self.unlocked: list[int] = []           # error codes of buffers that stayed pageable (batch only)
         self.reserve: HostReserve | None = None  # buffers page-locked ahead (a batch takes zero-filled ones there)
         # (nbytes, page-locked) -> how many zero-filled (or unfilled) buffers a batch handed out: what a reserve
-        # could have made ahead (reserve_cache.py remembers it for the next compile)
+        # could have made ahead (pipeline/reserve_cache.py remembers it for the next compile)
         self.asked: dict[tuple[int, bool], int] = {}
 
     def empty(self, n: int, dtype: torch.dtype, fill: float | int | None = None, lock: bool = True,

@@ -142,7 +142,7 @@ class ChunkStore:
     @property
     def host_asked(self) -> dict[tuple[int, bool], int]:
         """(bytes, page-locked) -> how many zero-filled host buffers the store allocated in its batch (what a
-        reserve can make ahead: runtime/reserve_cache.py)."""
+        reserve can make ahead: pipeline/reserve_cache.py)."""
         return dict(self._host.asked)
 
     def masters_pending(self) -> bool:

@@ -28,7 +28,7 @@ import tempfile
 import torch
 
 from ..config import parse_flag
-from ..pipeline import plan_cache
+from . import plan_cache
 from ..planning.costs import cache_root
 
 log = logging.getLogger("pstar_fx")
