@@ -151,19 +151,25 @@ def test_engine_with_host_state_locked_side_by_side_trains_the_same_bits(monkeyp
     _assert_same_bits(plain, locked, inputs)
 
 
+def _held_until(event: threading.Event, lock: FakeLock):
+    """A stand-in lock that holds each lock until `event` is set (10 s at most), then locks with `lock`; and the
+    list of whether each wait saw the event (False: it timed out)."""
+    waited: list[bool] = []
+
+    def gated(t):
+        waited.append(event.wait(timeout=10))
+        return lock(t)
+    return gated, waited
+
+
 def test_host_state_is_page_locked_beside_the_region_builds_and_ready_before_the_init(monkeypatch):
     """compile() allocates the chunks, then builds the regions while the host buffers are page-locked, and waits
     for every lock before the weights are written: the locks here hold until the build has started (a build
     that came after them would leave them timing out), and init finds every buffer locked."""
     import pstar_fx.startup as startup_mod
     building = threading.Event()
-    waited: list[bool] = []
     lock = FakeLock()
-
-    def gated(t):
-        waited.append(building.wait(timeout=10))
-        return lock(t)
-
+    gated, waited = _held_until(building, lock)
     _lock_host_buffers(monkeypatch, gated)
     real_build = startup_mod.build_regions_now
 
@@ -198,13 +204,8 @@ def test_masters_that_do_not_cross_are_initialized_while_the_host_state_is_page_
     import pstar_fx.startup as startup_mod
     config, inputs, model, plain = _host_state_run("bf16")
     initializing = threading.Event()
-    waited: list[bool] = []
     lock = FakeLock()
-
-    def gated(t):
-        waited.append(initializing.wait(timeout=10))
-        return lock(t)
-
+    gated, waited = _held_until(initializing, lock)
     _lock_host_buffers(monkeypatch, gated)
     real_load = store_mod.ChunkStore.load_params
     pending_at_init = []

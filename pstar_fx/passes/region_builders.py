@@ -6,8 +6,9 @@ results) are keyed by the graph, its inputs' layouts and Inductor's config, not 
 processes (`python -m pstar_fx.passes.region_worker`, never a fork of this one, which may hold CUDA and threads)
 each build a share of the regions (in the step's order) on zeros laid out as the step's, and `build_regions` builds
 every region in this process, in the step's order, from the cache: each as soon as its worker says it has built
-it (a file per region in the job folder), while the workers go on with the others. A region whose inputs another region makes is built in a
-worker on its fake layout; where the real one differs, this process builds it itself (correct, only not sped up).
+it (a file per region in the job folder), while the workers go on with the others. A region whose inputs another
+region makes is built in a worker on its fake layout; where the real one differs, this process builds it itself
+(correct, only not sped up).
 
 Where the caches live: Inductor's own `TORCHINDUCTOR_CACHE_DIR` where it is set, else `inductor-<cpu capability>/`
 beside the plan cache (`costs.cache_root()`). A second compile of the same regions starts no worker: a marker named
@@ -23,7 +24,6 @@ PSTAR_FX_REGION_ARTIFACTS=1 (an experiment, off by default): the regions are bui
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -38,6 +38,7 @@ import time
 import torch
 
 from ..config import parse_count, parse_flag
+from ..planning.costs import cache_root, write_entry, written_aside
 
 log = logging.getLogger("pstar_fx")
 
@@ -49,7 +50,6 @@ def inductor_cache_dir() -> str:
     name because Inductor's own keys leave part of it out: a cache filled under AVX512 and read under DEFAULT failed
     to compile its C++ (`at::vec` undeclared), and one home folder may serve machines of several CPU kinds."""
     if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-        from ..planning.costs import cache_root
         capability = torch.backends.cpu.get_cpu_capability().lower()
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root(), f"inductor-{capability}")
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
@@ -112,24 +112,9 @@ def record_extra(key: str, specs: list, device: torch.device, extra: int) -> Non
     measurement, nothing more."""
     path = _extra_path(key, specs, device)
     try:
-        with _written_aside(path) as part, open(part, "w") as f:
-            json.dump({"extra_bytes": int(extra)}, f)
+        write_entry(path, {"extra_bytes": int(extra)})
     except OSError as e:
         log.debug("%s could not be written (%s); the next build measures again", path, e)
-
-
-@contextlib.contextmanager
-def _written_aside(path: str):
-    """A name beside `path` to write, renamed to `path` once written (a reader never sees half); removed if the
-    writing fails."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    part = f"{path}.tmp-{os.getpid()}"
-    try:
-        yield part
-        os.replace(part, path)
-    finally:
-        if os.path.exists(part):
-            os.unlink(part)
 
 
 def save_artifact(gm: torch.fx.GraphModule, examples: list, path: str):
@@ -137,7 +122,7 @@ def save_artifact(gm: torch.fx.GraphModule, examples: list, path: str):
     every input's size and strides), saved at `path` (written aside, then renamed: a reader never sees half)."""
     from torch._inductor import standalone_compile
     art = standalone_compile(gm, examples, dynamic_shapes="from_example_inputs")
-    with _written_aside(path) as part:
+    with written_aside(path) as part:
         art.save(path=part, format="binary")
     return art
 

@@ -32,13 +32,12 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
-from ..planning.costs import cache_root
+from ..planning.costs import cache_root, write_entry
 
 log = logging.getLogger("pstar_fx")
 
@@ -125,15 +124,7 @@ def store(key: str, decision: Decision) -> None:
     """Write the entry atomically; a cache that cannot be written costs the next compile a search, nothing more."""
     file = path(key)
     try:
-        os.makedirs(os.path.dirname(file), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".tmp", dir=os.path.dirname(file))
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"format": FORMAT, "fingerprint": key, "decision": dataclasses.asdict(decision)}, f)
-            os.replace(tmp, file)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        write_entry(file, {"format": FORMAT, "fingerprint": key, "decision": dataclasses.asdict(decision)})
     except OSError as e:
         log.debug("plan cache: could not write %s (%s)", file, e)
 

@@ -23,13 +23,12 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 
 import torch
 
 from ..config import parse_flag
+from ..planning.costs import cache_root, write_entry
 from . import plan_cache
-from ..planning.costs import cache_root
 
 log = logging.getLogger("pstar_fx")
 
@@ -112,15 +111,7 @@ def store(k: str, plan, sizes: dict[tuple[int, bool], int]) -> None:
         return
     path = _path(k)
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".reserve-", suffix=".tmp", dir=os.path.dirname(path))
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"format": FORMAT, "key": k, "plan": plan_digest(plan),
-                           "buffers": [[n, locked, count] for (n, locked), count in sorted(sizes.items())]}, f)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        write_entry(path, {"format": FORMAT, "key": k, "plan": plan_digest(plan),
+                           "buffers": [[n, locked, count] for (n, locked), count in sorted(sizes.items())]})
     except OSError as e:
         log.debug("reserve cache: could not write %s (%s)", path, e)

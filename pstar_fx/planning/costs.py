@@ -109,6 +109,27 @@ def cache_root() -> str:
     return os.environ.get("PSTAR_FX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pstar_fx")
 
 
+@contextlib.contextmanager
+def written_aside(path: str):
+    """A name beside `path` to write, renamed to `path` once written (a reader never sees half); removed if the
+    writing fails. Every on-disk cache writes its entries so (plans, reserves, regions' measured memory and
+    artifacts)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    part = f"{path}.tmp-{os.getpid()}"
+    try:
+        yield part
+        os.replace(part, path)
+    finally:
+        if os.path.exists(part):
+            os.unlink(part)
+
+
+def write_entry(path: str, entry) -> None:
+    """`entry` as JSON at `path`, written aside (`written_aside`); OSError where it cannot be."""
+    with written_aside(path) as part, open(part, "w") as f:
+        json.dump(entry, f)
+
+
 def _cache_path(key: str) -> str:
     return os.path.join(cache_root(), f"rates-v6-{key}.json")
 

@@ -239,20 +239,20 @@ class HostBuffers:
             return self._zero_mapping(n, dtype)
         if written_first and not pin:       # (smaller: ready now, never pending: its writer need not wait)
             return self._ready_now(torch.empty(n, dtype=dtype), fill, pin)
-        if self._pool is not None and fill in (0, None):
+        if self._pool is None:
+            return self._ready_now(torch.empty(n, dtype=dtype), fill, pin)
+        got = None
+        if fill in (0, None):               # zeroed is what a reserve makes
             k = (n * dtype.itemsize, pin)
             self.asked[k] = self.asked.get(k, 0) + 1
-        if self._pool is not None and self.reserve is not None and fill in (0, None):
-            got = self.reserve.take(n * dtype.itemsize, pin)
-            if got is not None:
-                buf, made = got
-                self._queued.append(made)
-                self._pending.add(buf.untyped_storage().data_ptr())
-                return buf.view(dtype)
-        t = torch.empty(n, dtype=dtype)
-        if self._pool is None:
-            return self._ready_now(t, fill, pin)
-        self._queued.append(self._pool.submit(self._ready, t, fill, pin))
+            got = self.reserve.take(*k) if self.reserve is not None else None
+        if got is not None:
+            buf, made = got
+            t = buf.view(dtype)             # (its bytes, as the dtype asked for)
+        else:
+            t = torch.empty(n, dtype=dtype)
+            made = self._pool.submit(self._ready, t, fill, pin)
+        self._queued.append(made)
         self._pending.add(t.untyped_storage().data_ptr())
         return t
 
