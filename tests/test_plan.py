@@ -372,7 +372,8 @@ def test_triggered_step_arithmetic_per_transaction():
     from types import SimpleNamespace
 
     from pstar_fx.planning.costs import Rates
-    from pstar_fx.planning.correction import DEVICE_RESTORE_BYTES, _triggered_seconds, device_correction_bytes
+    from pstar_fx.planning.correction import (DEVICE_RESTORE_BYTES, _triggered_seconds, device_after_verdict_seconds,
+                                              device_correction_bytes)
     assert device_correction_bytes(2) == device_correction_bytes(4) == 28 and DEVICE_RESTORE_BYTES == 16
     layout = SimpleNamespace(chunks=[SimpleNamespace(used_elems=10**9) for _ in range(4)])
     rates = Rates("made-up", 1e12, 28e9, 2e9, 2e9, 1e9, host_undo=1e9)
@@ -383,15 +384,23 @@ def test_triggered_step_arithmetic_per_transaction():
     def triggered(transaction, **kw):
         return _triggered_seconds(transaction, 10.0, **{**common, "kept_on_device": 2, **kw})
 
-    # kept on the device: the device corrections take 2 s before the next forward; the worker, still busy with the
-    # Adam the step hid (0.75 s), corrects c2 (done at 1.75 s) then c3 (2.75 s), in the forward's order, copied by
-    # 1.85 and 2.85 s, read at 2 + 2 and 2 + 3 s: no stall
+    # kept on the device: the device corrections (1 s each) run beside the next forward, which reads c0 at 0 s and
+    # c1 at 1 s and so waits 1 s; with the kernels' share of the device's memory, they add 2 s; the worker, still
+    # busy with the Adam the step hid (0.75 s), corrects c2 (done at 1.75 s) then c3 (2.75 s), in the forward's
+    # order, copied by 1.85 and 2.85 s, read at 2 + 2 and 2 + 3 s: no stall
     assert math.isclose(triggered("kept_grads"), 10 + 2)
-    # kept on the host, coming back at 1 GB/s (2 s a chunk) while the kernels run: the copies bound the device part
-    # (4 s); with the first chunk's kept on the device, the kernels do again (2 s)
+    # kept on the host, coming back at 1 GB/s (2 s a chunk): c0's kernel runs from 2 to 3 s, c1's from 4 to 5 s,
+    # read at 0 and 1 s: the forward waits 4 s; with the first chunk's kept on the device, c0's runs from 0 to 1 s and
+    # c1's from 2 to 3 s: 2 s
     slow_copies = dict(rates=Rates("made-up", 1e12, 28e9, 1e9, 2e9, 1e9, host_undo=1e9))
     assert math.isclose(triggered("kept_grads", kept_on_device=0, **slow_copies), 10 + 4)
     assert math.isclose(triggered("kept_grads", kept_on_device=1, **slow_copies), 10 + 2)
+    # the forward does not wait for the device chunks it reads after their kernels have run: four kept gradients
+    # coming back 0.5 s apart, kernels of 0.1 s, read 1 s apart from the verdict on: only the first is late (0.6 s),
+    # where a forward that started after them all would have waited 2 s
+    four = SimpleNamespace(chunks=[SimpleNamespace(used_elems=10**9) for _ in range(4)])
+    assert math.isclose(device_after_verdict_seconds([], [0, 1, 2, 3], four, [1.0] * 4, [{0}, {1}, {2}, {3}], 2,
+                                                     Rates("made-up", 1e12, 280e9, 4e9, 2e9, 1e9)), 0.6)
     # a host correction 4x slower: c2 done at 0.75 + 4 s, copied by 4.85, read at 2 + 2 s; c3 done at 8.75, copied by
     # 8.85, read at 2 + 3 s: 3.85 s late
     slow = dict(rates=Rates("made-up", 1e12, 28e9, 2e9, 2e9, 1e9, host_undo=0.25e9))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..layout import Layout
 from .costs import Rates
-from .host_adam import worker_stall
+from .host_adam import first_reads, worker_stall
 
 
 def device_correction_bytes(itemsize: int) -> int:
@@ -18,13 +18,24 @@ def device_correction_bytes(itemsize: int) -> int:
     return 24 + itemsize + (itemsize if itemsize < 4 else 0)
 
 
-def device_after_verdict_seconds(here_elems: int, back_elems: int, itemsize: int, rates: Rates) -> float:
-    """Seconds the compute stream spends after the verdict on device chunks' updates or corrections, before the next
-    forward: each reads and writes its chunk's state at memory speed (`device_correction_bytes` per element);
-    `back_elems` of them have their kept gradient on the host, which comes back on the copy stream meanwhile, a
-    gradient slot ahead of the kernels (runtime/kept.py `on_device_in_order`): the slower of kernels and copies."""
-    kernels = (here_elems + back_elems) * device_correction_bytes(itemsize) / rates.mem_bw
-    return max(kernels, back_elems * itemsize / rates.h2d_bw)
+def device_after_verdict_seconds(here: list[int], back: list[int], layout: Layout, node_secs: list[float],
+                                 reads: list[set[int]], itemsize: int, rates: Rates) -> float:
+    """Seconds device chunks' updates or corrections after the verdict add to the next forward. They run on a
+    stream of their own beside it (runtime/movers.py `Mover.after_verdict`), `here` first (their kept gradient is on
+    the device), then `back`, whose kept gradients come back from the host on the copy stream one after another
+    from the verdict on (runtime/kept.py `on_device_in_order`); each kernel reads and writes its chunk's state at
+    memory speed (`device_correction_bytes` per element) once its gradient is there and the one before has run.
+    The forward waits where it reads a chunk whose kernel has not run; where it does not wait, the kernels share
+    the device's memory with it: the larger of the two."""
+    kernel = lambda c: layout.chunks[c].used_elems * device_correction_bytes(itemsize) / rates.mem_bw  # noqa: E731
+    first_read, end = first_reads(node_secs, reads)
+    landed, done, stall = 0.0, 0.0, 0.0
+    for c in here + back:
+        if c in back:
+            landed += layout.chunks[c].used_elems * itemsize / rates.h2d_bw
+        done = max(done, landed if c in back else 0.0) + kernel(c)
+        stall = max(stall, done - first_read.get(c, end))
+    return max(stall, sum(kernel(c) for c in here + back))
 
 
 DEVICE_RESTORE_BYTES = 16    # a replay's master restore (adam_undo part "param"): reads master and moments, writes it
@@ -62,8 +73,8 @@ def _triggered_seconds(transaction: str, step_seconds: float, *, cuda: bool, pla
     forward (`adam_hidden`: the worker is still busy with it); the host updates not yet started then apply the
     verdict's coefficient themselves and need none (`not_started`); the launching thread then queues the device
     corrections without waiting: `kept_on_device` of the device chunks (the first ones) read their kept gradient on
-    the device, the others' come back from the host on the copy stream (`device_after_verdict_seconds`: D). The next
-    forward starts after them, and stalls where it reads a host chunk not yet corrected and copied
+    the device, the others' come back from the host on the copy stream; they run beside the next forward, which
+    they slow by D (`device_after_verdict_seconds`); it stalls where it reads a host chunk not yet corrected and copied
     (`host_adam.worker_stall`, at `host_correction` parameters/s):
       triggered = step_seconds + D + host stall
     On the CPU runtime every job is inline, a "device" chunk's too (the C++ kernel on CPU memory):
@@ -92,8 +103,8 @@ def _triggered_seconds(transaction: str, step_seconds: float, *, cuda: bool, pla
         return step_seconds + elems(device + host) / undo + again
     if transaction == "kept_grads":
         host = [c for c in host if c not in not_started(host, adam_at, layout, adam_hidden, host_adam_rate)]
-        device_s = device_after_verdict_seconds(elems(device[:kept_on_device]), elems(device[kept_on_device:]),
-                                                itemsize, rates)
+        device_s = device_after_verdict_seconds(device[:kept_on_device], device[kept_on_device:], layout, node_secs,
+                                                reads, itemsize, rates)
         return step_seconds + device_s + worker_stall(host, layout, node_secs, reads, undo, copy_s,
                                                       worker_start=adam_hidden, forward_start=device_s)
     device_s = elems(device) * DEVICE_RESTORE_BYTES / rates.mem_bw

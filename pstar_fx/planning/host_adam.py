@@ -59,10 +59,10 @@ def _after_verdict_exposed(placement: list[str], layout: Layout, node_secs: list
                            device_s: float) -> float:
     """Seconds a deferred step adds to the compute for updates that run after the verdict.
 
-    The verdict ends the step. The device chunks' updates run first, on the compute stream, their kept gradients
-    that wait on the host coming back meanwhile (`device_s`: correction.py `device_after_verdict_seconds`); the next
-    forward starts after them. Meanwhile the worker runs the host Adam chunk after chunk, in chunk order, from the
-    verdict on (`worker_stall`). The step grows by `device_s` and the latest chunk's lateness.
+    The verdict ends the step. The device chunks' updates run on their own stream beside the next forward, their
+    kept gradients that wait on the host coming back meanwhile (`device_s`, what they add to the forward:
+    correction.py `device_after_verdict_seconds`). Meanwhile the worker runs the host Adam chunk after chunk, in
+    chunk order, from the verdict on (`worker_stall`). The step grows by `device_s` and the latest chunk's lateness.
     """
     host = sorted(c for c in adam_at if placement[c] == "host")
     return device_s + worker_stall(host, layout, node_secs, reads, host_adam, copy_s, forward_start=device_s)
@@ -75,13 +75,19 @@ def worker_stall(order: list[int], layout: Layout, node_secs: list[float], reads
     at `forward_start`. A chunk's compute copy crosses (`copy_s[c]`: the schedule's copy seconds) once its job is
     done, and the forward stalls where it would read the chunk before that. A stall delays every later read alike,
     so the forward grows by the latest chunk's lateness (0 when none is late)."""
-    t, first_read = 0.0, {}
-    for i, r in enumerate(reads):
-        for c in r:
-            first_read.setdefault(c, t)
-        t += node_secs[i]
+    first_read, t = first_reads(node_secs, reads)
     done, stall = worker_start, 0.0
     for c in order:
         done += layout.chunks[c].used_elems / rate
         stall = max(stall, done + copy_s.get(c, 0.0) - (forward_start + first_read.get(c, t)))
     return stall
+
+
+def first_reads(node_secs: list[float], reads: list[set[int]]) -> tuple[dict[int, float], float]:
+    """({chunk: the compute seconds before the step first reads it}, the step's compute seconds)."""
+    t, first_read = 0.0, {}
+    for i, r in enumerate(reads):
+        for c in r:
+            first_read.setdefault(c, t)
+        t += node_secs[i]
+    return first_read, t

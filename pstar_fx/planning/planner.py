@@ -184,9 +184,8 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         # device chunks' updates after the verdict: those whose kept gradient is on the device (the first
         # `kept_on_device`), and those whose comes back from the host
         updated_device = [c for c in sorted(use.adam_at) if rank0_placement[c] == "device"]
-        elems = lambda cs: sum(layout.chunks[c].used_elems for c in cs)  # noqa: E731
-        device_s = device_after_verdict_seconds(elems(updated_device[:kept_on_device]),
-                                                elems(updated_device[kept_on_device:]), compute_itemsize, rates)
+        device_s = device_after_verdict_seconds(updated_device[:kept_on_device], updated_device[kept_on_device:],
+                                                layout, node_secs, use.reads, compute_itemsize, rates)
         deferred_exposed = _after_verdict_exposed(rank0_placement, layout, node_secs, use.reads, use.adam_at,
                                                   host_adam_rate, copy_s, device_s)
     if after_verdict:

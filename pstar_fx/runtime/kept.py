@@ -84,11 +84,11 @@ class KeptGradients:
 
     def on_device_in_order(self, chunks: list[int]) -> Iterator[tuple[int, torch.Tensor]]:
         """Yields (c, c's kept gradient on the device) for each of `chunks` (device chunks), in order; the caller
-        queues c's kernel before asking for the next. Those kept on the device come first, while the others come
-        back from the host on the copy stream into the gradient slots, each copy queued as soon as a slot's last
-        reader is: the launching thread never waits for a copy, and the compute stream waits only for the one it
-        reads next (with one blocking copy per chunk, a correction at Llama-3-8B's shape spent 0.25-0.36 s on the
-        launching thread: issue 24)."""
+        queues c's kernel before asking for the next (inside `Mover.after_verdict`: on its stream). Those kept on
+        the device come first, while the others come back from the host on the copy stream into the gradient slots,
+        each copy queued as soon as a slot's last reader is: the launching thread never waits for a copy, and the
+        kernels' stream waits only for the one it reads next (with one blocking copy per chunk, a correction at
+        Llama-3-8B's shape spent 0.25-0.36 s on the launching thread: issue 24)."""
         here = [c for c in chunks if self._source(c).device == self.device]
         back = [c for c in chunks if self._source(c).device != self.device]
         coming: deque = deque()
@@ -103,7 +103,7 @@ class KeptGradients:
                 yield c, self._source(c)
             while coming:
                 c, buf, copied = coming[0]
-                self.copies.compute_waits(copied)
+                self.copies.wait(copied)
                 yield c, buf
                 coming.popleft()
                 self.mover.read_back_done(buf)

@@ -72,8 +72,9 @@ class Undo:
         the worker behind its own update, in the order the next forward reads them (chunk order: the layout fills
         chunks in the order the forward first uses their parameters), so the forward's first host chunk is corrected
         first and the host work starts at the verdict; their corrections overlap the next forward as their updates
-        do (a read waits for its chunk). Then the device chunks, on the compute stream, their kept gradients
-        coming back from the host on the copy stream (`KeptGradients.on_device_in_order`). A host update the worker
+        do (a read waits for its chunk). Then the device chunks, on a stream of their own that the next forward
+        waits for only where it reads each (`Mover.after_verdict`), their kept gradients coming back from the host
+        on the copy stream (`KeptGradients.on_device_in_order`). A host update the worker
         had not started when this was decided applies `hyper` itself (`StepLog.verdict_hyper`); its correction is
         then nothing."""
         t0 = time.perf_counter()
@@ -82,8 +83,10 @@ class Undo:
         updates = dict(log.host)                           # each host chunk's update: its future, or its outcome
         for c in sorted(updates):
             self.worker.run(c, log, self._correct_host, log, c, updates, speculated, hyper)
-        for c, grad in self.kept.on_device_in_order(sorted(log.device)):
-            self._correct_one(log, c, grad, speculated, hyper)
+        with self.kept.mover.after_verdict() as queued:
+            for c, grad in self.kept.on_device_in_order(sorted(log.device)):
+                self._correct_one(log, c, grad, speculated, hyper)
+                queued(c)
         self.telemetry.add("correction", time.perf_counter() - t0)
 
     def _correct_host(self, log: StepLog, c: int, updates: dict, speculated: Hyper, hyper: Hyper) -> bool:

@@ -102,9 +102,10 @@ class Updater:
                 self._update_device(c, grad, log.hyper)
         self.mover.give_back(back)
 
-    def _update_device(self, c: int, grad: torch.Tensor, hyper: Hyper) -> None:
-        self._adam(c, grad, hyper, found_inf=self.norms.found_inf, check_finite=False)
-        self.norms.launched(c)
+    def _update_device(self, c: int, grad: torch.Tensor, hyper: Hyper, found_inf: torch.Tensor | None = None) -> None:
+        found_inf = self.norms.found_inf if found_inf is None else found_inf
+        self._adam(c, grad, hyper, found_inf=found_inf, check_finite=False)
+        self.norms.launched(c, found_inf)
         self.step_log.device.append(c)
 
     def _host_job(self, c, grad, ready, log: StepLog, kind, first: bool, last: bool, checked: bool = False) -> bool:
@@ -171,15 +172,18 @@ class Updater:
         """Every chunk's update from `grads` (chunk -> its gradient, kept until the verdict): host chunks on the
         worker, queued first, so the host Adam (the longer of the two) starts at the verdict and does not wait
         for the device chunks' gradients to come back from the host (bench/RESULTS.md, session 8: 0.35 s at
-        GPT3_18B); then device chunks, here, their kept gradients coming back on the copy stream
+        GPT3_18B); then device chunks, on the stream the next forward waits for only where it reads each
+        (`Mover.after_verdict`), their kept gradients coming back on the copy stream
         (`KeptGradients.on_device_in_order`)."""
         log = self.step_log
         log.hyper, log.kind = hyper, AFTER_VERDICT
         for c in sorted(grads):
             if self.store.tier(c) == "host":
                 self.host_worker.run(c, log, self._apply_host, c, log, grads[c], check_host)
-        for c, grad in self.kept.on_device_in_order([c for c in sorted(grads) if self.store.tier(c) != "host"]):
-            self._update_device(c, grad, hyper)
+        with self.mover.after_verdict() as queued:      # (the next forward waits for each where it reads it)
+            for c, grad in self.kept.on_device_in_order([c for c in sorted(grads) if self.store.tier(c) != "host"]):
+                self._update_device(c, grad, hyper, found_inf=self.norms.none_found)
+                queued(c)
 
     def _apply_host(self, c: int, log: StepLog, grad: torch.Tensor, check: bool) -> bool:
         t0 = time.perf_counter()
@@ -242,6 +246,8 @@ class Updater:
             self.undo.settling_failed(e)
 
     def drain(self) -> None:
-        """Wait for every host update still running (state_dict, the end of training)."""
+        """Wait for every host update still running (state_dict, the end of training); the current stream waits for
+        the device chunks' work after the last verdict."""
         for c in list(self.host_worker.pending):
             self.wait_for(c)
+        self.mover.join_late()

@@ -44,6 +44,9 @@ class Verdict:
         self._param_index = [torch.tensor(ix, dtype=torch.long, device=device) for ix in self._params]
         n = len(layout.chunks)
         self.found_inf = torch.zeros(1, dtype=torch.float32, device=device)   # gates this update and every later one
+        # what gates the updates after a finite verdict (a deferred step's, on their own stream): never written, so
+        # the next step's `reset` of found_inf does not race them
+        self.none_found = torch.zeros(1, dtype=torch.float32, device=device)
         # per chunk, whether its gradient measured finite on the device, and its copy on the host that lands with
         # a host chunk's gradient (persistent: the copy stream reads it after the compute stream moved on)
         self._finite_dev = torch.zeros(n, dtype=torch.float32, device=device)
@@ -82,9 +85,9 @@ class Verdict:
         """(parameter, squared norm) of a host chunk's gradient measured on the host (an accumulated one)."""
         return list(zip(self._params[c], sq_norms(grad, self._segments[c]).tolist()))
 
-    def launched(self, c: int) -> None:
-        """Device chunk c's update was launched: record whether `found_inf` let it apply."""
-        self._flag_after[c:c + 1].copy_(self.found_inf)
+    def launched(self, c: int, found_inf: torch.Tensor | None = None) -> None:
+        """Device chunk c's update was launched: record whether `found_inf` (the step's, unless given) let it apply."""
+        self._flag_after[c:c + 1].copy_(self.found_inf if found_inf is None else found_inf)
 
     def applied(self, device_chunks: list[int]) -> list[int]:
         """Of the device chunks whose update was launched, those it applied (a sync)."""
