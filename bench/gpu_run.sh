@@ -63,7 +63,7 @@ for stage in "$@"; do
     kernels) timeout 240 python3 bench/kernels_gpu.py 2>&1 | tee -a "$OUT/kernels.txt" ;;
     tests) timeout 560 python3 -m pytest -q -rs -p no:logging --tb=short -o faulthandler_timeout=100 tests/test_gpu.py \
              tests/test_kernels.py -k "gpu or cuda or undo" --durations=15 2>&1 | tail -80 | tee -a "$OUT/tests.txt" ;;
-    tests:*) timeout 560 python3 -m pytest -q -rs -p no:logging --tb=short -o faulthandler_timeout=100 tests/test_gpu.py \
+    tests:*) timeout ${TESTS_S:-560} python3 -m pytest -q -rs -p no:logging --tb=short -o faulthandler_timeout=100 tests/test_gpu.py \
              -k "${stage#tests:}" --durations=15 2>&1 | tail -80 | tee -a "$OUT/tests.txt" ;;
     gpt:*) IFS=: read -r _ model system batch host layers extra <<< "$stage"
        limit=420; [[ $system == torch-best ]] && limit=580   # six configurations; gpt.py stops itself at --sweep-timeout
