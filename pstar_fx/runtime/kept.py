@@ -93,7 +93,7 @@ class KeptGradients:
         back = [c for c in chunks if self._source(c).device != self.device]
         coming: deque = deque()
         if back:
-            self.copies.copies_in_after_copies_out()    # the gradients shipped to the host in backward have landed
+            self.copies.back_after_copies_out()    # the gradients shipped to the host in backward have landed
         start = lambda c: coming.append((c, *self.mover.bring_back(self._source(c), self._used(c))))  # noqa: E731
         ahead = iter(back)
         try:

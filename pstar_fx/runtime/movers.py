@@ -19,9 +19,10 @@
   ship(c, dst) a chunk's gradient slot copied into a host buffer (a host chunk's offload, or a kept copy).
 
 What differs between a CPU playing the device tier and a GPU is only how copies are ordered: `CpuCopies`
-runs every copy at once; `CudaCopies` puts them on a host->device and a device->host stream and orders
-every cross-stream use by an explicit event (no `record_stream`; all buffers come from pools allocated
-once), with timing events around each wait of the compute stream.
+runs every copy at once; `CudaCopies` puts them on a host->device and a device->host stream (and the work
+after a verdict, with the kept gradients it brings back, on two more: `Mover.after_verdict`) and orders every
+cross-stream use by an explicit event (no `record_stream`; all buffers come from pools allocated once), with
+timing events around each wait of the compute stream.
 """
 from __future__ import annotations
 
@@ -59,8 +60,9 @@ class CpuCopies:
     def host_waits(self, event) -> None:
         """The calling host thread waits for `event`."""
 
-    def copies_in_after_copies_out(self) -> None:
-        """Copies to the device queued from now on start after every copy to the host queued so far."""
+    def back_after_copies_out(self) -> None:
+        """Kept gradients brought back from now on (`Mover.bring_back`) come after every copy to the host queued so
+        far."""
 
     def start_step(self) -> None:
         pass
@@ -77,8 +79,10 @@ class CudaCopies:
                           "interpreter, orders of magnitude slower; unset it for GPU training", RuntimeWarning)
         self.device, self.telemetry = device, telemetry
         self.compute = torch.cuda.current_stream(device)
-        # "late": device chunks' work after the verdict (corrections, a deferred step's updates: Mover.after_verdict)
-        self.streams = {name: torch.cuda.Stream(device) for name in ("h2d", "d2h", "late")}
+        # "late": device chunks' work after the verdict (corrections, a deferred step's updates: Mover.after_verdict);
+        # "back": their kept gradients coming back from the host (on "h2d" the next forward's copies in, which are
+        # device-to-device casts for device chunks, would queue behind them all)
+        self.streams = {name: torch.cuda.Stream(device) for name in ("h2d", "d2h", "late", "back")}
 
     def on(self, stream: str):
         return torch.cuda.stream(self.streams[stream])
@@ -109,8 +113,8 @@ class CudaCopies:
         if event is not None:
             event.synchronize()
 
-    def copies_in_after_copies_out(self) -> None:
-        self.streams["h2d"].wait_stream(self.streams["d2h"])
+    def back_after_copies_out(self) -> None:
+        self.streams["back"].wait_stream(self.streams["d2h"])
 
     def start_step(self) -> None:
         """Copies of this step may read masters the compute stream updated in the last one."""
@@ -322,12 +326,12 @@ class Mover:
         self.grad_slots.give(buf)
 
     def bring_back(self, src: torch.Tensor, n: int):
-        """A kept gradient `src[:n]` on the host copied into a gradient slot on the copy stream, after the slot's last
-        reader on the compute stream; returns (slot, the copy's event). The launching thread does not wait: the
-        compute stream waits for the event where it reads the slot, and `read_back_done` gives the slot back."""
+        """A kept gradient `src[:n]` on the host copied into a gradient slot on a copy stream of its own, after the
+        slot's last reader on the current stream; returns (slot, the copy's event). The launching thread does not
+        wait: the stream that reads the slot waits for the event, and `read_back_done` gives the slot back."""
         buf = self.grad_slots.take()
         after = self._grad_read.pop(buf.data_ptr(), None) or self.copies.record()   # every compute use so far
-        with self.copies.on("h2d"):
+        with self.copies.on("back"):
             self.copies.wait(after)
             self.copies.wait(self._grad_done.get(buf.data_ptr()))                   # a copy out of it
             buf[:n].copy_(src[:n], non_blocking=True)
@@ -335,8 +339,9 @@ class Mover:
         return buf, copied
 
     def read_back_done(self, buf: torch.Tensor) -> None:
-        """The kernels queued so far on the compute stream are the last readers of `buf` (a slot `bring_back`
-        filled): it goes back to the pool, and the next copy into it waits for them."""
+        """The kernels queued so far on the current stream are the last readers of `buf` (a slot `bring_back`
+        filled): it goes back to the pool, and the next copy into it waits for them (backward's next use of it,
+        for all of them: `join_late`)."""
         self._grad_read[buf.data_ptr()] = self.copies.record()
         self.grad_slots.give(buf)
 
