@@ -64,38 +64,83 @@ def _model_fingerprint(model: nn.Module):
     return repr(model), modules, params, buffers
 
 
-# tight_budget's probe (a whole capture and plan, about a second) by what it depends on: the model's structure,
-# the inputs' shapes, the config, the cost model's rates and the launched world. The same key gives the same
-# graph and plan, so the budget is the same number it would compute again; many tests compile the same tiny
-# model at the same chunk size.
+# the probes below (each a whole capture and plan, about a second) by what they depend on: the model's structure,
+# the inputs' shapes, the config, the cost model's rates and the launched world (and for a budget, the chunks
+# asked for). The same key gives the same graphs and plans, so the answer is the same one it would compute again;
+# many tests compile the same tiny model at the same chunk size.
 _PROBES: dict = {}
+_BUDGETS: dict = {}
+
+
+def _probe_key(model, inputs, cfg: dict):
+    """The key of the probes of `model` on `inputs` under `cfg` (None: probed every time)."""
+    from pstar_fx.planning.costs import calibrate
+    from pstar_fx.runtime.dist import world_from_env
+    config = pstar_fx.Config(device="cpu", **cfg)
+    try:
+        return (_model_fingerprint(model), _fingerprint(inputs), _fingerprint(cfg), _fingerprint(config),
+                _fingerprint(calibrate(torch.device(config.device), config.torch_dtype)), world_from_env())
+    except _Uncacheable:
+        return None
+
+
+def working_set(model, inputs, **cfg) -> tuple[int, int, int]:
+    """(the device working set of the step with every chunk on the host, so nothing recomputed (`_working_bytes`);
+    a trainable chunk's fp32 state in bytes: `Layout.state_elems` elements of master and two moments; the number
+    of chunks)."""
+    from pstar_fx.pipeline.lower import Lowered
+    key = _probe_key(model, inputs, cfg)
+    if key is None or key not in _PROBES:
+        probe = Lowered(model, pstar_fx.Config(device="cpu", placement="host", **cfg), inputs)
+        found = (_working_bytes(probe), 12 * probe.layout.state_elems, len(probe.layout.chunks))
+        if key is None:
+            return found
+        _PROBES[key] = found
+    return _PROBES[key]
 
 
 def tight_budget(model, inputs, device_chunks=1, **cfg):
-    """A device budget that holds the working set plus `device_chunks` trainable chunks' fp32 state, no more (a
-    trainable chunk's state: `Layout.state_elems` elements of master and two moments)."""
-    from pstar_fx.planning.costs import calibrate
+    """A device budget that holds the working set plus `device_chunks` trainable chunks' fp32 state, no more; and the
+    number of chunks.
+
+    The working set is the one the planner keeps at that budget. With nothing recomputed (`working_set`) it is
+    only where the search starts: given that budget, the planner recomputes values when its rates say that the
+    device memory they free, filled with more chunks, saves more copies and host Adam than the forward work costs
+    (on one machine's measured rates and not another's: the two estimates can be a fraction of a per cent
+    apart), and what it keeps also depends on the chunks it places. So the budget is planned, and planned again
+    on the working set that plan keeps, until a plan places the trainable chunks asked for on the device. Should
+    the budgets come round again without one that does, the largest that places fewer is taken."""
     from pstar_fx.pipeline.lower import Lowered
-    from pstar_fx.runtime.dist import world_from_env
-    config = pstar_fx.Config(device="cpu", placement="host", **cfg)
-    try:
-        key = (_model_fingerprint(model), _fingerprint(inputs), _fingerprint(cfg), _fingerprint(config),
-               _fingerprint(calibrate(torch.device(config.device), config.torch_dtype)), world_from_env())
-    except _Uncacheable:
-        key = None                               # probed every time
-    if key is not None and key in _PROBES:
-        working, state_elems, n_chunks = _PROBES[key]
-    else:
-        probe = Lowered(model, config, inputs)   # one capture
-        d, cs = probe.plan.device_breakdown, probe.layout.chunk_size
-        dtype_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[cfg.get("dtype", "fp32")]
-        working = (d["activations"] + d["buffers"] + d["gradient slots"] + d.get("workspace margin", 0)
-                   + 3 * cs * dtype_bytes)
-        n_chunks = len(probe.plan.placement)
-        state_elems = probe.layout.state_elems
-        if key is not None:
-            _PROBES[key] = (working, state_elems, n_chunks)
-    return working + device_chunks * 12 * state_elems, n_chunks
+    working, chunk_bytes, n_chunks = working_set(model, inputs, **cfg)
+    key = _probe_key(model, inputs, cfg)
+    if key is not None and (key, device_chunks) in _BUDGETS:
+        return _BUDGETS[key, device_chunks], n_chunks
+    state_bytes, placed = device_chunks * chunk_bytes, {}       # budget -> the trainable chunks its plan places
+    budget = working + state_bytes
+    while budget not in placed:
+        lowered = Lowered(model, pstar_fx.Config(device="cpu", device_memory=budget, **cfg), inputs)
+        placed[budget] = _trainable_on_device(lowered)
+        if placed[budget] == device_chunks:
+            break
+        budget = _working_bytes(lowered) + state_bytes
+    if placed[budget] != device_chunks:
+        budget = max((b for b, n in placed.items() if n < device_chunks), default=min(placed))
+    if key is not None:
+        _BUDGETS[key, device_chunks] = budget
+    return budget, n_chunks
+
+
+def _working_bytes(lowered) -> int:
+    """What a plan's device peak holds besides chunk state: its activations (after what it recomputes), buffers,
+    gradient slots and workspace margin, and three compute slots."""
+    d = lowered.plan.device_breakdown
+    return (d["activations"] + d["buffers"] + d["gradient slots"] + d.get("workspace margin", 0)
+            + 3 * lowered.layout.chunk_size * lowered.dtype.itemsize)
+
+
+def _trainable_on_device(lowered) -> int:
+    return sum(1 for tier, chunk in zip(lowered.plan.placement, lowered.layout.chunks)
+               if tier == "device" and not chunk.frozen)
 
 
 class gradient_summands:

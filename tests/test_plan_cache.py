@@ -16,7 +16,7 @@ from pstar_fx.pipeline import plan_cache, recompute_search
 from pstar_fx.pipeline.lower import Lowered
 from pstar_fx.planning import costs
 
-from test_engine import batch, tight_budget
+from test_engine import batch, working_set
 
 CHUNK = 16384
 
@@ -51,9 +51,11 @@ def lowered(m, budget, **kw):
 
 @pytest.fixture(scope="module")
 def budget():
-    """A device budget under the working set and one chunk: only every cheap value and some whole forward segments
-    recomputed fit (a binary search over segment counts), so the cached decision is not the trivial one."""
-    return int(0.6 * tight_budget(model(), batch(), device_chunks=1, chunk_size=CHUNK)[0])
+    """A device budget under the working set with nothing recomputed and one chunk: only every cheap value and
+    some whole forward segments recomputed fit (a binary search over segment counts), so the cached decision is not
+    the trivial one."""
+    working, chunk_bytes, _ = working_set(model(), batch(), chunk_size=CHUNK)
+    return int(0.6 * (working + chunk_bytes))
 
 
 def plan_text(plan) -> str:
