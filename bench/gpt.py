@@ -235,6 +235,11 @@ def pstar_system(cfg, args, example):
              "estimated_triggered_step_s": round(engine.plan.estimated_triggered_step_seconds, 3),
              "estimated_deferred_step_s": engine.plan.estimate.deferred_step_seconds and
              round(engine.plan.estimate.deferred_step_seconds, 3),
+             "estimate_parts_s": {k: round(getattr(engine.plan.estimate, k + "_seconds"), 4)
+                                  for k in ("compute", "copies_exposed", "host_adam_exposed")},
+             "estimated_host_adam_rate": round(engine.plan.estimate.host_adam_rate),
+             "host_grad_buffers": engine.plan.host_grad_buffers, "compute_slots": engine.plan.slots,
+             "host_shipping": {k: engine.plan.shipping.ship.count(k) for k in set(engine.plan.shipping.ship)},
              "defer_above": engine.plan.defer_above, "kept_on_device": engine.plan.kept_on_device,
              "rates": dataclasses.asdict(engine.plan.rates) if engine.plan.rates else None,
              "placement_device_chunks": engine.plan.placement.count("device"),

@@ -601,3 +601,25 @@ def test_the_largest_fp32_state_gpt_fits_one_h200_box_with_110_gib_of_host():
     assert p.device_peak_bytes <= box.BOX["device_memory"]
     assert p.host_peak_bytes <= 110 * 2**30
     assert p.placement.count("host") >= 20        # with 19 (the 4 GiB reserve) the device was 1 GiB over
+
+
+def test_the_host_gradient_pool_is_sized_at_the_host_adams_rate_beside_the_copies():
+    """GPT3_18B with fp32 moments at 110 GiB of host (`replay`: host chunks' gradients wait in a pool of pinned
+    buffers for the host Adam), planned at the rates the H200 box recorded for it (session 14, where the step
+    waited 1.3 s for a buffer). The pool used to be sized at the host Adam's rate alone (7 buffers), while the
+    estimate priced the Adam beside the step's copies (5.4 G params/s), where 7 buffers leave 132 ms of it exposed:
+    the pool is sized at that rate now, in room the shipping had for 16-bit shadows, when the estimate says so."""
+    import json
+    from bench_modules import load
+    box = load("plan_at_rates", "plan_at_rates")
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "2026-12-03-h200-s14.jsonl")
+    with open(path) as f:
+        record = next(r for r in map(json.loads, f) if r.get("n_layer") == 90 and r.get("optimizer_state") == "fp32")
+    rates = {k: v for k, v in record["rates"].items() if k != "device"}
+    p = box.plan(90, "fp32", rates)
+    assert p.fits, p.why
+    assert p.transaction == "replay"
+    assert p.estimate.host_adam_rate < rates["host_adam"]            # priced beside the copies
+    assert p.estimate.host_adam_exposed_seconds < 1e-3, p.estimate
+    assert p.host_grad_buffers > 7
+    assert p.host_peak_bytes <= 110 * 2**30 and p.device_peak_bytes <= box.BOX["device_memory"]

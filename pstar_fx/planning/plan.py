@@ -99,6 +99,13 @@ class Estimate:
     clips: bool = False              # Config.grad_clip is set: the summary prints the triggered step
     deferred_step_seconds: float | None = None   # with Transaction.defer_above: the step deferred (kept_grads) or
     # measuring first (replay), on the same buffers
+    # the untriggered step's parts, to read a measured step against (bench/gpt.py records them beside the runtime's
+    # per-phase seconds): the graph's compute (recompute included; a step measuring first counts it twice), the copies
+    # it cannot hide, the host Adam it cannot hide, and the host Adam's parameters/s beside the step's copies
+    compute_seconds: float = 0.0
+    copies_exposed_seconds: float = 0.0
+    host_adam_exposed_seconds: float = 0.0
+    host_adam_rate: float = 0.0
 
 
 @dataclass(frozen=True)

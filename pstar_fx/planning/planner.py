@@ -5,6 +5,8 @@ host Adam (host_adam.py), how host chunks cross (shipping.py), the chunk moves (
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.fx as fx
 
@@ -110,47 +112,77 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     n_host_grad, adam_exposed, adam_hidden = (0, 0.0, 0.0) if after_verdict else _host_adam_pipeline(
         rank0_placement, layout, node_secs, use.reads, use.adam_at, host_adam_rate, cuda, n_spare_buffers)
     n_host_grad = on.host_grad_buffers if on is not None else n_host_grad   # the pool the runtime allocated
-    simulated_buffers = n_host_grad
-    if kept_bytes:                     # every host chunk's gradient lands in its own kept buffer: no pool
-        n_host_grad = 0
-        host_used_bytes = (sizes.rest_bytes(n_device) + sizes.host_overhead_bytes + sizes.kept_staging_bytes
-                           + kept_bytes)
-    else:
-        host_used_bytes += max(0, n_host_grad - 2) * sizes.grad_chunk_bytes
-
-    # shipping and the chunk moves
     host_ids = [c for c in range(n_chunks) if tier_of[c] == "host" and c % world == rank]
     in_shadow = (on.kept_in_shadow if on is not None else
                  kept_in_shadow(transaction, layout, host_ids, fp32=fp32, world=world))
     host_frozen = [frozen[c] for c in host_chunks]              # rank 0's k-th host chunk: frozen?
-    host_ship = (["frozen" if f else "shadow" for f in host_frozen] if in_shadow else
-                 _choose_shipping(host_frozen, config, chunk_elems, compute_itemsize, cuda,
-                                  host_used_bytes=host_used_bytes))
-    ship_of, ship = ship_codes(tier_of, host_ship, n_device=n_device, world=world, rank=rank, frozen=frozen,
-                               fallback=fallback_code(compute_itemsize, cuda))
-    ship = list(on.ship) if on is not None else ship
     # (chunked: a ring broadcast or reduce moves the whole buffer through every link: bytes / bus bandwidth)
     coll_seconds = sizes.compute_chunk_bytes / rates.coll_bw if chunked else 0.0
-    copy_s = copy_seconds(ship_of, chunk_elems, compute_itemsize, rates, coll_seconds)
     slot_reads = [{c for c in r if needs_slot[c]} for r in use.reads]
-    sched = place_prefetches(belady(slot_reads, n_slots), n_slots, node_secs, copy_s) if n_slots else Schedule()
+
+    def ship_and_move(pool: int) -> _Moving:
+        """Shipping, the chunk moves, the memory and the host Adam beside the copies, with `pool` host gradient
+        buffers (the host room they take is the 16-bit shadows' room)."""
+        used, n_pool, kept = host_used_bytes, pool, kept_bytes
+        if kept:                       # every host chunk's gradient lands in its own kept buffer: no pool
+            n_pool = 0
+            used = sizes.rest_bytes(n_device) + sizes.host_overhead_bytes + sizes.kept_staging_bytes + kept
+        else:
+            used += max(0, pool - 2) * sizes.grad_chunk_bytes
+        host_ship = (["frozen" if f else "shadow" for f in host_frozen] if in_shadow else
+                     _choose_shipping(host_frozen, config, chunk_elems, compute_itemsize, cuda, host_used_bytes=used))
+        ship_of, ship = ship_codes(tier_of, host_ship, n_device=n_device, world=world, rank=rank, frozen=frozen,
+                                   fallback=fallback_code(compute_itemsize, cuda))
+        ship = list(on.ship) if on is not None else ship
+        copy_s = copy_seconds(ship_of, chunk_elems, compute_itemsize, rates, coll_seconds)
+        sched = place_prefetches(belady(slot_reads, n_slots), n_slots, node_secs, copy_s) if n_slots else Schedule()
+
+        # memory: the breakdowns, and whether the device chunks' kept gradients stay on the device
+        device = device_breakdown(sizes, device_chunks=device_chunks, n_slots=n_slots, n_grad_slots=n_grad,
+                                  host_ship=host_ship, chunk_elems=chunk_elems, fp32=fp32)
+        host = host_breakdown(sizes, host_chunks=host_chunks, n_host_grad_buffers=n_pool, host_ship=host_ship,
+                              kept_in_shadow=in_shadow, kept_bytes=kept)
+        kept_on_device = (on.kept_on_device if on is not None else
+                          n_kept_on_device(n_updated_device, sizes.grad_chunk_bytes, sum(device.values()),
+                                           budget_bytes) if transaction in KEEPS else 0)
+        if kept_on_device:
+            device, host = with_kept_on_device(device, host, kept_on_device * sizes.grad_chunk_bytes)
+            kept -= kept_on_device * sizes.grad_chunk_bytes
+
+        # the host Adam shares the host's memory with the step's PCIe copies: its rate beside them (costs.py
+        # host_adam_share), from the bytes this schedule moves over the step's compute
+        kept_copy_s = (n_updated_device - kept_on_device) * sizes.grad_chunk_bytes / rates.d2h_bw
+        rate, exposed, hidden = host_adam_rate, adam_exposed, adam_hidden
+        if cuda and host_chunks:
+            moved = _copy_bytes(sched, ship_of, chunk_elems, compute_itemsize, host_chunks, frozen) \
+                + (kept_copy_s * rates.d2h_bw if transaction in KEEPS else 0.0)
+            share = host_adam_share(rate, config.optimizer_state, moved / max(sum(node_secs), 1e-9))
+            rate *= share
+            if share < 1.0 and not after_verdict:
+                _, exposed, hidden = _host_adam_pipeline(rank0_placement, layout, node_secs, use.reads, use.adam_at,
+                                                         rate, cuda, n_spare_buffers, buffers=pool)
+        return _Moving(n_pool, host_ship, ship_of, ship, copy_s, sched, device, host, kept_on_device, kept,
+                       kept_copy_s, rate, exposed, hidden)
+
+    moving = ship_and_move(n_host_grad)
+    if on is None and cuda and not after_verdict and not kept_bytes and moving.host_adam_exposed > 1e-3:
+        # the pool was sized at the host Adam's rate alone, and beside the step's copies it runs slower: a pool
+        # sized at that rate hides more of it, in host room the shipping would give 16-bit shadows (more bytes
+        # cross for each chunk without one); whichever the estimate prices lower (GPT3_18B with fp32 moments at
+        # 110 GiB of host, the H200's rates: 7 buffers expose 132 ms of host Adam at 5.4 G params/s, 12 none)
+        larger, _, _ = _host_adam_pipeline(rank0_placement, layout, node_secs, use.reads, use.adam_at,
+                                           moving.host_adam_rate, cuda, n_spare_buffers)
+        if larger > n_host_grad:
+            other = ship_and_move(larger)
+            if other.exposed_seconds < moving.exposed_seconds - 1e-4:
+                n_host_grad, moving = larger, other
+    (n_host_grad, host_ship, ship_of, ship, copy_s, sched, device, host, kept_on_device, kept_bytes, kept_copy_s,
+     host_adam_rate, adam_exposed, adam_hidden) = moving
     if sched.exposed_seconds > 1e-4:
         notes.append(exposed_copies_note(sched.exposed_seconds, rates))
-
-    # memory: the breakdowns, and whether the device chunks' kept gradients stay on the device
-    device = device_breakdown(sizes, device_chunks=device_chunks, n_slots=n_slots, n_grad_slots=n_grad,
-                              host_ship=host_ship, chunk_elems=chunk_elems, fp32=fp32)
-    host = host_breakdown(sizes, host_chunks=host_chunks, n_host_grad_buffers=n_host_grad, host_ship=host_ship,
-                          kept_in_shadow=in_shadow, kept_bytes=kept_bytes)
     keeps_copies = keeps_compute_copies(n_slots, sum(needs_slot), world, config.torch_dtype)
     notes += [KEEPS_COMPUTE_COPIES_NOTE] if keeps_copies else []
     notes += [cuda_memory_note(config, sizes.workspace_bytes, budget_bytes)] if cuda else []
-    kept_on_device = (on.kept_on_device if on is not None else
-                      n_kept_on_device(n_updated_device, sizes.grad_chunk_bytes, sum(device.values()), budget_bytes)
-                      if transaction in KEEPS else 0)
-    if kept_on_device:
-        device, host = with_kept_on_device(device, host, kept_on_device * sizes.grad_chunk_bytes)
-        kept_bytes -= kept_on_device * sizes.grad_chunk_bytes
     chunks = Placement(placement, n_device, world, rank)
     memory = Memory(sum(device.values()), sum(host.values()), device, host, act_peak_bytes, config.optimizer_state,
                     config.state_bytes_per_param, budget_bytes=config.device_memory,
@@ -162,20 +194,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     # parallelism)
     adaptive = (transaction in ("kept_grads", "replay") and config.transaction == "auto"
                 and config.grad_clip is not None and not chunked)
-
-    # the host Adam shares the host's memory with the step's PCIe copies: its rate beside them (costs.py
-    # host_adam_share), from the bytes this schedule moves over the step's compute; the pool sized above stays
-    kept_copy_s = (n_updated_device - kept_on_device) * sizes.grad_chunk_bytes / rates.d2h_bw
-    share = 1.0
-    if cuda and host_chunks:
-        moved = _copy_bytes(sched, ship_of, chunk_elems, compute_itemsize, host_chunks, frozen) \
-            + (kept_copy_s * rates.d2h_bw if transaction in KEEPS else 0.0)
-        share = host_adam_share(host_adam_rate, config.optimizer_state, moved / max(sum(node_secs), 1e-9))
-        host_adam_rate *= share
-        if share < 1.0 and not after_verdict:
-            _, adam_exposed, adam_hidden = _host_adam_pipeline(
-                rank0_placement, layout, node_secs, use.reads, use.adam_at, host_adam_rate, cuda, n_spare_buffers,
-                buffers=simulated_buffers)
+    share = host_adam_rate / rates.host_adam_with(config.optimizer_state)
 
     # the estimate: compute (recompute included) + copies not hidden + host Adam that compute can't hide
     # (the CPU runtime runs every host Adam inline, after the verdict or inside backward alike)
@@ -237,9 +256,35 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         memory=memory, shipping=Shipping(ship, keeps_copies),
         step_transaction=Transaction(transaction, not random_ops, measures_first, kept_on_device, switch, in_shadow,
                                      cost),
-        estimate=Estimate(step_seconds, rates, triggered_seconds, config.grad_clip is not None, deferred_seconds),
+        estimate=Estimate(step_seconds, rates, triggered_seconds, config.grad_clip is not None, deferred_seconds,
+                          compute_seconds=sum(node_secs) * (2 if measures_first else 1),
+                          copies_exposed_seconds=sched.exposed_seconds, host_adam_exposed_seconds=adam_exposed,
+                          host_adam_rate=host_adam_rate if host_chunks else 0.0),
         remarks=Remarks(notes, _why(memory, chunks, config, use.min_slots, budget_bytes, room_chunks,
                                        sizes.state_bytes)), profile=profile)
+
+
+class _Moving(NamedTuple):
+    """What make_plan's `ship_and_move` decided for one size of the host gradient pool."""
+    n_host_grad: int
+    host_ship: list[str]
+    ship_of: list[str]
+    ship: list[str]
+    copy_s: dict[int, float]
+    sched: Schedule
+    device: dict[str, int]
+    host: dict[str, int]
+    kept_on_device: int
+    kept_bytes: int
+    kept_copy_s: float
+    host_adam_rate: float       # beside the step's copies
+    host_adam_exposed: float
+    host_adam_hidden: float
+
+    @property
+    def exposed_seconds(self) -> float:
+        """What the step adds to its compute: copies and host Adam it cannot hide."""
+        return self.sched.exposed_seconds + self.host_adam_exposed
 
 
 def _copy_bytes(sched: Schedule, ship_of: list[str], chunk_elems: int, compute_itemsize: int, host_chunks: list[int],
