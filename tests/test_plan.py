@@ -603,23 +603,71 @@ def test_the_largest_fp32_state_gpt_fits_one_h200_box_with_110_gib_of_host():
     assert p.placement.count("host") >= 20        # with 19 (the 4 GiB reserve) the device was 1 GiB over
 
 
-def test_the_host_gradient_pool_is_sized_at_the_host_adams_rate_beside_the_copies():
-    """GPT3_18B with fp32 moments at 110 GiB of host (`replay`: host chunks' gradients wait in a pool of pinned
-    buffers for the host Adam), planned at the rates the H200 box recorded for it (session 14, where the step
-    waited 1.3 s for a buffer). The pool used to be sized at the host Adam's rate alone (7 buffers), while the
-    estimate priced the Adam beside the step's copies (5.4 G params/s), where 7 buffers leave 132 ms of it exposed:
-    the pool is sized at that rate now, in room the shipping had for 16-bit shadows, when the estimate says so."""
+def _s14_fp32(layers: int) -> tuple:
+    """bench/plan_at_rates.py and the rates the H200 box recorded for an h4096 GPT with fp32 moments at 110 GiB of
+    host (session 14, bench/results)."""
     import json
     from bench_modules import load
     box = load("plan_at_rates", "plan_at_rates")
     path = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "2026-12-03-h200-s14.jsonl")
     with open(path) as f:
-        record = next(r for r in map(json.loads, f) if r.get("n_layer") == 90 and r.get("optimizer_state") == "fp32")
-    rates = {k: v for k, v in record["rates"].items() if k != "device"}
+        record = next(r for r in map(json.loads, f)
+                      if r.get("n_layer") == layers and r.get("optimizer_state") == "fp32")
+    return box, {k: v for k, v in record["rates"].items() if k != "device"}
+
+
+def test_the_host_gradient_pool_is_sized_at_the_host_adams_rate_beside_the_copies(monkeypatch):
+    """GPT3_18B with fp32 moments at 110 GiB of host (`replay`: host chunks' gradients wait in a pool of pinned
+    buffers for the host Adam), planned at the rates the H200 box recorded for it (session 14, where the step
+    waited 1.3 s for a buffer), the host chunks the last ones. The pool used to be sized at the host Adam's rate
+    alone (7 buffers), while the estimate priced the Adam beside the step's copies (5.4 G params/s), where 7
+    buffers leave 132 ms of it exposed: the pool is sized at that rate now, in room the shipping had for 16-bit
+    shadows, when the estimate says so."""
+    from pstar_fx.planning import placement
+    monkeypatch.setattr(placement, "HOST_ORDERS", ("last",))
+    box, rates = _s14_fp32(90)
     p = box.plan(90, "fp32", rates)
     assert p.fits, p.why
-    assert p.transaction == "replay"
+    assert p.transaction == "replay" and p.chunks.host_order == "last"
     assert p.estimate.host_adam_rate < rates["host_adam"]            # priced beside the copies
     assert p.estimate.host_adam_exposed_seconds < 1e-3, p.estimate
     assert p.host_grad_buffers > 7
     assert p.host_peak_bytes <= 110 * 2**30 and p.device_peak_bytes <= box.BOX["device_memory"]
+
+
+def test_the_largest_fp32_state_gpt_spreads_its_host_chunks_among_the_device_chunks(monkeypatch):
+    """h4096 L99 with fp32 moments at 110 GiB of host: no host room for more than 2 gradient buffers, and with the
+    last 20 of 43 chunks on the host their gradients reach the host Adam one after another, faster than it takes
+    them (the H200 box: 1.77 s a step of the launching thread waiting for a buffer, 88 ms of host Adam per chunk).
+    Spread every other one from the end, each follows a device chunk's backward: the plan, at the box's recorded
+    rates, chooses that, and hides the host Adam the last-chunks plan leaves exposed."""
+    from pstar_fx.planning import placement
+    box, rates = _s14_fp32(99)
+    spread = box.plan(99, "fp32", rates)
+    monkeypatch.setattr(placement, "HOST_ORDERS", ("last",))
+    last = box.plan(99, "fp32", rates)
+    assert spread.fits and last.fits
+    assert spread.chunks.host_order == "spread" and last.chunks.host_order == "last"
+    assert last.estimate.host_adam_exposed_seconds > 0.1, last.estimate
+    assert spread.estimate.host_adam_exposed_seconds < 1e-3, spread.estimate
+    assert spread.estimated_step_seconds < last.estimated_step_seconds
+    assert spread.placement.count("host") == last.placement.count("host")
+    assert spread.host_peak_bytes <= 110 * 2**30 and spread.device_peak_bytes <= box.BOX["device_memory"]
+
+
+def test_the_host_chunks_spread_every_other_one_from_the_end():
+    """placement.device_order("spread"): the host takes the last chunk and every other one before it first, then
+    the ones between; tiers() and ship_codes() read a placement of that order (an owner's k-th host chunk by its
+    index among the host's)."""
+    from pstar_fx.planning.placement import device_order, tiers
+    from pstar_fx.planning.shipping import ship_codes
+    order = device_order(7, "spread")
+    assert sorted(order) == list(range(7)) and device_order(7, "last") == ()
+    for n_device, host in ((6, [6]), (4, [2, 4, 6]), (3, [0, 2, 4, 6]), (2, [0, 2, 4, 5, 6]), (0, list(range(7)))):
+        tier_of, placement, _ = tiers(7, n_device, 1, 0, order)
+        assert [c for c in range(7) if tier_of[c] == "host"] == host, (n_device, tier_of)
+    tier_of, _, _ = tiers(7, 4, 1, 0, order)
+    ship_of, _ = ship_codes(tier_of, ["shadow", "fp32", "fp32"], world=1, rank=0, frozen=[False] * 7,
+                            fallback="fp32")
+    assert ship_of == ["-", "-", "shadow", "-", "fp32", "-", "fp32"]
+    assert tiers(7, 4, 1, 0)[0] == ["device"] * 4 + ["host"] * 3          # the default: the last ones

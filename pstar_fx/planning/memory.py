@@ -76,6 +76,9 @@ class StepBytes:
     host_staging_bytes: int        # 2 host buffers in the compute dtype, plus the process overhead
     frozen: tuple[bool, ...] = ()  # per chunk: a frozen chunk (layout.Chunk.frozen) holds only its weights
     world: int = 1                 # chunk c is owned by rank c % world
+    # the chunks a rank owns, by their index among its own, in the order they take the device (placement.py
+    # `device_order`; empty: in chunk order, the host holding the last ones)
+    order: tuple[int, ...] = ()
 
     @property
     def frozen_chunk_bytes(self) -> int:
@@ -87,14 +90,17 @@ class StepBytes:
         return self.frozen_chunk_bytes if self.frozen[c] else self.state_bytes
 
     def _owned(self, rank: int) -> list[int]:
-        return list(range(rank, len(self.frozen), self.world))
+        owned = list(range(rank, len(self.frozen), self.world))
+        return [owned[j] for j in self.order if j < len(owned)] if self.order else owned
 
     def first_bytes(self, k: int) -> int:
-        """The persistent bytes of the first `k` chunks a rank owns (the device's), the most over the ranks."""
+        """The persistent bytes of the first `k` chunks a rank owns in device order (the device's), the most over the
+        ranks."""
         return max(sum(self.chunk_bytes(c) for c in self._owned(r)[:k]) for r in range(self.world))
 
     def rest_bytes(self, k: int) -> int:
-        """The persistent bytes of the chunks a rank owns after its first `k` (the host's), the most over the ranks."""
+        """The persistent bytes of the chunks a rank owns after its first `k` in device order (the host's), the most
+        over the ranks."""
         return max(sum(self.chunk_bytes(c) for c in self._owned(r)[k:]) for r in range(self.world))
 
     def split(self, chunks) -> tuple[int, int, int]:

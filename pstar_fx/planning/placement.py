@@ -77,19 +77,41 @@ def n_device_chunks(sizes: StepBytes, config: Config, *, budget_bytes: int | Non
 
 
 def host_room_chunks(sizes: StepBytes, config: Config, n_own: int) -> int | None:
-    """How many of the last chunks a rank owns the host budget holds beside its staging buffers (None:
-    unlimited). Chunks differ in size (a frozen chunk holds only its weights), so it is counted from the end."""
+    """How many of the last chunks a rank owns (in device order) the host budget holds beside its staging buffers
+    (None: unlimited). Chunks differ in size (a frozen chunk holds only its weights), so it is counted from the end."""
     if config.host_memory is None:
         return None
     room_bytes = config.host_memory - sizes.host_staging_bytes
     return next((m for m in range(n_own, 0, -1) if sizes.rest_bytes(n_own - m) <= room_bytes), 0)
 
 
-def tiers(n_chunks: int, n_device: int, world: int, rank: int) -> tuple[list[str], list[str], list[str]]:
+# How the host chunks lie among a rank's chunks (`device_order`): "last", the host holding the last chunks (their
+# gradients come first in backward, and the next forward reads them last); "spread", every other chunk from the end
+# first (each host chunk's gradient follows a device chunk's backward: the host Adam behind backward gets that time
+# too, where "last" hands it one host gradient after another).
+HOST_ORDERS = ("last", "spread")
+
+
+def device_order(n_own: int, host_order: str) -> tuple[int, ...]:
+    """A rank's chunks (by index among its own) in the order they take the device; the host takes them from the end
+    of it. "last": chunk order (empty: the default). "spread": the host takes the last chunk, then every other one
+    before it, then the ones between, from the end."""
+    if host_order == "last":
+        return ()
+    if host_order != "spread":
+        raise ValueError(f"host_order must be one of {HOST_ORDERS}, got {host_order!r}")
+    host_first = list(range(n_own - 1, -1, -2)) + list(range(n_own - 2, -1, -2))
+    return tuple(reversed(host_first))
+
+
+def tiers(n_chunks: int, n_device: int, world: int, rank: int,
+          order: tuple[int, ...] = ()) -> tuple[list[str], list[str], list[str]]:
     """(each chunk's tier at its owner, this rank's placement, rank 0's placement). The first `n_device` chunks
-    an owner holds are on its device; in a rank's placement, the chunks others own are "remote". Rank 0 owns the
-    most chunks: what shapes the collective schedule is planned for it."""
-    tier_of = ["device" if c // world < n_device else "host" for c in range(n_chunks)]
+    an owner holds in `order` (`device_order`; chunk order when empty) are on its device; in a rank's placement,
+    the chunks others own are "remote". Rank 0 owns the most chunks: what shapes the collective schedule is planned
+    for it."""
+    position = {j: i for i, j in enumerate(order)}
+    tier_of = ["device" if position.get(c // world, c // world) < n_device else "host" for c in range(n_chunks)]
     placement = [tier_of[c] if c % world == rank else "remote" for c in range(n_chunks)]
     rank0_placement = [tier_of[c] if c % world == 0 else "remote" for c in range(n_chunks)]
     return tier_of, placement, rank0_placement

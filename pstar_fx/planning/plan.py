@@ -36,6 +36,7 @@ class Placement:
     n_device: int = 0         # chunks on the device among those a rank owns (all chunks on one rank)
     world: int = 1            # data-parallel ranks the chunks are partitioned over (1: none)
     rank: int = 0             # whose plan this is: chunks another rank owns are "remote"
+    host_order: str = "last"  # how the host chunks lie among a rank's (placement.py HOST_ORDERS)
 
 
 @dataclass(frozen=True)

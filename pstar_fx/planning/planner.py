@@ -5,6 +5,7 @@ host Adam (host_adam.py), how host chunks cross (shipping.py), the chunk moves (
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -19,7 +20,9 @@ from .host_adam import _after_verdict_exposed, _host_adam_pipeline
 from .liveness import activation_profile
 from .memory import (CUDA_BLOCK_BYTES, device_breakdown, host_breakdown, step_bytes, usable_budget,
                      with_kept_on_device)
-from .placement import chunk_use, host_room_chunks, n_compute_slots, n_device_chunks, n_grad_slots, tiers
+from .placement import (chunk_use, device_order, host_room_chunks, n_compute_slots, n_device_chunks, n_grad_slots,
+                        tiers)
+from . import placement as placement_module
 from .plan import Estimate, Memory, Moves, NodeProfile, Placement, Plan, Remarks, Shipping, Slots, Transaction
 from .report import (KEEPS_COMPUTE_COPIES_NOTE, _transaction_cost, _why, cuda_memory_note, data_parallel_note,
                      exposed_copies_note, host_adam_note)
@@ -33,7 +36,32 @@ from .transaction import (KEEPS, _choose_transaction, defer_above, n_grad_slots_
 def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_itemsize: int,
               buffer_bytes: int, on: Plan | None = None, world: int = 1, rank: int = 0,
               rates: Rates | None = None) -> Plan:
-    """Placement and schedule for the fused graph under the config's budgets. Never raises for memory:
+    """Placement and schedule for the fused graph under the config's budgets (`_make_plan`), the host chunks the
+    last ones. Where the host Adam runs inside backward (the gradients of host chunks reach the worker as backward
+    produces them) and the step cannot hide all of it, the host chunks spread among the device chunks are planned
+    too (placement.py `device_order`), and the plan with the lower estimate is kept: with the last chunks on the
+    host, their gradients come one after another, faster than the host Adam takes them, and once the pool of host
+    gradient buffers is full the GPU waits (h4096 L99 with fp32 moments at 110 GiB of host: 2 buffers, 1.77 s a
+    step of the launching thread waiting for one on the H200; spread, each gradient follows a device chunk's
+    backward). One rank, on CUDA, a plan of its own (`on` keeps another's placement)."""
+    plan = _make_plan(gm, layout, config, compute_itemsize=compute_itemsize, buffer_bytes=buffer_bytes, on=on,
+                      world=world, rank=rank, rates=rates)
+    if (on is not None or world > 1 or not config.device.startswith("cuda") or plan.estimate.rates is None
+            or plan.transaction in ("deferred", "accumulate") or plan.estimate.host_adam_exposed_seconds <= 1e-3):
+        return plan
+    for order in placement_module.HOST_ORDERS[1:]:
+        other = _make_plan(gm, layout, config, compute_itemsize=compute_itemsize, buffer_bytes=buffer_bytes,
+                           world=world, rank=rank, rates=plan.estimate.rates, host_order=order)
+        if other.fits >= plan.fits and other.estimated_step_seconds < plan.estimated_step_seconds - 1e-3:
+            plan = other
+    return plan
+
+
+def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_itemsize: int,
+               buffer_bytes: int, on: Plan | None = None, world: int = 1, rank: int = 0,
+               rates: Rates | None = None, host_order: str = "last") -> Plan:
+    """Placement and schedule for the fused graph under the config's budgets, the host chunks lying as
+    `host_order` says (placement.py `device_order`). Never raises for memory:
     a plan that does not fit says so (`fits`, `why`); compile() turns that into a BudgetError.
     `on`: schedule this graph on another plan's chunk memory and runtime (its placement, shipping, compute and
     gradient slots, host gradient buffers, transaction and device-kept gradients: what the runtime built from it
@@ -61,8 +89,10 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     act_bytes_per_node, act_peak_bytes = activation_profile(g, skip=skip, round_to=CUDA_BLOCK_BYTES if cuda else 1,
                                                             cuda=cuda)
     rates = rates or calibrate(torch.device(config.device), config.torch_dtype)
-    sizes = step_bytes(g, layout, config, compute_itemsize=compute_itemsize, buffer_bytes=buffer_bytes,
-                       activation_peak_bytes=act_peak_bytes, rates=rates, cuda=cuda, world=world)
+    host_order = on.chunks.host_order if on is not None else host_order
+    sizes = replace(step_bytes(g, layout, config, compute_itemsize=compute_itemsize, buffer_bytes=buffer_bytes,
+                               activation_peak_bytes=act_peak_bytes, rates=rates, cuda=cuda, world=world),
+                    order=device_order(n_own, host_order))
     budget_bytes = usable_budget(config.device_memory, cuda)
 
     # placement, then the transaction the host leaves room for (which may ask for a second gradient slot)
@@ -89,7 +119,10 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
         n_grad, fixed_bytes = 2, fixed_bytes + sizes.grad_chunk_bytes
         n_device = place(fixed_bytes)
     n_host = n_own - n_device
-    tier_of, placement, rank0_placement = tiers(n_chunks, n_device, world, rank)
+    if host_order == "spread" and n_host and n_device:
+        notes.append("host chunks spread among the device chunks (every other one from the end first): each host "
+                     "chunk's gradient reaches the host Adam after a device chunk's backward")
+    tier_of, placement, rank0_placement = tiers(n_chunks, n_device, world, rank, sizes.order)
     n_updated_device = sum(1 for c, ch in enumerate(layout.chunks)
                            if ch.grad_spans() and rank0_placement[c] == "device")
     # an fp32 device chunk computes on its master, a frozen device chunk on its weights: neither needs a slot
@@ -131,7 +164,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
             used += max(0, pool - 2) * sizes.grad_chunk_bytes
         host_ship = (["frozen" if f else "shadow" for f in host_frozen] if in_shadow else
                      _choose_shipping(host_frozen, config, chunk_elems, compute_itemsize, cuda, host_used_bytes=used))
-        ship_of, ship = ship_codes(tier_of, host_ship, n_device=n_device, world=world, rank=rank, frozen=frozen,
+        ship_of, ship = ship_codes(tier_of, host_ship, world=world, rank=rank, frozen=frozen,
                                    fallback=fallback_code(compute_itemsize, cuda))
         ship = list(on.ship) if on is not None else ship
         copy_s = copy_seconds(ship_of, chunk_elems, compute_itemsize, rates, coll_seconds)
@@ -183,7 +216,7 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     keeps_copies = keeps_compute_copies(n_slots, sum(needs_slot), world, config.torch_dtype)
     notes += [KEEPS_COMPUTE_COPIES_NOTE] if keeps_copies else []
     notes += [cuda_memory_note(config, sizes.workspace_bytes, budget_bytes)] if cuda else []
-    chunks = Placement(placement, n_device, world, rank)
+    chunks = Placement(placement, n_device, world, rank, host_order)
     memory = Memory(sum(device.values()), sum(host.values()), device, host, act_peak_bytes, config.optimizer_state,
                     config.state_bytes_per_param, budget_bytes=config.device_memory,
                     host_budget_bytes=config.host_memory)

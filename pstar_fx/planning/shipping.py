@@ -55,16 +55,19 @@ def kept_in_shadow(transaction: str, layout: Layout, host_ids: list[int], *, fp3
             and all(layout.chunks[c].grad_spans() for c in trained))
 
 
-def ship_codes(tier_of: list[str], host_ship: list[str], *, n_device: int, world: int, rank: int,
+def ship_codes(tier_of: list[str], host_ship: list[str], *, world: int, rank: int,
                frozen: list[bool], fallback: str) -> tuple[list[str], list[str]]:
     """(each chunk's code at its owner, this rank's view with "remote"): the k-th host chunk of every owner alike,
     but a frozen chunk always crosses as "frozen" (and a trainable one whose rank-0 twin is frozen as `fallback`)."""
+    # an owner's k-th host chunk, by its index among the owner's chunks (every owner's host chunks lie alike)
+    kth = {j: k for k, j in enumerate(sorted({c // world for c in range(len(tier_of)) if tier_of[c] == "host"}))}
+
     def code(c: int) -> str:
         if tier_of[c] == "device":
             return "-"
         if frozen[c]:
             return "frozen"
-        how = host_ship[c // world - n_device]
+        how = host_ship[kth[c // world]]
         return fallback if how == "frozen" else how
 
     ship_of = [code(c) for c in range(len(tier_of))]
