@@ -635,15 +635,21 @@ def test_the_host_gradient_pool_is_sized_at_the_host_adams_rate_beside_the_copie
     assert p.host_peak_bytes <= 110 * 2**30 and p.device_peak_bytes <= box.BOX["device_memory"]
 
 
-def test_the_largest_fp32_state_gpt_spreads_its_host_chunks_among_the_device_chunks(monkeypatch):
+def test_the_largest_fp32_state_gpt_spreads_its_host_chunks_among_the_device_chunks(monkeypatch, cache_folder):
     """h4096 L99 with fp32 moments at 110 GiB of host: no host room for more than 2 gradient buffers, and with the
     last 20 of 43 chunks on the host their gradients reach the host Adam one after another, faster than it takes
     them (the H200 box: 1.77 s a step of the launching thread waiting for a buffer, 88 ms of host Adam per chunk).
     Spread every other one from the end, each follows a device chunk's backward: the plan, at the box's recorded
     rates, chooses that, and hides the host Adam the last-chunks plan leaves exposed."""
-    from pstar_fx.planning import placement
+    from pstar_fx.planning import placement, planner
     box, rates = _s14_fp32(99)
     spread = box.plan(99, "fp32", rates)
+    # again: the plan cache's decision names the order, and the planner plans with it alone
+    make, orders = planner._make_plan, []
+    monkeypatch.setattr(planner, "_make_plan", lambda *a, **kw: orders.append(kw["host_order"]) or make(*a, **kw))
+    again = box.plan(99, "fp32", rates)
+    assert orders == ["spread"] and again.estimated_step_seconds == spread.estimated_step_seconds
+    monkeypatch.setattr(planner, "_make_plan", make)
     monkeypatch.setattr(placement, "HOST_ORDERS", ("last",))
     last = box.plan(99, "fp32", rates)
     assert spread.fits and last.fits

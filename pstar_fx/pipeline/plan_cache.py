@@ -41,8 +41,9 @@ from ..planning.costs import cache_root, write_entry
 
 log = logging.getLogger("pstar_fx")
 
-FORMAT = 4      # bump when what an entry means, or what the fingerprint covers, changes (4: gradient buffers
-#                sized by Layout.state_elems: a LoRA decision made with chunk-long ones would place otherwise)
+FORMAT = 5      # bump when what an entry means, or what the fingerprint covers, changes (4: gradient buffers
+#                sized by Layout.state_elems: a LoRA decision made with chunk-long ones would place otherwise;
+#                5: the host chunks' order, which a warm compile plans with instead of comparing both)
 
 # Config fields planning never reads: the lr schedule (a callable's repr holds its address) and the process
 # group's timeout
@@ -63,6 +64,7 @@ class Decision:
     device_peak_bytes: int          # checks
     fits: bool
     estimated_step_seconds: float
+    host_order: str = "last"        # how the host chunks lie (planning.placement HOST_ORDERS): planned with it alone
 
 
 def enabled() -> bool:
@@ -108,7 +110,7 @@ def load(key: str) -> tuple[Decision, str] | None:
             return None
         decision = Decision(**entry["decision"])
         kinds = {"cheap": int, "run_len": int, "runs": int, "recompute": str, "why": str, "device_peak_bytes": int,
-                 "fits": bool, "estimated_step_seconds": (int, float)}
+                 "fits": bool, "estimated_step_seconds": (int, float), "host_order": str}
         wrong = [k for k, t in kinds.items() if not isinstance(getattr(decision, k), t)]
         if wrong:
             raise ValueError(f"field(s) of the wrong type: {', '.join(wrong)}")

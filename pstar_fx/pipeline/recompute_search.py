@@ -24,6 +24,7 @@ from ..passes.contract import PassContext
 from ..passes.recompute import Segment, find_segments, group_segments
 from ..passes.recompute_ops import find_cheap_recomputes, op_segments
 from ..planning import CUDA_BLOCK_BYTES, Plan, PlanDelta, fold, make_plan, usable_budget
+from ..planning import placement
 from . import plan_cache
 from .plan_ahead import PlanAhead, workers_for
 
@@ -78,12 +79,14 @@ def plan_with_recompute(gm: fx.GraphModule, ctx: PassContext, rates: Rates, buff
         if cached is not None:
             decision, file = cached
             t = Try(decision.cheap, decision.run_len, decision.runs)
+            search.host_order = decision.host_order if decision.host_order in placement.HOST_ORDERS else None
             if search.holds(t) and plan_cache.matches(decision, search.attempt(t)):
                 log.info("plan: from cache (%s)", file)
                 if ctx.host_hint is not None:
                     ctx.host_hint(search.attempt(t))
                 return search.chosen(t, decision.recompute, decision.why)
             log.debug("plan cache: %s does not reproduce its plan on this graph; searching", file)
+            search.host_order, search.tried = None, {}
         best = search.least_that_fits()
         best = search.more_if_it_pays(best)
         said, why = search.summary(best), search.why(best)
@@ -91,7 +94,8 @@ def plan_with_recompute(gm: fx.GraphModule, ctx: PassContext, rates: Rates, buff
             p = search.attempt(best)
             plan_cache.store(key, plan_cache.Decision(*best, recompute=said, why=why,
                                                       device_peak_bytes=p.device_peak_bytes, fits=p.fits,
-                                                      estimated_step_seconds=p.estimated_step_seconds))
+                                                      estimated_step_seconds=p.estimated_step_seconds,
+                                                      host_order=p.chunks.host_order))
         return search.chosen(best, said, why)
 
 
@@ -113,6 +117,8 @@ class _Search:
         # what the tries' passes read; without the driver's hooks, which the record made on demand would keep alive
         self.bare = dataclasses.replace(ctx, plan_step=None, record=lambda name, graph: None, lint=False)
         self.ahead: PlanAhead | None = None
+        # the host chunks' order to plan with (a cached decision's); None: the planner compares them (make_plan)
+        self.host_order: str | None = None
 
     def holds(self, t: Try) -> bool:
         """Whether `t` names values and runs this graph has (a cached decision may be another graph's)."""
@@ -128,7 +134,8 @@ class _Search:
     def planned(self, t: Try) -> tuple[fx.GraphModule, Plan]:
         g_k = fuse_optimizer.run(self.recomputed(t), self.bare)
         return g_k, make_plan(g_k, self.ctx.layout, self.ctx.config, compute_itemsize=self.ctx.dtype.itemsize,
-                              buffer_bytes=self.buffer_bytes, rates=self.rates, on=self.on, **self.partition)
+                              buffer_bytes=self.buffer_bytes, rates=self.rates, on=self.on,
+                              host_order=self.host_order, **self.partition)
 
     def attempt(self, t: Try) -> Plan:
         if t not in self.tried:

@@ -35,7 +35,7 @@ from .transaction import (KEEPS, _choose_transaction, defer_above, n_grad_slots_
 
 def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_itemsize: int,
               buffer_bytes: int, on: Plan | None = None, world: int = 1, rank: int = 0,
-              rates: Rates | None = None) -> Plan:
+              rates: Rates | None = None, host_order: str | None = None) -> Plan:
     """Placement and schedule for the fused graph under the config's budgets (`_make_plan`), the host chunks the
     last ones. Where the host Adam runs inside backward (the gradients of host chunks reach the worker as backward
     produces them) and the step cannot hide all of it, the host chunks spread among the device chunks are planned
@@ -43,10 +43,11 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     host, their gradients come one after another, faster than the host Adam takes them, and once the pool of host
     gradient buffers is full the GPU waits (h4096 L99 with fp32 moments at 110 GiB of host: 2 buffers, 1.77 s a
     step of the launching thread waiting for one on the H200; spread, each gradient follows a device chunk's
-    backward). One rank, on CUDA, a plan of its own (`on` keeps another's placement)."""
+    backward). One rank, on CUDA, a plan of its own (`on` keeps another's placement). `host_order`: plan with that
+    order alone (a cached decision's)."""
     plan = _make_plan(gm, layout, config, compute_itemsize=compute_itemsize, buffer_bytes=buffer_bytes, on=on,
-                      world=world, rank=rank, rates=rates)
-    if (on is not None or world > 1 or not config.device.startswith("cuda") or plan.estimate.rates is None
+                      world=world, rank=rank, rates=rates, host_order=host_order or "last")
+    if (host_order is not None or on is not None or world > 1 or not config.device.startswith("cuda") or plan.estimate.rates is None
             or plan.transaction in ("deferred", "accumulate") or plan.estimate.host_adam_exposed_seconds <= 1e-3):
         return plan
     for order in placement_module.HOST_ORDERS[1:]:
