@@ -37,18 +37,19 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
               buffer_bytes: int, on: Plan | None = None, world: int = 1, rank: int = 0,
               rates: Rates | None = None, host_order: str | None = None) -> Plan:
     """Placement and schedule for the fused graph under the config's budgets (`_make_plan`), the host chunks the
-    last ones. Where the host Adam runs inside backward (the gradients of host chunks reach the worker as backward
-    produces them) and the step cannot hide all of it, the host chunks spread among the device chunks are planned
-    too (placement.py `device_order`), and the plan with the lower estimate is kept: with the last chunks on the
-    host, their gradients come one after another, faster than the host Adam takes them, and once the pool of host
-    gradient buffers is full the GPU waits (h4096 L99 with fp32 moments at 110 GiB of host: 2 buffers, 1.77 s a
-    step of the launching thread waiting for one on the H200; spread, each gradient follows a device chunk's
-    backward). One rank, on CUDA, a plan of its own (`on` keeps another's placement). `host_order`: plan with that
-    order alone (a cached decision's)."""
+    last ones. Where the host Adam runs inside backward from a pool of host gradient buffers (nothing kept: host
+    chunks' gradients wait in the pool as backward produces them) and the step cannot hide all of it, the host
+    chunks spread among the device chunks are planned too (placement.py `device_order`), and the plan with the lower
+    estimate is kept: with the last chunks on the host their gradients come one after another, faster than the host
+    Adam takes them, and once the pool is full the GPU waits (h4096 L99 with fp32 moments at 110 GiB of host:
+    2 buffers, and on the H200 the launching thread waited 1.77 s a step for one); spread, each gradient follows a
+    device chunk's backward. One rank, on CUDA, a plan of its own (`on` keeps another's placement); `host_order`:
+    plan with that order alone (a cached decision's)."""
     plan = _make_plan(gm, layout, config, compute_itemsize=compute_itemsize, buffer_bytes=buffer_bytes, on=on,
                       world=world, rank=rank, rates=rates, host_order=host_order or "last")
-    if (host_order is not None or on is not None or world > 1 or not config.device.startswith("cuda") or plan.estimate.rates is None
-            or plan.transaction in ("deferred", "accumulate") or plan.estimate.host_adam_exposed_seconds <= 1e-3):
+    if (host_order is not None or on is not None or world > 1 or not config.device.startswith("cuda")
+            or plan.estimate.rates is None or not plan.host_grad_buffers
+            or plan.estimate.host_adam_exposed_seconds <= 1e-3):
         return plan
     for order in placement_module.HOST_ORDERS[1:]:
         other = _make_plan(gm, layout, config, compute_itemsize=compute_itemsize, buffer_bytes=buffer_bytes,
