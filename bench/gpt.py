@@ -240,6 +240,7 @@ def pstar_system(cfg, args, example):
              "estimated_host_adam_rate": round(engine.plan.estimate.host_adam_rate),
              "host_grad_buffers": engine.plan.host_grad_buffers, "compute_slots": engine.plan.slots,
              "host_shipping": {k: engine.plan.shipping.ship.count(k) for k in set(engine.plan.shipping.ship)},
+             "host_order": engine.plan.chunks.host_order,
              "defer_above": engine.plan.defer_above, "kept_on_device": engine.plan.kept_on_device,
              "rates": dataclasses.asdict(engine.plan.rates) if engine.plan.rates else None,
              "placement_device_chunks": engine.plan.placement.count("device"),
