@@ -581,29 +581,18 @@ def test_buffers_and_mutated_running_stats():
     assert err <= rounding_tolerance(ref.bn.running_mean, truth.bn.running_mean, steps), err
 
 
-def test_auto_placement_mixes_tiers_and_stays_exact():
-    torch.manual_seed(0)
-    model = GPT(gpt_config("tiny"))
-    batches = [batch(seed=s) for s in range(STEPS)]
-    budget, n_chunks = tight_budget(model, batches[0], device_chunks=4, chunk_size=16384)
-    engine = assert_matches_torch(model, batches, {"device_memory": budget, "chunk_size": 16384,
-                                                   "optimizer": {"lr": 1e-3}})
-    assert "device" in engine.plan.placement and "host" in engine.plan.placement
-    assert engine.memory_stats()["device_peak_bytes"] <= budget
-
-
-def test_host_chunks_spread_among_device_chunks_stay_exact(monkeypatch):
-    """The planner spreads the host chunks among the device chunks (every other one from the end) where that hides
-    more of a host Adam inside backward (planner.make_plan: on CUDA; forced here): the runtime reads each chunk's
-    tier and shipping from the plan, so such a placement trains as torch does, its host chunks updated on the host
-    worker as backward hands them over."""
-    from pstar_fx.planning import planner
-    from pstar_fx.planning.placement import device_order
-    from pstar_fx.runtime import chunk_ops as chunk_ops_module
-    make = planner._make_plan
-    monkeypatch.setattr(planner, "_make_plan",
-                        lambda *a, **kw: make(*a, **{**kw, "host_order": kw.get("host_order", "spread")}))
-    monkeypatch.setattr(chunk_ops_module, "HOST_WORKER_ON_CPU", True)     # the host Adam on its thread, as on CUDA
+@pytest.mark.parametrize("host_order", ["last", "spread"])
+def test_auto_placement_mixes_tiers_and_stays_exact(host_order, monkeypatch):
+    """Chunks on both tiers train as torch does. "spread": the planner spreads the host chunks among the device
+    chunks (every other one from the end) where that hides more of a host Adam inside backward (planner.make_plan,
+    on CUDA; forced here): the runtime reads each chunk's tier and shipping from the plan, so such a placement
+    trains the same, its host chunks updated on the host worker as backward hands them over."""
+    if host_order == "spread":
+        from pstar_fx.planning import planner
+        from pstar_fx.runtime import chunk_ops as chunk_ops_module
+        make = planner._make_plan
+        monkeypatch.setattr(planner, "_make_plan", lambda *a, **kw: make(*a, **{**kw, "host_order": "spread"}))
+        monkeypatch.setattr(chunk_ops_module, "HOST_WORKER_ON_CPU", True)   # the host Adam on its thread, as on CUDA
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny"))
     batches = [batch(seed=s) for s in range(STEPS)]
@@ -611,12 +600,16 @@ def test_host_chunks_spread_among_device_chunks_stay_exact(monkeypatch):
     engine = assert_matches_torch(model, batches, {"device_memory": budget, "chunk_size": 16384,
                                                    "optimizer": {"lr": 1e-3}})
     placement = engine.plan.placement
-    hosts = [c for c, t in enumerate(placement) if t == "host"]
-    assert engine.plan.chunks.host_order == "spread"
-    assert len(hosts) >= 2 and hosts != list(range(n_chunks - len(hosts), n_chunks)), placement
-    order = device_order(n_chunks, "spread")          # the device takes its first ones, the host the rest
-    assert hosts == sorted(order[placement.count("device"):]), placement
+    assert "device" in placement and "host" in placement
     assert engine.memory_stats()["device_peak_bytes"] <= budget
+    assert engine.plan.chunks.host_order == host_order
+    hosts = [c for c, t in enumerate(placement) if t == "host"]
+    if host_order == "spread":
+        from pstar_fx.planning.placement import device_order
+        assert len(hosts) >= 2 and hosts != list(range(n_chunks - len(hosts), n_chunks)), placement
+        assert hosts == sorted(device_order(n_chunks, "spread")[placement.count("device"):]), placement
+    else:
+        assert hosts == list(range(n_chunks - len(hosts), n_chunks)), placement
 
 
 def test_everything_on_device_moves_nothing():
