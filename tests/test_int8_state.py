@@ -136,6 +136,41 @@ def test_cpp_int8_moments_on_several_threads_equal_the_reference(schedule):
     assert_equal(run("cpp", steps=2, n=n, schedule=schedule, num_threads=2), run("torch", steps=2, n=n))
 
 
+@needs_ext
+@pytest.mark.parametrize("simd", ["scalar", "avx2", "avx512"])
+def test_cpp_int8_moments_read_and_write_every_code_as_the_reference_does(simd):
+    """Every code of both maps read (each block holds all 256, so the AVX-512 level's lookup from registers meets
+    each one in every lane position), and new moments spread over 8 decades of their block's absmax (so the
+    quantization meets the buckets of every decade, where the AVX-512 level gathers a bucket's base and cut as one
+    8-byte entry): the codes, scales, masters and 16-bit copies the reference writes, bit for bit."""
+    if simd not in cpu_adam.extension().build_info()["simd_supported"]:
+        pytest.skip(f"{simd} not supported here")
+    blocks = 40
+    n = blocks * quant8.BLOCK_ELEMS + 77
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.arange(quant8.BLOCK_ELEMS, dtype=torch.uint8).repeat(blocks + 1)[:n]
+    rolled = [torch.roll(codes, k * 17) for k in (1, 2)]            # the two moments' codes not aligned alike
+    absmax = [torch.rand(quant8.blocks(n), generator=gen) + 0.05 for _ in range(2)]
+    # gradients of a block span 1e-8..1 of each other: the new moments' ratios to the absmax, 8 decades
+    g = torch.randn(n, generator=gen) * 10 ** (-8 * torch.rand(n, generator=gen))
+    p0 = torch.randn(n, generator=gen)
+
+    def one(backend, **kw):
+        p, mc, vc = p0.clone(), rolled[0].clone(), rolled[1].clone()
+        ma, va = absmax[0].clone(), absmax[1].clone()
+        out = torch.empty(n, dtype=torch.bfloat16)
+        for t in (3, 4):
+            step = cpu_adam.adam_step if backend == "cpp" else adam_step
+            extra = {} if backend == "cpp" else dict(backend=backend)
+            assert step(p, g * t, mc, vc, step=t, grad_scale=1.0, decoupled_weight_decay=True, param_out=out,
+                        exp_avg_absmax=ma, exp_avg_sq_absmax=va, **HYPER, **extra, **kw)
+        return p, mc, vc, ma, va, out
+
+    ref = one("torch")
+    assert_equal(one("cpp", simd=simd), ref)
+    assert len(torch.unique(ref[1])) > 200 and len(torch.unique(ref[2])) > 100     # the new codes spread wide
+
+
 @needs_triton
 def test_triton_int8_moments_equal_the_reference_bit_for_bit():
     for case in CASES[:2]:

@@ -78,7 +78,7 @@ struct ScalarOps {
     // thresholds lie below it, as base[bucket] + (cut[bucket] < x) (q8_bucket: a bucket of x's float bits holds
     // at most one threshold); |x|; max as (a > b ? a : b), which is what maxps computes lane by lane.
     static inline T gather(const float* table, const uint8_t* code) { return table[*code]; }
-    static inline void store_code(uint8_t* dst, T x, const int32_t* base, const float* cut) {
+    static inline void store_code(uint8_t* dst, T x, const int32_t* base, const float* cut, const uint64_t*) {
         const uint32_t u = f32_bits(x);
         uint32_t e = (u >> 23) & 0xFFu;
         e = e > 127u ? 127u : e;
@@ -139,10 +139,22 @@ struct VecOps {
     static inline void stream_f16(uint16_t* p, T x) { _mm256_stream_si256((__m256i*)p, to_f16(x)); }
     static inline void stream_bf16(uint16_t* p, T x) { _mm256_stream_si256((__m256i*)p, to_bf16(x)); }
     static inline void fence() { _mm_sfence(); }
+    // int8 moments: a map's 256 values by code from registers — eight 32-entry permutes, then the code's top three
+    // bits choose among them — where a 16-lane gather took ~36 cycles on the development VM's EPYC (and gathers are
+    // slower still on Xeons with the GDS microcode fix); the same values, so the same bits
     static inline T gather(const float* table, const uint8_t* code) {
-        return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)code)), table, 4);
+        const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)code));
+        __m512 r[8];
+        for (int t = 0; t < 8; ++t)
+            r[t] = _mm512_permutex2var_ps(_mm512_loadu_ps(table + 32 * t), idx, _mm512_loadu_ps(table + 32 * t + 16));
+        const __mmask16 b5 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
+        const __mmask16 b6 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(64));
+        const __mmask16 b7 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(128));
+        const __m512 a0 = _mm512_mask_blend_ps(b5, r[0], r[1]), a1 = _mm512_mask_blend_ps(b5, r[2], r[3]);
+        const __m512 a2 = _mm512_mask_blend_ps(b5, r[4], r[5]), a3 = _mm512_mask_blend_ps(b5, r[6], r[7]);
+        return _mm512_mask_blend_ps(b7, _mm512_mask_blend_ps(b6, a0, a1), _mm512_mask_blend_ps(b6, a2, a3));
     }
-    static inline void store_code(uint8_t* dst, T x, const int32_t* base, const float* cut) {
+    static inline void store_code(uint8_t* dst, T x, const int32_t* base, const float* cut, const uint64_t* packed) {
         const __m512i u = _mm512_castps_si512(x);
         const __m512i e = _mm512_min_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 23), _mm512_set1_epi32(0xFF)),
                                            _mm512_set1_epi32(127));
@@ -151,8 +163,13 @@ struct VecOps {
                                                       _mm512_set1_epi32(1)));
         b = _mm512_maskz_mov_epi32(_mm512_cmpge_epi32_mask(e, _mm512_set1_epi32(kQ8MinExp)), b);
         b = _mm512_add_epi32(b, _mm512_and_si512(_mm512_srai_epi32(u, 31), _mm512_set1_epi32(kQ8BucketsPerSign)));
-        __m512i q = _mm512_i32gather_epi32(b, base, 4);
-        const __m512 c = _mm512_i32gather_ps(b, cut, 4);
+        // the bucket's cut and base in one 8-byte entry (`packed`, cpu_adam.cpp packed_buckets): two gathers of 8
+        // instead of two of 16, then the cuts and the bases pulled apart
+        const __m512i lo = _mm512_i32gather_epi64(_mm512_castsi512_si256(b), (const long long*)packed, 8);
+        const __m512i hi = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(b, 1), (const long long*)packed, 8);
+        const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+        const __m512 c = _mm512_castsi512_ps(_mm512_permutex2var_epi32(lo, even, hi));
+        __m512i q = _mm512_permutex2var_epi32(lo, _mm512_add_epi32(even, _mm512_set1_epi32(1)), hi);
         q = _mm512_mask_add_epi32(q, _mm512_cmp_ps_mask(c, x, _CMP_LT_OQ), q, _mm512_set1_epi32(1));
         _mm_storeu_si128((__m128i*)dst, _mm512_cvtepi32_epi8(q));
     }
@@ -222,7 +239,7 @@ struct VecOps {
     static inline T gather(const float* table, const uint8_t* code) {
         return _mm256_i32gather_ps(table, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)code)), 4);
     }
-    static inline void store_code(uint8_t* dst, T x, const int32_t* base, const float* cut) {
+    static inline void store_code(uint8_t* dst, T x, const int32_t* base, const float* cut, const uint64_t*) {
         const __m256i u = _mm256_castps_si256(x);
         const __m256i e = _mm256_min_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 23), _mm256_set1_epi32(0xFF)),
                                            _mm256_set1_epi32(127));
@@ -418,7 +435,12 @@ static void adam_bf16m_t(float* p, const void* grad, uint16_t* m, uint16_t* v, v
 // with their largest |value|; then the block is quantized against that absmax (x = value / absmax, IEEE
 // division; the code is how many thresholds lie below x, from its bucket: store_code) and the absmax stored as
 // its scale. (An 8-step binary search over the thresholds, gathered, ran at 1/17 of the fp32 Adam's speed on the
-// development VM's AMD EPYC: eight dependent gathers per vector; the bucket takes two independent ones.)
+// development VM's AMD EPYC: eight dependent gathers per vector; the bucket takes two independent ones.) The gathers
+// bound it: on one thread of that VM it ran at 0.39 G params/s against 2.44 for fp32 moments, 0.84 without the
+// maps' gathers and 0.82 without the buckets'. The AVX-512 level reads the maps from registers and gathers each
+// bucket's base and cut as one 8-byte entry: 0.76 G params/s, the same bits (1.9x on 1 and 2 threads,
+// tests/test_int8_state.py; bench/RESULTS.md, session 20).
+
 // Bytes per element: read p 4, m and v codes 2, grad 4 (2); write p 4, codes 2; + 16 B of scales per block:
 // 16 B with fp32 grads (12 B less than fp32 moments), + 2 B for the 16-bit copy. Plain stores only.
 template <class O, int GK, int OK, bool kDivScale, bool kDecoupled>
@@ -451,13 +473,13 @@ static inline void adam_elems_q8(float* p, const void* grad, const uint8_t* mc, 
 
 // One block's new values -> codes, against its absmax (an all-zero block divides by 1: its codes are 0's)
 static inline void quantize_block(const float* x, int64_t len, float absmax, const int32_t* base, const float* cut,
-                                  uint8_t* codes) {
+                                  const uint64_t* packed, uint8_t* codes) {
     const float d = absmax > 0.0f ? absmax : 1.0f;
     const VecOps::T dv = VecOps::set(d);
     int64_t j = 0;
     for (; j + VecOps::W <= len; j += VecOps::W)
-        VecOps::store_code(codes + j, VecOps::div(VecOps::load(x + j), dv), base, cut);
-    for (; j < len; ++j) ScalarOps::store_code(codes + j, x[j] / d, base, cut);
+        VecOps::store_code(codes + j, VecOps::div(VecOps::load(x + j), dv), base, cut, packed);
+    for (; j < len; ++j) ScalarOps::store_code(codes + j, x[j] / d, base, cut, packed);
 }
 
 template <int GK, int OK, bool kDivScale, bool kDecoupled>
@@ -478,8 +500,8 @@ static void adam_q8_t(float* p, const void* grad, Q8* m, Q8* v, void* out, int64
         for (; j < len; ++j)
             adam_elems_q8<ScalarOps, GK, OK, kDivScale, kDecoupled>(p, grad, m->codes, v->codes, out, b0 + j, ms, vs,
                                                                     mb + j, vb + j, mmax, vmax, ks, c);
-        quantize_block(mb, len, mmax, c.q8_signed_base, c.q8_signed_cut, m->codes + b0);
-        quantize_block(vb, len, vmax, c.q8_unsigned_base, c.q8_unsigned_cut, v->codes + b0);
+        quantize_block(mb, len, mmax, c.q8_signed_base, c.q8_signed_cut, c.q8_signed_packed, m->codes + b0);
+        quantize_block(vb, len, vmax, c.q8_unsigned_base, c.q8_unsigned_cut, c.q8_unsigned_packed, v->codes + b0);
         m->absmax[blk] = mmax;
         v->absmax[blk] = vmax;
     }
