@@ -440,7 +440,6 @@ static void adam_bf16m_t(float* p, const void* grad, uint16_t* m, uint16_t* v, v
 // maps' gathers and 0.82 without the buckets'. The AVX-512 level reads the maps from registers and gathers each
 // bucket's base and cut as one 8-byte entry: 0.76 G params/s, the same bits (1.9x on 1 and 2 threads,
 // tests/test_int8_state.py; bench/RESULTS.md, session 20).
-
 // Bytes per element: read p 4, m and v codes 2, grad 4 (2); write p 4, codes 2; + 16 B of scales per block:
 // 16 B with fp32 grads (12 B less than fp32 moments), + 2 B for the 16-bit copy. Plain stores only.
 template <class O, int GK, int OK, bool kDivScale, bool kDecoupled>
