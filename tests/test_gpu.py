@@ -150,6 +150,29 @@ def test_gpu_clipping_and_schedule_match_torch_fp32(transaction, compute):
     assert [r.clip_coef < 1 for r in reports] == [o[1] > clip for o in ref_out]
 
 
+@pytest.mark.parametrize("transaction", ["replay", "none"])
+def test_gpu_spread_host_chunks_match_torch_fp32(monkeypatch, transaction):
+    """The host chunks spread among the device chunks (planner.make_plan picks that where the host Adam runs from a
+    pool and the estimate prices it lower; forced here): host chunks' gradients cross and wait in the pool between
+    device chunks' backward, their compute copies cross between device chunks' reads, and a replay restores and
+    reruns such a placement. Against the CPU reference, with clipping that triggers (replay)."""
+    from pstar_fx.planning import planner
+    make = planner._make_plan
+    monkeypatch.setattr(planner, "_make_plan", lambda *a, **kw: make(*a, **{**kw, "host_order": "spread"}))
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny"))
+    batches = gpt_batches(6)
+    _, _, free = reference(model, batches)
+    clip = sorted(o[1] for o in free)[3] if transaction == "replay" else None
+    ref, _, ref_out = reference(model, batches, grad_clip=clip)
+    engine = _mixed(model, _on_gpu(batches[0]), device_chunks=3, grad_clip=clip, transaction=transaction)
+    hosts = [c for c, t in enumerate(engine.plan.placement) if t == "host"]
+    assert engine.plan.chunks.host_order == "spread"
+    assert hosts != list(range(len(engine.plan.placement) - len(hosts), len(engine.plan.placement))), hosts
+    reports = _run_gpu(engine, batches)
+    _close_to_reference(engine, reports, ref, ref_out)
+
+
 @pytest.mark.parametrize("kept_here", [0, 1], ids=["kept-on-host", "one-kept-on-device"])
 def test_gpu_speculating_and_deferring_by_turns_match_torch_fp32(monkeypatch, kept_here):
     """Chunks on both tiers, clipping that triggers on some steps; the steps defer and speculate by turns (a
