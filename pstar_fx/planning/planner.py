@@ -229,7 +229,8 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
     # parallelism)
     adaptive = (transaction in ("kept_grads", "replay") and config.transaction == "auto"
                 and config.grad_clip is not None and not chunked)
-    share = host_adam_rate / rates.host_adam_with(config.optimizer_state)
+    alone = rates.host_adam_with(config.optimizer_state)
+    share = host_adam_rate / alone if alone else 1.0      # the host Adam's rate beside the copies, of its own
 
     # the estimate: compute (recompute included) + copies not hidden + host Adam that compute can't hide
     # (the CPU runtime runs every host Adam inline, after the verdict or inside backward alike)
