@@ -239,8 +239,8 @@ constexpr int64_t kParallelMinElems = 1 << 15;
 // the machine, or the training loop's own threads — holds up one block, not a static 1/T share.
 constexpr int64_t kBlockElems = 1 << 16;
 
-// A map's buckets packed, (base << 32) | cut's bits, one 8-byte load each (the AVX-512 level gathers half as many
-// elements as two 4-byte tables take). Built once per table pair, with the GIL held.
+// A map's buckets packed, (base << 32) | cut's bits, one 8-byte load each (the AVX-512 and AVX2 levels gather half
+// as many elements as two 4-byte tables take). Built once per table pair, with the GIL held.
 const uint64_t* packed_buckets(const int32_t* base, const float* cut) {
     static std::vector<std::pair<std::pair<const int32_t*, const float*>, std::vector<uint64_t>>> made;
     for (const auto& entry : made)

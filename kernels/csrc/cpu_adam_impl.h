@@ -239,7 +239,7 @@ struct VecOps {
     static inline T gather(const float* table, const uint8_t* code) {
         return _mm256_i32gather_ps(table, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)code)), 4);
     }
-    static inline void store_code(uint8_t* dst, T x, const int32_t* base, const float* cut, const uint64_t*) {
+    static inline void store_code(uint8_t* dst, T x, const int32_t* base, const float* cut, const uint64_t* packed) {
         const __m256i u = _mm256_castps_si256(x);
         const __m256i e = _mm256_min_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 23), _mm256_set1_epi32(0xFF)),
                                            _mm256_set1_epi32(127));
@@ -248,8 +248,14 @@ struct VecOps {
                                                       _mm256_set1_epi32(1)));
         b = _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(kQ8MinExp), e), b);   // tiny |x|: bucket 0
         b = _mm256_add_epi32(b, _mm256_and_si256(_mm256_srai_epi32(u, 31), _mm256_set1_epi32(kQ8BucketsPerSign)));
-        __m256i q = _mm256_i32gather_epi32(base, b, 4);
-        const __m256i below = _mm256_castps_si256(_mm256_cmp_ps(_mm256_i32gather_ps(cut, b, 4), x, _CMP_LT_OQ));
+        // the bucket's cut and base in one 8-byte entry: two gathers of 4 instead of two of 8
+        const __m256i lo = _mm256_i32gather_epi64((const long long*)packed, _mm256_castsi256_si128(b), 8);
+        const __m256i hi = _mm256_i32gather_epi64((const long long*)packed, _mm256_extracti128_si256(b, 1), 8);
+        const __m256i pick = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);      // each half: its cuts, then its bases
+        const __m256i l = _mm256_permutevar8x32_epi32(lo, pick), h = _mm256_permutevar8x32_epi32(hi, pick);
+        const __m256 c = _mm256_castsi256_ps(_mm256_permute2x128_si256(l, h, 0x20));
+        __m256i q = _mm256_permute2x128_si256(l, h, 0x31);
+        const __m256i below = _mm256_castps_si256(_mm256_cmp_ps(c, x, _CMP_LT_OQ));
         q = _mm256_sub_epi32(q, below);                                                    // below: -1 or 0
         // 8 codes in [0, 255]: unsigned saturation is exact
         const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
@@ -439,7 +445,8 @@ static void adam_bf16m_t(float* p, const void* grad, uint16_t* m, uint16_t* v, v
 // bound it: on one thread of that VM it ran at 0.39 G params/s against 2.44 for fp32 moments, 0.84 without the
 // maps' gathers and 0.82 without the buckets'. The AVX-512 level reads the maps from registers and gathers each
 // bucket's base and cut as one 8-byte entry: 0.76 G params/s, the same bits (1.9x on 1 and 2 threads,
-// tests/test_int8_state.py; bench/RESULTS.md, session 20).
+// tests/test_int8_state.py; bench/RESULTS.md, session 20). The AVX2 level gathers the buckets so too (~1.2x there);
+// its maps stay gathered (eight-entry permutes would take 32 for a map).
 // Bytes per element: read p 4, m and v codes 2, grad 4 (2); write p 4, codes 2; + 16 B of scales per block:
 // 16 B with fp32 grads (12 B less than fp32 moments), + 2 B for the 16-bit copy. Plain stores only.
 template <class O, int GK, int OK, bool kDivScale, bool kDecoupled>
