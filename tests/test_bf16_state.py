@@ -101,22 +101,26 @@ def run_reference(steps=5, *, grad_dtype=torch.float32, grad_scale=1.0, decouple
 @pytest.mark.parametrize("simd", ["scalar", "avx2", "avx512"])
 @pytest.mark.parametrize("grad_dtype,grad_scale,decoupled", [(torch.float32, 1.0, True), (torch.bfloat16, 1024.0, False),
                                                              (torch.float16, 3.0, True)])
-def test_cpp_bf16_moments_equal_the_reference_bit_for_bit(simd, grad_dtype, grad_scale, decoupled):
+@pytest.mark.parametrize("out_dtype,offset", [(torch.bfloat16, 0), (torch.float16, 0), (torch.bfloat16, 3)])
+def test_cpp_bf16_moments_equal_the_reference_bit_for_bit(simd, grad_dtype, grad_scale, decoupled, out_dtype, offset):
+    """The 16-bit copy written (non-temporal stores from its first vector-aligned element, cpu_adam.STORES) as the
+    reference rounds it, bf16 or fp16; `offset`: every tensor a view starting that many elements into its buffer, as
+    a parameter's span inside a chunk is."""
     if simd != "scalar":
         try:
             cpu_adam.adam_step(torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1), step=1, param_out=None,
                                grad_scale=1.0, decoupled_weight_decay=True, simd=simd, **HYPER)
         except ValueError:
             pytest.skip(f"{simd} not supported here")
-    p, m, v = state()
-    out = torch.empty(N, dtype=torch.bfloat16)
+    p, m, v = (torch.cat([torch.zeros(offset, dtype=x.dtype), x])[offset:] for x in state())
+    out = torch.empty(N + offset, dtype=out_dtype)[offset:]
     for t, g in enumerate(grads(5), start=1):
         assert cpu_adam.adam_step(p, g.to(grad_dtype), m, v, step=t, grad_scale=grad_scale, param_out=out,
                                   decoupled_weight_decay=decoupled, simd=simd, **HYPER)
     rp, rm, rv = run_reference(grad_dtype=grad_dtype, grad_scale=grad_scale, decoupled=decoupled)
     assert m.dtype == v.dtype == torch.bfloat16
     assert torch.equal(p, rp) and torch.equal(m, rm) and torch.equal(v, rv)
-    assert torch.equal(out, rp.to(torch.bfloat16))
+    assert torch.equal(out, rp.to(out_dtype))
 
 
 @needs_triton

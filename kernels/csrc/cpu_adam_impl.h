@@ -402,7 +402,7 @@ static void adam_range_s(float* p, const void* grad, float* m, float* v, void* o
 // The same step with bf16 moments (Config optimizer_state="bf16"): exp_avg and exp_avg_sq are read from bf16
 // (exact), the step computed in fp32 in adam_elems' order, and written back rounded to nearest even (as
 // torch's .to(torch.bfloat16)). 24 B/element with fp32 grads, + 2 B for the 16-bit copy. Plain stores only.
-template <class O, int GK, int OK, bool kDivScale, bool kDecoupled>
+template <class O, int GK, int OK, bool kDivScale, bool kDecoupled, int ST = 0>
 static inline void adam_elems_bf16m(float* p, const void* grad, uint16_t* m, uint16_t* v, void* out, int64_t i,
                                     const AdamConsts<O>& k) {
     typedef typename O::T T;
@@ -420,19 +420,66 @@ static inline void adam_elems_bf16m(float* p, const void* grad, uint16_t* m, uin
     O::store(p + i, pi);
     O::store_bf16(m + i, mi);
     O::store_bf16(v + i, vi);
-    if (OK == 1) O::store_bf16(static_cast<uint16_t*>(out) + i, pi);
-    else if (OK == 2) O::store_f16(static_cast<uint16_t*>(out) + i, pi);
+    if (OK == 1) ST ? O::stream_bf16(static_cast<uint16_t*>(out) + i, pi) : O::store_bf16(static_cast<uint16_t*>(out) + i, pi);
+    else if (OK == 2) ST ? O::stream_f16(static_cast<uint16_t*>(out) + i, pi) : O::store_f16(static_cast<uint16_t*>(out) + i, pi);
+}
+
+// bf16 moments over one thread's range, with adam_range_t's head, software prefetch and stores: the fp32-moment
+// kernel's tuning (cpu_adam.cpp, "Stores, schedule and prefetch"), which this kernel lacked — on the H200 box it moved
+// 146 GB/s against the fp32 kernel's 176. On the development VM, the same bits: 2.35 -> 2.73 G params/s on one
+// thread, 3.07 -> 3.30 on two (bench/RESULTS.md, session 20). A 16-bit moment's line spans two fp32 lines.
+template <int GK, int OK, bool kDivScale, bool kDecoupled, int ST>
+static void adam_bf16m_range_t(float* p, const void* grad, uint16_t* m, uint16_t* v, void* out, int64_t n,
+                               const AdamCoeffs& c) {
+    const AdamConsts<VecOps> kv(c);
+    const AdamConsts<ScalarOps> ks(c);
+    int64_t i = 0;
+    if (ST != 0)  // scalar head up to the first element whose 16-bit copy is vector-aligned
+        for (; i < n && !aligned_to(static_cast<uint16_t*>(out) + i, VecOps::W * 2); ++i)
+            adam_elems_bf16m<ScalarOps, GK, OK, kDivScale, kDecoupled>(p, grad, m, v, out, i, ks);
+#if PSTAR_SIMD != 0
+    if (c.prefetch_elems != 0) {
+        const uintptr_t ahead = (uintptr_t)(c.prefetch_elems > 0 ? c.prefetch_elems : -c.prefetch_elems);
+        const uintptr_t gsize = GK == 0 ? 4 : 2;
+        const int64_t per_line = 16 / VecOps::W;  // vectors per 64 B line of fp32: 1 (AVX-512) or 2 (AVX2)
+        const bool to_l1 = c.prefetch_elems > 0;
+        for (int64_t it = 0; i + VecOps::W <= n; i += VecOps::W, ++it) {
+            if (it % per_line == 0) {
+                const uintptr_t j = (uintptr_t)i + ahead;
+                const char* pp = (const char*)((uintptr_t)p + 4 * j);
+                const char* mp = (const char*)((uintptr_t)m + 2 * j);
+                const char* vp = (const char*)((uintptr_t)v + 2 * j);
+                const char* gp = (const char*)((uintptr_t)grad + gsize * j);
+                const bool half = (it / per_line) % 2 == 0;    // a 16-bit line spans 2 fp32 lines
+                const bool gline = gsize == 4 || half;
+                if (to_l1) {
+                    _mm_prefetch(pp, _MM_HINT_T0);
+                    if (half) _mm_prefetch(mp, _MM_HINT_T0), _mm_prefetch(vp, _MM_HINT_T0);
+                    if (gline) _mm_prefetch(gp, _MM_HINT_T0);
+                } else {
+                    _mm_prefetch(pp, _MM_HINT_T1);
+                    if (half) _mm_prefetch(mp, _MM_HINT_T1), _mm_prefetch(vp, _MM_HINT_T1);
+                    if (gline) _mm_prefetch(gp, _MM_HINT_T1);
+                }
+            }
+            adam_elems_bf16m<VecOps, GK, OK, kDivScale, kDecoupled, ST>(p, grad, m, v, out, i, kv);
+        }
+    }
+#endif
+    for (; i + VecOps::W <= n; i += VecOps::W)
+        adam_elems_bf16m<VecOps, GK, OK, kDivScale, kDecoupled, ST>(p, grad, m, v, out, i, kv);
+    for (; i < n; ++i) adam_elems_bf16m<ScalarOps, GK, OK, kDivScale, kDecoupled>(p, grad, m, v, out, i, ks);
+    if (ST != 0) VecOps::fence();
 }
 
 template <int GK, int OK, bool kDivScale, bool kDecoupled>
 static void adam_bf16m_t(float* p, const void* grad, uint16_t* m, uint16_t* v, void* out, int64_t n,
                          const AdamCoeffs& c) {
-    const AdamConsts<VecOps> kv(c);
-    const AdamConsts<ScalarOps> ks(c);
-    int64_t i = 0;
-    for (; i + VecOps::W <= n; i += VecOps::W)
-        adam_elems_bf16m<VecOps, GK, OK, kDivScale, kDecoupled>(p, grad, m, v, out, i, kv);
-    for (; i < n; ++i) adam_elems_bf16m<ScalarOps, GK, OK, kDivScale, kDecoupled>(p, grad, m, v, out, i, ks);
+    if constexpr (OK >= 1 && VecOps::kCanStream) {
+        if (c.stores == 1 && n >= 4 * VecOps::W)
+            return adam_bf16m_range_t<GK, OK, kDivScale, kDecoupled, 1>(p, grad, m, v, out, n, c);
+    }
+    adam_bf16m_range_t<GK, OK, kDivScale, kDecoupled, 0>(p, grad, m, v, out, n, c);
 }
 
 // The same step with int8 moments (Config optimizer_state="int8", kernels/quant8.py): per block of kQ8Block
