@@ -320,9 +320,16 @@ struct AdamConsts {
 // store would read its line before writing it: 2 B/element of extra traffic), which needs the
 // vector-aligned pointer adam_range_t arranges. p, m, v keep plain stores: their lines are in cache
 // from the loads (non-temporal ones there were measured slower; see cpu_adam.cpp).
-template <class O, int GK, int OK, bool kDivScale, bool kDecoupled, int ST>
-static inline void adam_elems(float* p, const void* grad, float* m, float* v, void* out, int64_t i,
-                              const AdamConsts<O>& k) {
+// M: the moments' type. float, or bf16 bits (Config optimizer_state="bf16"): read from bf16 (exact), the step computed
+// in fp32 in the same order, written back rounded to nearest even (as torch's .to(torch.bfloat16)); 24 B/element with
+// fp32 grads, + 2 B for the 16-bit copy.
+template <class O> static inline typename O::T load_moment(const float* x) { return O::load(x); }
+template <class O> static inline typename O::T load_moment(const uint16_t* x) { return O::load_bf16(x); }
+template <class O> static inline void store_moment(float* x, typename O::T y) { O::store(x, y); }
+template <class O> static inline void store_moment(uint16_t* x, typename O::T y) { O::store_bf16(x, y); }
+
+template <class O, int GK, int OK, bool kDivScale, bool kDecoupled, int ST, class M>
+static inline void adam_elems(float* p, const void* grad, M* m, M* v, void* out, int64_t i, const AdamConsts<O>& k) {
     typedef typename O::T T;
     T g = GK == 0 ? O::load(static_cast<const float*>(grad) + i)
         : GK == 1 ? O::load_bf16(static_cast<const uint16_t*>(grad) + i)
@@ -331,22 +338,24 @@ static inline void adam_elems(float* p, const void* grad, float* m, float* v, vo
     T pi = O::load(p + i);
     if (kDecoupled) pi = O::mul(pi, k.decay);
     else g = O::add(g, O::mul(k.l2_wd, pi));
-    const T mi = O::add(O::mul(k.beta1, O::load(m + i)), O::mul(k.one_minus_beta1, g));
-    const T vi = O::add(O::mul(k.beta2, O::load(v + i)), O::mul(O::mul(k.one_minus_beta2, g), g));
+    const T mi = O::add(O::mul(k.beta1, load_moment<O>(m + i)), O::mul(k.one_minus_beta1, g));
+    const T vi = O::add(O::mul(k.beta2, load_moment<O>(v + i)), O::mul(O::mul(k.one_minus_beta2, g), g));
     const T denom = O::add(O::mul(O::sqrt(vi), k.inv_bc2_sqrt), k.eps);
     pi = O::sub(pi, O::mul(k.step_size, O::div(mi, denom)));
     O::store(p + i, pi);
-    O::store(m + i, mi);
-    O::store(v + i, vi);
+    store_moment<O>(m + i, mi);
+    store_moment<O>(v + i, vi);
     if (OK == 1) ST ? O::stream_bf16(static_cast<uint16_t*>(out) + i, pi) : O::store_bf16(static_cast<uint16_t*>(out) + i, pi);
     else if (OK == 2) ST ? O::stream_f16(static_cast<uint16_t*>(out) + i, pi) : O::store_f16(static_cast<uint16_t*>(out) + i, pi);
 }
 
 static inline bool aligned_to(const void* ptr, int64_t bytes) { return (uintptr_t)ptr % (uintptr_t)bytes == 0; }
 
-// One thread's contiguous range [0, n) of a chunk; pointers already offset to the range start.
-template <int GK, int OK, bool kDivScale, bool kDecoupled, int ST>
-static void adam_range_t(float* p, const void* grad, float* m, float* v, void* out, int64_t n, const AdamCoeffs& c) {
+// One thread's contiguous range [0, n) of a chunk; pointers already offset to the range start. bf16 moments run it
+// too (they had plain stores and no prefetch until session 20: on the H200 box they moved 146 GB/s against fp32's 176;
+// on the development VM this range took them from 2.35 to 2.73 G params/s on one thread, the same bits).
+template <int GK, int OK, bool kDivScale, bool kDecoupled, int ST, class M>
+static void adam_range_t(float* p, const void* grad, M* m, M* v, void* out, int64_t n, const AdamCoeffs& c) {
     const AdamConsts<VecOps> kv(c);
     const AdamConsts<ScalarOps> ks(c);
     int64_t i = 0;
@@ -361,21 +370,25 @@ static void adam_range_t(float* p, const void* grad, float* m, float* v, void* o
         // faults.
         const uintptr_t ahead = (uintptr_t)(c.prefetch_elems > 0 ? c.prefetch_elems : -c.prefetch_elems);
         const uintptr_t gsize = GK == 0 ? 4 : 2;
+        const uintptr_t msize = sizeof(M);
         const int64_t per_line = 16 / VecOps::W;  // vectors per 64 B line of fp32: 1 (AVX-512) or 2 (AVX2)
         const bool to_l1 = c.prefetch_elems > 0;
         for (int64_t it = 0; i + VecOps::W <= n; i += VecOps::W, ++it) {
             if (it % per_line == 0) {
                 const uintptr_t j = (uintptr_t)i + ahead;
                 const char* pp = (const char*)((uintptr_t)p + 4 * j);
-                const char* mp = (const char*)((uintptr_t)m + 4 * j);
-                const char* vp = (const char*)((uintptr_t)v + 4 * j);
+                const char* mp = (const char*)((uintptr_t)m + msize * j);
+                const char* vp = (const char*)((uintptr_t)v + msize * j);
                 const char* gp = (const char*)((uintptr_t)grad + gsize * j);
-                const bool gline = gsize == 4 || (it / per_line) % 2 == 0;  // a 16-bit grad line spans 2 fp32 lines
+                const bool even = (it / per_line) % 2 == 0;   // a 16-bit array's line spans 2 fp32 lines
+                const bool mline = msize == 4 || even, gline = gsize == 4 || even;
                 if (to_l1) {
-                    _mm_prefetch(pp, _MM_HINT_T0), _mm_prefetch(mp, _MM_HINT_T0), _mm_prefetch(vp, _MM_HINT_T0);
+                    _mm_prefetch(pp, _MM_HINT_T0);
+                    if (mline) _mm_prefetch(mp, _MM_HINT_T0), _mm_prefetch(vp, _MM_HINT_T0);
                     if (gline) _mm_prefetch(gp, _MM_HINT_T0);
                 } else {
-                    _mm_prefetch(pp, _MM_HINT_T1), _mm_prefetch(mp, _MM_HINT_T1), _mm_prefetch(vp, _MM_HINT_T1);
+                    _mm_prefetch(pp, _MM_HINT_T1);
+                    if (mline) _mm_prefetch(mp, _MM_HINT_T1), _mm_prefetch(vp, _MM_HINT_T1);
                     if (gline) _mm_prefetch(gp, _MM_HINT_T1);
                 }
             }
@@ -390,96 +403,13 @@ static void adam_range_t(float* p, const void* grad, float* m, float* v, void* o
     if (ST != 0) VecOps::fence();  // order the write-combined lines before the caller's barrier
 }
 
-template <int GK, int OK, bool kDivScale, bool kDecoupled>
-static void adam_range_s(float* p, const void* grad, float* m, float* v, void* out, int64_t n, const AdamCoeffs& c) {
+template <int GK, int OK, bool kDivScale, bool kDecoupled, class M>
+static void adam_range_s(float* p, const void* grad, M* m, M* v, void* out, int64_t n, const AdamCoeffs& c) {
     // a 16-bit pointer reaches vector alignment within W elements; short ranges are not worth the head
     if constexpr (OK >= 1 && VecOps::kCanStream) {
         if (c.stores == 1 && n >= 4 * VecOps::W) return adam_range_t<GK, OK, kDivScale, kDecoupled, 1>(p, grad, m, v, out, n, c);
     }
     adam_range_t<GK, OK, kDivScale, kDecoupled, 0>(p, grad, m, v, out, n, c);
-}
-
-// The same step with bf16 moments (Config optimizer_state="bf16"): exp_avg and exp_avg_sq are read from bf16
-// (exact), the step computed in fp32 in adam_elems' order, and written back rounded to nearest even (as
-// torch's .to(torch.bfloat16)). 24 B/element with fp32 grads, + 2 B for the 16-bit copy. Plain stores only.
-template <class O, int GK, int OK, bool kDivScale, bool kDecoupled, int ST = 0>
-static inline void adam_elems_bf16m(float* p, const void* grad, uint16_t* m, uint16_t* v, void* out, int64_t i,
-                                    const AdamConsts<O>& k) {
-    typedef typename O::T T;
-    T g = GK == 0 ? O::load(static_cast<const float*>(grad) + i)
-        : GK == 1 ? O::load_bf16(static_cast<const uint16_t*>(grad) + i)
-                  : O::load_f16(static_cast<const uint16_t*>(grad) + i);
-    g = kDivScale ? O::div(g, k.grad_scale) : O::mul(g, k.inv_grad_scale);
-    T pi = O::load(p + i);
-    if (kDecoupled) pi = O::mul(pi, k.decay);
-    else g = O::add(g, O::mul(k.l2_wd, pi));
-    const T mi = O::add(O::mul(k.beta1, O::load_bf16(m + i)), O::mul(k.one_minus_beta1, g));
-    const T vi = O::add(O::mul(k.beta2, O::load_bf16(v + i)), O::mul(O::mul(k.one_minus_beta2, g), g));
-    const T denom = O::add(O::mul(O::sqrt(vi), k.inv_bc2_sqrt), k.eps);
-    pi = O::sub(pi, O::mul(k.step_size, O::div(mi, denom)));
-    O::store(p + i, pi);
-    O::store_bf16(m + i, mi);
-    O::store_bf16(v + i, vi);
-    if (OK == 1) ST ? O::stream_bf16(static_cast<uint16_t*>(out) + i, pi) : O::store_bf16(static_cast<uint16_t*>(out) + i, pi);
-    else if (OK == 2) ST ? O::stream_f16(static_cast<uint16_t*>(out) + i, pi) : O::store_f16(static_cast<uint16_t*>(out) + i, pi);
-}
-
-// bf16 moments over one thread's range, with adam_range_t's head, software prefetch and stores: the fp32-moment
-// kernel's tuning (cpu_adam.cpp, "Stores, schedule and prefetch"), which this kernel lacked — on the H200 box it moved
-// 146 GB/s against the fp32 kernel's 176. On the development VM, the same bits: 2.35 -> 2.73 G params/s on one
-// thread, 3.07 -> 3.30 on two (bench/RESULTS.md, session 20). A 16-bit moment's line spans two fp32 lines.
-template <int GK, int OK, bool kDivScale, bool kDecoupled, int ST>
-static void adam_bf16m_range_t(float* p, const void* grad, uint16_t* m, uint16_t* v, void* out, int64_t n,
-                               const AdamCoeffs& c) {
-    const AdamConsts<VecOps> kv(c);
-    const AdamConsts<ScalarOps> ks(c);
-    int64_t i = 0;
-    if (ST != 0)  // scalar head up to the first element whose 16-bit copy is vector-aligned
-        for (; i < n && !aligned_to(static_cast<uint16_t*>(out) + i, VecOps::W * 2); ++i)
-            adam_elems_bf16m<ScalarOps, GK, OK, kDivScale, kDecoupled>(p, grad, m, v, out, i, ks);
-#if PSTAR_SIMD != 0
-    if (c.prefetch_elems != 0) {
-        const uintptr_t ahead = (uintptr_t)(c.prefetch_elems > 0 ? c.prefetch_elems : -c.prefetch_elems);
-        const uintptr_t gsize = GK == 0 ? 4 : 2;
-        const int64_t per_line = 16 / VecOps::W;  // vectors per 64 B line of fp32: 1 (AVX-512) or 2 (AVX2)
-        const bool to_l1 = c.prefetch_elems > 0;
-        for (int64_t it = 0; i + VecOps::W <= n; i += VecOps::W, ++it) {
-            if (it % per_line == 0) {
-                const uintptr_t j = (uintptr_t)i + ahead;
-                const char* pp = (const char*)((uintptr_t)p + 4 * j);
-                const char* mp = (const char*)((uintptr_t)m + 2 * j);
-                const char* vp = (const char*)((uintptr_t)v + 2 * j);
-                const char* gp = (const char*)((uintptr_t)grad + gsize * j);
-                const bool half = (it / per_line) % 2 == 0;    // a 16-bit line spans 2 fp32 lines
-                const bool gline = gsize == 4 || half;
-                if (to_l1) {
-                    _mm_prefetch(pp, _MM_HINT_T0);
-                    if (half) _mm_prefetch(mp, _MM_HINT_T0), _mm_prefetch(vp, _MM_HINT_T0);
-                    if (gline) _mm_prefetch(gp, _MM_HINT_T0);
-                } else {
-                    _mm_prefetch(pp, _MM_HINT_T1);
-                    if (half) _mm_prefetch(mp, _MM_HINT_T1), _mm_prefetch(vp, _MM_HINT_T1);
-                    if (gline) _mm_prefetch(gp, _MM_HINT_T1);
-                }
-            }
-            adam_elems_bf16m<VecOps, GK, OK, kDivScale, kDecoupled, ST>(p, grad, m, v, out, i, kv);
-        }
-    }
-#endif
-    for (; i + VecOps::W <= n; i += VecOps::W)
-        adam_elems_bf16m<VecOps, GK, OK, kDivScale, kDecoupled, ST>(p, grad, m, v, out, i, kv);
-    for (; i < n; ++i) adam_elems_bf16m<ScalarOps, GK, OK, kDivScale, kDecoupled>(p, grad, m, v, out, i, ks);
-    if (ST != 0) VecOps::fence();
-}
-
-template <int GK, int OK, bool kDivScale, bool kDecoupled>
-static void adam_bf16m_t(float* p, const void* grad, uint16_t* m, uint16_t* v, void* out, int64_t n,
-                         const AdamCoeffs& c) {
-    if constexpr (OK >= 1 && VecOps::kCanStream) {
-        if (c.stores == 1 && n >= 4 * VecOps::W)
-            return adam_bf16m_range_t<GK, OK, kDivScale, kDecoupled, 1>(p, grad, m, v, out, n, c);
-    }
-    adam_bf16m_range_t<GK, OK, kDivScale, kDecoupled, 0>(p, grad, m, v, out, n, c);
 }
 
 // The same step with int8 moments (Config optimizer_state="int8", kernels/quant8.py): per block of kQ8Block
@@ -560,7 +490,7 @@ static void adam_q8_t(float* p, const void* grad, Q8* m, Q8* v, void* out, int64
     }
 }
 
-// The kernel for the moments' type: fp32 (adam_range_s), bf16 (adam_bf16m_t) or int8 (adam_q8_t)
+// The kernel for the moments' type: fp32 or bf16 (adam_range_s), or int8 (adam_q8_t)
 template <int GK, int OK, bool kDivScale, bool kDecoupled>
 static void adam_kernel(float* p, const void* grad, float* m, float* v, void* out, int64_t n, const AdamCoeffs& c) {
     adam_range_s<GK, OK, kDivScale, kDecoupled>(p, grad, m, v, out, n, c);
@@ -574,7 +504,7 @@ static void adam_kernel(float* p, const void* grad, Q8* m, Q8* v, void* out, int
 template <int GK, int OK, bool kDivScale, bool kDecoupled>
 static void adam_kernel(float* p, const void* grad, uint16_t* m, uint16_t* v, void* out, int64_t n,
                         const AdamCoeffs& c) {
-    adam_bf16m_t<GK, OK, kDivScale, kDecoupled>(p, grad, m, v, out, n, c);
+    adam_range_s<GK, OK, kDivScale, kDecoupled>(p, grad, m, v, out, n, c);
 }
 
 // The runtime flags (grad dtype, 16-bit copy, scale mode, weight decay) -> the kernel's template arguments,
