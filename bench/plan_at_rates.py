@@ -34,7 +34,8 @@ def plan(layers: int, state: str, rates: dict | None = None, **overrides):
     gib = 2**30
     print(f"L{layers} {n / 1e9:.2f}B {state} {overrides}: fits={not p.why} estimated {est:.3f} s, "
           f"{6 * n * 16384 / est / 1e12:.0f} TFLOPs; {p.placement.count('device')}/{len(p.placement)} chunks on the "
-          f"device (host chunks: {p.chunks.host_order}), {p.transaction}, device peak {p.device_peak_bytes / gib:.1f} GiB, host "
+          f"device (host chunks: {p.chunks.host_order}), {p.transaction}, "
+          f"device peak {p.device_peak_bytes / gib:.1f} GiB, host "
           f"{p.host_peak_bytes / gib:.1f} GiB ({time.perf_counter() - t0:.0f} s to plan)\n  recompute: {p.recompute}"
           + (f"\n  why: {p.why}" if p.why else ""), flush=True)
     return p

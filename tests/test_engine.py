@@ -613,7 +613,7 @@ def test_auto_placement_mixes_tiers_and_stays_exact(host_order, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_spread_host_chunks_train_bit_for_bit_as_the_last_ones(dtype):
+def test_spread_host_chunks_train_bit_for_bit_as_the_last_ones(dtype, monkeypatch):
     """The same chunks' state on the host, the last ones or spread every other one from the end (bf16: each host
     chunk crossing as its 16-bit shadow): on the CPU runtime every update runs the same kernel on either tier, so
     the two placements train bit for bit alike."""
@@ -621,18 +621,15 @@ def test_spread_host_chunks_train_bit_for_bit_as_the_last_ones(dtype):
     make = planner._make_plan
 
     def run(order):
-        planner._make_plan = lambda *a, **kw: make(*a, **{**kw, "host_order": order})
-        try:
-            torch.manual_seed(0)
-            model = GPT(gpt_config("tiny"))
-            batches = [batch(seed=s) for s in range(4)]
-            budget, _ = tight_budget(model, batches[0], device_chunks=4, chunk_size=16384, dtype=dtype)
-            engine = pstar_fx.compile(model, pstar_fx.Config(device="cpu", device_memory=budget, chunk_size=16384,
-                                                             dtype=dtype, optimizer={"lr": 1e-3}),
-                                      example_inputs=batches[0])
-            return engine.plan, [engine.step(*b).item() for b in batches], engine.state_dict()
-        finally:
-            planner._make_plan = make
+        monkeypatch.setattr(planner, "_make_plan", lambda *a, **kw: make(*a, **{**kw, "host_order": order}))
+        torch.manual_seed(0)
+        model = GPT(gpt_config("tiny"))
+        batches = [batch(seed=s) for s in range(4)]
+        budget, _ = tight_budget(model, batches[0], device_chunks=4, chunk_size=16384, dtype=dtype)
+        config = pstar_fx.Config(device="cpu", device_memory=budget, chunk_size=16384, dtype=dtype,
+                                 optimizer={"lr": 1e-3})
+        engine = pstar_fx.compile(model, config, example_inputs=batches[0])
+        return engine.plan, [engine.step(*b).item() for b in batches], engine.state_dict()
 
     (last, last_losses, last_w), (spread, spread_losses, spread_w) = run("last"), run("spread")
     assert last.placement.count("host") == spread.placement.count("host") >= 2

@@ -202,8 +202,8 @@ class _Search:
         more += [Try(every, m2, len(runs[m2])) for m2 in runs if m2 > best.run_len]
         self._plan_ahead(more)
         for t in more:
-            if t != best and self.attempt(t).fits and \
-                    self.attempt(t).estimated_step_seconds < (1 - MORE_GAIN) * self.attempt(best).estimated_step_seconds:
+            p, now = self.attempt(t), self.attempt(best).estimated_step_seconds
+            if t != best and p.fits and p.estimated_step_seconds < (1 - MORE_GAIN) * now:
                 best = t
         return best
 
