@@ -448,15 +448,18 @@ def cpu_profile_step(step, batch, sync) -> dict:
                                                     "calls": nc, "function": name} for tt, ct, nc, name in rows]}
 
 
-def profile_steps(step, batches, n: int) -> dict:
-    """GPU kernel time of `n` steps by kind, every kernel (the 25 largest printed) and the stretches when no
-    kernel ran on any stream, with the kernels either side (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
+def profile_steps(step, batches, n: int, label: str = "") -> dict:
+    """GPU kernel time of `n` steps by kind, every kernel (the 25 largest printed), the stretches when no
+    kernel ran on any stream, with the kernels either side, and each step stream by stream (torch.profiler;
+    bench/trace_summary.py: the compute stream's idle stretches with what the launching thread was doing).
+    With PSTAR_FX_TRACE_DIR set, the trace is kept there, gzipped (`label` names it)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for k in range(n):
-            step(*batches[k % 2])
-        torch.cuda.synchronize()
+            with record_function(f"bench.step{k}"):     # each step's span, its GPU work inside (synchronized)
+                step(*batches[k % 2])
+                torch.cuda.synchronize()
     kinds: dict[str, float] = {}
     rows = []
     for e in prof.key_averages():
@@ -492,13 +495,37 @@ def profile_steps(step, batches, n: int) -> dict:
           + f"; busy {busy:.4f} of {wall:.4f} (first kernel to last), side by side {overlap:.4f}", file=sys.stderr)
     for s_, c, name in rows[:25]:
         print(f"  {s_:8.4f} s  x{c:<5d} {name}", file=sys.stderr)
+    timeline = _stream_timeline(prof, label)
     return {"by_kind_s": {k: round(v, 4) for k, v in kinds.items()}, "busy_s": round(busy, 4),
+            "timeline": timeline,
             "kernel_span_s": round(wall, 4), "side_by_side_s": round(overlap, 4),
             "top": [{"s": round(s_, 5), "calls": c, "kernel": name} for s_, c, name in rows[:25]],
             "kernels": [{"s": round(s_, 6), "calls": c, "kernel": name} for s_, c, name in rows],
             # the idle stretches (every stream idle) of all n steps, longest first: what ran before and after
             "idle_gaps_ms": [{"ms": round(g, 3), "after": x, "before": y} for g, x, y in gaps[:40]],
             "idle_gaps_total_ms_per_step": round(sum(g for g, _, _ in gaps) / n, 3)}
+
+
+def _stream_timeline(prof, label: str) -> list:
+    """Each profiled step stream by stream (bench/trace_summary.py), printed and returned; the trace kept, gzipped,
+    in $PSTAR_FX_TRACE_DIR when set."""
+    import gzip
+    import tempfile
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import trace_summary
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        summary = trace_summary.summarize(trace_summary._load(path))
+        keep = os.environ.get("PSTAR_FX_TRACE_DIR")
+        if keep:
+            os.makedirs(keep, exist_ok=True)
+            name = re.sub(r"[^A-Za-z0-9_.-]+", "_", label or "steps").strip("_") or "steps"
+            with open(path, "rb") as src, gzip.open(os.path.join(keep, f"trace-{name}.json.gz"), "wb") as dst:
+                dst.write(src.read())
+    print(f"profile {label}:", file=sys.stderr)
+    trace_summary.print_summary(summary)
+    return summary["steps"]
 
 
 def main(argv=None):
@@ -526,7 +553,7 @@ def main(argv=None):
                     help="pstar_fx Config.compute: the compute between chunk nodes eager or compiled by Inductor")
     ap.add_argument("--optimizer-state", default="fp32", choices=("fp32", "bf16", "int8"),
                     help="pstar_fx Config.optimizer_state (the Adam moments' format)")
-    ap.add_argument("--profile", type=int, default=0, help="after the steps, this many more under torch.profiler: "
+    ap.add_argument("--profile", type=int, default=0, help="after the steps (and each --clip-sweep point's), this many more under torch.profiler: "
                     "GPU time per kernel (the top 25, and totals by kind: matmul, attention, other)")
     ap.add_argument("--cpu-profile", action="store_true", help="after the steps, one more under cProfile: the "
                     "launching thread's own time by function (what keeps the GPU waiting at a step's ends)")
@@ -632,7 +659,7 @@ def main(argv=None):
                       gpu_peak_bytes=torch.cuda.max_memory_allocated() if cuda else None, host_rss_bytes=rss,
                       host_max_rss_bytes=_max_rss())
         if args.profile and cuda:
-            result["profile"] = profile_steps(step, batches, args.profile)
+            result["profile"] = profile_steps(step, batches, args.profile, label="steps")
         if args.cpu_profile:
             result["cpu_profile"] = cpu_profile_step(step, batches[0], sync)
         if args.system == "torch" and args.compile:
@@ -668,7 +695,11 @@ def main(argv=None):
                     n = max(1, engine.rt.telemetry.steps - n0)
                     phases = {k: round((v - before[k]) / n, 4) for k, v in engine.rt.telemetry.seconds.items()}
                     med = statistics.median(t[1:] if len(t) > 1 else t)
-                    result["sweep"].append({"grad_clip": threshold, "expected_trigger_rate": rate or None,
+                    prof = None
+                    if args.profile and cuda:       # after the timed steps: the profiler slows them
+                        with late_binding(flag != "nolate"):
+                            prof = profile_steps(step, batches, args.profile, label=f"clip-{x}-{rate or 'measured'}")
+                    result["sweep"].append({"profile": prof, "grad_clip": threshold, "expected_trigger_rate": rate or None,
                                             "late_binding": flag != "nolate",
                                             "step_s": round(med, 4),
                                             "steps_s": [round(x, 3) for x in t], "phases": phases,

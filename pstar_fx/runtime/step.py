@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch.profiler import record_function
 
 from ..optim import Hyper, LossScaler, LrSchedule, clip_coefficient
 from .chunk_ops import ChunkRuntime
@@ -128,7 +129,8 @@ class Stepper:
 
     def run_pass(self, inputs: list[torch.Tensor], tangent: torch.Tensor) -> torch.Tensor:
         """Forward and backward over one micro-batch (the chunk updates run inside backward); returns the loss."""
-        return self._run(inputs, tangent)
+        with record_function("pstar_fx.pass"):
+            return self._run(inputs, tangent)
 
     def verdict(self, scale: float) -> tuple[float, float, bool]:
         """(the global norm of the unscaled gradient, the clip coefficient, whether it is finite)."""

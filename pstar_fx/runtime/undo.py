@@ -14,6 +14,7 @@ import time
 from concurrent.futures import Future
 
 import torch
+from torch.profiler import record_function
 
 from ..optim import Hyper, chunk_undo
 from .host_worker import HostWorker
@@ -81,12 +82,13 @@ class Undo:
         speculated = log.hyper
         log.verdict_hyper = hyper                          # host updates not yet started apply it directly
         updates = dict(log.host)                           # each host chunk's update: its future, or its outcome
-        for c in sorted(updates):
-            self.worker.run(c, log, self._correct_host, log, c, updates, speculated, hyper)
-        with self.kept.mover.after_verdict() as queued:
-            for c, grad in self.kept.on_device_in_order(sorted(log.device)):
-                self._correct_one(log, c, grad, speculated, hyper)
-                queued(c)
+        with record_function("pstar_fx.correct"):
+            for c in sorted(updates):
+                self.worker.run(c, log, self._correct_host, log, c, updates, speculated, hyper)
+            with self.kept.mover.after_verdict() as queued:
+                for c, grad in self.kept.on_device_in_order(sorted(log.device)):
+                    self._correct_one(log, c, grad, speculated, hyper)
+                    queued(c)
         self.telemetry.add("correction", time.perf_counter() - t0)
 
     def _correct_host(self, log: StepLog, c: int, updates: dict, speculated: Hyper, hyper: Hyper) -> bool:

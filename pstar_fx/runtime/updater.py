@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.profiler import record_function
 
 from ..optim import Hyper, chunk_update
 from ..planning import Plan
@@ -149,9 +150,10 @@ class Updater:
     def verdict(self) -> float:
         """The step's global sum of squared gradient entries (scaled by the loss scale squared): one sync.
         An accumulating step waits for its host chunks' sums here."""
-        if self.step_log.kind.only_measures:
-            self.host_worker.settle(self.step_log)
-        return self.norms.total(self.step_log.host_sq)
+        with record_function("pstar_fx.verdict"):
+            if self.step_log.kind.only_measures:
+                self.host_worker.settle(self.step_log)
+            return self.norms.total(self.step_log.host_sq)
 
     def apply_accumulated(self, hyper: Hyper) -> None:
         """An accumulating step's updates, from the accumulators, now that the verdict allows them."""
@@ -177,13 +179,14 @@ class Updater:
         (`KeptGradients.on_device_in_order`)."""
         log = self.step_log
         log.hyper, log.kind = hyper, AFTER_VERDICT
-        for c in sorted(grads):
-            if self.store.tier(c) == "host":
-                self.host_worker.run(c, log, self._apply_host, c, log, grads[c], check_host)
-        with self.mover.after_verdict() as queued:      # (the next forward waits for each where it reads it)
-            for c, grad in self.kept.on_device_in_order([c for c in sorted(grads) if self.store.tier(c) != "host"]):
-                self._update_device(c, grad, hyper, found_inf=self.norms.none_found)
-                queued(c)
+        with record_function("pstar_fx.apply_after_verdict"):
+            for c in sorted(grads):
+                if self.store.tier(c) == "host":
+                    self.host_worker.run(c, log, self._apply_host, c, log, grads[c], check_host)
+            with self.mover.after_verdict() as queued:      # (the next forward waits for each where it reads it)
+                for c, grad in self.kept.on_device_in_order([c for c in sorted(grads) if self.store.tier(c) != "host"]):
+                    self._update_device(c, grad, hyper, found_inf=self.norms.none_found)
+                    queued(c)
 
     def _apply_host(self, c: int, log: StepLog, grad: torch.Tensor, check: bool) -> bool:
         t0 = time.perf_counter()
