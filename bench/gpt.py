@@ -24,8 +24,12 @@ cosine or linear decay, Hugging Face's formulas; torch: LambdaLR). `--clip-sweep
 runs `--steps` more steps on the same compiled engine at each clip threshold — one that never triggers and
 one that always does — and reports each phase's step time and breakdown under "sweep".
 
+Steps run back to back, as a training loop runs them: each step's time runs from the last step's end to its own
+(its loss read as a number, the loop's only wait for the device); the device is synchronized only before the first
+and after the last step (window_s: the whole run, to the device idle after it).
+
 Fields: params, tokens, step_s (median of the steps after the first two), tflops (6 * params * tokens /
-step_s), gpu_peak_bytes (torch.cuda.max_memory_allocated), host_rss_bytes (largest RSS seen after a
+step_s), steps_s, window_s, gpu_peak_bytes (torch.cuda.max_memory_allocated), host_rss_bytes (largest RSS seen after a
 step), host_max_rss_bytes (the process's peak RSS, compile included), and for pstar_fx the plan's
 predicted GPU and host peaks, a per-phase breakdown, compile_phases_s (seconds per compile phase) and
 time_to_first_step_s (compile() plus the first step); for torch, checkpoint (none|half|all),
@@ -457,9 +461,9 @@ def profile_steps(step, batches, n: int, label: str = "") -> dict:
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for k in range(n):
-            with record_function(f"bench.step{k}"):     # each step's span, its GPU work inside (synchronized)
-                step(*batches[k % 2])
-                torch.cuda.synchronize()
+            with record_function(f"bench.step{k}"):     # each step's span, back to back as `timed` runs them:
+                float(step(*batches[k % 2]))            # the device work a step leaves runs in the next one's
+        torch.cuda.synchronize()
     kinds: dict[str, float] = {}
     rows = []
     for e in prof.key_averages():
@@ -633,15 +637,21 @@ def main(argv=None):
             step, extra, engine = pstar_system(cfg, args, tuple(x[:args.batch] for x in batches[0]))
         result.update(extra)
         def timed(n, label=""):
+            """`n` steps back to back, as a training loop runs them: a step's end is when it returned its loss as a
+            number (the loss read is the loop's only wait for the device), and its time runs from the last step's
+            end. The device is synchronized before the first step and after the last (`window` gets the whole);
+            synchronizing after every step would add to each the device work a step leaves to overlap the next
+            forward (a correction's or a deferred step's updates, bench/RESULTS.md session 21)."""
             nonlocal rss
             times, losses, extra = [], [], []
+            sync()
+            start = t0 = time.perf_counter()
             for k in range(n):
-                sync()
-                t0 = time.perf_counter()
                 loss = step(*batches[k % 2])
-                sync()
-                times.append(time.perf_counter() - t0)
                 losses.append(float(loss))
+                t1 = time.perf_counter()
+                times.append(t1 - t0)
+                t0 = t1
                 rss = max(rss, proc.memory_info().rss)
                 if engine is not None and engine.last_step is not None:
                     r = engine.last_step
@@ -649,13 +659,17 @@ def main(argv=None):
                                   "lr": r.lr, "skipped": r.skipped, "deferred": r.deferred})
                 print(f"{label}step {k}: {times[-1]:.3f} s loss {losses[-1]:.4f} {extra[-1] if extra else ''}",
                       file=sys.stderr, flush=True)
+            sync()
+            window.append(round(time.perf_counter() - start, 4))
             return times, losses, extra
+
+        window: list[float] = []     # each timed run's seconds, first step to the device idle after the last
 
         times, losses, reports = timed(args.steps)
         steady = times[2:] if len(times) > 2 else times
         step_s = statistics.median(steady)
         result.update(step_s=round(step_s, 4), tflops=round(6 * params * tokens / step_s / 1e12, 1),
-                      steps_s=[round(t, 3) for t in times], losses=[round(x, 4) for x in losses],
+                      steps_s=[round(t, 3) for t in times], window_s=window[0], losses=[round(x, 4) for x in losses],
                       gpu_peak_bytes=torch.cuda.max_memory_allocated() if cuda else None, host_rss_bytes=rss,
                       host_max_rss_bytes=_max_rss())
         if args.profile and cuda:
@@ -702,7 +716,8 @@ def main(argv=None):
                     result["sweep"].append({"profile": prof, "grad_clip": threshold, "expected_trigger_rate": rate or None,
                                             "late_binding": flag != "nolate",
                                             "step_s": round(med, 4),
-                                            "steps_s": [round(x, 3) for x in t], "phases": phases,
+                                            "steps_s": [round(x, 3) for x in t], "window_s": window[-1],
+                                            "phases": phases,
                                             "clipped": sum(r["clip_coef"] < 1 for r in rep), "reports": rep})
     except Exception as e:  # noqa: BLE001 - a model that does not fit is a result, not a crash
         result["error"] = f"{type(e).__name__}: {str(e)[:1500]}"
