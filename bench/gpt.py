@@ -452,6 +452,9 @@ def cpu_profile_step(step, batch, sync) -> dict:
                                                     "calls": nc, "function": name} for tt, ct, nc, name in rows]}
 
 
+ANNOTATIONS = ("bench.", "pstar_fx.")   # the steps' and the runtime's profiler ranges: the device shows them too
+
+
 def profile_steps(step, batches, n: int, label: str = "") -> dict:
     """GPU kernel time of `n` steps by kind, every kernel (the 25 largest printed), the stretches when no
     kernel ran on any stream, with the kernels either side, and each step stream by stream (torch.profiler;
@@ -468,7 +471,7 @@ def profile_steps(step, batches, n: int, label: str = "") -> dict:
     rows = []
     for e in prof.key_averages():
         us = e.self_device_time_total
-        if not us or e.device_type != torch.autograd.DeviceType.CUDA:
+        if not us or e.device_type != torch.autograd.DeviceType.CUDA or e.key.startswith(ANNOTATIONS):
             continue
         name = e.key.lower()
         kind = ("attention" if any(k in name for k in ("flash", "fmha", "attention", "sdpa")) else
@@ -481,7 +484,8 @@ def profile_steps(step, batches, n: int, label: str = "") -> dict:
     rows.sort(reverse=True)
     # the union of kernel intervals over every stream: busy time; the kernels' sum less it: what ran side by side
     spans = sorted((e.time_range.start, e.time_range.end, e.name[:60]) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+                   and not e.name.startswith(ANNOTATIONS))
     busy, end, last, gaps = 0.0, -math.inf, "", []
     for a, b, name in spans:
         if a > end > -math.inf:     # no kernel on any stream between `last` ending and `name` starting
