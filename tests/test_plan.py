@@ -306,6 +306,14 @@ def test_after_verdict_exposure_follows_the_next_forwards_reads():
     assert math.isclose(_after_verdict_exposed(*args, host_adam=1e9, copy_s={1: 0.1, 2: 0.1}, device_s=0.5), 0.5)
     # 2 s a chunk: c2 done at 4 s, copied by 4.1 s, read at 0.5 + 2 s
     assert math.isclose(_after_verdict_exposed(*args, host_adam=0.5e9, copy_s={1: 0.1, 2: 0.1}, device_s=0.5), 2.1)
+    # c0's kept gradient (2 GB) coming back at 4 GB/s while the worker runs its 4 s: 0.5 GB/s through host memory
+    # beside the bf16 Adam's 10 GB/s alone (20 B x 0.5e9/s) leaves it 0.95 of its rate: c2 done at 4 / 0.95 s,
+    # copied 0.1 s later, read at 0.5 + 2 s; the forward started 0.5 s late
+    from pstar_fx.planning.costs import Rates
+    rates = Rates("made-up", 1e12, 1e12, 4e9, 4e9, 0.5e9)
+    assert math.isclose(_after_verdict_exposed(*args, host_adam=0.5e9, copy_s={1: 0.1, 2: 0.1}, device_s=0.5,
+                                               back_bytes=2e9, rates=rates, optimizer_state="bf16"),
+                        0.5 + 4 / 0.95 + 0.1 - 2.5)
 
 
 def test_a_deferred_plan_charges_the_host_adam_it_cannot_overlap_with_backward():
@@ -373,7 +381,8 @@ def test_triggered_step_arithmetic_per_transaction():
 
     from pstar_fx.planning.costs import Rates
     from pstar_fx.planning.correction import (DEVICE_RESTORE_BYTES, _triggered_seconds, device_after_verdict_seconds,
-                                              device_correction_bytes, host_correction_share)
+                                              device_correction_bytes)
+    from pstar_fx.planning.host_adam import after_verdict_share
     assert device_correction_bytes(2) == device_correction_bytes(4) == 28 and DEVICE_RESTORE_BYTES == 16
     layout = SimpleNamespace(chunks=[SimpleNamespace(used_elems=10**9) for _ in range(4)])
     rates = Rates("made-up", 1e12, 28e9, 2e9, 2e9, 1e9, host_undo=1e9)
@@ -409,8 +418,8 @@ def test_triggered_step_arithmetic_per_transaction():
     # 2 s, c1's at 3 s: the forward waits 2 s) while the worker corrects: they pass through host memory beside it, 4 GB
     # over the corrections' 8 s, 0.5 GB/s of the 7 GB/s the correction moves alone (28 B x 0.25e9/s): it runs at
     # 13/14 of its rate, c3 done at 0.75 + 8 x 14/13 s, copied 0.1 s later, read at 2 + 3 s
-    assert math.isclose(host_correction_share(0.25e9, 2 * 10**9, 4e9, slow["rates"]), 13 / 14)
-    assert host_correction_share(0.25e9, 2 * 10**9, 0, slow["rates"]) == 1.0
+    assert math.isclose(after_verdict_share(0.25e9, "fp32", 2 * 10**9, 4e9, slow["rates"]), 13 / 14)
+    assert after_verdict_share(0.25e9, "fp32", 2 * 10**9, 0, slow["rates"]) == 1.0
     assert math.isclose(triggered("kept_grads", kept_on_device=0, **slow), 10 + 2 + (0.75 + 8 * 14 / 13 + 0.1 - 5))
     # replay: the device masters restored at 16 B per element (8/7 s), host restores overlapping the forward, then
     # one more forward+backward (8 s) with its exposed copies and host jobs (the pipeline at host_undo: 0.5 s)
