@@ -7,8 +7,11 @@ matmul 561-722 TFLOPs).
 
 A step is compared where nothing changed its cost: no clipping that triggered (a record whose steps all reported a
 clip coefficient of 1, or a --clip-sweep point that never triggers), and neither a replay nor a correction ran.
-Records since session 20 carry the estimate's parts (`estimate_parts_s`: compute, copies and host Adam not hidden)
-and the runtime's per-step phases beside them.
+A --clip-sweep point whose every step clipped is compared with the plan's triggered estimate (`triggered`: every
+step speculated and corrected) or its deferred one (`deferred`: every step deferred). Records since session 20
+carry the estimate's parts (`estimate_parts_s`: compute, copies and host Adam not hidden) and the runtime's per-step
+phases beside them; records with `window_s` (session 21 on) timed steps back to back, the ones before synchronized
+the device after each step, which charged a triggered step the device work it leaves to overlap the next forward.
 """
 import glob
 import json
@@ -32,8 +35,25 @@ def untriggered(record: dict) -> list[tuple[str, float, dict | None]]:
     return out
 
 
+def triggered(record: dict) -> list[tuple[str, float, float, dict | None]]:
+    """(label, the plan's estimate, measured step seconds, phases) of the record's sweep points whose every step
+    clipped, all speculated (against the triggered estimate) or all deferred (against the deferred one)."""
+    out = []
+    for point in record.get("sweep") or []:
+        reports = point.get("reports") or []
+        if not reports or point.get("clipped") != len(reports):
+            continue
+        deferred = [r.get("deferred", False) for r in reports]
+        est = (record.get("estimated_deferred_step_s") if all(deferred) else
+               record.get("estimated_triggered_step_s") if not any(deferred) else None)
+        if est:
+            out.append((f"{'deferred' if all(deferred) else 'triggered'} {point['grad_clip']:g}", est,
+                        point["step_s"], point.get("phases")))
+    return out
+
+
 def main(paths: list[str]) -> None:
-    print(f"{'file':<28} {'call':>4} {'model':<22} {'state':<5} {'run':<18} {'estimate':>8} {'measured':>8} "
+    print(f"{'file':<28} {'call':>4} {'model':<22} {'state':<5} {'run':<27} {'estimate':>8} {'measured':>8} "
           f"{'est/meas':>8}  the estimate's parts, the runtime's waits")
     for path in paths:
         for line in open(path):
@@ -44,12 +64,14 @@ def main(paths: list[str]) -> None:
             if r.get("system") != "pstar_fx" or not r.get("estimated_step_s") or "step_s" not in r:
                 continue
             model = f"{r.get('model')} L{r.get('n_layer')}" if r.get("n_layer") else str(r.get("model"))
-            for label, measured, phases in untriggered(r):
-                parts = r.get("estimate_parts_s")
+            rows = [(label, r["estimated_step_s"], measured, phases) for label, measured, phases in untriggered(r)]
+            for label, est, measured, phases in rows + triggered(r):
+                parts = r.get("estimate_parts_s") if label.startswith(("steps", "sweep")) else None
                 waits = {k: phases[k] for k in WAITS if k in phases} if phases else {}
+                timing = "" if "window_s" in r else " (synced)"
                 print(f"{os.path.basename(path)[:28]:<28} {str(r.get('call', '')):>4} {model[:22]:<22} "
-                      f"{str(r.get('optimizer_state'))[:5]:<5} {label:<18} {r['estimated_step_s']:8.3f} "
-                      f"{measured:8.3f} {r['estimated_step_s'] / measured:8.3f}  "
+                      f"{str(r.get('optimizer_state'))[:5]:<5} {(label + timing)[:27]:<27} {est:8.3f} "
+                      f"{measured:8.3f} {est / measured:8.3f}  "
                       + (f"estimated {parts}; " if parts else "") + (f"measured waits {waits}" if waits else ""))
 
 
