@@ -20,7 +20,8 @@ import sys
 
 
 # the runtime's per-step waits (runtime/telemetry.py) that read against the estimate's parts
-WAITS = ("compute_waits_for_copies", "wait_for_host_grad_buffer", "wait_for_host_adam")
+WAITS = ("compute_waits_for_copies", "wait_for_host_grad_buffer", "wait_for_host_adam", "gpu_idle_for_host_grad_buffer",
+         "gpu_idle_for_host_adam")
 
 
 def untriggered(record: dict) -> list[tuple[str, float, dict | None]]:

@@ -50,8 +50,11 @@ def test_bf16_on_gpu_tracks_cpu_fp32_reference_with_host_offload():
     assert stats["h2d_bytes"] > 0 and stats["d2h_bytes"] > 0
     phases = engine.rt.timing()
     assert set(phases) == {"compute_waits_for_copies", "host_adam", "wait_for_host_grad_buffer", "wait_for_host_adam",
-                           "correction"}
+                           "correction", "gpu_idle_for_host_grad_buffer", "gpu_idle_for_host_adam"}
     assert phases["host_adam"] > 0 and all(v >= 0 for v in phases.values())
+    # the GPU's idle time a host wait caused is part of that wait (launch latency aside)
+    assert phases["gpu_idle_for_host_grad_buffer"] <= phases["wait_for_host_grad_buffer"] + 1e-3
+    assert phases["gpu_idle_for_host_adam"] <= phases["wait_for_host_adam"] + 1e-3
 
 
 @pytest.mark.parametrize("placement", ["device", "host"])

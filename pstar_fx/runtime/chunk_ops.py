@@ -125,7 +125,8 @@ class ChunkRuntime:
     def timing(self) -> dict[str, float]:
         """Seconds per step: the compute stream stalled on chunk copies; host Adam work (on the worker);
         the launching thread waited for a free host gradient buffer; prefetches waited for a host chunk's
-        update; corrections of speculative updates (clipping that triggered)."""
+        update; corrections of speculative updates (clipping that triggered); on CUDA, the compute stream's idle
+        time those two waits caused (`gpu_idle_for_host_grad_buffer`, `gpu_idle_for_host_adam`: telemetry.py)."""
         self.drain()
         self.copies.sync()
         return self.telemetry.per_step()

@@ -8,7 +8,6 @@ undoes.
 """
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..kernels import cpu_adam
@@ -40,11 +39,8 @@ class HostWorker:
         fut = self.pending.pop(c, None)
         if fut is None:
             return
-        t0 = time.perf_counter()
-        try:
+        with self.telemetry.host_wait("wait_for_host_adam"):
             applied = fut.result()
-        finally:
-            self.telemetry.add("wait_for_host_adam", time.perf_counter() - t0)
         for log in (self.settling, current):
             if log is not None and log.host.get(c) is fut:
                 log.host[c] = applied

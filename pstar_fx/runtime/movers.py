@@ -83,6 +83,12 @@ class CudaCopies:
         # "back": their kept gradients coming back from the host (on "h2d" the next forward's copies in, which are
         # device-to-device casts for device chunks, would queue behind them all)
         self.streams = {name: torch.cuda.Stream(device) for name in ("h2d", "d2h", "late", "back")}
+        telemetry.mark = self._mark     # the launching thread's host waits read against the compute stream
+
+    def _mark(self) -> torch.cuda.Event:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(self.compute)
+        return ev
 
     def on(self, stream: str):
         return torch.cuda.stream(self.streams[stream])

@@ -1,7 +1,10 @@
 """telemetry: what the runtime measured — bytes per tier and bytes moved, and seconds per step by phase."""
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 from ..config import format_bytes
 
@@ -25,7 +28,15 @@ class MemoryStats:
         setattr(self, f"{tier}_peak_bytes", max(getattr(self, f"{tier}_peak_bytes"), total))
 
 
-PHASES = ("compute_waits_for_copies", "host_adam", "wait_for_host_grad_buffer", "wait_for_host_adam", "correction")
+# The launching thread's waits on the host (`wait_for_*`) are its own time: while it waits, the GPU runs what was
+# queued before, so they are not the GPU's idle time. On CUDA each such wait also has its `gpu_idle_for_*` reading:
+# a timing event on the compute stream as the wait begins and one as it ends — nothing is queued between them, so
+# the stream reaches the second as soon as it is recorded, and the time between the two is the compute stream's
+# idle time the wait caused (0 when the queued work outlasted it; launch latency aside).
+HOST_WAITS = {"wait_for_host_grad_buffer": "gpu_idle_for_host_grad_buffer",
+              "wait_for_host_adam": "gpu_idle_for_host_adam"}
+PHASES = ("compute_waits_for_copies", "host_adam", "wait_for_host_grad_buffer", "wait_for_host_adam", "correction",
+          *HOST_WAITS.values())
 
 
 class Telemetry:
@@ -37,6 +48,8 @@ class Telemetry:
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.steps = 0
         self._stalls: list = []
+        # on CUDA (movers.CudaCopies): records a timing event on the compute stream and returns it
+        self.mark: Callable[[], object] | None = None
 
     def count_step(self) -> None:
         self.steps += 1
@@ -44,16 +57,29 @@ class Telemetry:
     def add(self, phase: str, seconds: float) -> None:
         self.seconds[phase] += seconds
 
-    def stall(self, before, after) -> None:
-        self._stalls.append((before, after))
+    @contextlib.contextmanager
+    def host_wait(self, phase: str):
+        """Time a wait of the launching thread (a `HOST_WAITS` phase) and, on CUDA, the compute stream's idle time
+        it caused."""
+        before = self.mark() if self.mark is not None else None
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(phase, time.perf_counter() - t0)
+            if before is not None:
+                self.stall(before, self.mark(), HOST_WAITS[phase])
+
+    def stall(self, before, after, phase: str = "compute_waits_for_copies") -> None:
+        self._stalls.append((before, after, phase))
 
     def count_stalls(self) -> None:
         pending = []
-        for before, after in self._stalls:
+        for before, after, phase in self._stalls:
             if after.query():
-                self.seconds["compute_waits_for_copies"] += before.elapsed_time(after) / 1e3
+                self.seconds[phase] += before.elapsed_time(after) / 1e3
             else:
-                pending.append((before, after))
+                pending.append((before, after, phase))
         self._stalls = pending
 
     def per_step(self) -> dict[str, float]:

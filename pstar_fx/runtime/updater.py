@@ -72,10 +72,8 @@ class Updater:
         if c in self.kept:
             self.wait_for(c)                # the settling step's update of c still reads this buffer
             return self.kept.get(c)
-        t0 = time.perf_counter()
-        buf = self.kept.host_grads.take()   # blocks only while the host Adam is behind
-        self.telemetry.add("wait_for_host_grad_buffer", time.perf_counter() - t0)
-        return buf
+        with self.telemetry.host_wait("wait_for_host_grad_buffer"):
+            return self.kept.host_grads.take()   # blocks only while the host Adam is behind
 
     def update(self, c: int, grad: torch.Tensor, ready=None, checked: bool = False) -> None:
         """Chunk c's gradient is complete (its last contribution in backward has been written). `checked`: a host
