@@ -56,11 +56,10 @@ def _host_adam_pipeline(placement: list[str], layout: Layout, node_secs: list[fl
 
 
 def after_verdict_share(rate: float, optimizer_state: str, host_elems: int, back_bytes: float, rates: Rates) -> float:
-    """The share of `rate` the worker's host jobs after the verdict (a correction's, or a deferred step's host Adam)
-    run at while the device chunks' kept gradients come back from the host (`back_bytes`, at the copy rate from the
-    verdict on): both pass through host memory, as the host Adam and the step's copies do (costs.py
-    `host_adam_share`, with the jobs' bytes per parameter: a correction moves the fp32 Adam's), averaged over the
-    longer of the two. At Llama-3-8B's shape on the H200 (HF's Llama: 3 B parameters corrected, 10 GB coming back)
+    """The share of `rate` a correction's host jobs after the verdict run at while the device chunks' kept gradients
+    come back from the host (`back_bytes`, at the copy rate from the verdict on): both pass through host memory, as
+    the host Adam and the step's copies do (costs.py `host_adam_share`, with the jobs' bytes per parameter: a
+    correction moves the fp32 Adam's), averaged over the longer of the two. At Llama-3-8B's shape on the H200 (HF's Llama: 3 B parameters corrected, 10 GB coming back)
     about 0.88: the triggered estimate at the rate alone was 9% under the measured step (RESULTS, session 21)."""
     if not host_elems or not back_bytes or not rate:
         return 1.0
@@ -70,20 +69,15 @@ def after_verdict_share(rate: float, optimizer_state: str, host_elems: int, back
 
 def _after_verdict_exposed(placement: list[str], layout: Layout, node_secs: list[float], reads: list[set[int]],
                            adam_at: dict[int, int], host_adam: float, copy_s: dict[int, float],
-                           device_s: float, back_bytes: float = 0.0, rates: Rates | None = None,
-                           optimizer_state: str = "fp32") -> float:
+                           device_s: float) -> float:
     """Seconds a deferred step adds to the compute for updates that run after the verdict.
 
     The verdict ends the step. The device chunks' updates run on their own stream beside the next forward, their
     kept gradients that wait on the host coming back meanwhile (`device_s`, what they add to the forward:
-    correction.py `device_after_verdict_seconds`; `back_bytes` of them). Meanwhile the worker runs the host Adam
-    chunk after chunk, in chunk order, from the verdict on (`worker_stall`), slowed by those bytes crossing host
-    memory beside it (`after_verdict_share`). The step grows by `device_s` and the latest chunk's lateness.
+    correction.py `device_after_verdict_seconds`). Meanwhile the worker runs the host Adam chunk after chunk, in
+    chunk order, from the verdict on (`worker_stall`). The step grows by `device_s` and the latest chunk's lateness.
     """
     host = sorted(c for c in adam_at if placement[c] == "host")
-    if rates is not None:
-        host_adam *= after_verdict_share(host_adam, optimizer_state, sum(layout.chunks[c].used_elems for c in host),
-                                         back_bytes, rates)
     return device_s + worker_stall(host, layout, node_secs, reads, host_adam, copy_s, forward_start=device_s)
 
 
