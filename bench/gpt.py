@@ -561,8 +561,9 @@ def main(argv=None):
                     help="pstar_fx Config.compute: the compute between chunk nodes eager or compiled by Inductor")
     ap.add_argument("--optimizer-state", default="fp32", choices=("fp32", "bf16", "int8"),
                     help="pstar_fx Config.optimizer_state (the Adam moments' format)")
-    ap.add_argument("--profile", type=int, default=0, help="after the steps (and each --clip-sweep point's), this many more under torch.profiler: "
-                    "GPU time per kernel (the top 25, and totals by kind: matmul, attention, other)")
+    ap.add_argument("--profile", type=int, default=0, help="after the steps (and each --clip-sweep point's), this "
+                    "many more under torch.profiler: GPU time per kernel (the top 25, and totals by kind), and each "
+                    "step stream by stream (bench/trace_summary.py; PSTAR_FX_TRACE_DIR keeps the traces)")
     ap.add_argument("--cpu-profile", action="store_true", help="after the steps, one more under cProfile: the "
                     "launching thread's own time by function (what keeps the GPU waiting at a step's ends)")
     ap.add_argument("--clip-sweep", default=None, help="pstar_fx: after the steps, --steps more at each of these "
@@ -717,7 +718,8 @@ def main(argv=None):
                     if args.profile and cuda:       # after the timed steps: the profiler slows them
                         with late_binding(flag != "nolate"):
                             prof = profile_steps(step, batches, args.profile, label=f"clip-{x}-{rate or 'measured'}")
-                    result["sweep"].append({"profile": prof, "grad_clip": threshold, "expected_trigger_rate": rate or None,
+                    result["sweep"].append({"profile": prof, "grad_clip": threshold,
+                                            "expected_trigger_rate": rate or None,
                                             "late_binding": flag != "nolate",
                                             "step_s": round(med, 4),
                                             "steps_s": [round(x, 3) for x in t], "window_s": window[-1],

@@ -113,7 +113,8 @@ def summarize(events: list[dict], step_prefix: str = "bench.step", min_gap_ms: f
                     "compute_tail_ms": round(tail, 3),
                     "gaps": sorted(gaps, key=lambda g: -g["ms"])[:top],
                     "annotations_ms": {k: round(v, 3) for k, v in sorted(anns.items())},
-                    "launcher_cuda_calls_ms": {k: round(v, 3) for k, v in sorted(blocking.items(), key=lambda kv: -kv[1])}})
+                    "launcher_cuda_calls_ms": {k: round(v, 3) for k, v in
+                                               sorted(blocking.items(), key=lambda kv: -kv[1])}})
     return {"compute_stream": compute, "steps": out}
 
 

@@ -59,8 +59,9 @@ def after_verdict_share(rate: float, optimizer_state: str, host_elems: int, back
     """The share of `rate` a correction's host jobs after the verdict run at while the device chunks' kept gradients
     come back from the host (`back_bytes`, at the copy rate from the verdict on): both pass through host memory, as
     the host Adam and the step's copies do (costs.py `host_adam_share`, with the jobs' bytes per parameter: a
-    correction moves the fp32 Adam's), averaged over the longer of the two. At Llama-3-8B's shape on the H200 (HF's Llama: 3 B parameters corrected, 10 GB coming back)
-    about 0.88: the triggered estimate at the rate alone was 9% under the measured step (RESULTS, session 21)."""
+    correction moves the fp32 Adam's), averaged over the longer of the two. At Llama-3-8B's shape on the H200 (HF's
+    Llama: 3 B parameters corrected, 10 GB coming back) about 0.88: the triggered estimate at the rate alone was 9%
+    under the measured step (RESULTS, session 21)."""
     if not host_elems or not back_bytes or not rate:
         return 1.0
     window = max(back_bytes / rates.h2d_bw, host_elems / rate)
