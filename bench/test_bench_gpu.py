@@ -1,8 +1,9 @@
 """bench/gpt.py's pstar_fx step on one GPU as a pytest-benchmark case (marked gpu; skipped, saying so, without
 CUDA). The model is built on meta and compiled by bench/gpt.py's own `pstar_system`, as
 `python bench/gpt.py --system pstar_fx` does (bf16, the GPU's free memory as the device budget, AdamW); each
-round is one step and a synchronize, alternating its two random batches, so the table's mean is gpt.py's
-step_s and a saved baseline gates it like the CPU cases. Compiling is outside the time; extra_info holds the
+round is one step up to its loss read as a number, alternating its two random batches — steps back to back, as
+gpt.py times them (the device work a step leaves to overlap the next forward runs in the next round) — so the
+table's mean is gpt.py's step_s and a saved baseline gates it like the CPU cases. Compiling is outside the time; extra_info holds the
 compile's fields (predicted peaks, placement, recompute), tflops, the measured GPU peak and bytes moved per step.
 
     pstar-fx bench --gpu [--save NAME | --compare NAME --fail 10]          # on the GPU machine
@@ -78,11 +79,12 @@ def test_gpu_step_bench_gpt(benchmark, gpt_step):
         return batches[next(calls) % 2], {}
 
     def one_step(idx, tgt):
-        step(idx, tgt)
-        _sync()
+        float(step(idx, tgt))
 
+    _sync()
     before = engine.memory_stats()
     benchmark.pedantic(one_step, setup=next_batch, rounds=ROUNDS, warmup_rounds=2, iterations=1)
+    _sync()
     engine.drain()
     after = engine.memory_stats()
     steps = max(1, after["steps"] - before["steps"])
