@@ -12,6 +12,7 @@ Bytes per element, as counted here (the grad and the 16-bit copy as the engine's
   adam         28 B: read master, exp_avg, exp_avg_sq 12 B + grad 2 B; write master, exp_avg, exp_avg_sq 12 B +
                the bf16 copy 2 B (no non-finite check: the engine's correction path has checked the norm)
   correction   28 B: the same arrays, read and written once (cpu_adam_impl.h, adam_undo_range)
+  copy_only    16 B: the correction's 16-bit copy alone (part "copy"): reads the state and the grad, writes the copy
 Every figure is the best of --rounds; the configurations are interleaved round by round over the same buffers.
 The correction's target (issue 24): >= 0.8x the Adam's rate. The correction does twice the Adam's divides and
 square roots (the step's update term is recomputed bit for bit, then the new step's), so where the Adam runs
@@ -33,16 +34,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from host_adam_bench import HYPER, TRIAD_BYTES, Bench, _cpu_model, _elems  # noqa: E402
 
 OUR_BYTES = CORRECTION_BYTES = 28
+COPY_ONLY_BYTES = 16        # reads master, exp_avg, exp_avg_sq and the grad, writes the 16-bit copy
 BETAS = HYPER["betas"]
 
 
-def correction(b: Bench, threads: int, simd: str, redo_scale: float) -> float:
-    """Undo the last Adam step (grad scale 1) and apply it again with grad / redo_scale."""
+def correction(b: Bench, threads: int, simd: str, redo_scale: float, part: int = 0) -> float:
+    """Undo the last Adam step (grad scale 1) and apply it again with grad / redo_scale; `part` 3: only the 16-bit
+    copy the correction would write (the state left as it is)."""
     t0 = time.perf_counter()
     cpu_adam.adam_undo(b.p, b.g16, b.m, b.v, step=max(b.step, 1), lr=HYPER["lr"], beta1=BETAS[0], beta2=BETAS[1],
                        eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], grad_scale=1.0,
                        decoupled_weight_decay=True, redo_scale=redo_scale, param_out=b.out, num_threads=threads,
-                       simd=simd)
+                       simd=simd, part=part)
     return time.perf_counter() - t0
 
 
@@ -76,6 +79,9 @@ def main(argv=None) -> int:
             "triad_nt": lambda: b.triad(T, True, 1),
             "adam": lambda: b.ours(T, False, cpu_adam.STORES, cpu_adam.SCHEDULE, cpu_adam.PREFETCH_ELEMS),
             f"correction_{build['simd']}": lambda: correction(b, T, "auto", args.redo_scale),
+            # the correction's 16-bit copy alone (adam_undo part "copy"): what a correction must write before the
+            # next forward reads the chunk, if the rest were folded into the chunk's next update (issue 24)
+            f"copy_only_{build['simd']}": lambda: correction(b, T, "auto", args.redo_scale, part=3),
         }
         if args.old:
             configs["correction_scalar"] = lambda: correction(b, T, "scalar", args.redo_scale)
@@ -87,7 +93,7 @@ def main(argv=None) -> int:
                 best[k] = min(best[k], fn())
         triad_gbs = max(TRIAD_BYTES * n / best["triad"], TRIAD_BYTES * n / best["triad_nt"]) / 1e9
         for k, t in best.items():
-            counted = TRIAD_BYTES if k.startswith("triad") else OUR_BYTES
+            counted = TRIAD_BYTES if k.startswith("triad") else COPY_ONLY_BYTES if k.startswith("copy") else OUR_BYTES
             gbs = counted * n / t / 1e9
             rows.append({"threads": T, "config": k, "seconds": t, "gparams_s": n / t / 1e9, "bytes_counted": counted,
                          "gb_s": gbs, "vs_adam": None if k.startswith("triad") else best["adam"] / t,
