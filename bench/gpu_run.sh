@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call on the H200 machine: build the C++ kernel there, then run the stages named as
-# arguments (kernels | limits[:ARGS] | plan_profile[:ARGS] | pinned[:ARGS] | host_adam[:ARGS] (bench/host_adam_bench.py ARGS, spaces as commas) | tests | tests:PYTEST_K_EXPR (tests/test_gpu.py only) | integrations | hf_trainer[:ARGS] | lora[:ARGS] | probe | small_peak | checkpoint | gpt:MODEL:SYSTEM[:BATCH[:HOST_MEMORY[:LAYERS[:EXTRA ARGS]]]]).
+# arguments (kernels | limits[:ARGS] | host_undo[:ARGS] | plan_profile[:ARGS] | pinned[:ARGS] | host_adam[:ARGS] (bench/host_adam_bench.py ARGS, spaces as commas) | tests | tests:PYTEST_K_EXPR (tests/test_gpu.py only) | integrations | hf_trainer[:ARGS] | lora[:ARGS] | probe | small_peak | checkpoint | gpt:MODEL:SYSTEM[:BATCH[:HOST_MEMORY[:LAYERS[:EXTRA ARGS]]]]).
 # Output files land in $OUT. MODEL: a GPT name, llama/NAME or hf-llama/NAME (bench/gpt.py --model).
 # EXTRA ARGS go to bench/gpt.py as they are, e.g. gpt:GPT3_10B:pstar_fx:16:108GiB::--clip-sweep=none,1e9,1e-3
 # The strongest PyTorch peer: gpt:GPT_h3072_L36:torch-best:16 ({eager, compiled} x checkpoint {none, half, all}).
@@ -15,6 +15,8 @@
 # limits[:ARGS]: bench/box_limits.py ARGS (spaces as commas): the box's measured limits (copies each way and both
 #   ways, device memory, matmul, host triad, host Adam alone and beside copies, pstar_fx's calibration) as one
 #   versioned record, $OUT/limits.json: run it in the same call as the rows it is read against (issue 27).
+# host_undo[:ARGS]: bench/host_undo_bench.py ARGS (spaces as commas): the host correction, and its 16-bit copy alone,
+#   against the host Adam on the same buffers (e.g. host_undo:--elems,256M,--threads,8,15); $OUT/host_undo.json.
 # pinned[:ARGS]: bench/pinned_alloc.py ARGS (spaces as commas): page-locking the host state's buffers, each way
 #   (e.g. pinned:--gib,100,--threads,4,16,--slab-gib,16,--huge-pages); RESULT lines in $OUT/pinned.txt.
 # plan_profile[:ARGS]: bench/plan_profile.py ARGS (spaces as commas): capture + plan of a meta-built model on this
@@ -47,6 +49,8 @@ for stage in "$@"; do
              $( [[ $stage == limits:* ]] && echo "${stage#limits:}" | tr , ' ') 2>&1 | grep -v "^RESULT" \
              | tee -a "$OUT/limits.txt" ;;
     probe) timeout 120 python3 bench/peak_probe.py 2>&1 | grep -v "^DEBUG" | tail -45 | tee -a "$OUT/probe.txt" ;;
+    host_undo*) timeout 240 python3 bench/host_undo_bench.py --json "$OUT/host_undo.json" \
+             $( [[ $stage == host_undo:* ]] && echo "${stage#host_undo:}" | tr , ' ') 2>&1 | tee -a "$OUT/host_undo.txt" ;;
     host_adam*) runs=$((${runs:-0} + 1))      # one JSON per stage: a second stage would overwrite the first
        timeout 240 python3 bench/host_adam_bench.py --json "$OUT/host_adam-$runs.json" \
              $( [[ $stage == host_adam:* ]] && echo "${stage#host_adam:}" | tr , ' ') 2>&1 | tee -a "$OUT/host_adam.txt" ;;
