@@ -152,7 +152,8 @@ class _Search:
                      self.every, t.runs, len(self.runs[t.run_len]),
                      "segments" if t.run_len == 1 else f"runs of {t.run_len} segments",
                      format_bytes(p.device_peak_bytes),
-                     f"fits, estimated {p.estimated_step_seconds:.2f} s/step" if p.fits else "does not fit")
+                     f"fits, estimated {p.estimated_step_seconds:.2f} s/step ({p.placement.count('device')} of "
+                     f"{len(p.placement)} chunks on the device, {p.transaction})" if p.fits else "does not fit")
         return self.tried[t][1]
 
     def _plan_ahead(self, tries: list[Try]) -> None:
