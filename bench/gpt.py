@@ -29,8 +29,8 @@ Steps run back to back, as a training loop runs them: each step's time runs from
 and after the last step (window_s: the whole run, to the device idle after it).
 
 Fields: params, tokens, step_s (median of the steps after the first two), tflops (6 * params * tokens /
-step_s), steps_s, window_s, gpu_peak_bytes (torch.cuda.max_memory_allocated), host_rss_bytes (largest RSS seen after a
-step), host_max_rss_bytes (the process's peak RSS, compile included), and for pstar_fx the plan's
+step_s), steps_s, window_s, gpu_peak_bytes (torch.cuda.max_memory_allocated), host_rss_bytes (largest RSS seen
+after a step), host_max_rss_bytes (the process's peak RSS, compile included), and for pstar_fx the plan's
 predicted GPU and host peaks, a per-phase breakdown, compile_phases_s (seconds per compile phase) and
 time_to_first_step_s (compile() plus the first step); for torch, checkpoint (none|half|all),
 checkpointed_blocks, compile (bool) and compile_s (with --compile: the first two steps' time above step_s,
@@ -62,7 +62,9 @@ import psutil
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # bench/trace_summary.py
 import pstar_fx  # noqa: E402
+import trace_summary  # noqa: E402
 from pstar_fx.models import GPT, Llama, gpt_config, llama_config  # noqa: E402
 
 
@@ -519,12 +521,10 @@ def _stream_timeline(prof, label: str) -> list:
     in $PSTAR_FX_TRACE_DIR when set."""
     import gzip
     import tempfile
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import trace_summary
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
-        summary = trace_summary.summarize(trace_summary._load(path))
+        summary = trace_summary.summarize(trace_summary.load(path))
         keep = os.environ.get("PSTAR_FX_TRACE_DIR")
         if keep:
             os.makedirs(keep, exist_ok=True)

@@ -3,8 +3,8 @@ CUDA). The model is built on meta and compiled by bench/gpt.py's own `pstar_syst
 `python bench/gpt.py --system pstar_fx` does (bf16, the GPU's free memory as the device budget, AdamW); each
 round is one step up to its loss read as a number, alternating its two random batches — steps back to back, as
 gpt.py times them (the device work a step leaves to overlap the next forward runs in the next round) — so the
-table's mean is gpt.py's step_s and a saved baseline gates it like the CPU cases. Compiling is outside the time; extra_info holds the
-compile's fields (predicted peaks, placement, recompute), tflops, the measured GPU peak and bytes moved per step.
+table's mean is gpt.py's step_s and a saved baseline gates it like the CPU cases. Compiling is outside the time;
+extra_info holds the compile's fields (predicted peaks, placement, recompute), tflops, the measured GPU peak and bytes moved per step.
 
     pstar-fx bench --gpu [--save NAME | --compare NAME --fail 10]          # on the GPU machine
     python -m pytest bench/test_bench_gpu.py --benchmark-only -rs          # the same, by hand

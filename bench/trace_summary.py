@@ -29,7 +29,8 @@ BLOCKING = ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchron
             "cudaStreamWaitEvent", "cuLaunchKernel", "cudaLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 
 
-def _load(path: str) -> list[dict]:
+def load(path: str) -> list[dict]:
+    """The trace's complete events (chrome trace JSON, gzipped or not)."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         data = json.load(f)
@@ -144,7 +145,7 @@ def main(argv=None) -> None:
     ap.add_argument("--step-prefix", default="bench.step")
     ap.add_argument("--min-gap-ms", type=float, default=0.3)
     args = ap.parse_args(argv)
-    summary = summarize(_load(args.trace), args.step_prefix, args.min_gap_ms)
+    summary = summarize(load(args.trace), args.step_prefix, args.min_gap_ms)
     print_summary(summary)
     print(json.dumps(summary))
 

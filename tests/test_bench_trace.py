@@ -39,7 +39,7 @@ def test_each_step_stream_by_stream(tmp_path):
     path = tmp_path / "t.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump(made_up_trace(), f)
-    out = trace_summary.summarize(trace_summary._load(str(path)), min_gap_ms=0.1)
+    out = trace_summary.summarize(trace_summary.load(str(path)), min_gap_ms=0.1)
     assert out["compute_stream"] == COMPUTE
     s0, s1 = out["steps"]
     assert s0["step"] == "bench.step0" and s0["wall_ms"] == 1.0

@@ -373,8 +373,7 @@ def test_triggered_step_arithmetic_per_transaction():
 
     from pstar_fx.planning.costs import Rates
     from pstar_fx.planning.correction import (DEVICE_RESTORE_BYTES, _triggered_seconds, device_after_verdict_seconds,
-                                              device_correction_bytes)
-    from pstar_fx.planning.host_adam import after_verdict_share
+                                              device_correction_bytes, host_correction_share)
     assert device_correction_bytes(2) == device_correction_bytes(4) == 28 and DEVICE_RESTORE_BYTES == 16
     layout = SimpleNamespace(chunks=[SimpleNamespace(used_elems=10**9) for _ in range(4)])
     rates = Rates("made-up", 1e12, 28e9, 2e9, 2e9, 1e9, host_undo=1e9)
@@ -410,8 +409,8 @@ def test_triggered_step_arithmetic_per_transaction():
     # 2 s, c1's at 3 s: the forward waits 2 s) while the worker corrects: they pass through host memory beside it, 4 GB
     # over the corrections' 8 s, 0.5 GB/s of the 7 GB/s the correction moves alone (28 B x 0.25e9/s): it runs at
     # 13/14 of its rate, c3 done at 0.75 + 8 x 14/13 s, copied 0.1 s later, read at 2 + 3 s
-    assert math.isclose(after_verdict_share(0.25e9, "fp32", 2 * 10**9, 4e9, slow["rates"]), 13 / 14)
-    assert after_verdict_share(0.25e9, "fp32", 2 * 10**9, 0, slow["rates"]) == 1.0
+    assert math.isclose(host_correction_share(0.25e9, 2 * 10**9, 4e9, slow["rates"]), 13 / 14)
+    assert host_correction_share(0.25e9, 2 * 10**9, 0, slow["rates"]) == 1.0
     assert math.isclose(triggered("kept_grads", kept_on_device=0, **slow), 10 + 2 + (0.75 + 8 * 14 / 13 + 0.1 - 5))
     # replay: the device masters restored at 16 B per element (8/7 s), host restores overlapping the forward, then
     # one more forward+backward (8 s) with its exposed copies and host jobs (the pipeline at host_undo: 0.5 s)

@@ -6,7 +6,6 @@ simulation that step and a correction (correction.py) share.
 from __future__ import annotations
 
 from ..layout import Layout
-from .costs import Rates, host_adam_share
 
 
 def _host_adam_pipeline(placement: list[str], layout: Layout, node_secs: list[float], reads: list[set[int]],
@@ -53,19 +52,6 @@ def _host_adam_pipeline(placement: list[str], layout: Layout, node_secs: list[fl
     cap = most if n_spare_buffers is None else max(2, min(most, 2 + n_spare_buffers))
     best = buffers if buffers is not None else min(range(2, cap + 1), key=lambda k: (round(simulate(k), 3), k))
     return (best, *simulate(best, with_tail=True))
-
-
-def after_verdict_share(rate: float, optimizer_state: str, host_elems: int, back_bytes: float, rates: Rates) -> float:
-    """The share of `rate` a correction's host jobs after the verdict run at while the device chunks' kept gradients
-    come back from the host (`back_bytes`, at the copy rate from the verdict on): both pass through host memory, as
-    the host Adam and the step's copies do (costs.py `host_adam_share`, with the jobs' bytes per parameter: a
-    correction moves the fp32 Adam's), averaged over the longer of the two. At Llama-3-8B's shape on the H200 (HF's
-    Llama: 3 B parameters corrected, 10 GB coming back) about 0.88: the triggered estimate at the rate alone was 9%
-    under the measured step (RESULTS, session 21)."""
-    if not host_elems or not back_bytes or not rate:
-        return 1.0
-    window = max(back_bytes / rates.h2d_bw, host_elems / rate)
-    return host_adam_share(rate, optimizer_state, back_bytes / window)
 
 
 def _after_verdict_exposed(placement: list[str], layout: Layout, node_secs: list[float], reads: list[set[int]],

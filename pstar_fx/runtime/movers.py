@@ -86,6 +86,7 @@ class CudaCopies:
         telemetry.mark = self._mark     # the launching thread's host waits read against the compute stream
 
     def _mark(self) -> torch.cuda.Event:
+        """A timing event recorded on the compute stream now."""
         ev = torch.cuda.Event(enable_timing=True)
         ev.record(self.compute)
         return ev
@@ -105,15 +106,13 @@ class CudaCopies:
     def compute_waits(self, event) -> None:
         if event is None:
             return
-        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        before.record(self.compute)
+        before = self._mark()
         if isinstance(event, torch.cuda.Event):
             self.compute.wait_event(event)
         else:                                    # a collective (dist.Pending): the current stream waits for it
             with torch.cuda.stream(self.compute):
                 event.wait()
-        after.record(self.compute)
-        self.telemetry.stall(before, after)
+        self.telemetry.stall(before, self._mark())
 
     def host_waits(self, event) -> None:
         if event is not None:
