@@ -284,6 +284,28 @@ def deepspeed_system(cfg, args):
 
 
 @contextlib.contextmanager
+def undo_then_redo(on: bool):
+    """With `on` (a sweep point's "@undo"), each correction undoes the speculated update and makes it again (kernels
+    adam_undo with a redo: the float64 kernel before issue 24's one-pass rescale) instead of `chunk_rescale`: both
+    kernels in one process, on one engine."""
+    from pstar_fx.runtime.undo import Undo
+    if not on:
+        yield
+        return
+    new = Undo._correct_one
+
+    def old(self, log, c, grad, speculated, hyper):
+        log.hyper_of[c] = speculated
+        self._chunk_undo(c, grad, speculated, redo=hyper)
+        log.hyper_of[c] = hyper
+    Undo._correct_one = old
+    try:
+        yield
+    finally:
+        Undo._correct_one = new
+
+
+@contextlib.contextmanager
 def late_binding(on: bool):
     """With `on` False (a sweep point's "@nolate"), every host update the worker runs is speculated and then corrected,
     as before late binding (runtime/undo.py `correct`: an update the worker has not started at the verdict applies the
@@ -569,7 +591,8 @@ def main(argv=None):
     ap.add_argument("--clip-sweep", default=None, help="pstar_fx: after the steps, --steps more at each of these "
                     "clip thresholds on the same engine (e.g. 1e9,1e-3: never / always triggers); THRESHOLD@RATE "
                     "also fixes Config.expected_trigger_rate (1.0@0: speculate and correct; 1.0@1: defer); "
-                    "THRESHOLD@RATE@nolate runs that point without late binding (every host update corrected)")
+                    "THRESHOLD@RATE@nolate runs that point without late binding (every host update corrected), "
+                    "@undo with corrections by undo-then-redo (the float64 kernel before the one-pass rescale)")
     ap.add_argument("--checkpoint", choices=CHECKPOINT_CHOICES, default="all",
                     help="torch: activation checkpointing (torch.utils.checkpoint, non-reentrant) of every block "
                     "(all, the default), of the even blocks 0, 2, 4, ... (half) or of none")
@@ -695,32 +718,35 @@ def main(argv=None):
             if args.clip_sweep:
                 result["sweep"] = []
                 for point in args.clip_sweep.split(","):
-                    # THRESHOLD[@RATE[@nolate]]: the same compiled engine, another threshold (the plan depends on
+                    # THRESHOLD[@RATE[@FLAG...]]: the same compiled engine, another threshold (the plan depends on
                     # clipping being on, not its value) and, with @RATE, Config.expected_trigger_rate fixed (0:
                     # speculate, 1: defer where the plan may; without it the rate is measured as the run goes);
-                    # @nolate: without late binding (`late_binding`)
-                    x, _, rest = point.partition("@")
-                    rate, _, flag = rest.partition("@")
-                    if flag not in ("", "nolate"):
-                        raise ValueError(f"--clip-sweep point {point!r}: expected THRESHOLD[@RATE[@nolate]]")
+                    # @nolate: without late binding (`late_binding`); @undo: corrections by undo-then-redo
+                    x, *rest = point.split("@")
+                    rate, flags = (rest[0] if rest else ""), set(rest[1:])
+                    if not flags <= {"nolate", "undo"}:
+                        raise ValueError(f"--clip-sweep point {point!r}: expected THRESHOLD[@RATE[@nolate][@undo]]")
+                    flag = "nolate" if "nolate" in flags else ""
                     threshold = None if x == "none" else float(x)
                     engine.stepper.config = dataclasses.replace(engine.stepper.config, grad_clip=threshold,
                                                                 expected_trigger_rate=float(rate) if rate else None)
                     before = dict(engine.rt.telemetry.seconds)
                     n0 = engine.rt.telemetry.steps
-                    with late_binding(flag != "nolate"):
-                        t, _, rep = timed(args.steps, label=f"clip {threshold}{' nolate' if flag else ''} ")
+                    with late_binding(flag != "nolate"), undo_then_redo("undo" in flags):
+                        t, _, rep = timed(args.steps, label=f"clip {threshold}{' nolate' if flag else ''}"
+                                                            f"{' undo' if 'undo' in flags else ''} ")
                     engine.rt.timing()
                     n = max(1, engine.rt.telemetry.steps - n0)
                     phases = {k: round((v - before[k]) / n, 4) for k, v in engine.rt.telemetry.seconds.items()}
                     med = statistics.median(t[1:] if len(t) > 1 else t)
                     prof = None
                     if args.profile and cuda:       # after the timed steps: the profiler slows them
-                        with late_binding(flag != "nolate"):
+                        with late_binding(flag != "nolate"), undo_then_redo("undo" in flags):
                             prof = profile_steps(step, batches, args.profile, label=f"clip-{x}-{rate or 'measured'}")
                     result["sweep"].append({"profile": prof, "grad_clip": threshold,
                                             "expected_trigger_rate": rate or None,
                                             "late_binding": flag != "nolate",
+                                            "correction": "undo" if "undo" in flags else "rescale",
                                             "step_s": round(med, 4),
                                             "steps_s": [round(x, 3) for x in t], "window_s": window[-1],
                                             "phases": phases,

@@ -13,6 +13,8 @@ Bytes per element, as counted here (the grad and the 16-bit copy as the engine's
                the bf16 copy 2 B (no non-finite check: the engine's correction path has checked the norm)
   correction   28 B: the same arrays, read and written once (cpu_adam_impl.h, adam_undo_range)
   copy_only    16 B: the correction's 16-bit copy alone (part "copy"): reads the state and the grad, writes the copy
+  rescale      28 B: the one-pass fp32 correction the runtime runs (kernels.adam_rescale: no undo, no float64)
+  rescale_copy 16 B: its 16-bit copy alone
 Every figure is the best of --rounds; the configurations are interleaved round by round over the same buffers.
 The correction's target (issue 24): >= 0.8x the Adam's rate. The correction does twice the Adam's divides and
 square roots (the step's update term is recomputed bit for bit, then the new step's), so where the Adam runs
@@ -40,7 +42,7 @@ BETAS = HYPER["betas"]
 
 def correction(b: Bench, threads: int, simd: str, redo_scale: float, part: int = 0) -> float:
     """Undo the last Adam step (grad scale 1) and apply it again with grad / redo_scale; `part` 3: only the 16-bit
-    copy the correction would write (the state left as it is)."""
+    copy the correction would write (the state left as it is); 4 and 5: the same by the one-pass fp32 rescale."""
     t0 = time.perf_counter()
     cpu_adam.adam_undo(b.p, b.g16, b.m, b.v, step=max(b.step, 1), lr=HYPER["lr"], beta1=BETAS[0], beta2=BETAS[1],
                        eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], grad_scale=1.0,
@@ -82,6 +84,9 @@ def main(argv=None) -> int:
             # the correction's 16-bit copy alone (adam_undo part "copy"): what a correction must write before the
             # next forward reads the chunk, if the rest were folded into the chunk's next update (issue 24)
             f"copy_only_{build['simd']}": lambda: correction(b, T, "auto", args.redo_scale, part=3),
+            # the one-pass fp32 correction the runtime uses (adam_rescale: parts 4 and 5, no float64), and its copy
+            f"rescale_{build['simd']}": lambda: correction(b, T, "auto", args.redo_scale, part=4),
+            f"rescale_copy_{build['simd']}": lambda: correction(b, T, "auto", args.redo_scale, part=5),
         }
         if args.old:
             configs["correction_scalar"] = lambda: correction(b, T, "scalar", args.redo_scale)
@@ -93,7 +98,8 @@ def main(argv=None) -> int:
                 best[k] = min(best[k], fn())
         triad_gbs = max(TRIAD_BYTES * n / best["triad"], TRIAD_BYTES * n / best["triad_nt"]) / 1e9
         for k, t in best.items():
-            counted = TRIAD_BYTES if k.startswith("triad") else COPY_ONLY_BYTES if k.startswith("copy") else OUR_BYTES
+            counted = (TRIAD_BYTES if k.startswith("triad") else
+                       COPY_ONLY_BYTES if k.startswith(("copy", "rescale_copy")) else OUR_BYTES)
             gbs = counted * n / t / 1e9
             rows.append({"threads": T, "config": k, "seconds": t, "gparams_s": n / t / 1e9, "bytes_counted": counted,
                          "gb_s": gbs, "vs_adam": None if k.startswith("triad") else best["adam"] / t,

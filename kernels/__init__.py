@@ -31,6 +31,6 @@ if __name__ == "kernels" and (_spec := _hub_kernels()) is not None:
     _sys.modules["kernels"] = _module        # what `import kernels` returns once this file has run
     _spec.loader.exec_module(_module)
 else:
-    from .ops import BACKENDS, adam_step, adam_undo, build_info, cast_, sq_norm, sq_norms
+    from .ops import BACKENDS, adam_rescale, adam_step, adam_undo, build_info, cast_, sq_norm, sq_norms
 
-    __all__ = ["BACKENDS", "adam_step", "adam_undo", "build_info", "cast_", "sq_norm", "sq_norms"]
+    __all__ = ["BACKENDS", "adam_rescale", "adam_step", "adam_undo", "build_info", "cast_", "sq_norm", "sq_norms"]

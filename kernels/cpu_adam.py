@@ -152,6 +152,13 @@ def adam_undo(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
     )
 
 
+def adam_rescale(param, grad, exp_avg, exp_avg_sq, *, redo_scale, param_out=None, copy_only=False, **kw) -> None:
+    """adam_undo's parts 4 (the one-pass fp32 correction) and 5 (its 16-bit copy alone): cpu_adam_impl.h
+    rescale_elems. Keywords as adam_undo's."""
+    adam_undo(param, grad, exp_avg, exp_avg_sq, redo_scale=redo_scale, param_out=param_out,
+              part=5 if copy_only else 4, **kw)
+
+
 def cast_(dst, src, *, simd="auto", num_threads=0) -> None:
     _ext().cast(dst.data_ptr(), _DTYPE_NAMES[dst.dtype], src.data_ptr(), src.numel(), simd, _threads(num_threads))
 

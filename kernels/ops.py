@@ -253,6 +253,56 @@ def adam_undo(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
                       check_finite=False, backend=backend)
 
 
+def adam_rescale(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, grad_scale=1.0,
+                 redo_scale, decoupled_weight_decay=True, param_out=None, part="all", backend="auto") -> None:
+    """Correct a step that `adam_step(..., grad_scale=grad_scale)` made (a speculated update with a guessed clip
+    coefficient) to the step with grad / redo_scale, in place, in one fp32 pass over the updated state: no undo,
+    no float64 (see cpu_adam_impl.h rescale_elems for the arithmetic). Against `adam_undo(..., redo_scale=...)`,
+    which restores the state before the step and makes it again, the master lands within about 1.5 ulps of the
+    step made afresh (the restore contract's two ulps hold) and the moments carry their updated values' rounding
+    as an absolute error, as the undo's restored moments do; the memory moved is the same (28 B a parameter with
+    16-bit grads and a 16-bit copy), the arithmetic a fraction (two divide + sqrt pairs and ~14 fp32 operations,
+    where the undo-then-redo adds ~60 float64 operations). Every backend gives the same bits (the GPU's compiler
+    may fuse multiply-adds there).
+
+    part: "all", or "copy" (only `param_out`, the bits "all" writes there; param and moments are left as they
+    are: 16 B a parameter).
+    """
+    if part not in ("all", "copy"):
+        raise ValueError(f"part must be 'all' or 'copy', got {part!r}")
+    if part == "copy" and param_out is None:
+        raise ValueError("part='copy' writes the corrected 16-bit copy: it needs param_out")
+    _check_tensor("param", param, None, None, (torch.float32,))
+    n, dev = param.numel(), param.device
+    _check_tensor("grad", grad, n, dev, _GRAD_DTYPES)
+    if exp_avg.dtype != torch.float32 or exp_avg_sq.dtype != torch.float32:
+        kind = {torch.bfloat16: "bf16", torch.uint8: "int8"}.get(exp_avg.dtype, str(exp_avg.dtype))
+        raise ValueError(f"adam_rescale: {kind} moments (optimizer_state={kind!r}) cannot be corrected: the "
+                         "update rounded them; the plan uses a transaction that needs no correction")
+    _check_tensor("exp_avg", exp_avg, n, dev, (torch.float32,))
+    _check_tensor("exp_avg_sq", exp_avg_sq, n, dev, (torch.float32,))
+    if param_out is not None:
+        _check_tensor("param_out", param_out, n, dev, _FLOAT16)
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
+        raise ValueError(f"step must be an int >= 1 (1-based, after increment), got {step!r}")
+    if not _as_float("redo_scale", redo_scale) > 0:
+        raise ValueError(f"redo_scale must be positive, got {redo_scale}")
+    hyper = dict(step=int(step), lr=_as_float("lr", lr), beta1=_as_float("beta1", beta1),
+                 beta2=_as_float("beta2", beta2), eps=_as_float("eps", eps),
+                 weight_decay=_as_float("weight_decay", weight_decay), grad_scale=_as_float("grad_scale", grad_scale),
+                 decoupled_weight_decay=bool(decoupled_weight_decay), redo_scale=float(redo_scale))
+    if n == 0:
+        return
+    copy_only = part == "copy"
+    which = _resolve(backend, dev)
+    if which == "cpp":
+        cpu_adam.adam_rescale(param, grad, exp_avg, exp_avg_sq, param_out=param_out, copy_only=copy_only, **hyper)
+    elif which == "triton":
+        _triton().adam_rescale(param, grad, exp_avg, exp_avg_sq, param_out=param_out, copy_only=copy_only, **hyper)
+    else:
+        torch_adam.adam_rescale(param, grad, exp_avg, exp_avg_sq, param_out=param_out, copy_only=copy_only, **hyper)
+
+
 def cast_(dst, src, *, backend="auto") -> None:
     """dst <- src: fp32 -> bf16/fp16 rounded to nearest even (NaN stays NaN), or a same-dtype copy."""
     _check_tensor("src", src, None, None, _GRAD_DTYPES)

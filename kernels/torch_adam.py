@@ -136,6 +136,57 @@ def adam_undo(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
             v.copy_(v0)
 
 
+def adam_rescale(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, grad_scale,
+                 decoupled_weight_decay, redo_scale, param_out=None, copy_only=False,
+                 block_elems: int = 1 << 20) -> None:
+    """A correction in one fp32 pass, as the C++ kernel computes it (cpu_adam_impl.h rescale_elems): each fp32
+    op through float64 and rounded (exact for + - * / sqrt), in its order. In blocks, so the temporaries stay
+    small on any device."""
+    f32 = lambda x: float(np.float32(x))  # noqa: E731 - the kernels' fp32 coefficients
+    r = lambda x: x.float().double()  # noqa: E731 - round to fp32, go on in float64
+    step_size = f32(lr / (1.0 - beta1 ** step))
+    inv_bc2_sqrt = f32(1.0 / (1.0 - beta2 ** step) ** 0.5)
+    eps32, b1, b2 = f32(eps), f32(beta1), f32(beta2)
+    omb1, omb2, wd = f32(1.0 - beta1), f32(1.0 - beta2), f32(weight_decay)
+    decoupled = decoupled_weight_decay or weight_decay == 0.0
+
+    def unscaled(g, scale):
+        scale = f32(scale)
+        if scale == 1.0:
+            return g
+        inv = f32(1.0 / scale)
+        exact = np.frexp(scale)[0] == 0.5 and np.isfinite(inv) and inv != 0.0 and abs(inv) >= 2.0 ** -126
+        return r(g * inv) if exact else r(g / scale)
+
+    def term(m, v):
+        return r(step_size * r(m / r(r(r(v.sqrt()) * inv_bc2_sqrt) + eps32)))
+
+    with torch.no_grad():
+        for start in range(0, param.numel(), block_elems):
+            sl = slice(start, start + block_elems)
+            p1, m1, v1 = param[sl].double(), exp_avg[sl].double(), exp_avg_sq[sl].double()
+            g = grad[sl].double()
+            gs, gr = unscaled(g, grad_scale), unscaled(g, redo_scale)
+            u1 = term(m1, v1)
+            if not decoupled:
+                wp = r(wd * r(p1 + u1))
+                gs, gr = r(gs + wp), r(gr + wp)
+            if step == 1:
+                m2 = r(r(b1 * torch.zeros_like(g)) + r(omb1 * gr))
+                v2 = r(r(b2 * torch.zeros_like(g)) + r(r(omb2 * gr) * gr))
+            else:
+                m2 = r(r(m1 - r(omb1 * gs)) + r(omb1 * gr))
+                v2 = r(r(v1 - r(r(omb2 * gs) * gs)) + r(r(omb2 * gr) * gr))
+                v2 = torch.where(v2 > 0.0, v2, torch.zeros_like(v2))      # max(x, +0) as maxps: +0 for -0, NaN
+            p2 = r(p1 + r(u1 - term(m2, v2)))
+            if param_out is not None:
+                param_out[sl].copy_(p2)
+            if not copy_only:
+                param[sl].copy_(p2)
+                exp_avg[sl].copy_(m2)
+                exp_avg_sq[sl].copy_(v2)
+
+
 def cast_(dst, src) -> None:
     with torch.no_grad():
         dst.copy_(src)  # torch rounds fp32 -> bf16/fp16 to nearest even

@@ -146,6 +146,30 @@ def test_late_binding_off_never_records_the_verdicts_update_and_is_restored():
         assert StepLog.__dict__["verdict_hyper"] is None
 
 
+def test_an_undo_sweep_point_corrects_by_undo_then_redo_and_is_restored():
+    """`--clip-sweep THRESHOLD@RATE@undo` runs its steps inside `undo_then_redo(True)`: each correction is the
+    undo of the speculated update with a redo (the float64 kernel), not the one-pass rescale; after the block the
+    runtime's correction is as it was."""
+    from pstar_fx.runtime.undo import Undo
+    rescale = Undo._correct_one
+    calls = []
+
+    class Log:
+        hyper_of = {}
+
+    class Fake:
+        def _chunk_undo(self, c, grad, hyper, *, redo=None, part="all", shadow=True):
+            calls.append((c, grad, hyper, redo, Log.hyper_of[c]))
+
+    with gpt.undo_then_redo(True):
+        assert Undo._correct_one is not rescale
+        Undo._correct_one(Fake(), Log, 3, "grad", "guess", "verdict")
+    assert calls == [(3, "grad", "guess", "verdict", "guess")] and Log.hyper_of[3] == "verdict"
+    assert Undo._correct_one is rescale
+    with gpt.undo_then_redo(False):
+        assert Undo._correct_one is rescale
+
+
 def test_chat_batches_are_packed_chat_rows_whose_loss_the_engine_computes_as_hugging_face_does():
     """--chat-packed (issue 25's 8B run at seq 4096 against 1024): rows of synthetic chat records over the model's
     vocabulary, packed by pstar_fx.records: trained tokens only on assistant turns (each its own id), padding masked

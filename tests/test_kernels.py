@@ -789,3 +789,127 @@ def test_cpp_undo_every_simd_level_is_the_old_kernel_bit_for_bit(grad_dtype):
                                    param_out=None, **hyper)
                 assert torch.equal(ref[3], _bits(ref[0].view(torch.float32).to(torch.bfloat16)))
             assert all(torch.equal(a, _bits(b)) for a, b in zip(ref, want)), f"case {ci} step {step} {part}: reference"
+
+
+# ----------------------------------------------------------------------------- the one-pass correction
+
+RESCALE_CASES = [dict(decoupled=True, wd=0.1, lr=1e-2, b1=0.9), dict(decoupled=False, wd=0.1, lr=1e-2, b1=0.9),
+                 dict(decoupled=True, wd=0.0, lr=1e-2, b1=0.9), dict(decoupled=True, wd=0.1, lr=3.0, b1=0.9),
+                 dict(decoupled=False, wd=0.0, lr=1e-2, b1=0.5), dict(decoupled=True, wd=0.1, lr=1e-2, b1=0.0)]
+
+
+@needs_ext
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["g32", "gbf16", "gf16"])
+def test_cpp_rescale_every_simd_level_gives_the_torch_reference_bits(grad_dtype):
+    """adam_rescale (the one-pass fp32 correction): every SIMD level, thread count and 16-bit copy alignment gives
+    torch_adam.adam_rescale's bits (each fp32 op IEEE-rounded, in the kernel's order), for the master, both moments
+    and the copy; part "copy" writes those copy bits and leaves the state alone. Over weight decay modes, loss scales
+    that multiply (1024) and divide (3), redo scales that shrink and grow, step 1 (zero moments) and 3, a large lr,
+    b1 = 0.5 and 0, and the undo's edge cases (signed zeros, subnormals, v at 0 and next to eps^2)."""
+    from pstar_fx.kernels import torch_adam
+    levels = K.build_info()["cpu_adam"]["simd_supported"]
+    n = 70001  # two 64K blocks, and a tail for every vector width
+    for ci, case in enumerate(RESCALE_CASES):
+        for step, scale, redo in ((3, 1.0, 2.7), (3, 1024.0, 0.37), (3, 3.0, 4.0), (1, 1.0, 2.0), (3, 1.0, 1.0)):
+            p, m, v, g = _undo_case(n, grad_dtype, seed=100 * ci + step)
+            hyper = dict(step=step, lr=case["lr"], beta1=case["b1"], beta2=0.999, eps=1e-8, weight_decay=case["wd"],
+                         decoupled_weight_decay=case["decoupled"])
+            g = (g.float() * scale).to(grad_dtype)
+            assert cpu_adam.adam_step(p, g, m, v, grad_scale=scale, param_out=None, **hyper)
+            results = {}
+            for level in levels:
+                for threads, off in ((1, 0), (3, 1)):   # off: the 16-bit copy's start, unaligned to the vectors
+                    state = [t.clone() for t in (p, m, v)]
+                    out = torch.full((n + 1,), 7.0, dtype=torch.bfloat16)[off:off + n]
+                    cpu_adam.adam_rescale(state[0], g, state[1], state[2], grad_scale=scale, redo_scale=redo,
+                                          param_out=out, simd=level, num_threads=threads, **hyper)
+                    results[level, threads, off] = [_bits(t) for t in (*state, out)]
+                    alone = [t.clone() for t in (p, m, v)]
+                    copy = torch.full((n + 1,), 7.0, dtype=torch.bfloat16)[off:off + n]
+                    cpu_adam.adam_rescale(alone[0], g, alone[1], alone[2], grad_scale=scale, redo_scale=redo,
+                                          param_out=copy, copy_only=True, simd=level, num_threads=threads, **hyper)
+                    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(alone, (p, m, v))), (ci, level)
+                    assert torch.equal(_bits(copy), results[level, threads, off][3]), (ci, step, level, threads)
+            want = [t.clone() for t in (p, m, v)]
+            want_out = torch.empty(n, dtype=torch.bfloat16)
+            torch_adam.adam_rescale(want[0], g, want[1], want[2], grad_scale=scale, redo_scale=redo,
+                                    param_out=want_out, **hyper)
+            want = [_bits(t) for t in (*want, want_out)]
+            for key, got in results.items():
+                assert all(torch.equal(a, b) for a, b in zip(got, want)), f"case {ci} step {step}: {key} differs"
+
+
+@needs_ext
+@pytest.mark.skipif(not (HAS_TRITON and INTERPRET), reason="needs triton under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("decoupled,part", [(True, "all"), (False, "copy")])
+def test_adam_rescale_triton_equals_cpp_bit_for_bit(decoupled, part):
+    n = 40000
+    p, grads = _state(n, torch.float16, "cpu", seed=11, steps=3)
+    m, v = torch.zeros(n), torch.zeros(n)
+    hyper = dict(HYPER, weight_decay=0.05, decoupled_weight_decay=decoupled, grad_scale=3.0)
+    for step, g in enumerate(grads, start=1):
+        adam_step(p, g, m, v, step=step, **hyper)
+    results = {}
+    for backend in ("cpp", "triton"):
+        state = [t.clone() for t in (p, m, v)] + [torch.zeros(n, dtype=torch.bfloat16)]
+        K.adam_rescale(*state[:1], grads[-1], *state[1:3], step=3, redo_scale=5.0, param_out=state[3], part=part,
+                       backend=backend, **hyper)
+        results[backend] = state
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(results["cpp"], results["triton"]))
+
+
+@needs_ext
+@pytest.mark.parametrize("case", range(3), ids=["adamw", "adam-l2", "no-decay"])
+def test_adam_rescale_lands_within_its_bound_of_the_step_made_afresh(case):
+    """The correction against the step made afresh from the state before it with the verdict's scale (what a
+    deferred step computes). Its errors, from the arithmetic: the master carries the speculated master's rounding
+    once more plus the final add's (<= 2 ulps of the larger of the masters and the update terms, the restore
+    contract's two), and whatever the moments' differences move the new update term by (with its fp32 arithmetic's
+    own rounding, <= 3 ulps of the term, once its inputs differ at all); each moment carries the
+    rounding of its speculated value and of the two grad terms (<= 2 ulps of the speculated moment + an ulp of each
+    term + an ulp of the result); with L2 decay the grad's wd * p term uses p1 + u1, within an ulp of the master
+    before the step. The old undo-then-redo has the same kinds of error (it restores the moments to their
+    speculated values' rounding)."""
+    decoupled, wd = [(True, 0.1), (False, 0.1), (True, 0.0)][case]
+    gen = torch.Generator().manual_seed(case)
+    n = 200_003
+    inf = torch.tensor(float("inf"))
+
+    def ulp(x):
+        return (torch.nextafter(x.abs(), inf) - x.abs()).double()
+
+    for step in (1, 3, 50):
+        for s1, s2 in ((1.0, 0.3), (1.0, 0.03), (3.0, 4.0), (1024.0, 0.37), (1.0, 1.0)):
+            p = torch.randn(n, generator=gen)
+            m = torch.randn(n, generator=gen) * 1e-2 if step > 1 else torch.zeros(n)
+            v = torch.rand(n, generator=gen) * 1e-4 if step > 1 else torch.zeros(n)
+            graw = (torch.randn(n, generator=gen) * 0.1 * s1).bfloat16()
+            lr = 1e-2
+            hyper = dict(step=step, lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=wd,
+                         decoupled_weight_decay=decoupled)
+            redo = s1 / s2
+            fresh = [t.clone() for t in (p, m, v)]
+            cpu_adam.adam_step(fresh[0], graw, fresh[1], fresh[2], grad_scale=redo, param_out=None, **hyper)
+            spec = [t.clone() for t in (p, m, v)]
+            cpu_adam.adam_step(spec[0], graw, spec[1], spec[2], grad_scale=s1, param_out=None, **hyper)
+            got = [t.clone() for t in spec]
+            K.adam_rescale(got[0], graw, got[1], got[2], grad_scale=s1, redo_scale=redo, **hyper)
+            step_size, c = lr / (1 - 0.9 ** step), 1 / (1 - 0.999 ** step) ** 0.5
+
+            def term(m, v):
+                return step_size * m.double() / (v.double().sqrt() * c + 1e-8)
+
+            big_p = torch.maximum(spec[0].abs(), fresh[0].abs()).double()
+            big = torch.maximum(big_p, torch.maximum(term(*spec[1:]).abs(), term(*fresh[1:]).abs()))
+            u2 = term(*fresh[1:]).abs().float()
+            bound_p = 2 * ulp(big.float()) + (term(*got[1:]) - term(*fresh[1:])).abs() + 3 * ulp(u2)
+            wp = 0.0 if decoupled else wd * p.double()                 # L2: the grads the moments take
+            gs, gr = graw.double() / s1 + wp, graw.double() / redo + wp
+            l2 = 0.0 if decoupled else 2 * wd * ulp(big_p.float())   # the grads' wd * p term, p within an ulp
+            bound_m = 2 * ulp(spec[1]) + ulp((0.1 * gs).float()) + ulp((0.1 * gr).float()) + ulp(fresh[1]) + 0.1 * l2
+            bound_v = (2 * ulp(spec[2]) + ulp((1e-3 * gs * gs).float()) + ulp((1e-3 * gr * gr).float())
+                       + ulp(fresh[2]) + 2e-3 * (gs.abs() + gr.abs()) * (l2 + ulp(gr.float())))
+            for name, a, b, bound in (("master", got[0], fresh[0], bound_p), ("exp_avg", got[1], fresh[1], bound_m),
+                                      ("exp_avg_sq", got[2], fresh[2], bound_v)):
+                excess = float(((a.double() - b.double()).abs() / bound).max())
+                assert excess <= 1.0, f"step {step}, scales {s1} -> {redo}: {name} at {excess:.2f}x its bound"

@@ -981,17 +981,17 @@ def test_a_host_update_not_started_at_a_correction_applies_the_verdict_directly(
     before_host_adam(monkeypatch, engine, lambda: time.sleep(0.05))
     host_masters = {store.master[c].data_ptr() for c in range(len(store.master)) if store.tier(c) == "host"}
     corrected = []                                  # each correction's chunk tier
-    real = undo_module.chunk_undo
+    real = undo_module.chunk_rescale
 
-    def chunk_undo(master, *a, **k):
+    def chunk_rescale(master, *a, **k):
         corrected.append("host" if master.data_ptr() in host_masters else "device")
         return real(master, *a, **k)
-    monkeypatch.setattr(undo_module, "chunk_undo", chunk_undo)
+    monkeypatch.setattr(undo_module, "chunk_rescale", chunk_rescale)
     reports = run(engine, batches)
     assert all(r.clip_coef < 1.0 for r in reports)
     assert_run_matches(engine, reports, ref, ref_out)
     # every step's guess (the last step's coefficient) is wrong, so every step is corrected: each device chunk is
-    # undone and redone, but the worker, 50 ms a host chunk behind, had not reached most host updates
+    # corrected, but the worker, 50 ms a host chunk behind, had not reached most host updates
     n_device = len(store.master) - n_host
     assert corrected.count("device") == len(batches) * n_device
     assert corrected.count("host") < len(batches) * n_host / 2, (corrected.count("host"), n_host)

@@ -495,14 +495,19 @@ double stream_triad(uintptr_t a, uintptr_t b, uintptr_t c, int64_t n, double sca
 // (tests/test_kernels.py). Bytes per element: 28 B (fp32 grad) / 26 B (16-bit), + 2 B for the redo's
 // 16-bit copy; the master alone (part 1) 16 B; the corrected 16-bit copy alone (part 3: read p, m, v, grad,
 // write the copy) 16 B (bf16 grad) of memory, but all of the correction's arithmetic.
+// Parts 4 and 5: a correction in one fp32 pass from the updated state (no undo, no float64: rescale_elems in
+// cpu_adam_impl.h), and its 16-bit copy alone; the same bytes as parts 0 and 3 with a redo, a fraction of the
+// arithmetic. Every level gives the scalar level's bits.
 void adam_undo(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, uintptr_t exp_avg,
                uintptr_t exp_avg_sq, int64_t n, int64_t step, double lr, double beta1, double beta2, double eps,
                double weight_decay, double grad_scale, bool decoupled, double redo_scale, uintptr_t param_out,
                const std::string& out_dtype, int part, int num_threads, const std::string& simd,
                const std::string& stores, int prefetch_elems) {
-    if (part < 0 || part > 3) throw py::value_error("adam_undo: part must be 0, 1, 2 or 3");
-    if (part == 3 && (param_out == 0 || !(redo_scale > 0.0)))
-        throw py::value_error("adam_undo: part 3 (the corrected 16-bit copy only) needs redo_scale and param_out");
+    if (part < 0 || part > 5) throw py::value_error("adam_undo: part must be 0 to 5");
+    if ((part == 3 || part == 5) && (param_out == 0 || !(redo_scale > 0.0)))
+        throw py::value_error("adam_undo: parts 3 and 5 (a corrected 16-bit copy only) need redo_scale and param_out");
+    if (part == 4 && !(redo_scale > 0.0))
+        throw py::value_error("adam_undo: part 4 (the one-pass correction) needs redo_scale");
     if (n < 0) throw py::value_error("adam_undo: negative element count");
     if (step < 1) throw py::value_error("adam_undo: step must be >= 1 (1-based, after increment)");
     const Level& chosen = pick(simd);
@@ -551,7 +556,7 @@ void adam_undo(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, u
     const bool exact = (!k.master_quotient || reciprocal_ok(k.decay, k.recip[0])) &&
                        (!(k.b1 > 0.0f) || reciprocal_ok(k.b1, k.recip[1])) &&
                        (!(k.b2 > 0.0f) || reciprocal_ok(k.b2, k.recip[2]));
-    const Level& L = exact ? chosen : levels().back();
+    const Level& L = exact || part >= 4 ? chosen : levels().back();   // parts 4, 5 divide by no constant
     float* p = reinterpret_cast<float*>(param);
     float* m = reinterpret_cast<float*>(exp_avg);
     float* v = reinterpret_cast<float*>(exp_avg_sq);

@@ -619,11 +619,62 @@ static inline typename O::T unscaled(typename O::T g, bool div, typename O::T sc
     return div ? O::div(g, scale) : O::mul(g, inv);
 }
 
+// A correction in one fp32 pass (PART 4, and 5 for its 16-bit copy alone): the step taken with gs = grad / grad_scale
+// made again with gr = grad / redo_scale, from the updated state alone, no undo and no float64:
+//   u1 = step_size * (m1 / (sqrt(v1) * inv_bc2_sqrt + eps))       the speculated step's own term, as adam_elems
+//   (L2: gs, gr += wd * (p1 + u1), the master before the step)
+//   m2 = (m1 - (1 - b1) * gs) + (1 - b1) * gr                     b1 * m0 from m1, then the new grad's share
+//   v2 = max((v1 - (1 - b2) * gs * gs) + (1 - b2) * gr * gr, 0)
+//   (step 1: m2, v2 as adam_elems makes them from zeros)
+//   u2 = step_size * (m2 / (sqrt(v2) * inv_bc2_sqrt + eps))
+//   p2 = p1 + (u1 - u2)                                            p1 + u1 is the decayed master before the step
+// Two divide + sqrt pairs per vector and ~14 fp32 ops, against the undo-then-redo's two pairs plus ~60 float64
+// uops: arithmetic a core does at several times the memory's pace. What changes against undo-then-redo: p2 carries
+// p1's rounding once more (within ~1.5 ulps of the step made afresh, inside the restore contract's two); m2 and v2
+// carry m1's and v1's rounding as an absolute error (the undo's m0 did the same, divided by b1). p, m, v are read
+// once and written once (28 B with bf16 grads and the copy); PART 5 writes only the copy (16 B).
+template <class O, int GK, int OK, bool COPY_ONLY, int ST>
+static inline void rescale_elems(float* p, const void* grad, float* m, float* v, uint16_t* out, int64_t i,
+                                 const UndoConsts<O>& k) {
+    typedef typename O::T T;
+    const T m1 = O::load(m + i), v1 = O::load(v + i), p1 = O::load(p + i);
+    const T graw = GK == 0 ? O::load(static_cast<const float*>(grad) + i)
+                 : GK == 1 ? O::load_bf16(static_cast<const uint16_t*>(grad) + i)
+                           : O::load_f16(static_cast<const uint16_t*>(grad) + i);
+    T gs = unscaled<O>(graw, k.div_scale, k.scale, k.inv_scale);
+    T gr = unscaled<O>(graw, k.div_redo, k.redo_scale, k.inv_redo);
+    const T u1 = O::mul(k.step_size, O::div(m1, O::add(O::mul(O::sqrt(v1), k.inv_bc2_sqrt), k.eps)));
+    if (!k.decoupled) {
+        const T wp = O::mul(k.l2_wd, O::add(p1, u1));
+        gs = O::add(gs, wp);
+        gr = O::add(gr, wp);
+    }
+    T m2, v2;
+    if (k.first) {
+        m2 = O::add(O::mul(k.b1, k.zero), O::mul(k.omb1, gr));
+        v2 = O::add(O::mul(k.b2, k.zero), O::mul(O::mul(k.omb2, gr), gr));
+    } else {
+        m2 = O::add(O::sub(m1, O::mul(k.omb1, gs)), O::mul(k.omb1, gr));
+        v2 = O::max(O::add(O::sub(v1, O::mul(O::mul(k.omb2, gs), gs)), O::mul(O::mul(k.omb2, gr), gr)), k.zero);
+    }
+    const T u2 = O::mul(k.step_size, O::div(m2, O::add(O::mul(O::sqrt(v2), k.inv_bc2_sqrt), k.eps)));
+    const T p2 = O::add(p1, O::sub(u1, u2));
+    if (!COPY_ONLY) {
+        O::store(p + i, p2);
+        O::store(m + i, m2);
+        O::store(v + i, v2);
+    }
+    if (OK == 1) ST ? O::stream_bf16(out + i, p2) : O::store_bf16(out + i, p2);
+    else if (OK == 2) ST ? O::stream_f16(out + i, p2) : O::store_f16(out + i, p2);
+}
+
 // W consecutive elements. PART: 0 everything, 1 the master only (no grad), 2 the moments (the master restored),
-// 3 a correction's 16-bit copy only (computed as PART 0 computes it; p, m, v are read and left as they are).
+// 3 a correction's 16-bit copy only (computed as PART 0 computes it; p, m, v are read and left as they are);
+// 4 and 5: the one-pass fp32 correction and its copy alone (rescale_elems).
 template <class O, int GK, int OK, bool REDO, int PART, int ST>
 static inline void undo_elems(float* p, const void* grad, float* m, float* v, uint16_t* out, int64_t i,
                               const UndoConsts<O>& k) {
+    if constexpr (PART >= 4) return rescale_elems<O, GK, OK, PART == 5, ST>(p, grad, m, v, out, i, k);
     typedef typename O::T T;
     const T m1 = O::load(m + i), v1 = O::load(v + i);
     T p0 = O::load(p + i);
@@ -711,6 +762,13 @@ static void undo_range_s(float* p, const void* grad, float* m, float* v, uint16_
 template <int GK>
 static void undo_range_g(float* p, const void* grad, float* m, float* v, uint16_t* out, int out_dtype, int64_t n,
                          const UndoCoeffs& c, int part, bool redo) {
+    if (part >= 4) {  // the one-pass correction (always a redo; part 5 needs the copy)
+        if (out == nullptr) return undo_range_s<GK, -1, true, 4>(p, grad, m, v, out, n, c);
+        if (out_dtype == 1) return part == 5 ? undo_range_s<GK, 1, true, 5>(p, grad, m, v, out, n, c)
+                                             : undo_range_s<GK, 1, true, 4>(p, grad, m, v, out, n, c);
+        return part == 5 ? undo_range_s<GK, 2, true, 5>(p, grad, m, v, out, n, c)
+                         : undo_range_s<GK, 2, true, 4>(p, grad, m, v, out, n, c);
+    }
     if (!redo) return part == 2 ? undo_range_s<GK, -1, false, 2>(p, grad, m, v, out, n, c)
                                 : undo_range_s<GK, -1, false, 0>(p, grad, m, v, out, n, c);
     if (out == nullptr) return part == 2 ? undo_range_s<GK, -1, true, 2>(p, grad, m, v, out, n, c)

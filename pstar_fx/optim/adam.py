@@ -10,8 +10,12 @@ that must be skipped or failed midway) and to correct one (undo, then update aga
 gradient). Undo is exact up to fp32 rounding, not bit for bit: the master is restored to within an ulp
 or two, and the moments lose what rounding took from them (exp_avg = (exp_avg' - (1 - b1) g) / b1 in
 float64 recovers exp_avg to within half an ulp of exp_avg'; after the first update they come back as
-exact zeros). A correction undoes and redoes in one pass; a replay restores the master and the moments in
-two halves. The kernels (`pstar_fx.kernels.adam_undo`) do the arithmetic.
+exact zeros). A replay restores the master and the moments in two halves. The kernels
+(`pstar_fx.kernels.adam_undo`) do the arithmetic.
+
+`chunk_rescale` corrects an update (a speculated one, made with a guessed clip coefficient) to the update with
+another grad_scale, in one fp32 pass from the updated state (`pstar_fx.kernels.adam_rescale`: no undo, no float64,
+within the restore contract's two ulps of the update made afresh).
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pstar_fx.kernels import adam_step, adam_undo, cast_, quant8
+from pstar_fx.kernels import adam_rescale, adam_step, adam_undo, cast_, quant8
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,22 @@ def chunk_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
                        check_finite=check, param_out=None if param_out is None else param_out[sl],
                        **scales) is not False and ok
     return ok
+
+
+def chunk_rescale(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                  spans: list[tuple[int, int]], hyper: Hyper, redo: Hyper, *,
+                  param_out: torch.Tensor | None = None) -> None:
+    """Make `chunk_update(master, grad, exp_avg, exp_avg_sq, spans, hyper)`, already applied, the update with
+    `redo`'s grad_scale instead (a correction), in place and in one pass, writing `param_out` (16-bit) too."""
+    if replace(redo, grad_scale=hyper.grad_scale) != hyper:
+        raise ValueError("a correction may change only grad_scale")
+    beta1, beta2 = hyper.betas
+    for off, n in spans:
+        sl = slice(off, off + n)
+        adam_rescale(master[sl], grad[sl], exp_avg[sl], exp_avg_sq[sl], step=hyper.step, lr=hyper.lr, beta1=beta1,
+                     beta2=beta2, eps=hyper.eps, weight_decay=hyper.weight_decay, grad_scale=hyper.grad_scale,
+                     redo_scale=redo.grad_scale, decoupled_weight_decay=hyper.decoupled,
+                     param_out=None if param_out is None else param_out[sl])
 
 
 def chunk_undo(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

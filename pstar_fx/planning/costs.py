@@ -47,10 +47,10 @@ class Rates:
     # figure stands in. int8's (de)quantization costs compute: 2.5x fewer parameters/s than fp32 (2-core AVX2 VM)
     host_adam_bf16: float = 0.0
     host_adam_int8: float = 0.0
-    # the host correction's parameters/s (kernels adam_undo with a redo: undo a speculative update, apply it again
-    # with the clip coefficient; fp32 moments: bf16 and int8 moments are never undone); 0: not measured (Rates
-    # made without it), the fp32 host Adam's rate stands in (the vectorized correction ran at 0.96x of it on the
-    # H200 host, bench/host_undo_bench.py)
+    # the host correction's parameters/s (kernels adam_rescale: a speculative update made again with the clip
+    # coefficient in one pass; fp32 moments: bf16 and int8 moments are never corrected); 0: not measured (Rates
+    # made without it), the fp32 host Adam's rate stands in (the correction moves its bytes; the undo-then-redo
+    # before it ran at 0.96x of it on the H200 host, bench/host_undo_bench.py)
     host_undo: float = 0.0
 
     def __post_init__(self):
@@ -131,7 +131,7 @@ def write_entry(path: str, entry) -> None:
 
 
 def _cache_path(key: str) -> str:
-    return os.path.join(cache_root(), f"rates-v6-{key}.json")
+    return os.path.join(cache_root(), f"rates-v7-{key}.json")
 
 
 def _device_key(device: torch.device) -> str:
@@ -338,21 +338,21 @@ def _host_adam_rate(state: str, dtype: torch.dtype, n: int, at_least: float = 0.
 
 
 def _host_undo_rate(dtype: torch.dtype, n: int, at_least: float = 0.25) -> float:
-    """Host correction parameters/s over `n` elements, as the engine runs one (runtime/undo.py `_correct_one`): an
-    undo of the speculative update with a redo in the same pass, fp32 moments, the kept gradient in the compute
-    dtype and the 16-bit copy written when the compute is 16-bit; the sizes, threads and repeats of
-    `_host_adam_rate`. AdamW at the Config defaults (weight decay 0.01: the master's quotient by the decay is part
-    of the work), a step past the first (the first restores the moments as zeros, computing nothing), and a
-    grad scale that is no power of two (the guessed and the true clip coefficients are not: the kernel divides
-    by it), the same for the undo and the redo, so that repeats leave the state where it was."""
-    from pstar_fx.kernels import adam_undo
+    """Host correction parameters/s over `n` elements, as the engine runs one (runtime/undo.py `_correct_one`): the
+    speculative update made again with the verdict's scale in one fp32 pass (kernels adam_rescale), fp32 moments,
+    the kept gradient in the compute dtype and the 16-bit copy written when the compute is 16-bit; the sizes,
+    threads and repeats of `_host_adam_rate`. AdamW at the Config defaults, a step past the first (the first takes
+    the moments from zeros, computing less), and grad scales that are no power of two (the guessed and the true
+    clip coefficients are not: the kernel divides by them), the same for the guess and the verdict, so that repeats
+    leave the state about where it was."""
+    from pstar_fx.kernels import adam_rescale
     gen = torch.Generator().manual_seed(0)      # (not the global RNG: a calibration draws nothing a model would)
     p = torch.rand(n, generator=gen)
     g = torch.rand(n, generator=gen).to(dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32)
     out = torch.empty(n, dtype=g.dtype) if g.dtype != torch.float32 else None
     m, v = torch.rand(n, generator=gen) * 1e-2, torch.rand(n, generator=gen) + 0.5
-    return n / _timeit(lambda: adam_undo(p, g, m, v, step=10, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                                         weight_decay=0.01, grad_scale=1.25, redo_scale=1.25, param_out=out),
+    return n / _timeit(lambda: adam_rescale(p, g, m, v, step=10, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                                            weight_decay=0.01, grad_scale=1.25, redo_scale=1.25, param_out=out),
                        torch.device("cpu"), at_least=at_least)
 
 

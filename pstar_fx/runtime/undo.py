@@ -16,7 +16,7 @@ from concurrent.futures import Future
 import torch
 from torch.profiler import record_function
 
-from ..optim import Hyper, chunk_undo
+from ..optim import Hyper, chunk_rescale, chunk_undo
 from .host_worker import HostWorker
 from .kept import KeptGradients
 from .step_log import StepLog, StepRolledBack
@@ -111,8 +111,11 @@ class Undo:
         return True
 
     def _correct_one(self, log: StepLog, c: int, grad: torch.Tensor, speculated: Hyper, hyper: Hyper) -> None:
-        log.hyper_of[c] = speculated                       # applied with the guess, until the undo below
-        self._chunk_undo(c, grad, speculated, redo=hyper)
+        """One pass from the speculated state to the verdict's (chunk_rescale: fp32, no undo): on the host worker
+        the pass runs at memory speed, where the undo-then-redo's float64 arithmetic bound it (issue 24)."""
+        log.hyper_of[c] = speculated                       # applied with the guess, until the pass below
+        s = self.store.state(c)
+        chunk_rescale(s.master, grad, s.exp_avg, s.exp_avg_sq, s.grad_spans, speculated, hyper, param_out=s.shadow)
         log.hyper_of[c] = hyper
 
     def restore_masters(self, log: StepLog) -> dict[int, Hyper]:
