@@ -294,15 +294,28 @@ def undo_then_redo(on: bool):
         return
     new = Undo._correct_one
 
-    def old(self, log, c, grad, speculated, hyper):
+    def old(self, log, c, grad, speculated, hyper, shadow=True):
         log.hyper_of[c] = speculated
-        self._chunk_undo(c, grad, speculated, redo=hyper)
+        self._chunk_undo(c, grad, speculated, redo=hyper, shadow=shadow)
         log.hyper_of[c] = hyper
     Undo._correct_one = old
     try:
         yield
     finally:
         Undo._correct_one = new
+
+
+@contextlib.contextmanager
+def copies_first(on: bool):
+    """With `on` (a sweep point's "@split"), host chunks' corrections write their 16-bit shadows first and their
+    masters and moments after (runtime/undo.py `Undo.COPIES_FIRST`): both ways in one process, on one engine."""
+    from pstar_fx.runtime.undo import Undo
+    before = Undo.COPIES_FIRST
+    Undo.COPIES_FIRST = on
+    try:
+        yield
+    finally:
+        Undo.COPIES_FIRST = before
 
 
 @contextlib.contextmanager
@@ -592,7 +605,8 @@ def main(argv=None):
                     "clip thresholds on the same engine (e.g. 1e9,1e-3: never / always triggers); THRESHOLD@RATE "
                     "also fixes Config.expected_trigger_rate (1.0@0: speculate and correct; 1.0@1: defer); "
                     "THRESHOLD@RATE@nolate runs that point without late binding (every host update corrected), "
-                    "@undo with corrections by undo-then-redo (the float64 kernel before the one-pass rescale)")
+                    "@undo with corrections by undo-then-redo (the float64 kernel before the one-pass rescale), @split with "
+                    "host corrections' 16-bit copies first")
     ap.add_argument("--checkpoint", choices=CHECKPOINT_CHOICES, default="all",
                     help="torch: activation checkpointing (torch.utils.checkpoint, non-reentrant) of every block "
                     "(all, the default), of the even blocks 0, 2, 4, ... (half) or of none")
@@ -721,32 +735,38 @@ def main(argv=None):
                     # THRESHOLD[@RATE[@FLAG...]]: the same compiled engine, another threshold (the plan depends on
                     # clipping being on, not its value) and, with @RATE, Config.expected_trigger_rate fixed (0:
                     # speculate, 1: defer where the plan may; without it the rate is measured as the run goes);
-                    # @nolate: without late binding (`late_binding`); @undo: corrections by undo-then-redo
+                    # @nolate: without late binding (`late_binding`); @undo: corrections by undo-then-redo;
+                    # @split: host corrections' 16-bit copies first (`copies_first`)
                     x, *rest = point.split("@")
                     rate, flags = (rest[0] if rest else ""), set(rest[1:])
-                    if not flags <= {"nolate", "undo"}:
-                        raise ValueError(f"--clip-sweep point {point!r}: expected THRESHOLD[@RATE[@nolate][@undo]]")
+                    if not flags <= {"nolate", "undo", "split"}:
+                        raise ValueError(f"--clip-sweep point {point!r}: expected "
+                                         "THRESHOLD[@RATE[@nolate][@undo][@split]]")
                     flag = "nolate" if "nolate" in flags else ""
                     threshold = None if x == "none" else float(x)
                     engine.stepper.config = dataclasses.replace(engine.stepper.config, grad_clip=threshold,
                                                                 expected_trigger_rate=float(rate) if rate else None)
                     before = dict(engine.rt.telemetry.seconds)
                     n0 = engine.rt.telemetry.steps
-                    with late_binding(flag != "nolate"), undo_then_redo("undo" in flags):
+                    with late_binding(flag != "nolate"), undo_then_redo("undo" in flags), \
+                            copies_first("split" in flags):
                         t, _, rep = timed(args.steps, label=f"clip {threshold}{' nolate' if flag else ''}"
-                                                            f"{' undo' if 'undo' in flags else ''} ")
+                                                            f"{' undo' if 'undo' in flags else ''}"
+                                                            f"{' split' if 'split' in flags else ''} ")
                     engine.rt.timing()
                     n = max(1, engine.rt.telemetry.steps - n0)
                     phases = {k: round((v - before[k]) / n, 4) for k, v in engine.rt.telemetry.seconds.items()}
                     med = statistics.median(t[1:] if len(t) > 1 else t)
                     prof = None
                     if args.profile and cuda:       # after the timed steps: the profiler slows them
-                        with late_binding(flag != "nolate"), undo_then_redo("undo" in flags):
+                        with late_binding(flag != "nolate"), undo_then_redo("undo" in flags), \
+                                copies_first("split" in flags):
                             prof = profile_steps(step, batches, args.profile, label=f"clip-{x}-{rate or 'measured'}")
                     result["sweep"].append({"profile": prof, "grad_clip": threshold,
                                             "expected_trigger_rate": rate or None,
                                             "late_binding": flag != "nolate",
                                             "correction": "undo" if "undo" in flags else "rescale",
+                                            "copies_first": "split" in flags,
                                             "step_s": round(med, 4),
                                             "steps_s": [round(x, 3) for x in t], "window_s": window[-1],
                                             "phases": phases,

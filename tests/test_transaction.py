@@ -997,6 +997,52 @@ def test_a_host_update_not_started_at_a_correction_applies_the_verdict_directly(
     assert corrected.count("host") < len(batches) * n_host / 2, (corrected.count("host"), n_host)
 
 
+def test_a_host_chunks_corrected_copy_comes_first_and_changes_no_bit(monkeypatch):
+    """bf16 compute, kept_grads, clipping on every step, host Adam on its worker, `Undo.COPIES_FIRST`: each
+    correction of a host chunk that ships its 16-bit shadow writes that shadow first (chunk_rescale's copy alone),
+    for the next forward, which waits for it alone, and corrects the master and moments after it. Every master,
+    moment and shadow equals, bit for bit, the same run with the host jobs inline (one correction pass a chunk),
+    which equals torch within bf16's reach (the other clipping tests)."""
+    monkeypatch.setattr(undo_module.Undo, "COPIES_FIRST", True)
+    model = tiny_gpt()
+    batches = gpt_batches(4)
+    _, _, free = reference(model, batches)
+    clip = sorted(o[1] for o in free)[0] * 0.5                     # triggers on every step
+    runs, parts = {}, []
+    real, real_correct = undo_module.Undo._correct_host, undo_module.Undo.correct
+
+    def correct_host(self, log, c, updates, speculated, hyper, part="all"):
+        parts.append(part)
+        return real(self, log, c, updates, speculated, hyper, part)
+
+    def correct(self, log, hyper):   # every host update done first: none applies the verdict itself (late binding,
+        for f in list(log.host.values()):    # whose rounding differs from a correction's, and depends on timing)
+            if hasattr(f, "result"):
+                f.result()
+        return real_correct(self, log, hyper)
+    monkeypatch.setattr(undo_module.Undo, "_correct_host", correct_host)
+    monkeypatch.setattr(undo_module.Undo, "correct", correct)
+    for threaded in (False, True):
+        monkeypatch.setattr(chunk_ops_module, "HOST_WORKER_ON_CPU", threaded)
+        engine = compile_gpt(model, grad_clip=clip, transaction="kept_grads", dtype="bf16")
+        store = engine.rt.store
+        host_shadows = [c for c in store.shadow if store.tier(c) == "host"]
+        assert host_shadows and (engine.rt.updater.worker is not None) == threaded
+        reports = run(engine, batches)
+        engine.drain()
+        assert all(r.clip_coef < 1.0 for r in reports)
+        runs[threaded] = ([r.loss for r in reports],
+                          [t.clone() for c in range(len(store.master))
+                           for t in (store.master[c], store.exp_avg[c], store.exp_avg_sq[c])]
+                          + [store.shadow[c].clone() for c in sorted(store.shadow)])
+        if not threaded:
+            assert set(parts) == {"all"}
+            parts.clear()
+    assert parts.count("copy") == parts.count("state") == len(batches) * len(host_shadows), parts
+    assert runs[True][0] == runs[False][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][1], runs[False][1]))
+
+
 @pytest.mark.parametrize("transaction", ["deferred", "kept_grads"])
 def test_a_host_job_runs_as_the_pass_that_queued_it(monkeypatch, transaction):
     """Host jobs on a worker that is behind (each waits 50 ms for its gradient): a deferred step's backward jobs

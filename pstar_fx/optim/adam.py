@@ -86,9 +86,12 @@ def chunk_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
 
 def chunk_rescale(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                   spans: list[tuple[int, int]], hyper: Hyper, redo: Hyper, *,
-                  param_out: torch.Tensor | None = None) -> None:
+                  param_out: torch.Tensor | None = None, copy_only: bool = False) -> None:
     """Make `chunk_update(master, grad, exp_avg, exp_avg_sq, spans, hyper)`, already applied, the update with
-    `redo`'s grad_scale instead (a correction), in place and in one pass, writing `param_out` (16-bit) too."""
+    `redo`'s grad_scale instead (a correction), in place and in one pass, writing `param_out` (16-bit) too.
+    `copy_only`: write only `param_out`, the bits the correction writes there (the state is left as it is)."""
+    if copy_only and param_out is None:
+        raise ValueError("copy_only writes the corrected 16-bit copy: it needs param_out")
     if replace(redo, grad_scale=hyper.grad_scale) != hyper:
         raise ValueError("a correction may change only grad_scale")
     beta1, beta2 = hyper.betas
@@ -97,7 +100,7 @@ def chunk_rescale(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
         adam_rescale(master[sl], grad[sl], exp_avg[sl], exp_avg_sq[sl], step=hyper.step, lr=hyper.lr, beta1=beta1,
                      beta2=beta2, eps=hyper.eps, weight_decay=hyper.weight_decay, grad_scale=hyper.grad_scale,
                      redo_scale=redo.grad_scale, decoupled_weight_decay=hyper.decoupled,
-                     param_out=None if param_out is None else param_out[sl])
+                     param_out=None if param_out is None else param_out[sl], part="copy" if copy_only else "all")
 
 
 def chunk_undo(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

@@ -43,15 +43,15 @@ class ChunkRuntime:
     def prefetch(self, c: int) -> None:
         """The copy reads the master (or shadow) the host Adam writes: with that update still running, the copy
         starts on the worker as it ends, where it can (the fetch then waits for the update); else here, after it."""
-        pending = self.updater.host_worker.pending.get(c)
+        pending = self.updater.host_worker.copy_job(c)
         if pending is not None and self.mover.copies_alone(c):
             self.mover.prefetch(c, after=pending)
             return
-        self.updater.wait_for(c)
+        self.updater.wait_for_copy(c)
         self.mover.prefetch(c)
 
     def fetch(self, c: int) -> None:
-        self.updater.wait_for(c)                 # its update's outcome, on this thread (a failure raises here)
+        self.updater.wait_for_copy(c)            # its update's outcome, on this thread (a failure raises here)
         self.mover.fetch(c)
 
     def release(self, c: int) -> None:

@@ -5,6 +5,11 @@ host updates may still run after the step returned, into the next step's forward
 starts on the worker as c's update ends, and the fetch of c waits for it, `wait_for`): that step is "settling".
 A failed job's exception is re-raised where its outcome is waited for; the updater (undo.py) decides what it
 undoes.
+
+A correction may make a host chunk's 16-bit copy current ahead of its master (`run_copy_first`, undo.py): the next
+forward's read of the chunk waits for that job alone (`copy_job`, `wait_for_copy`), the master's and moments' job
+runs after it, before anything else reads them (the chunk's next update and gradient, a checkpoint, an undo: they
+wait for the chunk's pending job, which is that one).
 """
 from __future__ import annotations
 
@@ -23,19 +28,51 @@ class HostWorker:
                                             initializer=cpu_adam.set_threads, initargs=(cpu_adam.worker_threads(),))
                          if threaded else None)
         self.pending: dict[int, Future] = {}       # host chunk -> its job still on the worker
+        self.copies_first: dict[int, Future] = {}  # host chunk -> the job making its 16-bit copy current first
         self.settling: StepLog | None = None       # the step before, while some of its host jobs run
 
-    def run(self, c: int, log: StepLog | None, fn, *args) -> None:
+    @property
+    def threaded(self) -> bool:
+        return self.executor is not None
+
+    def run(self, c: int, log: StepLog | None, fn, *args, after_copy: bool = False) -> None:
         """Run a host chunk's job inline or on the worker, where a read of chunk c waits for it; `log` records its
-        outcome (True: an update applied)."""
+        outcome (True: an update applied). `after_copy`: the master's job of a copy first queued just before it
+        (reads of the 16-bit copy go on waiting for that one alone); otherwise the job changes the copy too."""
+        if not after_copy:
+            self.copies_first.pop(c, None)
         result = fn(*args) if self.executor is None else self.executor.submit(fn, *args)
         if self.executor is not None:
             self.pending[c] = result
         if log is not None:
             log.host[c] = result
 
+    def run_copy_first(self, c: int, log: StepLog, fn, *args) -> None:
+        """Queue a job that makes chunk c's 16-bit copy current (the worker runs it before the jobs queued after
+        it: queue chunk c's master job next, with `run(..., after_copy=True)`). A read of the copy waits for it
+        alone; `log` counts it among its step's jobs, so that its failure is that step's (`failed_settling`)."""
+        assert self.executor is not None, "a copy first is for the threaded worker: inline, the master job is as soon"
+        fut = self.executor.submit(fn, *args)
+        self.copies_first[c] = fut
+        log.copies_first.append(fut)
+
+    def copy_job(self, c: int) -> Future | None:
+        """The job a read of chunk c's 16-bit copy waits for: its copy first, else its pending job."""
+        return self.copies_first.get(c) or self.pending.get(c)
+
+    def wait_for_copy(self, c: int, current: StepLog | None) -> None:
+        """Chunk c's 16-bit copy must be current (what forward and backward read): wait for its copy first if it
+        has one (its exception is raised), else as `wait_for`. The copy first stays what reads wait for until its
+        master's job is waited for (the chunk's next gradient or update, a checkpoint)."""
+        fut = self.copies_first.get(c)
+        if fut is None:
+            return self.wait_for(c, current)
+        with self.telemetry.host_wait("wait_for_host_adam"):
+            fut.result()
+
     def wait_for(self, c: int, current: StepLog | None) -> None:
         """Chunk c's master (and shadow) must be current: wait for its pending job (its exception is raised)."""
+        self.copies_first.pop(c, None)             # queued before its pending job: done when that is
         fut = self.pending.pop(c, None)
         if fut is None:
             return
@@ -49,8 +86,9 @@ class HostWorker:
 
     def failed_settling(self, e: BaseException) -> bool:
         """Whether `e` is the failure of one of the settling step's jobs."""
-        return self.settling is not None and any(f is not None and f.done() and f.exception() is e
-                                                 for f in self.settling.host.values() if isinstance(f, Future))
+        return self.settling is not None and any(
+            f.done() and f.exception() is e
+            for f in [*self.settling.host.values(), *self.settling.copies_first] if isinstance(f, Future))
 
     def settle(self, log: StepLog, swallow: bool = False) -> None:
         """Wait for every host job of `log`'s step. With `swallow`, a failed one is recorded as the state it left:
@@ -60,12 +98,16 @@ class HostWorker:
             if isinstance(f, Future):
                 if self.pending.get(c) is f:
                     del self.pending[c]
+                    self.copies_first.pop(c, None)
                 try:
                     log.host[c] = f.result()
                 except BaseException:
                     if not swallow:
                         raise
                     log.host[c] = log.hyper_of.get(c) is not None
+        for f in log.copies_first:            # done: queued before the jobs above
+            if not swallow and f.exception() is not None:
+                raise f.exception()           # a copy left stale must not be read as current
 
     def committed(self, log: StepLog) -> None:
         """`log`'s step stands: the step before it has settled (every chunk's update waited for it); its own host

@@ -58,6 +58,7 @@ class StepLog:
     # the verdict's update, once a correction is decided (undo.py `correct`): a host update of this step that starts
     # on the worker after that applies it instead of the guess, and its correction is then nothing
     verdict_hyper: Hyper | None = None
+    copies_first: list[Future] = field(default_factory=list)   # its corrections' 16-bit copies made first
 
     def pending_host(self) -> bool:
         return any(isinstance(f, Future) for f in self.host.values())

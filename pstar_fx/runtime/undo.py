@@ -26,6 +26,13 @@ from .verdict import Verdict
 
 
 class Undo:
+    # Make a host chunk's corrected 16-bit shadow first and its master and moments after (`correct`)? The forward
+    # then waits for 16 B a parameter of host memory instead of 28, and the worker moves 16 B more. Off: session 11
+    # measured it slower when the copy cost most of a correction (float64); the one-pass rescale's copy runs at
+    # 1.48x the host Adam on the H200 host (bench/RESULTS.md, session 22), and the A/B in training is
+    # `bench/gpt.py --clip-sweep ...@split`.
+    COPIES_FIRST = False
+
     def __init__(self, store: ChunkStore, kept: KeptGradients, worker: HostWorker, norms: Verdict, copies,
                  telemetry: Telemetry):
         self.store, self.kept, self.worker, self.norms = store, kept, worker, norms
@@ -82,20 +89,30 @@ class Undo:
         speculated = log.hyper
         log.verdict_hyper = hyper                          # host updates not yet started apply it directly
         updates = dict(log.host)                           # each host chunk's update: its future, or its outcome
+        # With COPIES_FIRST and the worker threaded, a chunk the forward reads as its 16-bit shadow gets that copy
+        # corrected first: the forward waits for those alone, in its order, and the masters and moments are
+        # corrected after them, while the forward runs (their next reader, the chunk's next gradient, waits).
+        first = [c for c in sorted(updates) if self.COPIES_FIRST and self.worker.threaded
+                 and c in self.store.shadow and c not in self.kept.in_shadow]
         with record_function("pstar_fx.correct"):
+            for c in first:
+                self.worker.run_copy_first(c, log, self._correct_host, log, c, updates, speculated, hyper, "copy")
             for c in sorted(updates):
-                self.worker.run(c, log, self._correct_host, log, c, updates, speculated, hyper)
+                self.worker.run(c, log, self._correct_host, log, c, updates, speculated, hyper,
+                                "state" if c in first else "all", after_copy=c in first)
             with self.kept.mover.after_verdict() as queued:
                 for c, grad in self.kept.on_device_in_order(sorted(log.device)):
                     self._correct_one(log, c, grad, speculated, hyper)
                     queued(c)
         self.telemetry.add("correction", time.perf_counter() - t0)
 
-    def _correct_host(self, log: StepLog, c: int, updates: dict, speculated: Hyper, hyper: Hyper) -> bool:
+    def _correct_host(self, log: StepLog, c: int, updates: dict, speculated: Hyper, hyper: Hyper,
+                      part: str = "all") -> bool:
         """A host chunk's correction, on the worker after every host update of the step (one thread, in order:
         `updates` are done). Its own update failed: its error is raised here (it changed nothing). Another's failed:
         the step will be rolled back, so this chunk is left as its update left it, and the rollback undoes that one
-        update (undoing a correction too would add its rounding)."""
+        update (undoing a correction too would add its rounding). `part`: "all"; "copy", the corrected 16-bit
+        shadow alone; "state", the rest (the shadow was written by the "copy" job queued before it)."""
         outcome = {k: u.exception() if isinstance(u, Future) else None for k, u in updates.items()}
         if outcome[c] is not None:
             raise outcome[c]
@@ -106,16 +123,23 @@ class Undo:
         if log.hyper_of.get(c) is hyper:
             return True                                    # its update started after the verdict: already right
         t0 = time.perf_counter()
-        self._correct_one(log, c, self.kept.on_tier(c), speculated, hyper)
+        if part == "copy":
+            s = self.store.state(c)
+            chunk_rescale(s.master, self.kept.on_tier(c), s.exp_avg, s.exp_avg_sq, s.grad_spans, speculated, hyper,
+                          param_out=s.shadow, copy_only=True)
+        else:
+            self._correct_one(log, c, self.kept.on_tier(c), speculated, hyper, shadow=part == "all")
         self.telemetry.add("host_adam", time.perf_counter() - t0)
         return True
 
-    def _correct_one(self, log: StepLog, c: int, grad: torch.Tensor, speculated: Hyper, hyper: Hyper) -> None:
+    def _correct_one(self, log: StepLog, c: int, grad: torch.Tensor, speculated: Hyper, hyper: Hyper,
+                     shadow: bool = True) -> None:
         """One pass from the speculated state to the verdict's (chunk_rescale: fp32, no undo): on the host worker
         the pass runs at memory speed, where the undo-then-redo's float64 arithmetic bound it (issue 24)."""
         log.hyper_of[c] = speculated                       # applied with the guess, until the pass below
         s = self.store.state(c)
-        chunk_rescale(s.master, grad, s.exp_avg, s.exp_avg_sq, s.grad_spans, speculated, hyper, param_out=s.shadow)
+        chunk_rescale(s.master, grad, s.exp_avg, s.exp_avg_sq, s.grad_spans, speculated, hyper,
+                      param_out=s.shadow if shadow else None)
         log.hyper_of[c] = hyper
 
     def restore_masters(self, log: StepLog) -> dict[int, Hyper]:

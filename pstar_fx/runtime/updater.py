@@ -246,6 +246,14 @@ class Updater:
         except BaseException as e:
             self.undo.settling_failed(e)
 
+    def wait_for_copy(self, c: int) -> None:
+        """Chunk c's compute copy is about to be read: wait for what makes it current (a correction may make the
+        16-bit copy current before the master: host_worker.py)."""
+        try:
+            self.host_worker.wait_for_copy(c, self.step_log)
+        except BaseException as e:
+            self.undo.settling_failed(e)
+
     def drain(self) -> None:
         """Wait for every host update still running (state_dict, the end of training); the current stream waits for
         the device chunks' work after the last verdict."""
