@@ -126,7 +126,7 @@ class Config:
     """Max global L2 norm of the gradient over all trainable parameters: exactly
     `torch.nn.utils.clip_grad_norm_(params, grad_clip)` before the update. None: no clipping. Costs nothing
     when it does not trigger (the norm is summed on the device as gradients are produced). When it triggers,
-    the cost depends on the `transaction`: kept_grads undoes and redoes each chunk's update, replay runs the step
+    the cost depends on the `transaction`: kept_grads corrects each chunk's update in one pass, replay runs the step
     again; deferred, two_pass and accumulate apply updates only after the norm is known, so nothing is undone."""
 
     grad_accum: int = 1
@@ -159,7 +159,8 @@ class Config:
     transaction: Literal["auto", "kept_grads", "deferred", "replay", "two_pass", "none"] = "auto"
     """How a step's updates stay provisional until it commits (exact clipping, skips, rollback on an exception).
     "kept_grads": speculative updates inside backward, each chunk's gradient kept (compute-dtype bytes per param);
-    a correction undoes and redoes them. "replay": the same with nothing kept; a correction runs the step again.
+    a correction makes each again with the clip coefficient, in one pass. "replay": the same with nothing kept; a
+    correction runs the step again.
     "deferred": gradients kept, every update applied after the verdict (1x compute, no undo). "two_pass": a first
     pass measures, the second applies (2x compute when there is something to measure; no memory). "none": no
     protection (not allowed with grad_clip). "auto": the planner picks by memory and cost (kept_grads, else replay;

@@ -126,7 +126,7 @@ class Updater:
                     applied = False                   # non-finite on the device: the step will be skipped
                 else:
                     # a speculative update that starts after its step's correction was decided applies the
-                    # verdict's coefficient at once: no undo + redo for it (the update the worker had not reached
+                    # verdict's coefficient at once: no correction for it (the update the worker had not reached
                     # when clipping triggered, often most host chunks': their updates run into the next forward)
                     right = log.verdict_hyper if kind.keeps else None
                     applied = self._adam(c, grad, right or log.hyper, check_finite=not checked)
