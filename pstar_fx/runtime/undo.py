@@ -91,15 +91,18 @@ class Undo:
         updates = dict(log.host)                           # each host chunk's update: its future, or its outcome
         # With COPIES_FIRST and the worker threaded, a chunk the forward reads as its 16-bit shadow gets that copy
         # corrected first: the forward waits for those alone, in its order, and the masters and moments are
-        # corrected after them, while the forward runs (their next reader, the chunk's next gradient, waits).
+        # corrected after them, while the forward runs, in backward's order: their next reader is the chunk's next
+        # gradient landing in its kept buffer (`Updater.host_slot` waits for the chunk's job), last chunk first.
         first = [c for c in sorted(updates) if self.COPIES_FIRST and self.worker.threaded
                  and c in self.store.shadow and c not in self.kept.in_shadow]
         with record_function("pstar_fx.correct"):
             for c in first:
                 self.worker.run_copy_first(c, log, self._correct_host, log, c, updates, speculated, hyper, "copy")
-            for c in sorted(updates):
-                self.worker.run(c, log, self._correct_host, log, c, updates, speculated, hyper,
-                                "state" if c in first else "all", after_copy=c in first)
+            for c in sorted(set(updates) - set(first)):
+                self.worker.run(c, log, self._correct_host, log, c, updates, speculated, hyper, "all")
+            for c in reversed(first):
+                self.worker.run(c, log, self._correct_host, log, c, updates, speculated, hyper, "state",
+                                after_copy=True)
             with self.kept.mover.after_verdict() as queued:
                 for c, grad in self.kept.on_device_in_order(sorted(log.device)):
                     self._correct_one(log, c, grad, speculated, hyper)
