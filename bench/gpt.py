@@ -226,7 +226,8 @@ def pstar_system(cfg, args, example):
                              optimizer={"type": "adamw", "lr": args.lr, "weight_decay": 0.1},
                              grad_clip=clip, grad_accum=args.grad_accum,
                              lr_schedule=parse_schedule(args.lr_schedule), transaction=args.transaction,
-                             compute=args.compute, optimizer_state=args.optimizer_state)
+                             compute=args.compute, optimizer_state=args.optimizer_state,
+                             expected_trigger_rate=args.expected_trigger_rate)
     t0 = time.perf_counter()
     engine = pstar_fx.compile(model, config, example_inputs=example)
     compile_s = time.perf_counter() - t0
@@ -253,7 +254,8 @@ def pstar_system(cfg, args, example):
              "chunks": len(engine.plan.placement), "recompute": engine.plan.recompute,
              "transaction": engine.plan.transaction, "transaction_cost": engine.plan.transaction_cost,
              "compute": "inductor" if engine.config.compiles_compute else "eager",
-             "optimizer_state": engine.config.optimizer_state}
+             "optimizer_state": engine.config.optimizer_state,
+             "planned_trigger_rate": engine.config.expected_trigger_rate}
     step = ((lambda *b: engine.step(**dict(zip(CHAT_KEYS, b)))) if args.chat_packed else
             (lambda idx, tgt: engine.step(input_ids=idx, labels=idx)) if args.hf else engine.step)
     return step, extra, engine
@@ -592,6 +594,9 @@ def main(argv=None):
                     help="hf-llama: packed chat rows (loss on assistant turns, padding masked) instead of random ids")
     ap.add_argument("--lr-schedule", default=None, help="cosine:WARMUP:TOTAL[:MIN_LR] or linear:...")
     ap.add_argument("--transaction", default="auto", help="pstar_fx Config.transaction")
+    ap.add_argument("--expected-trigger-rate", type=float, default=None,
+                    help="pstar_fx Config.expected_trigger_rate at compile (the plan is made for it; a --clip-sweep "
+                    "point's @RATE fixes the rate its steps run at)")
     ap.add_argument("--compute", default="auto", choices=("auto", "eager", "inductor"),
                     help="pstar_fx Config.compute: the compute between chunk nodes eager or compiled by Inductor")
     ap.add_argument("--optimizer-state", default="fp32", choices=("fp32", "bf16", "int8"),

@@ -173,7 +173,10 @@ class Config:
     first, as two_pass), and a step defers while this rate is above the break-even (`plan.defer_above`), else
     speculates; each is exact. None: measured, the share of the last 8 steps
     whose clipping triggered, counting the steps not yet run as triggering (a run's first steps clip: norms start
-    far above 1.0). A number in [0, 1] fixes it (0: always speculate; 1: defer whenever deferring can pay)."""
+    far above 1.0). A number in [0, 1] fixes it (0: always speculate; 1: defer whenever deferring can pay), and
+    the plan is made for it: the recompute search minimizes the step expected at that rate
+    (`plan.estimate.expected_step_seconds`), so a run that clips on most steps (a fine-tune's) may recompute more
+    to hold more chunks on the device, whose updates need no host correction."""
 
     optimizer_state: Literal["fp32", "bf16", "int8"] = "fp32"
     """How the Adam moments exp_avg and exp_avg_sq are stored in the chunks (the masters stay fp32): "fp32" 12

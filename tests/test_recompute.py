@@ -338,6 +338,35 @@ def test_the_fewest_runs_that_fit_are_bisections_answer_in_fewer_tries():
                 assert probes <= 2, (usable, sorted(tried))
 
 
+def test_an_expected_trigger_rate_plans_for_the_step_it_expects():
+    """With clipping and Config.expected_trigger_rate set, the search's choice among plans that fit is the least
+    expected step (`Estimate.expected_step_seconds`: speculated and corrected at that rate, or deferred where that
+    costs less), not the untriggered one: on made-up plans where recomputing more costs the untriggered step 5%
+    and saves the triggered one 10% (fewer host chunks to correct), a rate of 1 recomputes more, None and 0 do
+    not. (Measured shapes: at the H200's rates HF's Llama-3-8B goes from 10 to 12 of 16 chunks on the device at a
+    rate of 1, its deferred step estimated 1.597 s against 1.715 s triggered; bench/RESULTS.md, session 22.)"""
+    import dataclasses
+    from types import SimpleNamespace
+    from pstar_fx.config import Config
+    from pstar_fx.planning.plan import Estimate
+    e = Estimate(step_seconds=1.0, triggered_step_seconds=1.4, clips=True, deferred_step_seconds=1.25)
+    assert e.expected_step_seconds(None) == 1.0 and e.expected_step_seconds(0.0) == 1.0
+    assert e.expected_step_seconds(0.25) == pytest.approx(1.1) and e.expected_step_seconds(1.0) == 1.25
+    assert dataclasses.replace(e, deferred_step_seconds=None).expected_step_seconds(1.0) == 1.4
+    assert dataclasses.replace(e, clips=False).expected_step_seconds(1.0) == 1.0
+    Try = search_mod.Try
+    least, more = Try(10, 1, 0), Try(10, 1, 20)
+    estimates = {least: Estimate(1.00, None, 1.40, True, 1.42), more: Estimate(1.05, None, 1.12, True, 1.10)}
+    for rate, want in ((None, least), (0.0, least), (1.0, more)):
+        search = object.__new__(search_mod._Search)
+        search.ctx = SimpleNamespace(config=Config(grad_clip=1.0, expected_trigger_rate=rate))
+        search.on, search.every, search.runs, search.tried, search.ahead = None, 10, {1: [None] * 20}, {}, None
+        search.attempt = lambda t: SimpleNamespace(fits=True, placement=["device", "host"],
+                                                   estimate=estimates.get(t, Estimate(9.0, None, 9.0, True)),
+                                                   estimated_step_seconds=estimates.get(t, Estimate(9.0)).step_seconds)
+        assert search.more_if_it_pays(least) == want, rate
+
+
 def test_tries_planned_ahead_in_children_change_nothing(monkeypatch, caplog, fixed_rates):
     """The search's likely next tries planned meanwhile in forked children (pipeline/plan_ahead.py) change neither
     the tries it makes nor its plan nor its graph: the same tries in the same order, the same summary and code,

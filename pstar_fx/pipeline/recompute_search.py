@@ -189,10 +189,17 @@ class _Search:
                                                    self.ctx.device.type == "cuda",
                                                    ahead=lambda ks: self._plan_ahead([at(k) for k in ks])))
 
+    def cost(self, t: Try) -> float:
+        """What the search minimizes: the step estimated for try `t`, at `Config.expected_trigger_rate` where that
+        is set with clipping (`Estimate.expected_step_seconds`: a run that clips on most steps is planned for its
+        triggered or deferred step, which fewer host chunks make cheaper), else the untriggered step."""
+        return self.attempt(t).estimate.expected_step_seconds(self.ctx.config.expected_trigger_rate)
+
     def more_if_it_pays(self, best: Try) -> Try:
         """Recomputing more frees device memory for chunk state and compute slots, which saves copies and host
-        Adam; the cost model says whether that pays for the extra forward work. (On another plan's chunk memory,
-        `on`, the placement is fixed: never.)"""
+        Adam (and, when clipping is expected to trigger, host corrections); the cost model says whether that pays
+        for the extra forward work (`cost`). (On another plan's chunk memory, `on`, the placement is fixed:
+        never.)"""
         p = self.attempt(best)
         if self.on is not None or not p.fits or "host" not in p.placement:
             return best
@@ -203,8 +210,7 @@ class _Search:
         more += [Try(every, m2, len(runs[m2])) for m2 in runs if m2 > best.run_len]
         self._plan_ahead(more)
         for t in more:
-            p, now = self.attempt(t), self.attempt(best).estimated_step_seconds
-            if t != best and p.fits and p.estimated_step_seconds < (1 - MORE_GAIN) * now:
+            if t != best and self.attempt(t).fits and self.cost(t) < (1 - MORE_GAIN) * self.cost(best):
                 best = t
         return best
 
@@ -233,6 +239,10 @@ class _Search:
             parts.append(("then " if j else "") + f"{k} of {len(runs[m])} {unit}, earliest first"
                          + (f" ({inside} of the cheap values recomputed with them)" if inside else "")
                          + f": activation peak {format_bytes(a0)} -> {format_bytes(final)}")
+        rate, estimate = self.ctx.config.expected_trigger_rate, self.attempt(best).estimate
+        if rate is not None and estimate.clips:
+            parts.append(f"chosen for the step expected with clipping triggering on {rate:.0%} of the steps "
+                         f"({estimate.expected_step_seconds(rate):.3g} s)")
         return "; ".join(parts)
 
     def why(self, best: Try) -> str:

@@ -108,6 +108,16 @@ class Estimate:
     host_adam_exposed_seconds: float = 0.0
     host_adam_rate: float = 0.0
 
+    def expected_step_seconds(self, trigger_rate: float | None) -> float:
+        """The step expected when clipping triggers on `trigger_rate` of the steps, as the runtime runs them: each
+        speculated (untriggered, or triggered and corrected), or, where the plan may defer (`deferred_step_seconds`),
+        deferred when that costs less at this rate (the runtime defers above `defer_above`, the break-even). None,
+        or no clipping: the untriggered step."""
+        if trigger_rate is None or not self.clips:
+            return self.step_seconds
+        speculated = (1.0 - trigger_rate) * self.step_seconds + trigger_rate * self.triggered_step_seconds
+        return speculated if self.deferred_step_seconds is None else min(speculated, self.deferred_step_seconds)
+
 
 @dataclass(frozen=True)
 class Remarks:
