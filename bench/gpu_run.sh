@@ -16,7 +16,8 @@
 #   ways, device memory, matmul, host triad, host Adam alone and beside copies, pstar_fx's calibration) as one
 #   versioned record, $OUT/limits.json: run it in the same call as the rows it is read against (issue 27).
 # host_undo[:ARGS]: bench/host_undo_bench.py ARGS (spaces as commas): the host correction, and its 16-bit copy alone,
-#   against the host Adam on the same buffers (e.g. host_undo:--elems,256M,--threads,8,15); $OUT/host_undo.json.
+#   against the host Adam on the same buffers (e.g. host_undo:--elems,256M,--threads,15: the stage's commas become
+#   spaces, so one thread count a stage); $OUT/host_undo.json.
 # pinned[:ARGS]: bench/pinned_alloc.py ARGS (spaces as commas): page-locking the host state's buffers, each way
 #   (e.g. pinned:--gib,100,--threads,4,16,--slab-gib,16,--huge-pages); RESULT lines in $OUT/pinned.txt.
 # plan_profile[:ARGS]: bench/plan_profile.py ARGS (spaces as commas): capture + plan of a meta-built model on this
