@@ -294,6 +294,49 @@ def test_gpu_deferred_bf16_keeps_host_gradients_in_their_shadows():
     _assert_runs_equal(runs[0], runs[2])
 
 
+def test_gpu_corrected_copies_first_change_no_bit(monkeypatch):
+    """bf16 compute, fp32 moments, kept_grads, chunks on both tiers, clipping that triggers every step,
+    `Undo.COPIES_FIRST`: each host chunk's correction writes its 16-bit shadow first (the next forward waits for
+    that alone) and its master and moments after, in backward's order. The run equals, bit for bit, one whose host
+    corrections are each one pass, and every shadow holds its master's weights."""
+    import pstar_fx.runtime.host_worker as host_worker_module
+    import pstar_fx.runtime.undo as undo_module
+    from test_bf16_state import assert_shadows_are_masters
+    monkeypatch.setattr(undo_module.Undo, "COPIES_FIRST", True)
+    batches = gpt_batches(4)
+    parts, real, real_correct = [], undo_module.Undo._correct_host, undo_module.Undo.correct
+
+    def correct_host(self, log, c, updates, speculated, hyper, part="all"):
+        parts.append(part)
+        return real(self, log, c, updates, speculated, hyper, part)
+
+    def correct(self, log, hyper):   # every host update done first: none applies the verdict itself (late binding,
+        for f in list(log.host.values()):    # whose rounding differs from a correction's, and depends on timing)
+            if hasattr(f, "result"):
+                f.result()
+        return real_correct(self, log, hyper)
+    monkeypatch.setattr(undo_module.Undo, "_correct_host", correct_host)
+    monkeypatch.setattr(undo_module.Undo, "correct", correct)
+    runs = []
+    for first in (True, False):
+        with monkeypatch.context() as m:
+            if not first:
+                m.setattr(host_worker_module.HostWorker, "threaded", property(lambda self: False))
+            torch.manual_seed(0)
+            model = GPT(gpt_config("tiny"))
+            cfg = dict(dtype="bf16", grad_clip=0.05, transaction="kept_grads")
+            engine = (_mixed(model, _on_gpu(batches[0]), **cfg) if not runs else
+                      _mixed_like(model, _on_gpu(batches[0]), runs[0][1].plan.placement, **cfg))
+            assert engine.rt.store.shadow
+            reports = _run_gpu(engine, batches)
+            engine.drain()
+            assert_shadows_are_masters(engine)
+            runs.append((reports, engine))
+            assert ("copy" in parts) == first
+            parts.clear()
+    _assert_runs_equal(runs[0], runs[1])
+
+
 def test_gpu_interrupted_deferred_bf16_step_changes_nothing(monkeypatch):
     """The same, interrupted in backward after some host chunks' gradients landed in their shadows: the state is
     as before and the shadows hold their weights again; the run goes on to equal an uninterrupted one."""
