@@ -185,6 +185,22 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
     return ok
 
 
+def _check_stepped(op: str, done: str, needs: str, exp_avg, exp_avg_sq, param_out, step, n: int, dev) -> None:
+    """The fp32 moments, 16-bit copy and 1-based step of a stepped chunk that an undo or a correction reads (bf16 and
+    int8 moments are neither: the update rounded or quantized them, which is not invertible)."""
+    if exp_avg.dtype != torch.float32 or exp_avg_sq.dtype != torch.float32:
+        kind = {torch.bfloat16: "bf16", torch.uint8: "int8"}.get(exp_avg.dtype, str(exp_avg.dtype))
+        raise ValueError(f"{op}: {kind} moments (optimizer_state={kind!r}) cannot be {done}: the update "
+                         f"{'rounded' if kind == 'bf16' else 'quantized'} them, which is not invertible; the plan "
+                         f"uses a transaction that needs no {needs}")
+    _check_tensor("exp_avg", exp_avg, n, dev, (torch.float32,))
+    _check_tensor("exp_avg_sq", exp_avg_sq, n, dev, (torch.float32,))
+    if param_out is not None:
+        _check_tensor("param_out", param_out, n, dev, _FLOAT16)
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
+        raise ValueError(f"step must be an int >= 1 (1-based, after increment), got {step!r}")
+
+
 def adam_undo(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, grad_scale=1.0,
               decoupled_weight_decay=True, redo_scale=None, param_out=None, part="all", backend="auto") -> None:
     """The inverse of `adam_step` (without `found_inf`): given param, exp_avg and exp_avg_sq after a step and
@@ -216,17 +232,7 @@ def adam_undo(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
     n, dev = param.numel(), param.device
     if part != "param" or grad is not None:
         _check_tensor("grad", grad, n, dev, _GRAD_DTYPES)
-    if exp_avg.dtype != torch.float32 or exp_avg_sq.dtype != torch.float32:
-        kind = {torch.bfloat16: "bf16", torch.uint8: "int8"}.get(exp_avg.dtype, str(exp_avg.dtype))
-        raise ValueError(f"adam_undo: {kind} moments (optimizer_state={kind!r}) cannot be undone: the update "
-                         f"{'rounded' if kind == 'bf16' else 'quantized'} them, which is not invertible; the plan "
-                         "uses a transaction that needs no undo")
-    _check_tensor("exp_avg", exp_avg, n, dev, (torch.float32,))
-    _check_tensor("exp_avg_sq", exp_avg_sq, n, dev, (torch.float32,))
-    if param_out is not None:
-        _check_tensor("param_out", param_out, n, dev, _FLOAT16)
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
-        raise ValueError(f"step must be an int >= 1 (1-based, after increment), got {step!r}")
+    _check_stepped("adam_undo", "undone", "undo", exp_avg, exp_avg_sq, param_out, step, n, dev)
     which = _resolve(backend, dev)
     code = parts[part]
     hyper = dict(step=int(step), lr=_as_float("lr", lr), beta1=_as_float("beta1", beta1),
@@ -275,16 +281,7 @@ def adam_rescale(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, ep
     _check_tensor("param", param, None, None, (torch.float32,))
     n, dev = param.numel(), param.device
     _check_tensor("grad", grad, n, dev, _GRAD_DTYPES)
-    if exp_avg.dtype != torch.float32 or exp_avg_sq.dtype != torch.float32:
-        kind = {torch.bfloat16: "bf16", torch.uint8: "int8"}.get(exp_avg.dtype, str(exp_avg.dtype))
-        raise ValueError(f"adam_rescale: {kind} moments (optimizer_state={kind!r}) cannot be corrected: the "
-                         "update rounded them; the plan uses a transaction that needs no correction")
-    _check_tensor("exp_avg", exp_avg, n, dev, (torch.float32,))
-    _check_tensor("exp_avg_sq", exp_avg_sq, n, dev, (torch.float32,))
-    if param_out is not None:
-        _check_tensor("param_out", param_out, n, dev, _FLOAT16)
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
-        raise ValueError(f"step must be an int >= 1 (1-based, after increment), got {step!r}")
+    _check_stepped("adam_rescale", "corrected", "correction", exp_avg, exp_avg_sq, param_out, step, n, dev)
     if not _as_float("redo_scale", redo_scale) > 0:
         raise ValueError(f"redo_scale must be positive, got {redo_scale}")
     hyper = dict(step=int(step), lr=_as_float("lr", lr), beta1=_as_float("beta1", beta1),

@@ -302,21 +302,10 @@ def test_gpu_corrected_copies_first_change_no_bit(monkeypatch):
     import pstar_fx.runtime.host_worker as host_worker_module
     import pstar_fx.runtime.undo as undo_module
     from test_bf16_state import assert_shadows_are_masters
+    from test_transaction import record_correction_parts
     monkeypatch.setattr(undo_module.Undo, "COPIES_FIRST", True)
     batches = gpt_batches(4)
-    parts, real, real_correct = [], undo_module.Undo._correct_host, undo_module.Undo.correct
-
-    def correct_host(self, log, c, updates, speculated, hyper, part="all"):
-        parts.append(part)
-        return real(self, log, c, updates, speculated, hyper, part)
-
-    def correct(self, log, hyper):   # every host update done first: none applies the verdict itself (late binding,
-        for f in list(log.host.values()):    # whose rounding differs from a correction's, and depends on timing)
-            if hasattr(f, "result"):
-                f.result()
-        return real_correct(self, log, hyper)
-    monkeypatch.setattr(undo_module.Undo, "_correct_host", correct_host)
-    monkeypatch.setattr(undo_module.Undo, "correct", correct)
+    parts = record_correction_parts(monkeypatch)
     runs = []
     for first in (True, False):
         with monkeypatch.context() as m:

@@ -997,6 +997,27 @@ def test_a_host_update_not_started_at_a_correction_applies_the_verdict_directly(
     assert corrected.count("host") < len(batches) * n_host / 2, (corrected.count("host"), n_host)
 
 
+def record_correction_parts(monkeypatch) -> list[str]:
+    """The parts of the host corrections as they run ("all", or "copy" then "state": `Undo.COPIES_FIRST`), with
+    every correction waiting for all of its step's host updates first: none applies the verdict itself (late
+    binding, whose rounding differs from a correction's, and depends on timing)."""
+    parts = []
+    real, real_correct = undo_module.Undo._correct_host, undo_module.Undo.correct
+
+    def correct_host(self, log, c, updates, speculated, hyper, part="all"):
+        parts.append(part)
+        return real(self, log, c, updates, speculated, hyper, part)
+
+    def correct(self, log, hyper):
+        for f in list(log.host.values()):
+            if hasattr(f, "result"):
+                f.result()
+        return real_correct(self, log, hyper)
+    monkeypatch.setattr(undo_module.Undo, "_correct_host", correct_host)
+    monkeypatch.setattr(undo_module.Undo, "correct", correct)
+    return parts
+
+
 def test_a_host_chunks_corrected_copy_comes_first_and_changes_no_bit(monkeypatch):
     """bf16 compute, kept_grads, clipping on every step, host Adam on its worker, `Undo.COPIES_FIRST`: each
     correction of a host chunk that ships its 16-bit shadow writes that shadow first (chunk_rescale's copy alone),
@@ -1008,20 +1029,7 @@ def test_a_host_chunks_corrected_copy_comes_first_and_changes_no_bit(monkeypatch
     batches = gpt_batches(4)
     _, _, free = reference(model, batches)
     clip = sorted(o[1] for o in free)[0] * 0.5                     # triggers on every step
-    runs, parts = {}, []
-    real, real_correct = undo_module.Undo._correct_host, undo_module.Undo.correct
-
-    def correct_host(self, log, c, updates, speculated, hyper, part="all"):
-        parts.append(part)
-        return real(self, log, c, updates, speculated, hyper, part)
-
-    def correct(self, log, hyper):   # every host update done first: none applies the verdict itself (late binding,
-        for f in list(log.host.values()):    # whose rounding differs from a correction's, and depends on timing)
-            if hasattr(f, "result"):
-                f.result()
-        return real_correct(self, log, hyper)
-    monkeypatch.setattr(undo_module.Undo, "_correct_host", correct_host)
-    monkeypatch.setattr(undo_module.Undo, "correct", correct)
+    runs, parts = {}, record_correction_parts(monkeypatch)
     for threaded in (False, True):
         monkeypatch.setattr(chunk_ops_module, "HOST_WORKER_ON_CPU", threaded)
         engine = compile_gpt(model, grad_clip=clip, transaction="kept_grads", dtype="bf16")
