@@ -8,7 +8,7 @@ matmul 561-722 TFLOPs).
 A step is compared where nothing changed its cost: no clipping that triggered (a record whose steps all reported a
 clip coefficient of 1, or a --clip-sweep point that never triggers), and neither a replay nor a correction ran.
 A --clip-sweep point whose every step clipped is compared with the plan's triggered estimate (`triggered`: every
-step speculated and corrected) or its deferred one (`deferred`: every step deferred). Records since session 20
+step speculated and corrected), one whose every step deferred with its deferred one (`deferred`, clipping or not). Records since session 20
 carry the estimate's parts (`estimate_parts_s`: compute, copies and host Adam not hidden) and the runtime's per-step
 phases beside them; records with `window_s` (session 21 on) timed steps back to back, the ones before synchronized
 the device after each step, which charged a triggered step the device work it leaves to overlap the next forward.
@@ -31,24 +31,29 @@ def untriggered(record: dict) -> list[tuple[str, float, dict | None]]:
     if reports and all(r.get("clip_coef", 1.0) == 1.0 and not r.get("skipped") for r in reports):
         out.append(("steps", record["step_s"], record.get("phases")))
     for point in record.get("sweep") or []:
-        if point.get("clipped") == 0 and point.get("grad_clip") is not None:
+        deferred = [r.get("deferred", False) for r in point.get("reports") or []]
+        if point.get("clipped") == 0 and point.get("grad_clip") is not None and not any(deferred):
             out.append((f"sweep clip {point['grad_clip']:g}", point["step_s"], point.get("phases")))
     return out
 
 
 def triggered(record: dict) -> list[tuple[str, float, float, dict | None]]:
     """(label, the plan's estimate, measured step seconds, phases) of the record's sweep points whose every step
-    clipped, all speculated (against the triggered estimate) or all deferred (against the deferred one)."""
+    clipped and was speculated (against the triggered estimate), or was deferred, clipping or not (against the
+    deferred one: a replay plan's measured first)."""
     out = []
     for point in record.get("sweep") or []:
         reports = point.get("reports") or []
-        if not reports or point.get("clipped") != len(reports):
-            continue
         deferred = [r.get("deferred", False) for r in reports]
+        # every step clipped; or every step deferred, clipped or not (a deferred step costs the same either way)
+        if not reports or not (point.get("clipped") == len(reports) or all(deferred)):
+            continue
         est = (record.get("estimated_deferred_step_s") if all(deferred) else
                record.get("estimated_triggered_step_s") if not any(deferred) else None)
         if est:
-            out.append((f"{'deferred' if all(deferred) else 'triggered'} {point['grad_clip']:g}", est,
+            # the kernel and order of its corrections where a point chose them (session 22: @undo, @split)
+            how = (" undo" if point.get("correction") == "undo" else "") + (" split" if point.get("copies_first") else "")
+            out.append((f"{'deferred' if all(deferred) else 'triggered'} {point['grad_clip']:g}{how}", est,
                         point["step_s"], point.get("phases")))
     return out
 
