@@ -309,15 +309,16 @@ def undo_then_redo(on: bool):
 
 @contextlib.contextmanager
 def copies_first(on: bool):
-    """With `on` (a sweep point's "@split"), host chunks' corrections write their 16-bit shadows first and their
-    masters and moments after (runtime/undo.py `Undo.COPIES_FIRST`): both ways in one process, on one engine."""
-    from pstar_fx.runtime.undo import Undo
-    before = Undo.COPIES_FIRST
-    Undo.COPIES_FIRST = on
+    """With `on` (a sweep point's "@split"), host chunks' jobs after the verdict (corrections, deferred updates)
+    write their 16-bit shadows first and their masters and moments after (runtime/host_worker.py
+    `HostWorker.COPIES_FIRST`): both ways in one process, on one engine."""
+    from pstar_fx.runtime.host_worker import HostWorker
+    before = HostWorker.COPIES_FIRST
+    HostWorker.COPIES_FIRST = on
     try:
         yield
     finally:
-        Undo.COPIES_FIRST = before
+        HostWorker.COPIES_FIRST = before
 
 
 @contextlib.contextmanager
@@ -611,7 +612,7 @@ def main(argv=None):
                     "also fixes Config.expected_trigger_rate (1.0@0: speculate and correct; 1.0@1: defer); "
                     "THRESHOLD@RATE@nolate runs that point without late binding (every host update corrected), "
                     "@undo with corrections by undo-then-redo (the float64 kernel before the one-pass rescale), @split with "
-                    "host corrections' 16-bit copies first")
+                    "host jobs after the verdict writing their 16-bit copies first")
     ap.add_argument("--checkpoint", choices=CHECKPOINT_CHOICES, default="all",
                     help="torch: activation checkpointing (torch.utils.checkpoint, non-reentrant) of every block "
                     "(all, the default), of the even blocks 0, 2, 4, ... (half) or of none")
@@ -741,7 +742,7 @@ def main(argv=None):
                     # clipping being on, not its value) and, with @RATE, Config.expected_trigger_rate fixed (0:
                     # speculate, 1: defer where the plan may; without it the rate is measured as the run goes);
                     # @nolate: without late binding (`late_binding`); @undo: corrections by undo-then-redo;
-                    # @split: host corrections' 16-bit copies first (`copies_first`)
+                    # @split: host jobs after the verdict write their 16-bit copies first (`copies_first`)
                     x, *rest = point.split("@")
                     rate, flags = (rest[0] if rest else ""), set(rest[1:])
                     if not flags <= {"nolate", "undo", "split"}:

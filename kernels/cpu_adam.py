@@ -103,11 +103,12 @@ def _ext():
 def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
               grad_scale, param_out, decoupled_weight_decay, check_finite=True, simd="auto",
               num_threads=0, stores=STORES, schedule=SCHEDULE, prefetch_elems=PREFETCH_ELEMS, exp_avg_absmax=None,
-              exp_avg_sq_absmax=None) -> bool:
+              exp_avg_sq_absmax=None, copy_only=False) -> bool:
     """stores: "plain" or "stream_out" (non-temporal stores for the 16-bit copy); prefetch_elems: software
     prefetch that many elements ahead (> 0 into L1, < 0 into L2, 0 none);
     schedule: "dynamic" (64K-element blocks handed out as threads free up) or "static" (one contiguous share
-    per thread, the check reading it backwards so its first blocks are still cached for the update)."""
+    per thread, the check reading it backwards so its first blocks are still cached for the update);
+    copy_only: write `param_out` alone (fp32 or bf16 moments), the bits the step writes there."""
     return _ext().adam_step(
         param.data_ptr(), grad.data_ptr(), _DTYPE_NAMES[grad.dtype], exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
         0 if param_out is None else param_out.data_ptr(),
@@ -115,7 +116,7 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
         param.numel(), int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
         float(grad_scale), bool(decoupled_weight_decay) or weight_decay == 0.0, bool(check_finite), simd,
         _threads(num_threads), stores, schedule, int(prefetch_elems), _DTYPE_NAMES[exp_avg.dtype],
-        *_scales(exp_avg, exp_avg_absmax, exp_avg_sq_absmax),
+        *_scales(exp_avg, exp_avg_absmax, exp_avg_sq_absmax), bool(copy_only),
     )
 
 

@@ -99,7 +99,7 @@ def _as_float(name: str, value) -> float:
 
 def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay,
               grad_scale=1.0, param_out=None, decoupled_weight_decay=True, backend="auto", found_inf=None,
-              check_finite=True, exp_avg_absmax=None, exp_avg_sq_absmax=None):
+              check_finite=True, exp_avg_absmax=None, exp_avg_sq_absmax=None, part="all"):
     """One Adam/AdamW step on a flat chunk, in place on fp32 param, exp_avg and exp_avg_sq.
 
     exp_avg, exp_avg_sq: fp32, or both bf16 (optimizer_state="bf16"): read exactly as fp32, the step computed
@@ -124,7 +124,15 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
         the caller already knows the grads are finite — e.g. a finite sq_norm of the same grads,
         or an overflow check done on the GPU. Non-finite grads are then applied, as torch's own
         optimizers do, and the return value is True.
+    part="copy": write only `param_out`, the bits "all" writes there, leaving param and the moments as they are
+        (16 B a parameter of memory against 28 with fp32 moments: a step's 16-bit weights first, its state after;
+        fp32 or bf16 moments, no found_inf).
     """
+    if part not in ("all", "copy"):
+        raise ValueError(f"part must be 'all' or 'copy', got {part!r}")
+    if part == "copy" and (param_out is None or found_inf is not None or exp_avg.dtype == torch.uint8):
+        raise ValueError("part='copy' writes a step's 16-bit copy alone: it needs param_out, no found_inf, and fp32 "
+                         "or bf16 moments")
     _check_tensor("param", param, None, None, (torch.float32,))
     n, dev = param.numel(), param.device
     _check_tensor("grad", grad, n, dev, _GRAD_DTYPES)
@@ -166,6 +174,10 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, 
                  decoupled_weight_decay=bool(decoupled_weight_decay), check_finite=bool(check_finite))
     if quantized:
         hyper.update(exp_avg_absmax=exp_avg_absmax, exp_avg_sq_absmax=exp_avg_sq_absmax)
+    if part == "copy" and which != "cpp":          # the other backends step copies of the state
+        return adam_step(param.clone(), grad, exp_avg.clone(), exp_avg_sq.clone(), backend=backend, **hyper)
+    if part == "copy":
+        hyper.update(copy_only=True)
     if which == "triton":
         return _triton().adam_step(param, grad, exp_avg, exp_avg_sq, found_inf=found_inf, **hyper)
     if found_inf is not None and bool(found_inf.item() != 0):

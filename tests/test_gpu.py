@@ -296,14 +296,14 @@ def test_gpu_deferred_bf16_keeps_host_gradients_in_their_shadows():
 
 def test_gpu_corrected_copies_first_change_no_bit(monkeypatch):
     """bf16 compute, fp32 moments, kept_grads, chunks on both tiers, clipping that triggers every step,
-    `Undo.COPIES_FIRST`: each host chunk's correction writes its 16-bit shadow first (the next forward waits for
-    that alone) and its master and moments after, in backward's order. The run equals, bit for bit, one whose host
-    corrections are each one pass, and every shadow holds its master's weights."""
+    `HostWorker.COPIES_FIRST`: each host chunk's correction writes its 16-bit shadow first (the next forward waits
+    for that alone) and its master and moments after, in backward's order. The run equals, bit for bit, one whose
+    host corrections are each one pass, and every shadow holds its master's weights."""
     import pstar_fx.runtime.host_worker as host_worker_module
     import pstar_fx.runtime.undo as undo_module
     from test_bf16_state import assert_shadows_are_masters
     from test_transaction import record_correction_parts
-    monkeypatch.setattr(undo_module.Undo, "COPIES_FIRST", True)
+    monkeypatch.setattr(host_worker_module.HostWorker, "COPIES_FIRST", True)
     batches = gpt_batches(4)
     parts = record_correction_parts(monkeypatch)
     runs = []

@@ -913,3 +913,38 @@ def test_adam_rescale_lands_within_its_bound_of_the_step_made_afresh(case):
                                       ("exp_avg_sq", got[2], fresh[2], bound_v)):
                 excess = float(((a.double() - b.double()).abs() / bound).max())
                 assert excess <= 1.0, f"step {step}, scales {s1} -> {redo}: {name} at {excess:.2f}x its bound"
+
+
+@needs_ext
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16], ids=["m32", "mbf16"])
+def test_cpp_adam_copy_part_writes_the_steps_copy_and_nothing_else(moments):
+    """adam_step(part="copy"): the 16-bit copy the full step writes, bit for bit, at every SIMD level, thread count
+    and copy alignment, with param and moments left as they are (a step's weights first, its state after); the torch
+    backend gives the same copy from copies of the state."""
+    levels = K.build_info()["cpu_adam"]["simd_supported"]
+    n = 70001
+    p, m, v, g = _undo_case(n, torch.bfloat16, seed=3)
+    m, v = m.to(moments), v.to(moments)
+    for decoupled, scale in ((True, 1.0), (False, 3.0)):
+        hyper = dict(step=3, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                     decoupled_weight_decay=decoupled, grad_scale=scale)
+        full = [t.clone() for t in (p, m, v)]
+        want = torch.empty(n, dtype=torch.bfloat16)
+        assert cpu_adam.adam_step(*full[:1], g, *full[1:], param_out=want, simd="scalar", **hyper)
+        for level in levels:
+            for threads, off in ((1, 0), (3, 1)):
+                state = [t.clone() for t in (p, m, v)]
+                out = torch.full((n + 1,), 7.0, dtype=torch.bfloat16)[off:off + n]
+                assert cpu_adam.adam_step(*state[:1], g, *state[1:], param_out=out, simd=level, num_threads=threads,
+                                          copy_only=True, **hyper)
+                assert torch.equal(_bits(out), _bits(want)), (level, threads, off)
+                assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(state, (p, m, v))), (level, threads)
+        stepped, want_torch = [t.clone() for t in (p, m, v)], torch.empty(n, dtype=torch.bfloat16)
+        K.adam_step(*stepped[:1], g, *stepped[1:], param_out=want_torch, backend="torch", **hyper)
+        state, out = [t.clone() for t in (p, m, v)], torch.empty(n, dtype=torch.bfloat16)
+        assert K.adam_step(*state[:1], g, *state[1:], param_out=out, part="copy", backend="torch", **hyper)
+        assert torch.equal(_bits(out), _bits(want_torch))
+        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(state, (p, m, v)))
+    with pytest.raises(ValueError, match="param_out"):
+        K.adam_step(p.clone(), g, m.clone(), v.clone(), step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                    weight_decay=0.0, part="copy")

@@ -17,6 +17,7 @@ import pstar_fx.optim.adam as adam_module
 import pstar_fx.runtime as runtime_module
 import pstar_fx.runtime.chunk_ops as chunk_ops_module
 import pstar_fx.runtime.undo as undo_module
+from pstar_fx.runtime.host_worker import HostWorker
 from pstar_fx.models import GPT, gpt_config
 from pstar_fx.optim import LrSchedule
 
@@ -998,8 +999,8 @@ def test_a_host_update_not_started_at_a_correction_applies_the_verdict_directly(
 
 
 def record_correction_parts(monkeypatch) -> list[str]:
-    """The parts of the host corrections as they run ("all", or "copy" then "state": `Undo.COPIES_FIRST`), with
-    every correction waiting for all of its step's host updates first: none applies the verdict itself (late
+    """The parts of the host corrections as they run ("all", or "copy" then "state": `HostWorker.COPIES_FIRST`),
+    with every correction waiting for all of its step's host updates first: none applies the verdict itself (late
     binding, whose rounding differs from a correction's, and depends on timing)."""
     parts = []
     real, real_correct = undo_module.Undo._correct_host, undo_module.Undo.correct
@@ -1019,12 +1020,12 @@ def record_correction_parts(monkeypatch) -> list[str]:
 
 
 def test_a_host_chunks_corrected_copy_comes_first_and_changes_no_bit(monkeypatch):
-    """bf16 compute, kept_grads, clipping on every step, host Adam on its worker, `Undo.COPIES_FIRST`: each
+    """bf16 compute, kept_grads, clipping on every step, host Adam on its worker, `HostWorker.COPIES_FIRST`: each
     correction of a host chunk that ships its 16-bit shadow writes that shadow first (chunk_rescale's copy alone),
     for the next forward, which waits for it alone, and corrects the master and moments after it. Every master,
     moment and shadow equals, bit for bit, the same run with the host jobs inline (one correction pass a chunk),
     which equals torch within bf16's reach (the other clipping tests)."""
-    monkeypatch.setattr(undo_module.Undo, "COPIES_FIRST", True)
+    monkeypatch.setattr(HostWorker, "COPIES_FIRST", True)
     model = tiny_gpt()
     batches = gpt_batches(4)
     _, _, free = reference(model, batches)
@@ -1047,6 +1048,47 @@ def test_a_host_chunks_corrected_copy_comes_first_and_changes_no_bit(monkeypatch
             assert set(parts) == {"all"}
             parts.clear()
     assert parts.count("copy") == parts.count("state") == len(batches) * len(host_shadows), parts
+    assert runs[True][0] == runs[False][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][1], runs[False][1]))
+
+
+def test_a_deferred_steps_host_copies_come_first_and_change_no_bit(monkeypatch):
+    """bf16 compute, a kept_grads plan whose steps defer (expected trigger rate 1: the rate-aware plan of a run
+    that clips on every step), host Adam on its worker, `HostWorker.COPIES_FIRST`: each host chunk gets its new
+    16-bit shadow first (adam_step's copy alone), then its master and moments, in backward's order. Every master,
+    moment and shadow equals, bit for bit, the same run with the host jobs inline (one update a chunk). (A
+    "deferred" plan keeps 16-bit host chunks' gradients in their shadows: nothing to split there.)"""
+    import pstar_fx.runtime.updater as updater_module
+    monkeypatch.setattr(HostWorker, "COPIES_FIRST", True)
+    model = tiny_gpt()
+    batches = gpt_batches(4)
+    _, _, free = reference(model, batches)
+    clip = sorted(o[1] for o in free)[0] * 0.5                     # triggers on every step
+    runs, parts = {}, []
+    real = updater_module.Updater._apply_host
+
+    def apply_host(self, c, log, grad, check, part="all"):
+        parts.append(part)
+        return real(self, c, log, grad, check, part)
+    monkeypatch.setattr(updater_module.Updater, "_apply_host", apply_host)
+    for threaded in (False, True):
+        monkeypatch.setattr(chunk_ops_module, "HOST_WORKER_ON_CPU", threaded)
+        engine = compile_gpt(model, grad_clip=clip, transaction="auto", dtype="bf16", expected_trigger_rate=1.0)
+        assert engine.plan.transaction == "kept_grads" and engine.plan.defer_above is not None
+        store, kept = engine.rt.store, engine.rt.updater.kept
+        split = [c for c in store.shadow if store.tier(c) == "host" and c not in kept.in_shadow]
+        assert split and (engine.rt.updater.worker is not None) == threaded
+        reports = run(engine, batches)
+        engine.drain()
+        assert all(r.clip_coef < 1.0 and r.deferred for r in reports)
+        runs[threaded] = ([r.loss for r in reports],
+                          [t.clone() for c in range(len(store.master))
+                           for t in (store.master[c], store.exp_avg[c], store.exp_avg_sq[c])]
+                          + [store.shadow[c].clone() for c in sorted(store.shadow)])
+        if not threaded:
+            assert set(parts) == {"all"}
+            parts.clear()
+    assert parts.count("copy") == parts.count("state") == len(batches) * len(split), parts
     assert runs[True][0] == runs[False][0]
     assert all(torch.equal(a, b) for a, b in zip(runs[True][1], runs[False][1]))
 

@@ -92,6 +92,7 @@ struct AdamCoeffs {
     int stores;             // 0 plain; 1 non-temporal stores for the 16-bit copy
     int prefetch_elems;     // software prefetch this far ahead (> 0: into L1, < 0: into L2), 0: none
     bool decoupled;
+    bool copy_only;         // write the 16-bit copy alone: param and moments are read and left as they are
     // int8 moments: kernels/quant8.py's tables (exp_avg: signed; exp_avg_sq: unsigned): each map's 256 values,
     // and its buckets' bases and cuts (quant8._buckets: 2 * kQ8BucketsPerSign each)
     const float *q8_signed_map, *q8_unsigned_map, *q8_signed_cut, *q8_unsigned_cut;
@@ -302,8 +303,11 @@ bool adam_step(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, u
                bool decoupled, bool check_finite, const std::string& simd, int num_threads,
                const std::string& stores, const std::string& schedule, int prefetch_elems,
                const std::string& moments_dtype, uintptr_t exp_avg_absmax, uintptr_t exp_avg_sq_absmax,
-               const std::vector<uintptr_t>& q8_tables) {
+               const std::vector<uintptr_t>& q8_tables, bool copy_only) {
     if (n < 0) throw py::value_error("adam_step: negative element count");
+    if (copy_only && (param_out == 0 || moments_dtype == "uint8"))
+        throw py::value_error("adam_step: copy_only writes the 16-bit copy alone: it needs param_out, and fp32 or "
+                              "bf16 moments");
     if (moments_dtype != "float32" && moments_dtype != "bfloat16" && moments_dtype != "uint8")
         throw py::value_error("adam_step: moments_dtype must be 'float32', 'bfloat16' or 'uint8', got '" +
                               moments_dtype + "'");
@@ -332,6 +336,7 @@ bool adam_step(uintptr_t param, uintptr_t grad, const std::string& grad_dtype, u
 
     AdamCoeffs c;
     c.decoupled = decoupled;
+    c.copy_only = copy_only;
     c.stores = stores_code(stores);
     c.prefetch_elems = prefetch_elems;
     c.l2_wd = (float)weight_decay;
@@ -694,8 +699,10 @@ PYBIND11_MODULE(_cpu_adam, m) {
           py::arg("num_threads") = 0, py::arg("stores") = "plain", py::arg("schedule") = "dynamic",
           py::arg("prefetch_elems") = 0, py::arg("moments_dtype") = "float32", py::arg("exp_avg_absmax") = 0,
           py::arg("exp_avg_sq_absmax") = 0, py::arg("q8_tables") = std::vector<uintptr_t>(),
+          py::arg("copy_only") = false,
           "In-place Adam/AdamW step on fp32 param and fp32, bf16 or int8 (uint8 codes + fp32 block scales) "
-          "exp_avg/exp_avg_sq; returns False (nothing written) if any grad / grad_scale is not finite.");
+          "exp_avg/exp_avg_sq; returns False (nothing written) if any grad / grad_scale is not finite. copy_only: "
+          "the step's 16-bit param_out alone (fp32 or bf16 moments; param and moments left as they are).");
     m.def("stream_triad", &stream_triad, py::arg("a"), py::arg("b"), py::arg("c"), py::arg("n"),
           py::arg("scalar") = 3.0, py::arg("reps") = 5, py::arg("nt") = false, py::arg("simd") = "auto",
           py::arg("num_threads") = 0,

@@ -298,12 +298,13 @@ template <class O>
 struct AdamConsts {
     typename O::T l2_wd, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, step_size, eps,
         grad_scale, inv_grad_scale;
+    bool copy_only;   // the 16-bit copy alone (AdamCoeffs::copy_only): a loop-invariant branch the compiler unswitches
     explicit AdamConsts(const AdamCoeffs& c)
         : l2_wd(O::set(c.l2_wd)), decay(O::set(c.decay)), beta1(O::set(c.beta1)),
           one_minus_beta1(O::set(c.one_minus_beta1)), beta2(O::set(c.beta2)),
           one_minus_beta2(O::set(c.one_minus_beta2)), inv_bc2_sqrt(O::set(c.inv_bc2_sqrt)),
           step_size(O::set(c.step_size)), eps(O::set(c.eps)), grad_scale(O::set(c.grad_scale)),
-          inv_grad_scale(O::set(c.scale_mode == 0 ? 1.0f : c.inv_grad_scale)) {}
+          inv_grad_scale(O::set(c.scale_mode == 0 ? 1.0f : c.inv_grad_scale)), copy_only(c.copy_only) {}
 };
 
 // W consecutive elements of one step (W = 1 for the scalar ops), in the order torch.optim.AdamW
@@ -342,9 +343,11 @@ static inline void adam_elems(float* p, const void* grad, M* m, M* v, void* out,
     const T vi = O::add(O::mul(k.beta2, load_moment<O>(v + i)), O::mul(O::mul(k.one_minus_beta2, g), g));
     const T denom = O::add(O::mul(O::sqrt(vi), k.inv_bc2_sqrt), k.eps);
     pi = O::sub(pi, O::mul(k.step_size, O::div(mi, denom)));
-    O::store(p + i, pi);
-    store_moment<O>(m + i, mi);
-    store_moment<O>(v + i, vi);
+    if (!k.copy_only) {
+        O::store(p + i, pi);
+        store_moment<O>(m + i, mi);
+        store_moment<O>(v + i, vi);
+    }
     if (OK == 1) ST ? O::stream_bf16(static_cast<uint16_t*>(out) + i, pi) : O::store_bf16(static_cast<uint16_t*>(out) + i, pi);
     else if (OK == 2) ST ? O::stream_f16(static_cast<uint16_t*>(out) + i, pi) : O::store_f16(static_cast<uint16_t*>(out) + i, pi);
 }

@@ -49,7 +49,7 @@ class Hyper:
 def chunk_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                  spans: list[tuple[int, int]], hyper: Hyper, *, found_inf: torch.Tensor | None = None,
                  param_out: torch.Tensor | None = None, check_finite: bool = True,
-                 absmax: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
+                 absmax: tuple[torch.Tensor, torch.Tensor] | None = None, copy_only: bool = False) -> bool:
     """Adam/AdamW over `spans` of a chunk. Returns False (and changes nothing) on non-finite gradients.
 
     int8 moments (uint8 codes): `absmax` holds the chunk's block scales (exp_avg's, exp_avg_sq's), and `spans`
@@ -59,7 +59,8 @@ def chunk_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
     With `found_inf` (a 1-element float32 tensor on the chunk's device) nothing waits for the device: a
     set flag skips the update, a non-finite gradient sets it, and the return value is True. `param_out`
     (16-bit, chunk-sized) receives the updated weights in the same pass. `check_finite=False` skips the
-    non-finite pre-pass when the caller has already checked the gradient (its norm was finite)."""
+    non-finite pre-pass when the caller has already checked the gradient (its norm was finite). `copy_only`: write
+    `param_out` alone, the updated weights, leaving the master and moments as they are (fp32 or bf16 moments)."""
     beta1, beta2 = hyper.betas
     check = check_finite and len(spans) == 1   # one span: the kernel's own pre-pass keeps it all-or-nothing
     if check_finite and not check:             # several: one verdict for the chunk before any span changes
@@ -80,7 +81,7 @@ def chunk_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
                        beta1=beta1, beta2=beta2, eps=hyper.eps, weight_decay=hyper.weight_decay,
                        grad_scale=hyper.grad_scale, decoupled_weight_decay=hyper.decoupled, found_inf=found_inf,
                        check_finite=check, param_out=None if param_out is None else param_out[sl],
-                       **scales) is not False and ok
+                       part="copy" if copy_only else "all", **scales) is not False and ok
     return ok
 
 

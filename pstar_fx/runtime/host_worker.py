@@ -6,10 +6,10 @@ starts on the worker as c's update ends, and the fetch of c waits for it, `wait_
 A failed job's exception is re-raised where its outcome is waited for; the updater (undo.py) decides what it
 undoes.
 
-A correction may make a host chunk's 16-bit copy current ahead of its master (`run_copy_first`, undo.py): the next
-forward's read of the chunk waits for that job alone (`copy_job`, `wait_for_copy`), the master's and moments' job
-runs after it, before anything else reads them (the chunk's next update and gradient, a checkpoint, an undo: they
-wait for the chunk's pending job, which is that one).
+A job after a verdict (a correction, a deferred update) may make a host chunk's 16-bit copy current ahead of its
+master (`COPIES_FIRST`, `after_verdict`): the next forward's read of the chunk waits for that job alone (`copy_job`,
+`wait_for_copy`), the master's and moments' job runs after it, before anything else reads them (the chunk's next
+update and gradient, a checkpoint, an undo: they wait for the chunk's pending job, which is that one).
 """
 from __future__ import annotations
 
@@ -21,6 +21,14 @@ from .telemetry import Telemetry
 
 
 class HostWorker:
+    # Write a host chunk's 16-bit shadow first and its master and moments after, in a job of their own, where a job
+    # after the verdict changes both (`after_verdict`)? The next forward then waits for 16 B a parameter of host
+    # memory instead of 28 (fp32 moments), and the worker moves 16 B more. Off until measured in training: session 11
+    # measured it slower when a correction's copy cost most of the correction (float64); the one-pass rescale's
+    # copy runs at 1.48x the host Adam on the H200 host (bench/RESULTS.md, session 22); the A/B is
+    # `bench/gpt.py --clip-sweep ...@split`.
+    COPIES_FIRST = False
+
     def __init__(self, telemetry: Telemetry, threaded: bool):
         self.telemetry = telemetry
         # the worker's host Adam leaves a core to the thread that launches GPU work (cpu_adam.worker_threads)
@@ -55,6 +63,21 @@ class HostWorker:
         fut = self.executor.submit(fn, *args)
         self.copies_first[c] = fut
         log.copies_first.append(fut)
+
+    def after_verdict(self, chunks: list[int], log: StepLog, job, split: list[int]) -> None:
+        """Queue host chunks' jobs after a verdict, `job(c, part)`: "all" for each of `chunks` in their order (the next
+        forward's), except those of `split` (a subset, `COPIES_FIRST`: chunks whose shadow the forward reads and
+        which holds no kept gradient), whose "copy" jobs come first in that order and whose "state" jobs come last,
+        in the reverse order: their next reader is the chunk's next gradient, backward's last chunk first."""
+        if split and not (self.COPIES_FIRST and self.threaded):
+            raise ValueError("a split after the verdict is for COPIES_FIRST on the threaded worker")
+        for c in split:
+            self.run_copy_first(c, log, job, c, "copy")
+        for c in chunks:
+            if c not in split:
+                self.run(c, log, job, c, "all")
+        for c in reversed(split):
+            self.run(c, log, job, c, "state", after_copy=True)
 
     def copy_job(self, c: int) -> Future | None:
         """The job a read of chunk c's 16-bit copy waits for: its copy first, else its pending job."""

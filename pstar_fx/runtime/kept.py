@@ -40,6 +40,15 @@ class KeptGradients:
         staging = 0 if (self.grads or not host) else max(1, plan.host_grad_buffers)
         self.host_grads = Pool([store.alloc("host", elems, dtype) for _ in range(staging)], blocking=blocking)
 
+    def copies_first(self, chunks: list[int], worker) -> list[int]:
+        """Of host `chunks` about to get a job after the verdict, those whose 16-bit shadow that job writes first
+        (`HostWorker.COPIES_FIRST`, on the threaded worker): each shadow the forward reads that holds no kept
+        gradient (one that does would lose it to the new weights before the state's job read it)."""
+        if not (worker.COPIES_FIRST and worker.threaded):
+            return []
+        return [c for c in chunks
+                if c in self.store.shadow and self.store.tier(c) == "host" and c not in self.in_shadow]
+
     def __contains__(self, c: int) -> bool:
         """Whether chunk c's gradient is kept (in its own buffer) until the verdict."""
         return c in self.grads

@@ -26,13 +26,6 @@ from .verdict import Verdict
 
 
 class Undo:
-    # Make a host chunk's corrected 16-bit shadow first and its master and moments after (`correct`)? The forward
-    # then waits for 16 B a parameter of host memory instead of 28, and the worker moves 16 B more. Off: session 11
-    # measured it slower when the copy cost most of a correction (float64); the one-pass rescale's copy runs at
-    # 1.48x the host Adam on the H200 host (bench/RESULTS.md, session 22), and the A/B in training is
-    # `bench/gpt.py --clip-sweep ...@split`.
-    COPIES_FIRST = False
-
     def __init__(self, store: ChunkStore, kept: KeptGradients, worker: HostWorker, norms: Verdict, copies,
                  telemetry: Telemetry):
         self.store, self.kept, self.worker, self.norms = store, kept, worker, norms
@@ -89,20 +82,13 @@ class Undo:
         speculated = log.hyper
         log.verdict_hyper = hyper                          # host updates not yet started apply it directly
         updates = dict(log.host)                           # each host chunk's update: its future, or its outcome
-        # With COPIES_FIRST and the worker threaded, a chunk the forward reads as its 16-bit shadow gets that copy
-        # corrected first: the forward waits for those alone, in its order, and the masters and moments are
-        # corrected after them, while the forward runs, in backward's order: their next reader is the chunk's next
-        # gradient landing in its kept buffer (`Updater.host_slot` waits for the chunk's job), last chunk first.
-        first = [c for c in sorted(updates) if self.COPIES_FIRST and self.worker.threaded
-                 and c in self.store.shadow and c not in self.kept.in_shadow]
+        # (HostWorker.COPIES_FIRST: a chunk the forward reads as its 16-bit shadow gets that copy corrected first,
+        # the forward waiting for those alone, the masters and moments after them while the forward runs)
+        chunks = sorted(updates)
         with record_function("pstar_fx.correct"):
-            for c in first:
-                self.worker.run_copy_first(c, log, self._correct_host, log, c, updates, speculated, hyper, "copy")
-            for c in sorted(set(updates) - set(first)):
-                self.worker.run(c, log, self._correct_host, log, c, updates, speculated, hyper, "all")
-            for c in reversed(first):
-                self.worker.run(c, log, self._correct_host, log, c, updates, speculated, hyper, "state",
-                                after_copy=True)
+            self.worker.after_verdict(chunks, log, lambda c, part: self._correct_host(log, c, updates, speculated,
+                                                                                      hyper, part),
+                                      self.kept.copies_first(chunks, self.worker))
             with self.kept.mover.after_verdict() as queued:
                 for c, grad in self.kept.on_device_in_order(sorted(log.device)):
                     self._correct_one(log, c, grad, speculated, hyper)

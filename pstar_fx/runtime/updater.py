@@ -177,18 +177,36 @@ class Updater:
         (`KeptGradients.on_device_in_order`)."""
         log = self.step_log
         log.hyper, log.kind = hyper, AFTER_VERDICT
+        host = [c for c in sorted(grads) if self.store.tier(c) == "host"]
+        # (HostWorker.COPIES_FIRST: each host chunk's new 16-bit shadow first, the forward waiting for those alone,
+        # its master and moments after them; a deferred step's kept gradients only: an accumulator is refilled by
+        # the next step's first micro-batch, whose job on the worker comes after anyway, but is not split here)
+        split = self.kept.copies_first(host, self.host_worker) if grads is self.kept.grads else []
         with record_function("pstar_fx.apply_after_verdict"):
-            for c in sorted(grads):
-                if self.store.tier(c) == "host":
-                    self.host_worker.run(c, log, self._apply_host, c, log, grads[c], check_host)
+            self.host_worker.after_verdict(host, log, lambda c, part: self._apply_host(c, log, grads[c], check_host,
+                                                                                       part), split)
             with self.mover.after_verdict() as queued:      # (the next forward waits for each where it reads it)
                 for c, grad in self.kept.on_device_in_order([c for c in sorted(grads) if self.store.tier(c) != "host"]):
                     self._update_device(c, grad, hyper, found_inf=self.norms.none_found)
                     queued(c)
 
-    def _apply_host(self, c: int, log: StepLog, grad: torch.Tensor, check: bool) -> bool:
+    def _apply_host(self, c: int, log: StepLog, grad: torch.Tensor, check: bool, part: str = "all") -> bool:
+        """A host chunk's update after the verdict. `part`: "all"; "copy", its new 16-bit shadow alone; "state", the
+        rest (the master and moments: the "copy" job before it wrote the shadow; if this one fails, the shadow gets
+        the master's weights back, which the update, all or nothing, left as they were)."""
         t0 = time.perf_counter()
-        ok = self._adam(c, grad, log.hyper, check_finite=check)
+        s = self.store.state(c)
+        try:
+            if part == "all":
+                ok = self._adam(c, grad, log.hyper, check_finite=check)
+            else:
+                ok = chunk_update(s.master, grad, s.exp_avg, s.exp_avg_sq, s.update_spans, log.hyper,
+                                  absmax=s.absmax, param_out=s.shadow if part == "copy" else None,
+                                  check_finite=check, copy_only=part == "copy")
+        except BaseException:
+            if part == "state":
+                self.store.masters_changed([c])
+            raise
         self.telemetry.add("host_adam", time.perf_counter() - t0)
         return ok
 
