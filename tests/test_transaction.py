@@ -1019,37 +1019,45 @@ def record_correction_parts(monkeypatch) -> list[str]:
     return parts
 
 
-def test_a_host_chunks_corrected_copy_comes_first_and_changes_no_bit(monkeypatch):
-    """bf16 compute, kept_grads, clipping on every step, host Adam on its worker, `HostWorker.COPIES_FIRST`: each
-    correction of a host chunk that ships its 16-bit shadow writes that shadow first (chunk_rescale's copy alone),
-    for the next forward, which waits for it alone, and corrects the master and moments after it. Every master,
-    moment and shadow equals, bit for bit, the same run with the host jobs inline (one correction pass a chunk),
-    which equals torch within bf16's reach (the other clipping tests)."""
+def _inline_and_split(monkeypatch, parts: list[str], clip: float, **compile_kw) -> int:
+    """The same 4 clipped steps with the host jobs inline, then on the worker with `HostWorker.COPIES_FIRST`: each
+    master, moment and shadow bit-equal, and every job after a verdict split into a "copy" and a "state" job on the
+    worker (one "all" job inline: `parts` records them). Returns how many chunks' jobs were split a step."""
     monkeypatch.setattr(HostWorker, "COPIES_FIRST", True)
-    model = tiny_gpt()
-    batches = gpt_batches(4)
-    _, _, free = reference(model, batches)
-    clip = sorted(o[1] for o in free)[0] * 0.5                     # triggers on every step
-    runs, parts = {}, record_correction_parts(monkeypatch)
+    model, batches = tiny_gpt(), gpt_batches(4)
+    runs = {}
     for threaded in (False, True):
         monkeypatch.setattr(chunk_ops_module, "HOST_WORKER_ON_CPU", threaded)
-        engine = compile_gpt(model, grad_clip=clip, transaction="kept_grads", dtype="bf16")
-        store = engine.rt.store
-        host_shadows = [c for c in store.shadow if store.tier(c) == "host"]
-        assert host_shadows and (engine.rt.updater.worker is not None) == threaded
+        engine = compile_gpt(model, grad_clip=clip, dtype="bf16", **compile_kw)
+        store, kept = engine.rt.store, engine.rt.updater.kept
+        split = [c for c in store.shadow if store.tier(c) == "host" and c not in kept.in_shadow]
+        assert split and (engine.rt.updater.worker is not None) == threaded
         reports = run(engine, batches)
         engine.drain()
         assert all(r.clip_coef < 1.0 for r in reports)
-        runs[threaded] = ([r.loss for r in reports],
+        runs[threaded] = ([r.loss for r in reports], [r.deferred for r in reports],
                           [t.clone() for c in range(len(store.master))
                            for t in (store.master[c], store.exp_avg[c], store.exp_avg_sq[c])]
                           + [store.shadow[c].clone() for c in sorted(store.shadow)])
         if not threaded:
             assert set(parts) == {"all"}
             parts.clear()
-    assert parts.count("copy") == parts.count("state") == len(batches) * len(host_shadows), parts
-    assert runs[True][0] == runs[False][0]
-    assert all(torch.equal(a, b) for a, b in zip(runs[True][1], runs[False][1]))
+    assert parts.count("copy") == parts.count("state") == len(batches) * len(split), parts
+    assert runs[True][:2] == runs[False][:2]
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][2], runs[False][2]))
+    return runs[True][1]
+
+
+def test_a_host_chunks_corrected_copy_comes_first_and_changes_no_bit(monkeypatch):
+    """bf16 compute, kept_grads, clipping on every step, host Adam on its worker, `HostWorker.COPIES_FIRST`: each
+    correction of a host chunk that ships its 16-bit shadow writes that shadow first (chunk_rescale's copy alone),
+    for the next forward, which waits for it alone, and corrects the master and moments after it, in backward's
+    order. Every master, moment and shadow equals, bit for bit, the same run with the host jobs inline (one
+    correction pass a chunk), which equals torch within bf16's reach (the other clipping tests)."""
+    _, _, free = reference(tiny_gpt(), gpt_batches(4))
+    clip = sorted(o[1] for o in free)[0] * 0.5                     # triggers on every step
+    deferred = _inline_and_split(monkeypatch, record_correction_parts(monkeypatch), clip, transaction="kept_grads")
+    assert not any(deferred)
 
 
 def test_a_deferred_steps_host_copies_come_first_and_change_no_bit(monkeypatch):
@@ -1059,38 +1067,16 @@ def test_a_deferred_steps_host_copies_come_first_and_change_no_bit(monkeypatch):
     moment and shadow equals, bit for bit, the same run with the host jobs inline (one update a chunk). (A
     "deferred" plan keeps 16-bit host chunks' gradients in their shadows: nothing to split there.)"""
     import pstar_fx.runtime.updater as updater_module
-    monkeypatch.setattr(HostWorker, "COPIES_FIRST", True)
-    model = tiny_gpt()
-    batches = gpt_batches(4)
-    _, _, free = reference(model, batches)
-    clip = sorted(o[1] for o in free)[0] * 0.5                     # triggers on every step
-    runs, parts = {}, []
-    real = updater_module.Updater._apply_host
+    parts, real = [], updater_module.Updater._apply_host
 
     def apply_host(self, c, log, grad, check, part="all"):
         parts.append(part)
         return real(self, c, log, grad, check, part)
     monkeypatch.setattr(updater_module.Updater, "_apply_host", apply_host)
-    for threaded in (False, True):
-        monkeypatch.setattr(chunk_ops_module, "HOST_WORKER_ON_CPU", threaded)
-        engine = compile_gpt(model, grad_clip=clip, transaction="auto", dtype="bf16", expected_trigger_rate=1.0)
-        assert engine.plan.transaction == "kept_grads" and engine.plan.defer_above is not None
-        store, kept = engine.rt.store, engine.rt.updater.kept
-        split = [c for c in store.shadow if store.tier(c) == "host" and c not in kept.in_shadow]
-        assert split and (engine.rt.updater.worker is not None) == threaded
-        reports = run(engine, batches)
-        engine.drain()
-        assert all(r.clip_coef < 1.0 and r.deferred for r in reports)
-        runs[threaded] = ([r.loss for r in reports],
-                          [t.clone() for c in range(len(store.master))
-                           for t in (store.master[c], store.exp_avg[c], store.exp_avg_sq[c])]
-                          + [store.shadow[c].clone() for c in sorted(store.shadow)])
-        if not threaded:
-            assert set(parts) == {"all"}
-            parts.clear()
-    assert parts.count("copy") == parts.count("state") == len(batches) * len(split), parts
-    assert runs[True][0] == runs[False][0]
-    assert all(torch.equal(a, b) for a, b in zip(runs[True][1], runs[False][1]))
+    _, _, free = reference(tiny_gpt(), gpt_batches(4))
+    clip = sorted(o[1] for o in free)[0] * 0.5
+    deferred = _inline_and_split(monkeypatch, parts, clip, transaction="auto", expected_trigger_rate=1.0)
+    assert all(deferred)
 
 
 @pytest.mark.parametrize("transaction", ["deferred", "kept_grads"])
