@@ -8,8 +8,8 @@ matmul 561-722 TFLOPs).
 A step is compared where nothing changed its cost: no clipping that triggered (a record whose steps all reported a
 clip coefficient of 1, or a --clip-sweep point that never triggers), and neither a replay nor a correction ran.
 A --clip-sweep point whose every step clipped is compared with the plan's triggered estimate (`triggered`: every
-step speculated and corrected), one whose every step deferred with its deferred one (`deferred`, clipping or not). Records since session 20
-carry the estimate's parts (`estimate_parts_s`: compute, copies and host Adam not hidden) and the runtime's per-step
+step speculated and corrected), one whose every step deferred with its deferred one (`deferred`, clipping or
+not). Records since session 20 carry the estimate's parts (`estimate_parts_s`: compute, copies and host Adam not hidden) and the runtime's per-step
 phases beside them; records with `window_s` (session 21 on) timed steps back to back, the ones before synchronized
 the device after each step, which charged a triggered step the device work it leaves to overlap the next forward.
 """
@@ -52,7 +52,8 @@ def triggered(record: dict) -> list[tuple[str, float, float, dict | None]]:
                record.get("estimated_triggered_step_s") if not any(deferred) else None)
         if est:
             # the kernel and order of its corrections where a point chose them (session 22: @undo, @split)
-            how = (" undo" if point.get("correction") == "undo" else "") + (" split" if point.get("copies_first") else "")
+            how = ((" undo" if point.get("correction") == "undo" else "")
+                   + (" split" if point.get("copies_first") else ""))
             out.append((f"{'deferred' if all(deferred) else 'triggered'} {point['grad_clip']:g}{how}", est,
                         point["step_s"], point.get("phases")))
     return out

@@ -611,8 +611,8 @@ def main(argv=None):
                     "clip thresholds on the same engine (e.g. 1e9,1e-3: never / always triggers); THRESHOLD@RATE "
                     "also fixes Config.expected_trigger_rate (1.0@0: speculate and correct; 1.0@1: defer); "
                     "THRESHOLD@RATE@nolate runs that point without late binding (every host update corrected), "
-                    "@undo with corrections by undo-then-redo (the float64 kernel before the one-pass rescale), @split with "
-                    "host jobs after the verdict writing their 16-bit copies first")
+                    "@undo with corrections by undo-then-redo (the float64 kernel before the one-pass rescale), "
+                    "@split with host jobs after the verdict writing their 16-bit copies first")
     ap.add_argument("--checkpoint", choices=CHECKPOINT_CHOICES, default="all",
                     help="torch: activation checkpointing (torch.utils.checkpoint, non-reentrant) of every block "
                     "(all, the default), of the even blocks 0, 2, 4, ... (half) or of none")

@@ -63,7 +63,8 @@ class KeptGrads(Transaction):
     """kept_grads: each chunk is updated inside backward with the guessed clip coefficient (speculation) and its
     gradient kept (on the device with spare room, else on the host; a host chunk's where it landed) until the
     verdict, which then commits, corrects every update by the clip coefficient (one rescale pass per chunk) or rolls
-    them back (a skipped step). Costs the kept gradients' memory; a correction costs one pass over each updated chunk."""
+    them back (a skipped step). Costs the kept gradients' memory; a correction costs one pass over each updated
+    chunk."""
 
     def run(self, st, batches, hyper, tangent, saved):
         guess, out = _speculate(st, batches[0], hyper, tangent, SPECULATE_KEEPING)
