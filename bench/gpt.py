@@ -6,7 +6,7 @@
 --model NAME: our GPT (pstar_fx.models.gpt_config); llama:NAME our LLaMA (llama_config); hf-llama:NAME the
 same shape as Hugging Face's LlamaForCausalLM, unmodified (pstar_fx only), stepped with a dict batch.
         [--grad-clip X] [--grad-accum K] [--lr-schedule cosine:WARMUP:TOTAL[:MIN_LR]] [--transaction T]
-        [--clip-sweep X,Y,...]
+        [--expected-trigger-rate R] [--clip-sweep X[@RATE[@nolate][@undo][@split]],...]
 
 pstar_fx   the model built on the meta device, compiled with dtype bf16 on one GPU; the planner decides
            placement and recompute.
@@ -22,7 +22,10 @@ The training recipe is the same for every system: `--grad-clip` (global-norm cli
 clip_grad_norm_), `--grad-accum K` (K micro-batches of `--batch` per update), `--lr-schedule` (warm-up then
 cosine or linear decay, Hugging Face's formulas; torch: LambdaLR). `--clip-sweep 1e9,1e-3` (pstar_fx) then
 runs `--steps` more steps on the same compiled engine at each clip threshold — one that never triggers and
-one that always does — and reports each phase's step time and breakdown under "sweep".
+one that always does — and reports each phase's step time and breakdown under "sweep"; a point's @RATE fixes
+the expected trigger rate its steps run at (0 speculate, 1 defer where the plan may), @nolate turns late binding off,
+@undo corrects by undo-then-redo (the kernel before the one-pass rescale), @split writes host chunks' 16-bit copies
+first after the verdict (`HostWorker.COPIES_FIRST`). `--expected-trigger-rate` makes the plan for a rate.
 
 Steps run back to back, as a training loop runs them: each step's time runs from the last step's end to its own
 (its loss read as a number, the loop's only wait for the device); the device is synchronized only before the first
