@@ -176,8 +176,9 @@ def adam_rescale(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, ep
                 v2 = r(r(b2 * torch.zeros_like(g)) + r(r(omb2 * gr) * gr))
             else:
                 m2 = r(r(m1 - r(omb1 * gs)) + r(omb1 * gr))
-                v2 = r(r(v1 - r(r(omb2 * gs) * gs)) + r(r(omb2 * gr) * gr))
-                v2 = torch.where(v2 > 0.0, v2, torch.zeros_like(v2))      # max(x, +0) as maxps: +0 for -0, NaN
+                b2v0 = r(v1 - r(r(omb2 * gs) * gs))
+                b2v0 = torch.where(b2v0 > 0.0, b2v0, torch.zeros_like(b2v0))   # max(x, +0) as maxps: +0 for -0, NaN
+                v2 = r(b2v0 + r(r(omb2 * gr) * gr))
             p2 = r(p1 + r(u1 - term(m2, v2)))
             if param_out is not None:
                 param_out[sl].copy_(p2)

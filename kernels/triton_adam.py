@@ -258,7 +258,7 @@ def _rescale_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, n, grad_scale, redo_sca
         v2 = beta2 * 0.0 + (one_minus_beta2 * gr) * gr
     else:
         m2 = (m1 - one_minus_beta1 * gs) + one_minus_beta1 * gr
-        v2 = tl.maximum((v1 - (one_minus_beta2 * gs) * gs) + (one_minus_beta2 * gr) * gr, 0.0)
+        v2 = tl.maximum(v1 - (one_minus_beta2 * gs) * gs, 0.0) + (one_minus_beta2 * gr) * gr
     u2 = step_size * tl.div_rn(m2, tl.sqrt_rn(v2) * inv_bc2_sqrt + eps)
     p2 = p1 + (u1 - u2)
     _store_16bit(out_ptr, offs, p2, mask, OUT_KIND)

@@ -948,3 +948,28 @@ def test_cpp_adam_copy_part_writes_the_steps_copy_and_nothing_else(moments):
     with pytest.raises(ValueError, match="param_out"):
         K.adam_step(p.clone(), g, m.clone(), v.clone(), step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
                     weight_decay=0.0, part="copy")
+
+
+@needs_ext
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_adam_rescale_never_drops_v_below_the_new_gradients_share(backend):
+    """v1 a little below the guessed gradient's share (1-b2) gs^2 as the correction recomputes it (with L2 decay
+    the grad's wd * p term is recomputed from p1 + u1, an ulp or so from the step's own; v1's rounding can also
+    swamp b2 * v0): v1 - (1-b2) gs^2 is then negative. Clamped before the new gradient's share is added (as the
+    undo's restored v0 is), v2 stays at least (1-b2) gr^2, so no update divides by eps alone and the master moves
+    by at most the step size (Adam's |m / sqrt(v)| is about 1 here); clamped after the sum, v2 would be 0."""
+    n = 4096
+    gen = torch.Generator().manual_seed(5)
+    g = torch.randn(n, generator=gen) * 10.0
+    hyper = dict(step=3, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True)
+    omb2 = torch.tensor(0.001, dtype=torch.float32)
+    v = (omb2 * g) * g * (1 - 2.0 ** -20)              # below the guessed share by 2^-20 of it
+    m = torch.tensor(0.1, dtype=torch.float32) * g      # a first moment as that grad leaves it
+    p = torch.randn(n, generator=gen)
+    before = p.clone()
+    redo = 1e4                                          # (1-b2) gr^2 = 2^-26.6 of the guessed share: below the gap
+    K.adam_rescale(p, g, m, v, grad_scale=1.0, redo_scale=redo, backend=backend, **hyper)
+    gr = g / redo
+    assert bool((v >= (omb2 * gr) * gr).all()) and bool((v > 0).all())
+    step_size = hyper["lr"] / (1 - 0.9 ** 3)
+    assert float((p - before).abs().max()) <= 3 * step_size

@@ -627,7 +627,7 @@ static inline typename O::T unscaled(typename O::T g, bool div, typename O::T sc
 //   u1 = step_size * (m1 / (sqrt(v1) * inv_bc2_sqrt + eps))       the speculated step's own term, as adam_elems
 //   (L2: gs, gr += wd * (p1 + u1), the master before the step)
 //   m2 = (m1 - (1 - b1) * gs) + (1 - b1) * gr                     b1 * m0 from m1, then the new grad's share
-//   v2 = max((v1 - (1 - b2) * gs * gs) + (1 - b2) * gr * gr, 0)
+//   v2 = max(v1 - (1 - b2) * gs * gs, 0) + (1 - b2) * gr * gr
 //   (step 1: m2, v2 as adam_elems makes them from zeros)
 //   u2 = step_size * (m2 / (sqrt(v2) * inv_bc2_sqrt + eps))
 //   p2 = p1 + (u1 - u2)                                            p1 + u1 is the decayed master before the step
@@ -658,7 +658,9 @@ static inline void rescale_elems(float* p, const void* grad, float* m, float* v,
         v2 = O::add(O::mul(k.b2, k.zero), O::mul(O::mul(k.omb2, gr), gr));
     } else {
         m2 = O::add(O::sub(m1, O::mul(k.omb1, gs)), O::mul(k.omb1, gr));
-        v2 = O::max(O::add(O::sub(v1, O::mul(O::mul(k.omb2, gs), gs)), O::mul(O::mul(k.omb2, gr), gr)), k.zero);
+        // b2 * v0 >= 0 before the new grad's share is added, as the undo's restored v0 is: v2 never falls below
+        // (1 - b2) gr^2 where v1's rounding swamps b2 * v0 (a tiny v0 beside a large guessed gradient)
+        v2 = O::add(O::max(O::sub(v1, O::mul(O::mul(k.omb2, gs), gs)), k.zero), O::mul(O::mul(k.omb2, gr), gr));
     }
     const T u2 = O::mul(k.step_size, O::div(m2, O::add(O::mul(O::sqrt(v2), k.inv_bc2_sqrt), k.eps)));
     const T p2 = O::add(p1, O::sub(u1, u2));
