@@ -150,13 +150,8 @@ def adam_rescale(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, ep
     omb1, omb2, wd = f32(1.0 - beta1), f32(1.0 - beta2), f32(weight_decay)
     decoupled = decoupled_weight_decay or weight_decay == 0.0
 
-    def unscaled(g, scale):
-        scale = f32(scale)
-        if scale == 1.0:
-            return g
-        inv = f32(1.0 / scale)
-        exact = np.frexp(scale)[0] == 0.5 and np.isfinite(inv) and inv != 0.0 and abs(inv) >= 2.0 ** -126
-        return r(g * inv) if exact else r(g / scale)
+    def unscaled(g, scale):   # the kernel's multiply by an exact reciprocal is this quotient, rounded alike
+        return g if f32(scale) == 1.0 else r(g / f32(scale))
 
     def term(m, v):
         return r(step_size * r(m / r(r(r(v.sqrt()) * inv_bc2_sqrt) + eps32)))

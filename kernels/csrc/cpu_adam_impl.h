@@ -633,8 +633,9 @@ static inline typename O::T unscaled(typename O::T g, bool div, typename O::T sc
 //   p2 = p1 + (u1 - u2)                                            p1 + u1 is the decayed master before the step
 // Two divide + sqrt pairs per vector and ~14 fp32 ops, against the undo-then-redo's two pairs plus ~60 float64
 // uops: arithmetic a core does at several times the memory's pace. What changes against undo-then-redo: p2 carries
-// p1's rounding once more (within ~1.5 ulps of the step made afresh, inside the restore contract's two); m2 and v2
-// carry m1's and v1's rounding as an absolute error (the undo's m0 did the same, divided by b1). p, m, v are read
+// p1's rounding once more (within two ulps of the larger of the master and the update term of the step made afresh,
+// plus what the moments' rounding moves that term by: tests/test_kernels.py); m2 and v2 carry m1's and v1's
+// rounding as an absolute error (the undo's m0 did the same, divided by b1). p, m, v are read
 // once and written once (28 B with bf16 grads and the copy); PART 5 writes only the copy (16 B).
 template <class O, int GK, int OK, bool COPY_ONLY, int ST>
 static inline void rescale_elems(float* p, const void* grad, float* m, float* v, uint16_t* out, int64_t i,

@@ -47,11 +47,11 @@ class ChunkRuntime:
         if pending is not None and self.mover.copies_alone(c):
             self.mover.prefetch(c, after=pending)
             return
-        self.updater.wait_for_copy(c)
+        self.updater.wait_for(c, copy=True)
         self.mover.prefetch(c)
 
     def fetch(self, c: int) -> None:
-        self.updater.wait_for_copy(c)            # its update's outcome, on this thread (a failure raises here)
+        self.updater.wait_for(c, copy=True)      # its update's outcome, on this thread (a failure raises here)
         self.mover.fetch(c)
 
     def release(self, c: int) -> None:

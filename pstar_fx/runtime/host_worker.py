@@ -69,8 +69,6 @@ class HostWorker:
         forward's), except those of `split` (a subset, `COPIES_FIRST`: chunks whose shadow the forward reads and
         which holds no kept gradient), whose "copy" jobs come first in that order and whose "state" jobs come last,
         in the reverse order: their next reader is the chunk's next gradient, backward's last chunk first."""
-        if split and not (self.COPIES_FIRST and self.threaded):
-            raise ValueError("a split after the verdict is for COPIES_FIRST on the threaded worker")
         for c in split:
             self.run_copy_first(c, log, job, c, "copy")
         for c in chunks:

@@ -112,10 +112,8 @@ class Undo:
         if log.hyper_of.get(c) is hyper:
             return True                                    # its update started after the verdict: already right
         t0 = time.perf_counter()
-        if part == "copy":
-            s = self.store.state(c)
-            chunk_rescale(s.master, self.kept.on_tier(c), s.exp_avg, s.exp_avg_sq, s.grad_spans, speculated, hyper,
-                          param_out=s.shadow, copy_only=True)
+        if part == "copy":                                 # the state stays as the update left it
+            self._rescale(c, self.kept.on_tier(c), speculated, hyper, copy_only=True)
         else:
             self._correct_one(log, c, self.kept.on_tier(c), speculated, hyper, shadow=part == "all")
         self.telemetry.add("host_adam", time.perf_counter() - t0)
@@ -126,10 +124,14 @@ class Undo:
         """One pass from the speculated state to the verdict's (chunk_rescale: fp32, no undo): on the host worker
         the pass runs at memory speed, where the undo-then-redo's float64 arithmetic bound it (issue 24)."""
         log.hyper_of[c] = speculated                       # applied with the guess, until the pass below
+        self._rescale(c, grad, speculated, hyper, shadow=shadow)
+        log.hyper_of[c] = hyper
+
+    def _rescale(self, c: int, grad: torch.Tensor, speculated: Hyper, hyper: Hyper, *, shadow: bool = True,
+                 copy_only: bool = False) -> None:
         s = self.store.state(c)
         chunk_rescale(s.master, grad, s.exp_avg, s.exp_avg_sq, s.grad_spans, speculated, hyper,
-                      param_out=s.shadow if shadow else None)
-        log.hyper_of[c] = hyper
+                      param_out=s.shadow if shadow else None, copy_only=copy_only)
 
     def restore_masters(self, log: StepLog) -> dict[int, Hyper]:
         """The first half of a replay: every chunk the (speculative, nothing kept) step updated gets its master

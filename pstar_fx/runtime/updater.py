@@ -138,11 +138,12 @@ class Updater:
             if c not in self.kept:
                 self.kept.host_grads.give(grad)
 
-    def _adam(self, c: int, grad: torch.Tensor, hyper: Hyper, **kw) -> bool:
-        """Chunk c's update from `grad`, writing its shadow too (chunk_update's keywords: found_inf, check_finite)."""
+    def _adam(self, c: int, grad: torch.Tensor, hyper: Hyper, *, shadow: bool = True, **kw) -> bool:
+        """Chunk c's update from `grad`, writing its shadow too unless `shadow` is False (chunk_update's keywords:
+        found_inf, check_finite, copy_only)."""
         s = self.store.state(c)
         return chunk_update(s.master, grad, s.exp_avg, s.exp_avg_sq, s.update_spans, hyper, absmax=s.absmax,
-                            param_out=s.shadow, **kw)
+                            param_out=s.shadow if shadow else None, **kw)
 
     # ---- the verdict and what follows it --------------------------------------------------------------
     def verdict(self) -> float:
@@ -195,14 +196,8 @@ class Updater:
         rest (the master and moments: the "copy" job before it wrote the shadow; if this one fails, the shadow gets
         the master's weights back, which the update, all or nothing, left as they were)."""
         t0 = time.perf_counter()
-        s = self.store.state(c)
         try:
-            if part == "all":
-                ok = self._adam(c, grad, log.hyper, check_finite=check)
-            else:
-                ok = chunk_update(s.master, grad, s.exp_avg, s.exp_avg_sq, s.update_spans, log.hyper,
-                                  absmax=s.absmax, param_out=s.shadow if part == "copy" else None,
-                                  check_finite=check, copy_only=part == "copy")
+            ok = self._adam(c, grad, log.hyper, check_finite=check, shadow=part != "state", copy_only=part == "copy")
         except BaseException:
             if part == "state":
                 self.store.masters_changed([c])
@@ -256,19 +251,13 @@ class Updater:
         return restored
 
     # ---- host updates in flight ---------------------------------------------------------------------
-    def wait_for(self, c: int) -> None:
+    def wait_for(self, c: int, copy: bool = False) -> None:
         """Chunk c's master (and shadow) must be current: wait for its pending host update (a settling step's
-        failure rolls that step back here: undo.py)."""
+        failure rolls that step back here: undo.py). `copy`: only its compute copy is about to be read: wait for
+        what makes that current (a job after the verdict may write the 16-bit copy before the master:
+        host_worker.py)."""
         try:
-            self.host_worker.wait_for(c, self.step_log)
-        except BaseException as e:
-            self.undo.settling_failed(e)
-
-    def wait_for_copy(self, c: int) -> None:
-        """Chunk c's compute copy is about to be read: wait for what makes it current (a correction may make the
-        16-bit copy current before the master: host_worker.py)."""
-        try:
-            self.host_worker.wait_for_copy(c, self.step_log)
+            (self.host_worker.wait_for_copy if copy else self.host_worker.wait_for)(c, self.step_log)
         except BaseException as e:
             self.undo.settling_failed(e)
 
