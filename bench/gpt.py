@@ -255,6 +255,7 @@ def pstar_system(cfg, args, example):
              "rates": dataclasses.asdict(engine.plan.rates) if engine.plan.rates else None,
              "placement_device_chunks": engine.plan.placement.count("device"),
              "chunks": len(engine.plan.placement), "recompute": engine.plan.recompute,
+             "recompute_tries": list(engine.plan.tried),
              "transaction": engine.plan.transaction, "transaction_cost": engine.plan.transaction_cost,
              "compute": "inductor" if engine.config.compiles_compute else "eager",
              "optimizer_state": engine.config.optimizer_state,

@@ -41,9 +41,17 @@ def plan(layers: int, state: str, rates: dict | None = None, **overrides):
     return p
 
 
+def _value(text: str):
+    """A Config value as written: a number where it reads as one (grad_clip=1.0), else the string."""
+    try:
+        return int(text) if text.lstrip("-").isdigit() else float(text)
+    except ValueError:
+        return text
+
+
 if __name__ == "__main__":
     for arg in sys.argv[1:]:
         layers, state, *rest = arg.split(",")
-        fields = dict(r.split("=", 1) for r in rest)
+        fields = {k: _value(v) for k, v in (r.split("=", 1) for r in rest)}
         rates = {k.removeprefix("rates."): float(fields.pop(k)) for k in list(fields) if k.startswith("rates.")}
         plan(int(layers), state, rates, **fields)

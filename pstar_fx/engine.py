@@ -330,6 +330,9 @@ class Engine:
             lines.append(f"  c{c.id}: {plan.placement[c.id]:6s} {c.used_elems:>12,} elems, {len(names)} "
                          + ("frozen " if c.frozen else "") + f"param(s): {shown}")
         lines.append(plan.summary())
+        if len(plan.tried) > 1:
+            lines.append(f"recompute search, {len(plan.tried)} tries in the order made:")
+            lines += [f"  {t}" for t in plan.tried]
         lines.append(f"compile: {self.phases.summary()}")
         if len(self.shapes) > 1:
             lines.append(f"input shapes on this chunk memory: {len(self.shapes)} (micro-batch shapes "

@@ -70,6 +70,13 @@ def test_second_compile_reuses_the_decision_and_trains_bit_identically(cache, bu
     assert searched > 1, "the budget should make the search try more than one variant"
     assert cold.plan.fits and "host" in cold.plan.placement
     assert "forward segments, earliest first" in cold.plan.recompute, cold.plan.recompute
+    # every try the search made, in a line each, in the plan and in explain() (a box's record says why the search
+    # chose what it chose)
+    assert len(cold.plan.tried) == searched, cold.plan.tried
+    assert all(t.startswith("recomputing ") for t in cold.plan.tried), cold.plan.tried
+    assert sum("fits, estimated" in t for t in cold.plan.tried) >= 1 and any("does not fit" in t
+                                                                              for t in cold.plan.tried)
+    assert f"recompute search, {searched} tries in the order made:" in cold.explain()
     files = glob.glob(os.path.join(root, "plan-v*.json"))
     assert len(files) == 1, files
 
@@ -78,7 +85,7 @@ def test_second_compile_reuses_the_decision_and_trains_bit_identically(cache, bu
         warm = pstar_fx.compile(model(), config(budget), example_inputs=batches[0])
     assert len(calls) == 1                                   # the one chosen try, no search
     assert f"plan: from cache ({files[0]})" in caplog.text
-    assert plan_text(warm.plan) == plan_text(cold.plan)
+    assert plan_text(warm.plan) == plan_text(cold.plan)            # the cold search's tries included
     assert warm.plan.summary() == cold.plan.summary()
     assert warm.graph.code == cold.graph.code
     assert warm.graph_before("fuse_optimizer") == cold.graph_before("fuse_optimizer")

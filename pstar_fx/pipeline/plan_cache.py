@@ -65,6 +65,7 @@ class Decision:
     fits: bool
     estimated_step_seconds: float
     host_order: str = "last"        # how the host chunks lie (planning.placement HOST_ORDERS): planned with it alone
+    tried: tuple[str, ...] = ()     # the search's tries, a line each (the plan's `tried`: explain(), bench records)
 
 
 def enabled() -> bool:
@@ -108,7 +109,7 @@ def load(key: str) -> tuple[Decision, str] | None:
         if entry.get("format") != FORMAT or entry.get("fingerprint") != key:
             log.debug("plan cache: %s is for another graph or format; ignored", file)
             return None
-        decision = Decision(**entry["decision"])
+        decision = Decision(**{**entry["decision"], "tried": tuple(entry["decision"].get("tried", ()))})
         kinds = {"cheap": int, "run_len": int, "runs": int, "recompute": str, "why": str, "device_peak_bytes": int,
                  "fits": bool, "estimated_step_seconds": (int, float), "host_order": str}
         wrong = [k for k, t in kinds.items() if not isinstance(getattr(decision, k), t)]

@@ -84,19 +84,19 @@ def plan_with_recompute(gm: fx.GraphModule, ctx: PassContext, rates: Rates, buff
                 log.info("plan: from cache (%s)", file)
                 if ctx.host_hint is not None:
                     ctx.host_hint(search.attempt(t))
-                return search.chosen(t, decision.recompute, decision.why)
+                return search.chosen(t, decision.recompute, decision.why, decision.tried)
             log.debug("plan cache: %s does not reproduce its plan on this graph; searching", file)
             search.host_order, search.tried = None, {}
         best = search.least_that_fits()
         best = search.more_if_it_pays(best)
-        said, why = search.summary(best), search.why(best)
+        said, why, tried = search.summary(best), search.why(best), tuple(search.said(t) for t in search.tried)
         if key is not None:
             p = search.attempt(best)
             plan_cache.store(key, plan_cache.Decision(*best, recompute=said, why=why,
                                                       device_peak_bytes=p.device_peak_bytes, fits=p.fits,
                                                       estimated_step_seconds=p.estimated_step_seconds,
-                                                      host_order=p.chunks.host_order))
-        return search.chosen(best, said, why)
+                                                      host_order=p.chunks.host_order, tried=tried))
+        return search.chosen(best, said, why, tried)
 
 
 class _Search:
@@ -147,14 +147,17 @@ class _Search:
                     self.ahead.planned_here(time.perf_counter() - t0)
             else:
                 self.tried[t] = (None, p)
-            p = self.tried[t][1]
-            log.info("  tried recomputing %d of %d cheap values and %d of %d %s: device peak %s, %s", t.cheap,
-                     self.every, t.runs, len(self.runs[t.run_len]),
-                     "segments" if t.run_len == 1 else f"runs of {t.run_len} segments",
-                     format_bytes(p.device_peak_bytes),
-                     f"fits, estimated {p.estimated_step_seconds:.2f} s/step ({p.placement.count('device')} of "
-                     f"{len(p.placement)} chunks on the device, {p.transaction})" if p.fits else "does not fit")
+            log.info("  tried %s", self.said(t))
         return self.tried[t][1]
+
+    def said(self, t: Try) -> str:
+        """Try `t` and its plan in a line (the log's and the plan's `tried`)."""
+        p = self.tried[t][1]
+        unit = "segments" if t.run_len == 1 else f"runs of {t.run_len} segments"
+        return (f"recomputing {t.cheap} of {self.every} cheap values and {t.runs} of {len(self.runs[t.run_len])} "
+                f"{unit}: device peak {format_bytes(p.device_peak_bytes)}, "
+                + (f"fits, estimated {p.estimated_step_seconds:.2f} s/step ({p.placement.count('device')} of "
+                   f"{len(p.placement)} chunks on the device, {p.transaction})" if p.fits else "does not fit"))
 
     def _plan_ahead(self, tries: list[Try]) -> None:
         if self.ahead is not None:
@@ -252,14 +255,15 @@ class _Search:
             + ([f"every cheap value ({self.every})"] if self.every else [])
         return f"recomputing {' and '.join(tried_all)} was already tried" if best.runs or best.cheap else ""
 
-    def chosen(self, best: Try, summary: str, why: str) -> tuple[fx.GraphModule, Plan]:
-        """The search's result: the chosen try's graph and plan, with what it recomputes and why said in the plan."""
+    def chosen(self, best: Try, summary: str, why: str, tried: tuple[str, ...]) -> tuple[fx.GraphModule, Plan]:
+        """The search's result: the chosen try's graph and plan, with what it recomputes, why, and the search's
+        tries (`tried`: a cached decision's are the search's that made it) said in the plan."""
         g_k, plan = self.tried[best]
         if g_k is None:         # planned ahead in a child: its graph made here (the same, name for name)
             g_k = fuse_optimizer.run(self.recomputed(best), self.bare)
             if plan.profile is not None and plan.profile.node_names != [n.name for n in g_k.graph.nodes]:
                 raise AssertionError("a try planned ahead was planned on another graph than the one remade here")
-        plan = fold(plan, PlanDelta(recompute=summary, why=why))
+        plan = fold(plan, PlanDelta(recompute=summary, why=why, tried=tried))
         self.ctx.record(recompute.NAME, self.gm)
         self.ctx.record(fuse_optimizer.NAME, lambda: self.recomputed(best).code)
         return g_k, plan

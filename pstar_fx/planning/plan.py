@@ -124,6 +124,7 @@ class Remarks:
     notes: list[str] = field(default_factory=list)
     why: str = ""                    # empty when it fits; else what is missing and what was tried
     recompute: str = ""              # which forward segments backward recomputes, and why
+    tried: tuple[str, ...] = ()      # the recompute search's tries, a line each, in the order it made them
 
 
 @dataclass(frozen=True)
@@ -183,6 +184,7 @@ class Plan:
     notes = property(lambda self: self.remarks.notes)
     why = property(lambda self: self.remarks.why)
     recompute = property(lambda self: self.remarks.recompute)
+    tried = property(lambda self: self.remarks.tried)
 
     def owner(self, c: int) -> int:
         """The rank that holds chunk c's state and updates it."""
@@ -209,6 +211,7 @@ class PlanDelta:
     notes: tuple[str, ...] = ()        # appended to the plan's notes
     recompute: str | None = None       # replaces the plan's recompute text
     why: str = ""                      # appended to why the plan does not fit (only when it does not)
+    tried: tuple[str, ...] | None = None  # replaces the plan's record of the recompute search's tries
 
 
 def fold(plan: Plan, delta: PlanDelta) -> Plan:
@@ -222,5 +225,6 @@ def fold(plan: Plan, delta: PlanDelta) -> Plan:
                      device_peak_bytes=plan.device_peak_bytes + delta.activation_bytes)
     remarks = replace(plan.remarks, notes=[*plan.notes, *delta.notes],
                       recompute=plan.recompute if delta.recompute is None else delta.recompute,
+                      tried=plan.remarks.tried if delta.tried is None else delta.tried,
                       why=plan.why + (f"; {delta.why}" if delta.why and plan.why else ""))
     return replace(plan, memory=memory, remarks=remarks)
