@@ -157,6 +157,39 @@ def test_segments_on_top_of_cheap_values_when_those_are_not_enough(fixed_rates):
     assert 0.85 <= measured / engine.plan.device_peak_bytes <= 1.0 and measured <= budget
 
 
+def test_pairs_of_runs_fit_where_the_longest_runs_do_not(fixed_rates):
+    """Under the least device budget that fits, an 8-layer GPT keeps half its run boundaries: the longest runs
+    in pairs whose inner boundary is remade from the pair's first (two-level checkpointing; the search's least
+    that fits, as none of the runs alone fits there). The same bits as our run that recomputes nothing; the
+    CPU tier's measured peak is the plan's, within the budget; and a pair costs its first run's forward again."""
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny", n_layer=8))
+    batches = [batch(b=4, t=64, seed=s) for s in range(2)]
+    base = {"device": "cpu", "placement": "device", "optimizer": OPT}
+    free = pstar_fx.plan(model, base, batches[0])
+    lo, hi = free.device_peak_bytes - free.activation_peak_bytes, free.device_peak_bytes    # lo never fits
+    while hi - lo > 4096:                        # the least budget that fits, to 4 KiB
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if pstar_fx.plan(model, {**base, "device_memory": mid}, batches[0]).fits else (mid, hi)
+    plan = pstar_fx.plan(model, {**base, "device_memory": hi}, batches[0])
+    assert plan.fits and "pairs too" in plan.recompute, plan.recompute
+    assert any("pairs of them too" in t and "fits" in t for t in plan.tried), plan.tried
+    longest = [t for t in plan.tried if "runs of" in t and "pairs" not in t and "segments:" in t]
+    assert longest and all("does not fit" in t for t in longest), plan.tried   # no run alone fits this budget
+
+    engine, losses = run(model, batches, {"placement": "device", "device_memory": hi})
+    assert engine.plan.recompute == plan.recompute
+    ours, our_losses = run(model, batches, {"placement": "device"})
+    assert losses == our_losses
+    assert_same_bits(engine, ours)
+    measured = engine.memory_stats()["device_peak_bytes"]
+    assert 0.85 <= measured / engine.plan.device_peak_bytes <= 1.0 and measured <= hi, (measured, hi)
+    # the pair's first run runs forward a third time: more forward ops than recomputing the runs alone
+    calls = lambda e: sum(1 for n in e.graph.graph.nodes if n.op == "call_function")  # noqa: E731
+    alone = pstar_fx.plan(model, base, batches[0])
+    assert calls(engine) > calls(ours) and engine.plan.estimate.compute_seconds > alone.estimate.compute_seconds
+
+
 def test_wide_model_picks_norms_activations_and_attention_not_matmuls(monkeypatch):
     """At GPT-3 widths a matmul costs more per byte it saves than recomputing whole segments: the cheap values
     of a block are its two layer norms' outputs, GELU's output and attention's output, from the graph alone."""
@@ -361,6 +394,7 @@ def test_an_expected_trigger_rate_plans_for_the_step_it_expects():
         search = object.__new__(search_mod._Search)
         search.ctx = SimpleNamespace(config=Config(grad_clip=1.0, expected_trigger_rate=rate))
         search.on, search.every, search.runs, search.tried, search.ahead = None, 10, {1: [None] * 20}, {}, None
+        search.nestable = lambda: None                    # (no pairs of runs here)
         search.attempt = lambda t: SimpleNamespace(fits=True, placement=["device", "host"],
                                                    estimate=estimates.get(t, Estimate(9.0, None, 9.0, True)),
                                                    estimated_step_seconds=estimates.get(t, Estimate(9.0)).step_seconds)

@@ -41,9 +41,10 @@ from ..planning.costs import cache_root, write_entry
 
 log = logging.getLogger("pstar_fx")
 
-FORMAT = 5      # bump when what an entry means, or what the fingerprint covers, changes (4: gradient buffers
+FORMAT = 6      # bump when what an entry means, or what the fingerprint covers, changes (4: gradient buffers
 #                sized by Layout.state_elems: a LoRA decision made with chunk-long ones would place otherwise;
-#                5: the host chunks' order, which a warm compile plans with instead of comparing both)
+#                5: the host chunks' order, which a warm compile plans with instead of comparing both; 6: nested
+#                pairs of runs, which a search may now choose where an entry before them pinned another try)
 
 # Config fields planning never reads: the lr schedule (a callable's repr holds its address) and the process
 # group's timeout
@@ -66,6 +67,7 @@ class Decision:
     estimated_step_seconds: float
     host_order: str = "last"        # how the host chunks lie (planning.placement HOST_ORDERS): planned with it alone
     tried: tuple[str, ...] = ()     # the search's tries, a line each (the plan's `tried`: explain(), bench records)
+    nested: int = 0                 # pairs of runs whose inner boundary is remade too (recompute_search.Try)
 
 
 def enabled() -> bool:

@@ -21,7 +21,7 @@ from ..config import format_bytes
 from ..fxutil import copy_graph
 from ..passes import fuse_optimizer, recompute
 from ..passes.contract import PassContext
-from ..passes.recompute import Segment, find_segments, group_segments
+from ..passes.recompute import Segment, _unsafe, find_segments, group_segments
 from ..passes.recompute_ops import find_cheap_recomputes, op_segments
 from ..planning import CUDA_BLOCK_BYTES, Plan, PlanDelta, fold, make_plan, usable_budget
 from ..planning import placement
@@ -41,10 +41,12 @@ MORE_GAIN = 0.01
 
 class Try(NamedTuple):
     """One try of the search: the first `cheap` cheap values, then the first `runs` runs of `run_len` forward
-    segments, recomputed."""
+    segments, recomputed; and of those runs, in the first `nested` pairs (runs 0 and 1, 2 and 3, ...) the boundary
+    between the two too (`_Search.pairs`)."""
     cheap: int
     run_len: int
     runs: int
+    nested: int = 0
 
 
 def plan_with_recompute(gm: fx.GraphModule, ctx: PassContext, rates: Rates, buffer_bytes: int,
@@ -58,6 +60,14 @@ def plan_with_recompute(gm: fx.GraphModule, ctx: PassContext, rates: Rates, buff
     remakes its cheap values with it. Among plans that fit, more recompute or larger runs win when the
     cost model says the device memory they free (for chunk state and compute slots) saves more time than
     the extra forward work costs.
+
+    Past the longest runs, pairs of them (`Try.nested`): the boundary between a pair's two runs is not kept
+    either, but remade from the pair's first boundary right before backward remakes the second run (a second
+    `recompute` pass over the rewritten graph), so the pair's first run's forward runs twice in backward and the
+    burst stays one run long — two-level checkpointing. Half the boundaries kept, for one more forward of half the
+    recomputed runs: the fewest pairs that fit when nothing else does, or some when the memory they free pays
+    (30.0B with int8 moments on one H200's budgets: the device room for one more chunk, which leaves the host
+    room to keep the gradients, so the step is `deferred` at 1x compute instead of `two_pass`).
 
     `on`: every try is planned on that plan's chunk memory (`make_plan(on=...)`: a step of another input shape).
 
@@ -78,7 +88,7 @@ def plan_with_recompute(gm: fx.GraphModule, ctx: PassContext, rates: Rates, buff
         cached = plan_cache.load(key) if key is not None else None
         if cached is not None:
             decision, file = cached
-            t = Try(decision.cheap, decision.run_len, decision.runs)
+            t = Try(decision.cheap, decision.run_len, decision.runs, decision.nested)
             search.host_order = decision.host_order if decision.host_order in placement.HOST_ORDERS else None
             if search.holds(t) and plan_cache.matches(decision, search.attempt(t)):
                 log.info("plan: from cache (%s)", file)
@@ -92,7 +102,7 @@ def plan_with_recompute(gm: fx.GraphModule, ctx: PassContext, rates: Rates, buff
         said, why, tried = search.summary(best), search.why(best), tuple(search.said(t) for t in search.tried)
         if key is not None:
             p = search.attempt(best)
-            plan_cache.store(key, plan_cache.Decision(*best, recompute=said, why=why,
+            plan_cache.store(key, plan_cache.Decision(*best[:3], nested=best.nested, recompute=said, why=why,
                                                       device_peak_bytes=p.device_peak_bytes, fits=p.fits,
                                                       estimated_step_seconds=p.estimated_step_seconds,
                                                       host_order=p.chunks.host_order, tried=tried))
@@ -122,14 +132,30 @@ class _Search:
 
     def holds(self, t: Try) -> bool:
         """Whether `t` names values and runs this graph has (a cached decision may be another graph's)."""
-        return t.cheap <= self.every and t.run_len in self.runs and t.runs <= len(self.runs[t.run_len])
+        return (t.cheap <= self.every and t.run_len in self.runs and t.runs <= len(self.runs[t.run_len])
+                and t.nested <= len(self.pairs(t.run_len, t.runs)))
+
+    def pairs(self, run_len: int, runs: int) -> list[tuple[Segment, Segment]]:
+        """Of the first `runs` runs of `run_len` segments, the pairs (runs 0 and 1, 2 and 3, ...) whose boundary
+        between them can be remade from the first's: adjacent, and the boundary's op safe to run again."""
+        whole = self.runs[run_len][:runs]
+        return [(a, b) for a, b in zip(whole[0::2], whole[1::2])
+                if a.end == b.start and b.boundary is not None and not _unsafe(b.boundary, {*a.nodes, b.boundary})]
 
     def recomputed(self, t: Try) -> fx.GraphModule:
         g_k, nodes = _copy_graph(self.gm)
         whole = self.runs[t.run_len][:t.runs]  # a segment recomputed whole remakes its cheap values its own way
         ops = op_segments(self.cheap[:t.cheap], {n for s in whole for n in s.nodes})
         chosen = tuple(Segment(s.start, [nodes[n] for n in s.nodes]) for s in whole + ops)
-        return recompute.run(g_k, dataclasses.replace(self.bare, segments=chosen))
+        g_k = recompute.run(g_k, dataclasses.replace(self.bare, segments=chosen))
+        if not t.nested:
+            return g_k
+        # the second level: each nested pair's first run and the boundary after it, copied again right before
+        # backward's first read of that boundary (the second run's copy): backward's other reads of the first
+        # run's values already read its own copy, made where its backward begins
+        outer = tuple(Segment(a.start, [nodes[n] for n in a.nodes] + [nodes[b.boundary]])
+                      for a, b in self.pairs(t.run_len, t.runs)[:t.nested])
+        return recompute.run(g_k, dataclasses.replace(self.bare, segments=outer))
 
     def planned(self, t: Try) -> tuple[fx.GraphModule, Plan]:
         g_k = fuse_optimizer.run(self.recomputed(t), self.bare)
@@ -154,10 +180,13 @@ class _Search:
         """Try `t` and its plan in a line (the log's and the plan's `tried`)."""
         p = self.tried[t][1]
         unit = "segments" if t.run_len == 1 else f"runs of {t.run_len} segments"
+        nested = (f" (the boundary inside {t.nested} of {len(self.pairs(t.run_len, t.runs))} pairs of them too)"
+                  if t.nested else "")
         return (f"recomputing {t.cheap} of {self.every} cheap values and {t.runs} of {len(self.runs[t.run_len])} "
-                f"{unit}: device peak {format_bytes(p.device_peak_bytes)}, "
+                f"{unit}{nested}: device peak {format_bytes(p.device_peak_bytes)}, "
                 + (f"fits, estimated {p.estimated_step_seconds:.2f} s/step ({p.placement.count('device')} of "
-                   f"{len(p.placement)} chunks on the device, {p.transaction})" if p.fits else "does not fit"))
+                   f"{len(p.placement)} chunks on the device, {p.transaction})" if p.fits
+                   else f"does not fit ({p.why.split(':')[0]})" if p.why else "does not fit"))
 
     def _plan_ahead(self, tries: list[Try]) -> None:
         if self.ahead is not None:
@@ -184,9 +213,17 @@ class _Search:
         if cheap and self.attempt(Try(every, 1, 0)).fits or not singles:
             return Try(every, 1, 0)
         m = next((m for m in runs if self.attempt(Try(every, m, len(runs[m]))).fits), None)
-        if m is None:                                   # does not fit even so: report the smallest try
-            return min((Try(every, m, len(r)) for m, r in runs.items()),
-                       key=lambda t: self.attempt(t).device_peak_bytes)
+        if m is None:
+            # the leanest runs, their pairs' inner boundaries remade too: the fewest pairs that fit
+            nest = self.nestable()
+            if nest is not None and self.attempt(nest).fits:
+                at = lambda q: nest._replace(nested=q)          # noqa: E731
+                return at(_fewest_runs_that_fit(lambda q: self.attempt(at(q)), nest.nested,
+                                                self.ctx.device.type == "cuda",
+                                                ahead=lambda qs: self._plan_ahead([at(q) for q in qs])))
+            # does not fit even so: report the smallest try
+            tries = [Try(every, m, len(r)) for m, r in runs.items()] + ([nest] if nest is not None else [])
+            return min(tries, key=lambda t: self.attempt(t).device_peak_bytes)
         at = lambda k: Try(every, m if k else 1, k)     # noqa: E731  (no run recomputed: every cheap value alone)
         return Try(every, m, _fewest_runs_that_fit(lambda k: self.attempt(at(k)), len(runs[m]),
                                                    self.ctx.device.type == "cuda",
@@ -209,20 +246,43 @@ class _Search:
         every, runs = self.every, self.runs
         n = len(runs[best.run_len])
         k = best.runs                   # every cheap value, with as many or more runs as the best so far
-        more = [Try(every, best.run_len, k2) for k2 in sorted({k, k + (n - k) // 4, k + (n - k) // 2, n})]
+        more = [] if best.nested else [Try(every, best.run_len, k2)
+                                       for k2 in sorted({k, k + (n - k) // 4, k + (n - k) // 2, n})]
         more += [Try(every, m2, len(runs[m2])) for m2 in runs if m2 > best.run_len]
         self._plan_ahead(more)
         for t in more:
             if t != best and self.attempt(t).fits and self.cost(t) < (1 - MORE_GAIN) * self.cost(best):
                 best = t
+        # then the leanest runs with some of their pairs' inner boundaries remade too (more forward work for the
+        # device room of half their boundaries)
+        nest = self.nestable()
+        if nest is not None:
+            q = best.nested if best[:3] == nest[:3] else 0
+            pairs = nest.nested
+            more = [nest._replace(nested=q2) for q2 in sorted({q + (pairs - q) // 4, q + (pairs - q) // 2, pairs})
+                    if q2 > q]
+            self._plan_ahead(more)
+            for t in more:
+                if self.attempt(t).fits and self.cost(t) < (1 - MORE_GAIN) * self.cost(best):
+                    best = t
         return best
+
+    def nestable(self) -> Try | None:
+        """Every cheap value and every run of the length whose runs alone keep the least activation memory, with
+        all their pairs nested (`Try.nested`); None when no run length has a pair."""
+        every, runs = self.every, self.runs
+        lengths = [m for m in runs if self.pairs(m, len(runs[m]))]
+        if not lengths or not self.singles:
+            return None
+        m = min(lengths, key=lambda m: (self.attempt(Try(every, m, len(runs[m]))).activation_peak_bytes, m))
+        return Try(every, m, len(runs[m]), len(self.pairs(m, len(runs[m]))))
 
     def summary(self, best: Try) -> str:
         """What the plan recomputes, in the plan summary's words: the cheap values first, then segments."""
         cheap, runs = self.cheap, self.runs
         a0 = self.attempt(Try(0, 1, 0)).activation_peak_bytes
         final = self.attempt(best).activation_peak_bytes
-        j, m, k = best
+        j, m, k, q = best
         n_segments = len(runs[1])
         if not j and not k:
             return (f"none needed ({len(cheap)} cheap values and {n_segments} forward segments could be)"
@@ -239,8 +299,10 @@ class _Search:
             unit = "forward segments" if m == 1 else f"runs of {m} forward segments"
             whole_nodes = {n for s in runs[m][:k] for n in s.nodes}
             inside = sum(1 for p in cheap[:j] if not whole_nodes.isdisjoint(p.nodes))
+            nested = (f", the boundary inside each of the first {q} of their {len(self.pairs(m, k))} pairs too "
+                      "(remade from the pair's first boundary: its first run's forward runs twice)" if q else "")
             parts.append(("then " if j else "") + f"{k} of {len(runs[m])} {unit}, earliest first"
-                         + (f" ({inside} of the cheap values recomputed with them)" if inside else "")
+                         + (f" ({inside} of the cheap values recomputed with them)" if inside else "") + nested
                          + f": activation peak {format_bytes(a0)} -> {format_bytes(final)}")
         rate, estimate = self.ctx.config.expected_trigger_rate, self.attempt(best).estimate
         if rate is not None and estimate.clips:
@@ -251,7 +313,8 @@ class _Search:
     def why(self, best: Try) -> str:
         """What was tried, for a plan that does not fit."""
         tried_all = ([f"every forward segment ({len(self.singles)}, also in runs of "
-                      f"{', '.join(str(m) for m in self.runs if m > 1) or '-'})"] if self.singles else []) \
+                      f"{', '.join(str(m) for m in self.runs if m > 1) or '-'}, the longest in pairs)"]
+                     if self.singles else []) \
             + ([f"every cheap value ({self.every})"] if self.every else [])
         return f"recomputing {' and '.join(tried_all)} was already tried" if best.runs or best.cheap else ""
 

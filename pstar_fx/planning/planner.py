@@ -108,18 +108,28 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
 
     n_device = place(fixed_bytes) if on is None else on.n_device
     random_ops = [n.name for n in nodes if n.op == "call_function" and is_random(n)]
-    host_free_bytes = (None if config.host_memory is None else config.host_memory - sizes.host_overhead_bytes
-                       - sizes.kept_staging_bytes - sizes.rest_bytes(n_device))
     n_updated = sum(1 for c, ch in enumerate(layout.chunks) if ch.grad_spans() and c % world == 0)
-    transaction, kept_bytes = _choose_transaction(config, n_updated * sizes.grad_chunk_bytes,
-                                                  host_free=host_free_bytes, random_ops=random_ops)
+    kept_total = n_updated * sizes.grad_chunk_bytes
+
+    def host_free(n_device: int) -> int | None:
+        """Host bytes left for kept gradients with `n_device` chunks on the device."""
+        return (None if config.host_memory is None else config.host_memory - sizes.host_overhead_bytes
+                - sizes.kept_staging_bytes - sizes.rest_bytes(n_device))
+
+    transaction, kept_bytes = _choose_transaction(config, kept_total, host_free=host_free(n_device),
+                                                  random_ops=random_ops)
     if on is not None:
         # another plan's runtime runs this graph: its gradient slots and transaction, whatever this graph would pick
         transaction, n_grad = on.transaction, on.grad_slots
         fixed_bytes = sizes.device_fixed_bytes(n_grad)
     elif n_grad_slots_to_keep(transaction, n_grad, cuda=cuda, n_device=n_device) != n_grad:
-        n_grad, fixed_bytes = 2, fixed_bytes + sizes.grad_chunk_bytes
-        n_device = place(fixed_bytes)
+        # a second slot, unless it leaves a chunk fewer on the device whose state on the host then leaves no room
+        # for the kept gradients: one slot then (30.0B with int8 moments: planned deferred with 1.84 GiB of host
+        # missing, where one slot fits)
+        n_device_two = place(fixed_bytes + sizes.grad_chunk_bytes)
+        room = host_free(n_device_two)
+        if room is None or kept_total <= room:
+            n_grad, fixed_bytes, n_device = 2, fixed_bytes + sizes.grad_chunk_bytes, n_device_two
     n_host = n_own - n_device
     if host_order == "spread" and n_host and n_device:
         notes.append("host chunks spread among the device chunks (every other one from the end first): each host "
