@@ -105,6 +105,7 @@ class Estimate:
     # it cannot hide, the host Adam it cannot hide, and the host Adam's parameters/s beside the step's copies
     compute_seconds: float = 0.0
     copies_exposed_seconds: float = 0.0
+    grad_slot_waits_seconds: float = 0.0   # of those, backward's waits for gradients copied out of a slot
     host_adam_exposed_seconds: float = 0.0
     host_adam_rate: float = 0.0
 

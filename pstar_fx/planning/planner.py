@@ -16,6 +16,7 @@ from ..fxutil import is_random, role_nodes
 from ..layout import Layout
 from .costs import Rates, calibrate, host_adam_share, node_seconds
 from .correction import _triggered_seconds, device_after_verdict_seconds
+from .grad_slots import slot_waits
 from .host_adam import _after_verdict_exposed, _host_adam_pipeline
 from .liveness import activation_profile
 from .memory import (CUDA_BLOCK_BYTES, device_breakdown, host_breakdown, step_bytes, usable_budget,
@@ -47,23 +48,33 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     plan with that order alone (a cached decision's)."""
     plan = _make_plan(gm, layout, config, compute_itemsize=compute_itemsize, buffer_bytes=buffer_bytes, on=on,
                       world=world, rank=rank, rates=rates, host_order=host_order or "last")
-    if (host_order is not None or on is not None or world > 1 or not config.device.startswith("cuda")
-            or plan.estimate.rates is None or not plan.host_grad_buffers
-            or plan.estimate.host_adam_exposed_seconds <= 1e-3):
+    if on is not None or world > 1 or not config.device.startswith("cuda") or plan.estimate.rates is None:
         return plan
-    for order in placement_module.HOST_ORDERS[1:]:
+
+    def better(other: Plan) -> bool:
+        return other.fits >= plan.fits and other.estimated_step_seconds < plan.estimated_step_seconds - 1e-3
+
+    if host_order is None and plan.host_grad_buffers and plan.estimate.host_adam_exposed_seconds > 1e-3:
+        for order in placement_module.HOST_ORDERS[1:]:
+            other = _make_plan(gm, layout, config, compute_itemsize=compute_itemsize, buffer_bytes=buffer_bytes,
+                               world=world, rank=rank, rates=plan.estimate.rates, host_order=order)
+            plan = other if better(other) else plan
+    if plan.grad_slots < 2 and plan.estimate.grad_slot_waits_seconds > 1e-3:
+        # backward waits for gradients copied out of its one gradient slot: a second, where the device room it
+        # takes costs less (grad_slots.py); decided alike with or without a cached host order
         other = _make_plan(gm, layout, config, compute_itemsize=compute_itemsize, buffer_bytes=buffer_bytes,
-                           world=world, rank=rank, rates=plan.estimate.rates, host_order=order)
-        if other.fits >= plan.fits and other.estimated_step_seconds < plan.estimated_step_seconds - 1e-3:
-            plan = other
+                           world=world, rank=rank, rates=plan.estimate.rates, host_order=plan.chunks.host_order,
+                           grad_slots=2)
+        plan = other if better(other) else plan
     return plan
 
 
 def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_itemsize: int,
                buffer_bytes: int, on: Plan | None = None, world: int = 1, rank: int = 0,
-               rates: Rates | None = None, host_order: str = "last") -> Plan:
+               rates: Rates | None = None, host_order: str = "last", grad_slots: int = 0) -> Plan:
     """Placement and schedule for the fused graph under the config's budgets, the host chunks lying as
-    `host_order` says (placement.py `device_order`). Never raises for memory:
+    `host_order` says (placement.py `device_order`), with at least `grad_slots` gradient slots. Never raises for
+    memory:
     a plan that does not fit says so (`fits`, `why`); compile() turns that into a BudgetError.
     `on`: schedule this graph on another plan's chunk memory and runtime (its placement, shipping, compute and
     gradient slots, host gradient buffers, transaction and device-kept gradients: what the runtime built from it
@@ -98,7 +109,7 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
     budget_bytes = usable_budget(config.device_memory, cuda)
 
     # placement, then the transaction the host leaves room for (which may ask for a second gradient slot)
-    n_grad = n_grad_slots(use, chunked)
+    n_grad = max(n_grad_slots(use, chunked), grad_slots)
     fixed_bytes = sizes.device_fixed_bytes(n_grad)
     room_chunks = host_room_chunks(sizes, config, n_own)
 
@@ -225,6 +236,17 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
      host_adam_rate, adam_exposed, adam_hidden) = moving
     if sched.exposed_seconds > 1e-4:
         notes.append(exposed_copies_note(sched.exposed_seconds, rates))
+    # backward's gradients copied out of the gradient slots: host chunks', and device chunks' kept on the host
+    grad_waits = 0.0
+    if cuda and not chunked:
+        shipped = {c for c in use.adam_at if rank0_placement[c] == "host"}
+        if transaction in KEEPS:
+            shipped |= set([c for c in sorted(use.adam_at) if rank0_placement[c] == "device"][kept_on_device:])
+        grad_waits = slot_waits(use.grad_first, use.adam_at, shipped, node_secs, n_grad,
+                                sizes.grad_chunk_bytes / rates.d2h_bw)
+        if grad_waits > 1e-3:
+            notes.append(f"backward waits about {grad_waits * 1e3:.0f} ms a step for gradients copied to the host out "
+                         f"of its {n_grad} gradient slot(s) before the next chunk's gradient can take one")
     keeps_copies = keeps_compute_copies(n_slots, sum(needs_slot), world, config.torch_dtype)
     notes += [KEEPS_COMPUTE_COPIES_NOTE] if keeps_copies else []
     notes += [cuda_memory_note(config, sizes.workspace_bytes, budget_bytes)] if cuda else []
@@ -258,7 +280,7 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
                                                   host_adam_rate, copy_s, device_s)
     if after_verdict:
         adam_exposed = deferred_exposed
-    step_seconds = sum(node_secs) + sched.exposed_seconds + adam_exposed
+    step_seconds = sum(node_secs) + sched.exposed_seconds + grad_waits + adam_exposed
     if chunked:
         # every broadcast and reduce runs on one collective stream, in graph order: the step takes at least
         # their sum. The broadcasts' wait is in the schedule's exposed time; the reduces overlap backward.
@@ -281,7 +303,8 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
         replay_host_exposed=replay_host_exposed, host_adam_rate=host_adam_rate)
     deferred_seconds = None
     if adaptive:
-        deferred_seconds = (sum(node_secs) + sched.exposed_seconds + deferred_exposed if transaction == "kept_grads"
+        deferred_seconds = (sum(node_secs) + sched.exposed_seconds + grad_waits + deferred_exposed
+                            if transaction == "kept_grads"
                             else step_seconds + sum(node_secs))    # two_pass's estimate: one more forward+backward
     switch = defer_above(step_seconds, triggered_seconds, deferred_seconds) if adaptive else None
     cost = _transaction_cost(transaction, config, compute_itemsize, kept_bytes, sizes.accum_bytes,
@@ -307,7 +330,8 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
                                      cost),
         estimate=Estimate(step_seconds, rates, triggered_seconds, config.grad_clip is not None, deferred_seconds,
                           compute_seconds=sum(node_secs) * (2 if measures_first else 1),
-                          copies_exposed_seconds=sched.exposed_seconds, host_adam_exposed_seconds=adam_exposed,
+                          copies_exposed_seconds=sched.exposed_seconds + grad_waits,
+                          grad_slot_waits_seconds=grad_waits, host_adam_exposed_seconds=adam_exposed,
                           host_adam_rate=host_adam_rate if host_chunks else 0.0),
         remarks=Remarks(notes, _why(memory, chunks, config, use.min_slots, budget_bytes, room_chunks,
                                        sizes.state_bytes)), profile=profile)

@@ -181,7 +181,8 @@ class Mover:
         resident = {c: t for c, t in store.shadow.items() if plan.placement[c] == "device"}
         self.slots = Pool([store.alloc("device", cs, dtype) for _ in range(plan.slots - len(resident))])
         # a gradient slot holds a trainable chunk's gradient: as long as its state (Layout.state_elems)
-        self.grad_slots = Pool([store.alloc("device", layout.state_elems, dtype) for _ in range(plan.grad_slots)])
+        self.grad_slots = Pool([store.alloc("device", layout.state_elems, dtype) for _ in range(plan.grad_slots)],
+                               fifo=True)
         self._staging = (store.alloc("device", copy_staging_elems(cs), torch.float32)
                          if "fp32" in plan.ship and dtype != torch.float32 else None)
         self._host_cast = store.alloc("host", cs, dtype) if "cast" in plan.ship else None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -32,29 +33,32 @@ log = logging.getLogger("pstar_fx")
 
 
 class Pool:
-    """Equal buffers allocated once. `take()` hands one out; `give()` returns it. A blocking pool's
-    `take()` waits for a `give()` from another thread (the host Adam worker returning a buffer)."""
+    """Equal buffers allocated once. `take()` hands one out; `give()` returns it: the one given back last
+    first, or with `fifo` the one given back longest ago (a gradient slot whose gradient is still being copied
+    out waits behind the others: planning/grad_slots.py). A blocking pool's `take()` waits for a `give()` from
+    another thread (the host Adam worker returning a buffer), oldest first."""
 
-    def __init__(self, buffers: list[torch.Tensor], blocking: bool = False):
+    def __init__(self, buffers: list[torch.Tensor], blocking: bool = False, fifo: bool = False):
         self.size = len(buffers)
-        self._free: queue.Queue | list = queue.Queue() if blocking else []
+        self._fifo = fifo
+        self._free: queue.Queue | deque = queue.Queue() if blocking else deque()
         for b in buffers:
             self.give(b)
 
     def take(self) -> torch.Tensor:
-        if isinstance(self._free, list):
+        if isinstance(self._free, deque):
             if not self._free:
                 raise RuntimeError(f"all {self.size} buffers of a pool are in use: schedule bug")
-            return self._free.pop()
+            return self._free.popleft() if self._fifo else self._free.pop()
         return self._free.get()
 
     @property
     def free(self) -> int:
         """Buffers not handed out now."""
-        return len(self._free) if isinstance(self._free, list) else self._free.qsize()
+        return len(self._free) if isinstance(self._free, deque) else self._free.qsize()
 
     def give(self, buf: torch.Tensor) -> None:
-        if isinstance(self._free, list):
+        if isinstance(self._free, deque):
             self._free.append(buf)
         else:
             self._free.put(buf)
