@@ -2,9 +2,16 @@
 machine without one: what fits one H200 box, and the step the cost model estimates.
 
     python bench/plan_at_rates.py 108,fp32,transaction=replay,host_memory=116GiB 148,int8
+    python bench/plan_at_rates.py --cuda-autocast --rates-from bench/results/2026-12-05-h200-s20.jsonl 148,int8
 
 Each argument: LAYERS,OPTIMIZER_STATE[,CONFIG_KEY=VALUE...] (Config fields; strings as written), and
-rates.FIELD=FLOAT for a rate other than the H200's below, e.g. 90,bf16,rates.host_adam_bf16=5.5e9
+rates.FIELD=FLOAT for a rate other than the H200's below, e.g. 90,bf16,rates.host_adam_bf16=5.5e9.
+`--rates-from FILE.jsonl`: the rates the file's bench/gpt.py record of GPT3_18B's shape nearest that depth was
+planned at.
+`--cuda-autocast`: layer norms run in fp32, as CUDA's autocast runs them (a CPU-only torch traces on the CPU, whose
+autocast keeps them in bf16): the graph then holds CUDA's casts and fp32 norm outputs, as the box's does (the 30.0B
+int8 plan's cheap values: 1039 here, 1040 on the box; its activations 3 GiB under the box's, whose attention is
+cuDNN's).
 """
 import sys
 import time
@@ -49,9 +56,38 @@ def _value(text: str):
         return text
 
 
+def cuda_autocast_norms() -> None:
+    """nn.LayerNorm computes in fp32 on an fp32 copy of its input and parameters, as under CUDA's autocast."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):
+            return F.layer_norm(x.float(), self.normalized_shape, self.weight.float(), self.bias.float(), self.eps)
+    nn.LayerNorm.forward = forward
+
+
+def recorded_rates(path: str, layers: int) -> dict:
+    """The rates of a bench/gpt.py record of GPT3_18B's shape in `path` nearest `layers` layers deep."""
+    import json
+    with open(path) as f:
+        records = [r for r in map(json.loads, f) if r.get("rates") and r.get("model") == "GPT3_18B"]
+    record = min(records, key=lambda r: abs(r.get("n_layer", 0) - layers))
+    return {k: v for k, v in record["rates"].items() if k != "device"}
+
+
 if __name__ == "__main__":
-    for arg in sys.argv[1:]:
+    args, rates_from = sys.argv[1:], None
+    if "--cuda-autocast" in args:
+        args.remove("--cuda-autocast")
+        cuda_autocast_norms()
+    if "--rates-from" in args:
+        i = args.index("--rates-from")
+        rates_from = args[i + 1]
+        del args[i:i + 2]
+    for arg in args:
         layers, state, *rest = arg.split(",")
         fields = {k: _value(v) for k, v in (r.split("=", 1) for r in rest)}
-        rates = {k.removeprefix("rates."): float(fields.pop(k)) for k in list(fields) if k.startswith("rates.")}
+        rates = recorded_rates(rates_from, int(layers)) if rates_from else {}
+        rates |= {k.removeprefix("rates."): float(fields.pop(k)) for k in list(fields) if k.startswith("rates.")}
         plan(int(layers), state, rates, **fields)
