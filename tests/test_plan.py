@@ -332,6 +332,44 @@ def test_a_deferred_plan_charges_the_host_adam_it_cannot_overlap_with_backward()
     assert "after the verdict" in deferred.summary()
 
 
+def test_a_keeping_plan_keeps_one_gradient_slot_where_a_second_costs_its_kept_gradients_room(monkeypatch):
+    """bf16 moments planned for CUDA (without a GPU): `deferred` keeps every gradient, and a keeping plan asks for a
+    second gradient slot. Where that slot's device bytes cost a chunk (made so here: the placement gives one chunk
+    fewer once the fixed bytes grow), the chunk's state moves to the host, where it may take the room the kept
+    gradients needed: then the plan keeps one slot (it planned `deferred` with two and did not fit: 30.0B with int8
+    moments, 1.84 GiB of host missing). With the host one chunk's state larger, two slots."""
+    from pstar_fx.planning import placement, planner
+    torch.manual_seed(0)
+    model = Llama(llama_config("tiny", n_layer=4))      # untied: one chunk's gradient at a time, one slot
+    cfg = {"device": "cuda", "dtype": "bf16", "optimizer_state": "bf16", "chunk_size": 16384,
+           "device_memory": "1GiB"}
+    whole = pstar_fx.plan(model, cfg, batch())
+    assert whole.grad_slots == 2 and whole.transaction == "deferred"
+    n = len(whole.placement)
+    real, fewest = placement.n_device_chunks, []
+
+    def place(sizes, config, *, fixed_bytes, **kw):     # half the chunks on the device, one fewer with more fixed
+        fewest.append(fixed_bytes)
+        return n // 2 if fixed_bytes == min(fewest) else n // 2 - 1
+    monkeypatch.setattr(planner, "n_device_chunks", place)
+
+    def plan(host: int):
+        return pstar_fx.plan(model, {**cfg, "host_memory": host}, batch())
+    lo = whole.host_breakdown["process overhead"]       # the least host budget that holds the kept gradients
+    hi = lo + 8 * 2**20
+    assert plan(hi).transaction == "deferred" and plan(lo).transaction == "two_pass"
+    while hi - lo > 4096:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if plan(mid).transaction == "deferred" else (mid, hi)
+    one = plan(hi)
+    assert one.transaction == "deferred" and one.grad_slots == 1, one.summary()
+    assert one.placement.count("device") == n // 2 and one.host_peak_bytes <= hi, one.summary()
+    chunk_state = one.host_breakdown["chunk state"] // (n - n // 2)
+    two = plan(hi + chunk_state)
+    assert two.transaction == "deferred" and two.grad_slots == 2 and two.placement.count("device") == n // 2 - 1
+    assert two.host_peak_bytes <= hi + chunk_state, two.summary()
+
+
 def test_the_host_adam_shares_host_memory_with_the_copies(monkeypatch):
     """The host Adam and PCIe DMA share the host's memory (measured on the H200 host, bench/RESULTS.md sessions 8
     and 14): the Adam alone takes rate x its bytes per parameter, copies take theirs, the Adam gets the rest
