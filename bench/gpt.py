@@ -249,6 +249,7 @@ def pstar_system(cfg, args, example):
                                   for k in ("compute", "copies_exposed", "host_adam_exposed")},
              "estimated_host_adam_rate": round(engine.plan.estimate.host_adam_rate),
              "host_grad_buffers": engine.plan.host_grad_buffers, "compute_slots": engine.plan.slots,
+             "grad_slots": engine.plan.grad_slots,
              "host_shipping": {k: engine.plan.shipping.ship.count(k) for k in set(engine.plan.shipping.ship)},
              "host_order": engine.plan.chunks.host_order,
              "defer_above": engine.plan.defer_above, "kept_on_device": engine.plan.kept_on_device,

@@ -6,8 +6,9 @@ its kept buffer or its shadow), and so does a device chunk's kept gradient that 
 goes back to the pool at once, and the next chunk to take it waits for that copy (runtime/movers.py `_grad_span`).
 With one slot that is every such chunk's copy, minus the little compute between its update and the next chunk's
 first gradient write: h4096 L90 with fp32 moments ships 35 host chunks' gradients of 0.54 GB a step, ~10 ms each at
-the H200's 55 GB/s: 0.26 s a step by this model, where the H200 box measured the compute stream waiting 0.37 s for
-copies and the schedule's fetches explained 0.02 s (L99: 0.29 s modelled, 0.43 measured). A second slot lets the copy run while the next chunk's gradient is
+the H200's 55 GB/s: 0.26 s a step by this model on a graph traced on the CPU, where the H200 box measured the
+compute stream waiting 0.37 s for copies and the schedule's fetches explained 0.02 s (whether this is that wait is
+not established: bench/RESULTS.md, session 23). A second slot lets the copy run while the next chunk's gradient is
 written into the other (the pool hands out the slot given back longest ago first: runtime/store.py `Pool`).
 """
 from __future__ import annotations
