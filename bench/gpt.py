@@ -246,7 +246,7 @@ def pstar_system(cfg, args, example):
              "estimated_deferred_step_s": engine.plan.estimate.deferred_step_seconds and
              round(engine.plan.estimate.deferred_step_seconds, 3),
              "estimate_parts_s": {k: round(getattr(engine.plan.estimate, k + "_seconds"), 4)
-                                  for k in ("compute", "copies_exposed", "host_adam_exposed")},
+                                  for k in ("compute", "copies_exposed", "grad_slot_waits", "host_adam_exposed")},
              "estimated_host_adam_rate": round(engine.plan.estimate.host_adam_rate),
              "host_grad_buffers": engine.plan.host_grad_buffers, "compute_slots": engine.plan.slots,
              "grad_slots": engine.plan.grad_slots,
