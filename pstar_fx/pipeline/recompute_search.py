@@ -262,6 +262,11 @@ class _Search:
             more = [nest._replace(nested=q2) for q2 in sorted({q + (pairs - q) // 4, q + (pairs - q) // 2, pairs})
                     if q2 > q]
             self._plan_ahead(more)
+            # every pair nested first: where that neither costs less nor changes the transaction (measuring first
+            # or replaying -> keeping: 30.0B int8), fewer pairs only trade its room back for its compute
+            full, now = self.attempt(nest), self.attempt(best)
+            if not full.fits or (self.cost(nest) >= self.cost(best) and full.transaction == now.transaction):
+                more = [nest] if nest in more else []
             for t in more:
                 if self.attempt(t).fits and self.cost(t) < (1 - MORE_GAIN) * self.cost(best):
                     best = t

@@ -242,8 +242,15 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
         shipped = {c for c in use.adam_at if rank0_placement[c] == "host"}
         if transaction in KEEPS:
             shipped |= set([c for c in sorted(use.adam_at) if rank0_placement[c] == "device"][kept_on_device:])
-        grad_waits = slot_waits(use.grad_first, use.adam_at, shipped, node_secs, n_grad,
-                                sizes.grad_chunk_bytes / rates.d2h_bw)
+        copy_out = sizes.grad_chunk_bytes / rates.d2h_bw
+        grad_waits = slot_waits(use.grad_first, use.adam_at, shipped, node_secs, n_grad, copy_out)
+        if (grad_waits > 1e-3 and n_grad < 2 and on is None and budget_bytes is not None
+                and budget_bytes - sum(device.values()) >= sizes.grad_chunk_bytes):
+            # a second slot in device room the plan leaves free: nothing else changes (make_plan weighs one that
+            # takes room from something else)
+            n_grad += 1
+            device["gradient slots"] += sizes.grad_chunk_bytes
+            grad_waits = slot_waits(use.grad_first, use.adam_at, shipped, node_secs, n_grad, copy_out)
         if grad_waits > 1e-3:
             notes.append(f"backward waits about {grad_waits * 1e3:.0f} ms a step for gradients copied to the host out "
                          f"of its {n_grad} gradient slot(s) before the next chunk's gradient can take one")
