@@ -89,19 +89,14 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
     on every rank. `rates` must then be the same on every rank (the engine broadcasts rank 0's). A rank that
     owns fewer chunks than rank 0 is planned like it: its peaks are an upper bound of what it allocates."""
     g = gm.graph
-    nodes = list(g.nodes)
-    param_nodes = role_nodes(g, "param")
     n_chunks, chunk_elems = len(layout.chunks), layout.chunk_size
     fp32, chunked, cuda = compute_itemsize == 4, world > 1, config.device.startswith("cuda")
     n_own = len(range(0, n_chunks, world))   # rank 0's chunks: the most any rank owns
     notes: list[str] = []
 
-    # what each node reads and holds, and the byte sizes the stages share
-    use = chunk_use(nodes, param_nodes, layout)
-    skip = set(param_nodes) | set(role_nodes(g, "buffer")) | set(role_nodes(g, "rt"))
-    act_bytes_per_node, act_peak_bytes = activation_profile(g, skip=skip, round_to=CUDA_BLOCK_BYTES if cuda else 1,
-                                                            cuda=cuda)
+    # what each node reads, holds and costs, and the byte sizes the stages share
     rates = rates or calibrate(torch.device(config.device), config.torch_dtype)
+    nodes, use, act_bytes_per_node, act_peak_bytes, node_secs = _graph_facts(gm, layout, cuda, rates)
     host_order = on.chunks.host_order if on is not None else host_order
     sizes = replace(step_bytes(g, layout, config, compute_itemsize=compute_itemsize, buffer_bytes=buffer_bytes,
                                activation_peak_bytes=act_peak_bytes, rates=rates, cuda=cuda, world=world),
@@ -159,7 +154,6 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
     n_slots = on.slots if on is not None else n_slots
 
     # the host Adam inside backward (a deferred step's runs after the verdict: timed once the copies are known)
-    node_secs = [node_seconds(n, rates) for n in nodes]
     host_adam_rate = rates.host_adam_with(config.optimizer_state)
     host_used_bytes = sizes.rest_bytes(n_device) + sizes.host_staging_bytes
     n_spare_buffers = (None if config.host_memory is None
@@ -342,6 +336,28 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
                           host_adam_rate=host_adam_rate if host_chunks else 0.0),
         remarks=Remarks(notes, _why(memory, chunks, config, use.min_slots, budget_bytes, room_chunks,
                                        sizes.state_bytes)), profile=profile)
+
+
+_facts_of: list = []          # the last graph's facts: (key, facts)
+
+
+def _graph_facts(gm: fx.GraphModule, layout: Layout, cuda: bool, rates: Rates):
+    """(nodes, chunk use, activation bytes per node and peak, seconds per node) of `gm`: what every `_make_plan` of
+    one graph computes alike, kept for the next (make_plan plans one try's graph up to three times: host orders, a
+    second gradient slot; these were two thirds of a plan's time at 18B)."""
+    key = (gm, len(gm.graph.nodes), layout, cuda, rates)
+    if _facts_of and all(a is b or a == b for a, b in zip(_facts_of[0][0], key)):
+        return _facts_of[0][1]
+    g = gm.graph
+    nodes = list(g.nodes)
+    param_nodes = role_nodes(g, "param")
+    use = chunk_use(nodes, param_nodes, layout)
+    skip = set(param_nodes) | set(role_nodes(g, "buffer")) | set(role_nodes(g, "rt"))
+    act_bytes_per_node, act_peak_bytes = activation_profile(g, skip=skip, round_to=CUDA_BLOCK_BYTES if cuda else 1,
+                                                            cuda=cuda)
+    facts = nodes, use, act_bytes_per_node, act_peak_bytes, [node_seconds(n, rates) for n in nodes]
+    _facts_of[:] = [(key, facts)]
+    return facts
 
 
 class _Moving(NamedTuple):
