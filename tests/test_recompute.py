@@ -157,13 +157,15 @@ def test_segments_on_top_of_cheap_values_when_those_are_not_enough(fixed_rates):
     assert 0.85 <= measured / engine.plan.device_peak_bytes <= 1.0 and measured <= budget
 
 
-def test_pairs_of_runs_fit_where_the_longest_runs_do_not(fixed_rates):
-    """Under the least device budget that fits, an 8-layer GPT keeps half its run boundaries: the longest runs
-    in pairs whose inner boundary is remade from the pair's first (two-level checkpointing; the search's least
-    that fits, as none of the runs alone fits there). The same bits as our run that recomputes nothing; the
-    CPU tier's measured peak is the plan's, within the budget; and a pair costs its first run's forward again."""
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_pairs_of_runs_fit_where_the_longest_runs_do_not(kind, fixed_rates):
+    """Under the least device budget that fits, an 8-layer GPT (or LLaMA: RMSNorm, rotary, SwiGLU) keeps half its
+    run boundaries: runs in pairs whose inner boundary is remade from the pair's first (two-level checkpointing;
+    the search's least that fits, as no run length alone fits there). The same bits as our run that recomputes
+    nothing; the CPU tier's measured peak is the plan's, within the budget; and a pair costs its first run's
+    forward again."""
     torch.manual_seed(0)
-    model = GPT(gpt_config("tiny", n_layer=8))
+    model = GPT(gpt_config("tiny", n_layer=8)) if kind == "gpt" else Llama(llama_config("tiny", n_layer=8))
     batches = [batch(b=4, t=64, seed=s) for s in range(2)]
     base = {"device": "cpu", "placement": "device", "optimizer": OPT}
     free = pstar_fx.plan(model, base, batches[0])
