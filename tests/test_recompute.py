@@ -341,6 +341,42 @@ def test_recomputed_batch_norm_moves_running_statistics_once(kind, fixed_rates):
         assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.2e}"
 
 
+def test_pairs_of_runs_move_batch_norms_running_statistics_once(fixed_rates):
+    """Eight conv + BatchNorm + ReLU layers under the least budget that fits: pairs of runs nested, so a pair's
+    first run's batch norms are copied twice into backward (its inner boundary remade, then the run itself), each
+    copy without the statistics update: every batch norm moves its running statistics once a step, and weights,
+    statistics and losses are our run's that recomputes nothing, bit for bit."""
+    class Deep(ConvBN):
+        def __init__(self, c=8):
+            super().__init__(c)
+            self.convs = nn.ModuleList(nn.Conv2d(3 if i == 0 else c, c, 3, padding=1, bias=False) for i in range(8))
+            self.bns = nn.ModuleList(nn.BatchNorm2d(c) for _ in range(8))
+
+    torch.manual_seed(0)
+    model, data = Deep(), image_batches(2, keywords=False)
+    base = {"device": "cpu", "placement": "device", "optimizer": OPT}
+    free = pstar_fx.plan(model, base, data[0])
+    lo, hi = free.device_peak_bytes - free.activation_peak_bytes, free.device_peak_bytes
+    while hi - lo > 1024:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if pstar_fx.plan(model, {**base, "device_memory": mid}, data[0]).fits else (mid, hi)
+
+    def compiled(budget=None):
+        engine = pstar_fx.compile(model, pstar_fx.Config(device_memory=budget, **base), example_inputs=data[0])
+        return engine, [engine.step(*b).item() for b in data]
+
+    engine, losses = compiled(hi)
+    assert "pairs too" in engine.plan.recompute, engine.plan.recompute
+    stats_updates = [line for line in engine.graph.code.splitlines() if "native_batch_norm.default(" in line]
+    updating = [line for line in stats_updates if ", None, None, True" not in line]
+    assert len(updating) == 8 and len(stats_updates) > 8 + 8, len(stats_updates)   # copies: more than once each
+    ours, our_losses = compiled()
+    assert losses == our_losses
+    assert_same_bits(engine, ours)
+    a, b = engine.persistent_buffers(), ours.persistent_buffers()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_the_fewest_runs_that_fit_are_bisections_answer_in_fewer_tries():
     """`_fewest_runs_that_fit` on made-up plans: runs that free activation memory linearly, unevenly (the last
     ones free less), or in one step; every budget between none and all fitting. It returns the least k that
