@@ -56,6 +56,26 @@ def test_regions_give_the_uncompiled_steps_bits(dynamo_only, dtype):
     assert all(torch.equal(a[k], b[k]) for k in b)
 
 
+def test_pairs_of_runs_in_regions_give_the_uncompiled_steps_bits(dynamo_only, monkeypatch):
+    """An 8-layer GPT whose plan recomputes every run of segments with their pairs' inner boundaries remade too (a
+    pair's first run copied twice into backward, recompute_search.Try.nested; chosen here by hand, as a budget
+    would): the regions cut around those copies as well, and the steps give the uncompiled engine's bits."""
+    from pstar_fx.pipeline import recompute_search
+    model = _gpt(n_layer=8)
+    batches = [batch(b=4, t=64, seed=s) for s in range(2)]
+    with monkeypatch.context() as m:
+        m.setattr(recompute_search._Search, "least_that_fits", lambda self: self.nestable())
+        m.setattr(recompute_search._Search, "more_if_it_pays", lambda self, best: best)
+        ours = _engine(model, batches[0], "inductor", placement="device")
+    assert "pairs too" in ours.plan.recompute and _regions(ours), ours.plan.recompute
+    plain = _engine(model, batches[0], "eager", placement="device")
+    assert "pairs" not in plain.plan.recompute
+    for b in batches:
+        assert torch.equal(ours.step(*b), plain.step(*b))
+    a, b = ours.state_dict(), plain.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
 def test_chunk_nodes_keep_their_order_and_regions_hold_none(dynamo_only):
     model = _gpt(n_layer=4)
     inputs = batch()
