@@ -201,3 +201,12 @@ def test_off_by_environment(cache, budget, monkeypatch):
     lowered(model(), budget)
     lowered(model(), budget)
     assert not glob.glob(os.path.join(root, "plan-v*.json"))
+
+
+def test_a_decision_round_trips_its_nested_pairs_and_tries(cache):
+    """A decision's pairs of runs (recompute_search.Try.nested) and its tries' lines come back as stored."""
+    decision = plan_cache.Decision(5, 4, 12, recompute="r", why="", device_peak_bytes=1, fits=True,
+                                   estimated_step_seconds=1.0, host_order="spread", tried=("a", "b"), nested=3)
+    plan_cache.store("f" * 64, decision)
+    loaded, _ = plan_cache.load("f" * 64)
+    assert loaded == decision and loaded.nested == 3 and loaded.tried == ("a", "b")
