@@ -61,13 +61,14 @@ def plan_with_recompute(gm: fx.GraphModule, ctx: PassContext, rates: Rates, buff
     cost model says the device memory they free (for chunk state and compute slots) saves more time than
     the extra forward work costs.
 
-    Past the longest runs, pairs of them (`Try.nested`): the boundary between a pair's two runs is not kept
-    either, but remade from the pair's first boundary right before backward remakes the second run (a second
-    `recompute` pass over the rewritten graph), so the pair's first run's forward runs twice in backward and the
-    burst stays one run long — two-level checkpointing. Half the boundaries kept, for one more forward of half the
-    recomputed runs: the fewest pairs that fit when nothing else does, or some when the memory they free pays
-    (30.0B with int8 moments on one H200's budgets: the device room for one more chunk, which leaves the host
-    room to keep the gradients, so the step is `deferred` at 1x compute instead of `two_pass`).
+    Past every run, pairs of them (`Try.nested`), of the run length whose runs alone keep the least activation
+    memory: the boundary between a pair's two runs is not kept either, but remade from the pair's first boundary
+    right before backward remakes the second run (a second `recompute` pass over the rewritten graph), so the
+    pair's first run's forward runs twice in backward and the burst stays one run long — two-level checkpointing.
+    Half the boundaries kept, for one more forward of half the recomputed runs: the fewest pairs that fit when
+    nothing else does, or some when the memory they free pays (30.0B with int8 moments on one H200's budgets: the
+    device room for one more chunk, which leaves the host room to keep the gradients, so the step is `deferred` at
+    1x compute instead of `two_pass`).
 
     `on`: every try is planned on that plan's chunk memory (`make_plan(on=...)`: a step of another input shape).
 
@@ -318,7 +319,7 @@ class _Search:
     def why(self, best: Try) -> str:
         """What was tried, for a plan that does not fit."""
         tried_all = ([f"every forward segment ({len(self.singles)}, also in runs of "
-                      f"{', '.join(str(m) for m in self.runs if m > 1) or '-'}, the longest in pairs)"]
+                      f"{', '.join(str(m) for m in self.runs if m > 1) or '-'}, and in pairs)"]
                      if self.singles else []) \
             + ([f"every cheap value ({self.every})"] if self.every else [])
         return f"recomputing {' and '.join(tried_all)} was already tried" if best.runs or best.cheap else ""

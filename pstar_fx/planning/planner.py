@@ -44,8 +44,10 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     estimate is kept: with the last chunks on the host their gradients come one after another, faster than the host
     Adam takes them, and once the pool is full the GPU waits (h4096 L99 with fp32 moments at 110 GiB of host:
     2 buffers, and on the H200 the launching thread waited 1.77 s a step for one); spread, each gradient follows a
-    device chunk's backward. One rank, on CUDA, a plan of its own (`on` keeps another's placement); `host_order`:
-    plan with that order alone (a cached decision's)."""
+    device chunk's backward. Where backward waits for gradients copied out of its one gradient slot
+    (grad_slots.py) and the device has no room left for a second, a plan with a second slot in room taken from
+    something else (a chunk, a compute slot) is weighed the same way. One rank, on CUDA, a plan of its own (`on`
+    keeps another's placement); `host_order`: plan with that order alone (a cached decision's)."""
     plan = _make_plan(gm, layout, config, compute_itemsize=compute_itemsize, buffer_bytes=buffer_bytes, on=on,
                       world=world, rank=rank, rates=rates, host_order=host_order or "last")
     if on is not None or world > 1 or not config.device.startswith("cuda") or plan.estimate.rates is None:
