@@ -48,6 +48,15 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     (grad_slots.py) and the device has no room left for a second, a plan with a second slot in room taken from
     something else (a chunk, a compute slot) is weighed the same way. One rank, on CUDA, a plan of its own (`on`
     keeps another's placement); `host_order`: plan with that order alone (a cached decision's)."""
+    try:
+        return _compared(gm, layout, config, compute_itemsize=compute_itemsize, buffer_bytes=buffer_bytes, on=on,
+                         world=world, rank=rank, rates=rates, host_order=host_order)
+    finally:
+        _facts_of.clear()           # (the graph's facts serve this plan's `_make_plan`s alone)
+
+
+def _compared(gm, layout, config, *, compute_itemsize, buffer_bytes, on, world, rank, rates, host_order) -> Plan:
+    """make_plan's plans of one graph, compared."""
     plan = _make_plan(gm, layout, config, compute_itemsize=compute_itemsize, buffer_bytes=buffer_bytes, on=on,
                       world=world, rank=rank, rates=rates, host_order=host_order or "last")
     if on is not None or world > 1 or not config.device.startswith("cuda") or plan.estimate.rates is None:
@@ -340,7 +349,7 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
                                        sizes.state_bytes)), profile=profile)
 
 
-_facts_of: list = []          # the last graph's facts: (key, facts)
+_facts_of: list = []          # the graph make_plan plans now: [(key, facts)]
 
 
 def _graph_facts(gm: fx.GraphModule, layout: Layout, cuda: bool, rates: Rates):
