@@ -9,8 +9,9 @@ A step is compared where nothing changed its cost: no clipping that triggered (a
 clip coefficient of 1, or a --clip-sweep point that never triggers), and neither a replay nor a correction ran.
 A --clip-sweep point whose every step clipped is compared with the plan's triggered estimate (`triggered`: every
 step speculated and corrected), one whose every step deferred with its deferred one (`deferred`, clipping or
-not). Records since session 20 carry the estimate's parts (`estimate_parts_s`: compute, copies and host Adam not hidden) and the runtime's per-step
-phases beside them; records with `window_s` (session 21 on) timed steps back to back, the ones before synchronized
+not). Records since session 20 carry the estimate's parts (`estimate_parts_s`: compute, copies and host Adam not
+hidden; since session 23 also the copies' share that is backward waiting on its gradient slots, `grad_slot_waits`,
+with the plan's `grad_slots`) and the runtime's per-step phases beside them; records with `window_s` (session 21 on) timed steps back to back, the ones before synchronized
 the device after each step, which charged a triggered step the device work it leaves to overlap the next forward.
 """
 import glob
@@ -79,7 +80,9 @@ def main(paths: list[str]) -> None:
                 print(f"{os.path.basename(path)[:28]:<28} {str(r.get('call', '')):>4} {model[:22]:<22} "
                       f"{str(r.get('optimizer_state'))[:5]:<5} {(label + timing)[:27]:<27} {est:8.3f} "
                       f"{measured:8.3f} {est / measured:8.3f}  "
-                      + (f"estimated {parts}; " if parts else "") + (f"measured waits {waits}" if waits else ""))
+                      + (f"estimated {parts}" + (f" with {r['grad_slots']} gradient slot(s)" if "grad_slots" in r
+                                                     else "") + "; " if parts else "")
+                      + (f"measured waits {waits}" if waits else ""))
 
 
 if __name__ == "__main__":
