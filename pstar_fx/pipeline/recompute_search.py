@@ -277,8 +277,8 @@ class _Search:
         """Every cheap value and every run of the length whose runs alone keep the least activation memory, with
         all their pairs nested (`Try.nested`); None when no run length has a pair."""
         every, runs = self.every, self.runs
-        lengths = [m for m in runs if self.pairs(m, len(runs[m]))]
-        if not lengths or not self.singles:
+        lengths = [m for m in runs if self.pairs(m, len(runs[m]))] if self.singles else []
+        if not lengths:
             return None
         m = min(lengths, key=lambda m: (self.attempt(Try(every, m, len(runs[m]))).activation_peak_bytes, m))
         return Try(every, m, len(runs[m]), len(self.pairs(m, len(runs[m]))))

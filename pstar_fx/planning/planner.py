@@ -21,8 +21,8 @@ from .host_adam import _after_verdict_exposed, _host_adam_pipeline
 from .liveness import activation_profile
 from .memory import (CUDA_BLOCK_BYTES, device_breakdown, host_breakdown, step_bytes, usable_budget,
                      with_kept_on_device)
-from .placement import (chunk_use, device_order, host_room_chunks, n_compute_slots, n_device_chunks, n_grad_slots,
-                        tiers)
+from .placement import (ChunkUse, chunk_use, device_order, host_room_chunks, n_compute_slots, n_device_chunks,
+                        n_grad_slots, tiers)
 from . import placement as placement_module
 from .plan import Estimate, Memory, Moves, NodeProfile, Placement, Plan, Remarks, Shipping, Slots, Transaction
 from .report import (KEEPS_COMPUTE_COPIES_NOTE, _transaction_cost, _why, cuda_memory_note, data_parallel_note,
@@ -48,18 +48,12 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     (grad_slots.py) and the device has no room left for a second, a plan with a second slot in room taken from
     something else (a chunk, a compute slot) is weighed the same way. One rank, on CUDA, a plan of its own (`on`
     keeps another's placement); `host_order`: plan with that order alone (a cached decision's)."""
-    try:
-        return _compared(gm, layout, config, compute_itemsize=compute_itemsize, buffer_bytes=buffer_bytes, on=on,
-                         world=world, rank=rank, rates=rates, host_order=host_order)
-    finally:
-        _facts_of.clear()           # (the graph's facts serve this plan's `_make_plan`s alone)
-
-
-def _compared(gm, layout, config, *, compute_itemsize, buffer_bytes, on, world, rank, rates, host_order) -> Plan:
-    """make_plan's plans of one graph, compared."""
+    rates = rates or calibrate(torch.device(config.device), config.torch_dtype)
+    # what the graph's nodes read, hold and cost: the same for every plan of it below (two thirds of a plan at 18B)
+    facts = _graph_facts(gm, layout, config.device.startswith("cuda"), rates)
     plan = _make_plan(gm, layout, config, compute_itemsize=compute_itemsize, buffer_bytes=buffer_bytes, on=on,
-                      world=world, rank=rank, rates=rates, host_order=host_order or "last")
-    if on is not None or world > 1 or not config.device.startswith("cuda") or plan.estimate.rates is None:
+                      world=world, rank=rank, rates=rates, host_order=host_order or "last", facts=facts)
+    if on is not None or world > 1 or not config.device.startswith("cuda"):
         return plan
 
     def better(other: Plan) -> bool:
@@ -68,24 +62,24 @@ def _compared(gm, layout, config, *, compute_itemsize, buffer_bytes, on, world, 
     if host_order is None and plan.host_grad_buffers and plan.estimate.host_adam_exposed_seconds > 1e-3:
         for order in placement_module.HOST_ORDERS[1:]:
             other = _make_plan(gm, layout, config, compute_itemsize=compute_itemsize, buffer_bytes=buffer_bytes,
-                               world=world, rank=rank, rates=plan.estimate.rates, host_order=order)
+                               world=world, rank=rank, rates=rates, host_order=order, facts=facts)
             plan = other if better(other) else plan
     if plan.grad_slots < 2 and plan.estimate.grad_slot_waits_seconds > 1e-3:
         # backward waits for gradients copied out of its one gradient slot: a second, where the device room it
         # takes costs less (grad_slots.py); decided alike with or without a cached host order
         other = _make_plan(gm, layout, config, compute_itemsize=compute_itemsize, buffer_bytes=buffer_bytes,
-                           world=world, rank=rank, rates=plan.estimate.rates, host_order=plan.chunks.host_order,
-                           grad_slots=2)
+                           world=world, rank=rank, rates=rates, host_order=plan.chunks.host_order,
+                           grad_slots=2, facts=facts)
         plan = other if better(other) else plan
     return plan
 
 
 def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_itemsize: int,
                buffer_bytes: int, on: Plan | None = None, world: int = 1, rank: int = 0,
-               rates: Rates | None = None, host_order: str = "last", grad_slots: int = 0) -> Plan:
+               rates: Rates, facts: GraphFacts, host_order: str = "last", grad_slots: int = 0) -> Plan:
     """Placement and schedule for the fused graph under the config's budgets, the host chunks lying as
-    `host_order` says (placement.py `device_order`), with at least `grad_slots` gradient slots. Never raises for
-    memory:
+    `host_order` says (placement.py `device_order`), with at least `grad_slots` gradient slots, from the graph's
+    `facts` at `rates`. Never raises for memory:
     a plan that does not fit says so (`fits`, `why`); compile() turns that into a BudgetError.
     `on`: schedule this graph on another plan's chunk memory and runtime (its placement, shipping, compute and
     gradient slots, host gradient buffers, transaction and device-kept gradients: what the runtime built from it
@@ -106,8 +100,7 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
     notes: list[str] = []
 
     # what each node reads, holds and costs, and the byte sizes the stages share
-    rates = rates or calibrate(torch.device(config.device), config.torch_dtype)
-    nodes, use, act_bytes_per_node, act_peak_bytes, node_secs = _graph_facts(gm, layout, cuda, rates)
+    nodes, use, act_bytes_per_node, act_peak_bytes, node_secs = facts
     host_order = on.chunks.host_order if on is not None else host_order
     sizes = replace(step_bytes(g, layout, config, compute_itemsize=compute_itemsize, buffer_bytes=buffer_bytes,
                                activation_peak_bytes=act_peak_bytes, rates=rates, cuda=cuda, world=world),
@@ -349,16 +342,17 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
                                        sizes.state_bytes)), profile=profile)
 
 
-_facts_of: list = []          # the graph make_plan plans now: [(key, facts)]
+class GraphFacts(NamedTuple):
+    """What every `_make_plan` of one graph reads alike (make_plan plans a try's graph up to three times: host
+    orders, a second gradient slot)."""
+    nodes: list[fx.Node]
+    use: ChunkUse
+    activation_bytes: list[int]      # live graph values while each node runs
+    activation_peak_bytes: int
+    node_seconds: list[float]        # each node's cost at the plan's rates
 
 
-def _graph_facts(gm: fx.GraphModule, layout: Layout, cuda: bool, rates: Rates):
-    """(nodes, chunk use, activation bytes per node and peak, seconds per node) of `gm`: what every `_make_plan` of
-    one graph computes alike, kept for the next (make_plan plans one try's graph up to three times: host orders, a
-    second gradient slot; these were two thirds of a plan's time at 18B)."""
-    key = (gm, len(gm.graph.nodes), layout, cuda, rates)
-    if _facts_of and all(a is b or a == b for a, b in zip(_facts_of[0][0], key)):
-        return _facts_of[0][1]
+def _graph_facts(gm: fx.GraphModule, layout: Layout, cuda: bool, rates: Rates) -> GraphFacts:
     g = gm.graph
     nodes = list(g.nodes)
     param_nodes = role_nodes(g, "param")
@@ -366,9 +360,7 @@ def _graph_facts(gm: fx.GraphModule, layout: Layout, cuda: bool, rates: Rates):
     skip = set(param_nodes) | set(role_nodes(g, "buffer")) | set(role_nodes(g, "rt"))
     act_bytes_per_node, act_peak_bytes = activation_profile(g, skip=skip, round_to=CUDA_BLOCK_BYTES if cuda else 1,
                                                             cuda=cuda)
-    facts = nodes, use, act_bytes_per_node, act_peak_bytes, [node_seconds(n, rates) for n in nodes]
-    _facts_of[:] = [(key, facts)]
-    return facts
+    return GraphFacts(nodes, use, act_bytes_per_node, act_peak_bytes, [node_seconds(n, rates) for n in nodes])
 
 
 class _Moving(NamedTuple):
