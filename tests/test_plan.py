@@ -648,17 +648,24 @@ def test_the_largest_fp32_state_gpt_fits_one_h200_box_with_110_gib_of_host():
     assert p.placement.count("host") >= 20        # with 19 (the 4 GiB reserve) the device was 1 GiB over
 
 
-def _s14_fp32(layers: int) -> tuple:
-    """bench/plan_at_rates.py and the rates the H200 box recorded for an h4096 GPT with fp32 moments at 110 GiB of
-    host (session 14, bench/results)."""
+def _recorded_fp32(results: str, layers: int) -> tuple:
+    """bench/plan_at_rates.py and the H200 box's record (bench/results/`results`) of an h4096 GPT of `layers` layers
+    with fp32 moments at 110 GiB of host, and the rates it was planned at."""
     import json
     from bench_modules import load
     box = load("plan_at_rates", "plan_at_rates")
-    path = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "2026-12-03-h200-s14.jsonl")
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "results", results)
     with open(path) as f:
         record = next(r for r in map(json.loads, f)
                       if r.get("n_layer") == layers and r.get("optimizer_state") == "fp32")
-    return box, {k: v for k, v in record["rates"].items() if k != "device"}
+    return box, record, {k: v for k, v in record["rates"].items() if k != "device"}
+
+
+def _s14_fp32(layers: int) -> tuple:
+    """bench/plan_at_rates.py and the rates the H200 box recorded for an h4096 GPT with fp32 moments at 110 GiB of
+    host (session 14, bench/results)."""
+    box, _, rates = _recorded_fp32("2026-12-03-h200-s14.jsonl", layers)
+    return box, rates
 
 
 def test_slot_waits_follow_the_copies_out_of_the_slots():
@@ -681,17 +688,12 @@ def test_backward_waits_for_gradients_copied_out_of_one_slot_and_a_second_hides_
     """h4096 L90 with fp32 moments at 110 GiB of host (`replay`, 35 host chunks spread among the device chunks), at
     the rates the H200 box recorded (session 20, call 2), where the compute stream waited 0.37 s a step for copies
     and the plan's fetches explained 0.02 s of it: with one gradient slot every host chunk's gradient (0.54 GB)
-    crosses to the host before the next chunk's can take the slot. The planner prices that wait (grad_slots.py) —
-    near the measured one — and takes a second slot, which hides it, for a lower estimate."""
-    import json
-    from bench_modules import load
+    crosses to the host before the next chunk's can take the slot. The planner prices that wait (grad_slots.py),
+    within 0.6-1.2x of the measured one (whether it is that wait is not established: bench/RESULTS.md, session 23),
+    and takes a second slot, which hides it, for a lower estimate."""
     from pstar_fx.pipeline import recompute_search
     from pstar_fx.planning import planner
-    box = load("plan_at_rates", "plan_at_rates")
-    path = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "2026-12-05-h200-s20.jsonl")
-    with open(path) as f:
-        record = next(r for r in map(json.loads, f) if r.get("n_layer") == 90 and r.get("optimizer_state") == "fp32")
-    rates = {k: v for k, v in record["rates"].items() if k != "device"}
+    box, record, rates = _recorded_fp32("2026-12-05-h200-s20.jsonl", 90)
     monkeypatch.setattr(recompute_search._Search, "nestable", lambda self: None)     # the recorded run's recompute
     make, made = planner._make_plan, []
     monkeypatch.setattr(planner, "_make_plan", lambda *a, **kw: made.append(make(*a, **kw)) or made[-1])
