@@ -32,7 +32,8 @@ Steps run back to back, as a training loop runs them: each step's time runs from
 and after the last step (window_s: the whole run, to the device idle after it).
 
 Fields: params, tokens, step_s (median of the steps after the first two), tflops (6 * params * tokens /
-step_s), steps_s, window_s, gpu_peak_bytes (torch.cuda.max_memory_allocated), host_rss_bytes (largest RSS seen
+step_s), steps_s, window_s, gc_s (each step's seconds in Python's garbage collections, by generation),
+gpu_peak_bytes (torch.cuda.max_memory_allocated), host_rss_bytes (largest RSS seen
 after a step), host_max_rss_bytes (the process's peak RSS, compile included), and for pstar_fx the plan's
 predicted GPU and host peaks, a per-phase breakdown, compile_phases_s (seconds per compile phase) and
 time_to_first_step_s (compile() plus the first step); for torch, checkpoint (none|half|all),
@@ -47,6 +48,7 @@ import argparse
 import contextlib
 import dataclasses
 import faulthandler
+import gc
 import json
 import logging
 import math
@@ -700,10 +702,12 @@ def main(argv=None):
             sync()
             start = t0 = time.perf_counter()
             for k in range(n):
-                loss = step(*batches[k % 2])
-                losses.append(float(loss))
+                with collections_timed() as gc_s:
+                    loss = step(*batches[k % 2])
+                    losses.append(float(loss))
                 t1 = time.perf_counter()
                 times.append(t1 - t0)
+                gc_seconds.append(gc_s)
                 t0 = t1
                 rss = max(rss, proc.memory_info().rss)
                 if engine is not None and engine.last_step is not None:
@@ -717,6 +721,7 @@ def main(argv=None):
             return times, losses, extra
 
         window: list[float] = []     # each timed run's seconds, first step to the device idle after the last
+        gc_seconds: list[dict] = []  # each timed step's seconds in Python's garbage collections, by generation
 
         times, losses, reports = timed(args.steps)
         steady = times[2:] if len(times) > 2 else times
@@ -724,7 +729,7 @@ def main(argv=None):
         result.update(step_s=round(step_s, 4), tflops=round(6 * params * tokens / step_s / 1e12, 1),
                       steps_s=[round(t, 3) for t in times], window_s=window[0], losses=[round(x, 4) for x in losses],
                       gpu_peak_bytes=torch.cuda.max_memory_allocated() if cuda else None, host_rss_bytes=rss,
-                      host_max_rss_bytes=_max_rss())
+                      host_max_rss_bytes=_max_rss(), gc_s=gc_seconds[:len(times)])
         if args.profile and cuda:
             result["profile"] = profile_steps(step, batches, args.profile, label="steps")
         if args.cpu_profile:
@@ -793,6 +798,28 @@ def main(argv=None):
         result["host_rss_bytes"] = max(rss, proc.memory_info().rss)
         result["host_max_rss_bytes"] = _max_rss()
     emit(result, args.json)
+
+
+@contextlib.contextmanager
+def collections_timed():
+    """Seconds the launching thread spends in Python's garbage collections inside the block, by generation
+    ({"0": s, "1": s, "2": s}, filled as the block runs): a full collection walks every object alive, the
+    engine's graph and plan among them, and stalls the launches meanwhile."""
+    seconds: dict[str, float] = {}
+    started: list[float] = []
+
+    def callback(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            gen = str(info.get("generation"))
+            seconds[gen] = round(seconds.get(gen, 0.0) + time.perf_counter() - started.pop(), 4)
+
+    gc.callbacks.append(callback)
+    try:
+        yield seconds
+    finally:
+        gc.callbacks.remove(callback)
 
 
 def emit(result: dict, json_path: str | None):
