@@ -50,6 +50,17 @@ def box() -> dict:
     from pstar_fx.kernels import cpu_adam
     if cpu_adam.available():
         info["simd"] = cpu_adam.extension().build_info()["simd"]
+    # the host's transparent huge pages and NUMA nodes: what a host rate measured on one box may owe to them
+    for key, path in (("thp_enabled", "/sys/kernel/mm/transparent_hugepage/enabled"),
+                      ("thp_defrag", "/sys/kernel/mm/transparent_hugepage/defrag")):
+        try:
+            with open(path) as f:
+                info[key] = f.read().strip()
+        except OSError:
+            pass
+    nodes = "/sys/devices/system/node"
+    if os.path.isdir(nodes):
+        info["numa_nodes"] = sum(1 for d in os.listdir(nodes) if d.startswith("node") and d[4:].isdigit())
     return info
 
 
