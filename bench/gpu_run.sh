@@ -30,6 +30,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export TORCH_CUDA_ARCH_LIST=9.0 DS_BUILD_OPS=0      # DeepSpeed JIT-builds its CPU Adam for this GPU only
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi -L; nproc; free -g | head -2; echo "THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null)"
+lscpu | grep -iE "^(NUMA node|Socket|Model name|Thread)" | tr -s " "
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
