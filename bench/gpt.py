@@ -743,6 +743,9 @@ def main(argv=None):
             # the "time to the first step": compile() called -> the first step's end
             result["time_to_first_step_s"] = round(result.get("compile_s", 0.0) + times[0], 2)
             result["phases"] = engine.rt.timing() if hasattr(engine.rt, "timing") else {}
+            # the host Adam's rate in training against the plan's; learned: what a later compile here plans with
+            result["host_adam_rate_measured"] = engine.host_rate.measured
+            result["host_adam_rate_learned"] = engine.host_rate.learned
             result["memory_stats"] = engine.memory_stats()
             result["reports"] = reports
             if args.clip_sweep:

@@ -27,6 +27,7 @@ from .pipeline.shapes import ShapeSteps, check_compiled_length
 from .planning import BudgetError, Plan
 from .runtime import ChunkRuntime, StepRolledBack, run_graph
 from .runtime.dist import DataParallel, launch
+from .runtime.host_rate import HostRateCheck
 from .runtime.step import StepReport, Stepper
 from .runtime.weights import masters_by_chunk, masters_from_rank0, skeleton
 from .startup import Startup, build_regions_now
@@ -113,6 +114,9 @@ class Engine:
         self._tangent_dtype = role_nodes(cap.gm.graph, "tangent")[0].meta["val"].dtype
         compiled_run = _runner(self.lowered.graph, self.rt, self._buffers, self.device, self._tangent_dtype)
         self.stepper = Stepper(self.rt, config, plan.transaction, compiled_run, self._buffers)
+        # the host Adam's rate in training against the plan's (one rank measures: the ranks share one host)
+        self.host_rate = HostRateCheck(plan.estimate, config.optimizer_state, self.device, self.lowered.dtype,
+                                       self.rt.telemetry, learns=self.dp is None or self.dp.rank == 0)
         # steps at other input shapes: their graphs on this chunk memory, run by the same runtime and Stepper
         self.shapes = ShapeSteps(self.lowered, compiled_run, self._skeleton, _shape_runner(
             self.rt, self._buffers, self.device, self._tangent_dtype))
@@ -145,6 +149,7 @@ class Engine:
                           UserWarning, stacklevel=2)
         report = self.stepper.step(micro, run)
         self.last_step = report
+        self.host_rate.after_step(lowered is self.lowered)
         if report.skipped:
             what = "the step was skipped" + (f"; loss scale {report.loss_scale:g} -> {self.stepper.scaler.scale:g}"
                                               if self.stepper.scaler.dynamic else "")

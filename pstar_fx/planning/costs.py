@@ -168,10 +168,59 @@ def assumed(**figures: float):
 
 def calibrate(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Rates:
     """Measured rates for `device`, from the cache when present (`Rates.nominal` for a CUDA device this
-    machine lacks), with the figures of an enclosing `assumed(...)` written over them."""
-    rates = _calibrated(device, dtype)
+    machine lacks), with the host Adam's rates that training measured here written over the calibration's
+    (`learn_host_rate`), and the figures of an enclosing `assumed(...)` over those."""
+    rates = _with_learned(_calibrated(device, dtype), device, dtype)
     figures = _ASSUMED.get()
     return dataclasses.replace(rates, **figures) if figures else rates
+
+
+# The Rates field of the host Adam's rate for each Config.optimizer_state
+HOST_ADAM_FIELD = {"fp32": "host_adam", "bf16": "host_adam_bf16", "int8": "host_adam_int8"}
+
+
+def learning_host_rates() -> bool:
+    """Whether training corrects the host Adam's calibrated rates for later plans (`PSTAR_FX_LEARN_RATES`,
+    default 1; runtime/host_rate.py)."""
+    from ..config import parse_flag
+    return parse_flag(os.environ.get("PSTAR_FX_LEARN_RATES", "1"), "PSTAR_FX_LEARN_RATES")
+
+
+def _learned_path(key: str) -> str:
+    return os.path.join(cache_root(), f"host-rates-v1-{key}.json")
+
+
+def learned_host_rates(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
+    """The host Adam's rates alone, parameters/s by moments, as training on this machine measured them (empty
+    where it has not, or learning is off): what `calibrate` gives in place of the calibration's."""
+    if device.type != "cuda" or not torch.cuda.is_available() or not learning_host_rates():
+        return {}
+    try:
+        with open(_learned_path(_rates_key(device, dtype))) as f:
+            entry = json.load(f)
+        return {k: float(v) for k, v in entry.items() if k in HOST_ADAM_FIELD and float(v) > 0}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}
+
+
+def learn_host_rate(device: torch.device, dtype: torch.dtype, optimizer_state: str, rate: float) -> None:
+    """Remember `rate` (parameters/s alone, as `Rates.host_adam_with` gives) for the host Adam with these moments
+    on this machine: later plans here use it (`calibrate`). CUDA only: on the CPU tier the host Adam shares its
+    cores with the compute, and the rate a run sees says more about that run than about the machine."""
+    if (device.type != "cuda" or not torch.cuda.is_available() or optimizer_state not in HOST_ADAM_FIELD
+            or not rate > 0):
+        return
+    path = _learned_path(_rates_key(device, dtype))
+    entry = {**learned_host_rates(device, dtype), optimizer_state: float(rate)}
+    try:
+        write_entry(path, entry)
+    except OSError:
+        pass                                # a read-only home: this run's plan stays the calibration's
+
+
+def _with_learned(rates: Rates, device: torch.device, dtype: torch.dtype) -> Rates:
+    learned = learned_host_rates(device, dtype)
+    return dataclasses.replace(rates, **{HOST_ADAM_FIELD[k]: v for k, v in learned.items()}) if learned else rates
 
 
 def _rates_key(device: torch.device, dtype: torch.dtype) -> str:

@@ -9,6 +9,7 @@
     verdict       the step's norm vector and finiteness flags, added up exactly
     kept          kept gradients, accumulators, host gradient buffers
     host_worker   the host Adam's worker thread, updates in flight, the step settling
+    host_rate     HostRateCheck: the host Adam's rate in training against its plan's (learned for later plans)
     undo          rollback, correction, a replay's restores: the only chunk_undo caller
     step_log      the passes a step runs, what a step did (StepLog), StepRolledBack
     dist          the process group and the collectives of data parallelism

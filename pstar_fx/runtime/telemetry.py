@@ -47,6 +47,10 @@ class Telemetry:
         self.stats = MemoryStats()
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.steps = 0
+        # whole host Adam updates (no correction, no update in parts): parameters updated and the seconds they
+        # took, the host Adam's rate as training runs it (host_rate.py)
+        self.adam_elems = 0
+        self.adam_seconds = 0.0
         self._stalls: list = []
         # on CUDA (movers.CudaCopies): records a timing event on the compute stream and returns it
         self.mark: Callable[[], object] | None = None
@@ -56,6 +60,11 @@ class Telemetry:
 
     def add(self, phase: str, seconds: float) -> None:
         self.seconds[phase] += seconds
+
+    def adam_done(self, elems: int, seconds: float) -> None:
+        """A whole host Adam update of `elems` parameters took `seconds` (its time is also in "host_adam")."""
+        self.adam_elems += elems
+        self.adam_seconds += seconds
 
     @contextlib.contextmanager
     def host_wait(self, phase: str):

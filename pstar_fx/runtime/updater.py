@@ -132,11 +132,17 @@ class Updater:
                     applied = self._adam(c, grad, right or log.hyper, check_finite=not checked)
                     if right is not None and applied:
                         log.hyper_of[c] = right
+                    if applied:
+                        self.telemetry.adam_done(self._elems(c), time.perf_counter() - t0)
             self.telemetry.add("host_adam", time.perf_counter() - t0)
             return applied
         finally:
             if c not in self.kept:
                 self.kept.host_grads.give(grad)
+
+    def _elems(self, c: int) -> int:
+        """The parameters an update of chunk c runs over."""
+        return sum(end - start for start, end in self.store.state(c).update_spans)
 
     def _adam(self, c: int, grad: torch.Tensor, hyper: Hyper, *, shadow: bool = True, **kw) -> bool:
         """Chunk c's update from `grad`, writing its shadow too unless `shadow` is False (chunk_update's keywords:
@@ -203,6 +209,8 @@ class Updater:
                 self.store.masters_changed([c])
             raise
         self.telemetry.add("host_adam", time.perf_counter() - t0)
+        if ok and part == "all":
+            self.telemetry.adam_done(self._elems(c), time.perf_counter() - t0)
         return ok
 
     def rollback(self) -> list[int]:
