@@ -87,6 +87,26 @@ def test_a_rate_within_tolerance_or_learning_off_leaves_the_calibration(fake_gpu
         costs.calibrate(fake_gpu)
 
 
+def test_a_learned_rate_never_goes_above_the_calibration(fake_gpu):
+    """A rate learned low, then measured high by a plan whose copies the share model overprices: the rate learned
+    again is the calibration's at most (here: it is the calibration's, and the next plan gets it back)."""
+    est = Estimate(rates=costs.calibrate(fake_gpu), host_adam_rate=5e9)
+    t = Telemetry()
+    low = HostRateCheck(est, "fp32", fake_gpu, torch.bfloat16, t)
+    _run(low, t, host_rate.WINDOW[1], 3_000_000_000, 1.0)
+    assert low.learned == pytest.approx(3.6e9) and costs.calibrate(fake_gpu).host_adam == pytest.approx(3.6e9)
+    est = Estimate(rates=costs.calibrate(fake_gpu), host_adam_rate=3e9)     # (a share of 3 / 3.6)
+    t = Telemetry()
+    high = HostRateCheck(est, "fp32", fake_gpu, torch.bfloat16, t)
+    _run(high, t, host_rate.WINDOW[1], 9_000_000_000, 1.0)                # 9 G/s: 10.8 alone by the share
+    assert high.learned == GPU.host_adam and costs.calibrate(fake_gpu).host_adam == GPU.host_adam
+    t = Telemetry()
+    again = HostRateCheck(Estimate(rates=costs.calibrate(fake_gpu), host_adam_rate=5e9), "fp32", fake_gpu,
+                          torch.bfloat16, t)
+    _run(again, t, host_rate.WINDOW[1], 9_000_000_000, 1.0)               # above, at the calibration already
+    assert again.measured == pytest.approx(9e9) and again.learned is None
+
+
 def test_a_rank_that_does_not_learn_or_another_shapes_steps_learn_nothing(fake_gpu):
     est = Estimate(rates=costs.calibrate(fake_gpu), host_adam_rate=5e9)
     t = Telemetry()

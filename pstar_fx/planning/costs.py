@@ -175,6 +175,11 @@ def calibrate(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Rate
     return dataclasses.replace(rates, **figures) if figures else rates
 
 
+def calibrated_rates(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Rates:
+    """The calibration's rates for `device` as measured, without what training taught (`calibrate` gives those)."""
+    return _calibrated(device, dtype)
+
+
 # The Rates field of the host Adam's rate for each Config.optimizer_state
 HOST_ADAM_FIELD = {"fp32": "host_adam", "bf16": "host_adam_bf16", "int8": "host_adam_int8"}
 

@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from ..planning.costs import learn_host_rate, learning_host_rates
+from ..planning.costs import calibrated_rates, learn_host_rate, learning_host_rates
 from .telemetry import Telemetry
 
 log = logging.getLogger("pstar_fx")
@@ -74,7 +74,14 @@ class HostRateCheck:
         if not (self.learns and learning_host_rates()) or self.device.type != "cuda":
             log.info("%s", said)
             return
-        self.learned = self.alone * ratio
+        # never above the calibration's (the Adam alone at its best): a plan whose copies the share model overprices
+        # would otherwise raise it, and the next plan lower it again
+        calibrated = calibrated_rates(self.device, self.dtype).host_adam_with(self.state)
+        learned = min(self.alone * ratio, calibrated)
+        if abs(learned / self.alone - 1.0) <= TOLERANCE:
+            log.info("%s (the calibration's rate alone stands)", said)
+            return
+        self.learned = learned
         learn_host_rate(self.device, self.dtype, self.state, self.learned)
         log.info("%s: the next compile on this machine plans with %.3g G params/s alone (PSTAR_FX_LEARN_RATES=0: "
                  "the calibration's)", said, self.learned / 1e9)
