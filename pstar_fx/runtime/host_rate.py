@@ -79,7 +79,7 @@ class HostRateCheck:
         calibrated = calibrated_rates(self.device, self.dtype).host_adam_with(self.state)
         learned = min(self.alone * ratio, calibrated)
         if abs(learned / self.alone - 1.0) <= TOLERANCE:
-            log.info("%s (the calibration's rate alone stands)", said)
+            log.info("%s (the rate alone it planned with stands: the calibration's is the most learned)", said)
             return
         self.learned = learned
         learn_host_rate(self.device, self.dtype, self.state, self.learned)
