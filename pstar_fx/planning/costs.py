@@ -131,7 +131,7 @@ def write_entry(path: str, entry) -> None:
 
 
 def _cache_path(key: str) -> str:
-    return os.path.join(cache_root(), f"rates-v7-{key}.json")
+    return os.path.join(cache_root(), f"rates-v8-{key}.json")     # v8: the host Adam timed over 2**27 elements
 
 
 def _device_key(device: torch.device) -> str:
@@ -238,7 +238,7 @@ _CHILDREN: dict[str, subprocess.Popen] = {}
 
 def start_calibration(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> None:
     """Start measuring a GPU's rates in a child process now when they are neither known here nor cached, so that
-    the measurement (a fresh process, CUDA, host Adam over 256 MiB buffers: seconds) runs beside the capture
+    the measurement (a fresh process, CUDA, host Adam over 512 MiB buffers: seconds) runs beside the capture
     instead of after it; `calibrate` takes the child's result."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return
@@ -352,8 +352,10 @@ def _measure(device: torch.device, dtype: torch.dtype, key: str) -> Rates:
     h2d = x.nbytes / _timeit(lambda: x.copy_(h, non_blocking=pin), device)
     d2h = x.nbytes / _timeit(lambda: h.copy_(x, non_blocking=pin), device)
     # a GPU box's host has a large last-level cache (2**24 elements fit); the CPU tier's host Adam is timed
-    # smaller, for the test machines' time and memory
-    n = 2**26 if device.type == "cuda" else 2**24
+    # smaller, for the test machines' time and memory. On the H200 box the bf16-moment Adam timed 11.6 G params/s
+    # over 2**24 elements, 8.7-10.4 over 2**26, 7.56 over 2**27 (bench/box_limits.py), and ran at 6.5 in training
+    # (a chunk: 2**28); fp32 moments 5.78 over 2**26, 5.68 over 2**27 (bench/RESULTS.md, session 24)
+    n = 2**27 if device.type == "cuda" else 2**24
     from pstar_fx.kernels import cpu_adam
     # with the threads the runtime gives it: the CUDA runtime's host worker leaves a core to the launching thread
     cpu_adam.set_threads(cpu_adam.worker_threads() if device.type == "cuda" else 0)
