@@ -44,6 +44,17 @@ def test_each_checkpoint_trains_the_same_losses(tmp_path):
         assert (r["checkpoint"], r["checkpointed_blocks"], r["compile"]) == (ck, n, False)
         assert "compile_s" not in r and len(r["steps_s"]) == 2
         assert r["losses"] == pytest.approx(results["none"]["losses"], rel=1e-3)   # recompute is not new math
+        assert len(r["gc_s"]) == 2 and all(isinstance(g, dict) for g in r["gc_s"])
+
+
+def test_collections_timed_counts_a_full_collection_by_generation():
+    import gc
+    with gpt.collections_timed() as seconds:
+        gc.collect()
+    assert "2" in seconds and seconds["2"] >= 0          # (a collection the block set off may come first)
+    with gpt.collections_timed() as seconds:
+        pass
+    assert seconds == {}
 
 
 def test_cpu_profile_reports_the_launching_thread_by_function(tmp_path):
