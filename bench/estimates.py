@@ -11,8 +11,9 @@ A --clip-sweep point whose every step clipped is compared with the plan's trigge
 step speculated and corrected), one whose every step deferred with its deferred one (`deferred`, clipping or
 not). Records since session 20 carry the estimate's parts (`estimate_parts_s`: compute, copies and host Adam not
 hidden; since session 23 also the copies' share that is backward waiting on its gradient slots, `grad_slot_waits`,
-with the plan's `grad_slots`) and the runtime's per-step phases beside them; records with `window_s` (session 21 on) timed steps back to back, the ones before synchronized
-the device after each step, which charged a triggered step the device work it leaves to overlap the next forward.
+with the plan's `grad_slots`) and the runtime's per-step phases beside them; records with `window_s` (session 21
+on) timed steps back to back, the ones before synchronized the device after each step, which charged a triggered
+step the device work it leaves to overlap the next forward.
 """
 import glob
 import json

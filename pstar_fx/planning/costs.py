@@ -31,6 +31,10 @@ from ..fxutil import aliases_input, op_of
 aten = torch.ops.aten
 
 
+# The Rates field of the host Adam's rate for each Config.optimizer_state
+HOST_ADAM_FIELD = {"fp32": "host_adam", "bf16": "host_adam_bf16", "int8": "host_adam_int8"}
+
+
 @dataclass
 class Rates:
     device: str
@@ -59,8 +63,7 @@ class Rates:
 
     def host_adam_with(self, optimizer_state: str) -> float:
         """Host Adam parameters/s with moments stored as `optimizer_state` ("fp32", "bf16", "int8")."""
-        rate = {"bf16": self.host_adam_bf16, "int8": self.host_adam_int8}.get(optimizer_state, 0.0)
-        return rate or self.host_adam
+        return getattr(self, HOST_ADAM_FIELD.get(optimizer_state, "host_adam")) or self.host_adam
 
     @property
     def host_correction(self) -> float:
@@ -178,10 +181,6 @@ def calibrate(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Rate
 def calibrated_rates(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Rates:
     """The calibration's rates for `device` as measured, without what training taught (`calibrate` gives those)."""
     return _calibrated(device, dtype)
-
-
-# The Rates field of the host Adam's rate for each Config.optimizer_state
-HOST_ADAM_FIELD = {"fp32": "host_adam", "bf16": "host_adam_bf16", "int8": "host_adam_int8"}
 
 
 def learning_host_rates() -> bool:

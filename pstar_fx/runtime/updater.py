@@ -132,9 +132,10 @@ class Updater:
                     applied = self._adam(c, grad, right or log.hyper, check_finite=not checked)
                     if right is not None and applied:
                         log.hyper_of[c] = right
-                    if applied:
-                        self.telemetry.adam_done(self._elems(c), time.perf_counter() - t0)
-            self.telemetry.add("host_adam", time.perf_counter() - t0)
+            took = time.perf_counter() - t0
+            self.telemetry.add("host_adam", took)
+            if applied and not kind.replays:          # a whole update (host_rate.py: the host Adam's rate)
+                self.telemetry.adam_done(self._elems(c), took)
             return applied
         finally:
             if c not in self.kept:
@@ -208,9 +209,10 @@ class Updater:
             if part == "state":
                 self.store.masters_changed([c])
             raise
-        self.telemetry.add("host_adam", time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        self.telemetry.add("host_adam", took)
         if ok and part == "all":
-            self.telemetry.adam_done(self._elems(c), time.perf_counter() - t0)
+            self.telemetry.adam_done(self._elems(c), took)
         return ok
 
     def rollback(self) -> list[int]:
