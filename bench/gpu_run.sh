@@ -22,6 +22,7 @@
 #   (e.g. pinned:--gib,100,--threads,4,16,--slab-gib,16,--huge-pages); RESULT lines in $OUT/pinned.txt.
 # plan_profile[:ARGS]: bench/plan_profile.py ARGS (spaces as commas): capture + plan of a meta-built model on this
 #   host under cProfile (no GPU used; e.g. plan_profile:--model,hf-llama/Llama3_70B,--lora,16); $OUT/plan.prof.
+# env:NAME=VALUE: exported for the stages after it (e.g. env:PSTAR_FX_UPDATE_BESIDE=1 gpt:... env:PSTAR_FX_UPDATE_BESIDE=0).
 # integrations: the GPU tests of PstarTrainer and the Lightning strategy (tests/test_integrations_*.py -m gpu).
 # Wheels in .whl/ (bench/peer_wheels.sh: DeepSpeed and what it needs) are installed first when carried:
 #   run(command="bash bench/gpu_run.sh gpt:GPT_h3072_L36:deepspeed", carry=[".whl"])
@@ -66,6 +67,7 @@ for stage in "$@"; do
     lora*) timeout $(( ${LORA_S:-560} + 20 )) python3 bench/lora_bench.py --timeout "${LORA_S:-560}" --json "$OUT/lora.jsonl" \
              $( [[ $stage == lora:* ]] && echo "${stage#lora:}" | tr , ' ') 2> >(tee -a "$OUT/lora.log" | grep -E "step |Error" \
              | tail -30 >&2) | cut -c1-600 ;;
+    env:*) export "${stage#env:}" ;;      # env:NAME=VALUE: set for the stages after it
     kernels) timeout 240 python3 bench/kernels_gpu.py 2>&1 | tee -a "$OUT/kernels.txt" ;;
     tests) timeout 560 python3 -m pytest -q -rs -p no:logging --tb=short -o faulthandler_timeout=100 tests/test_gpu.py \
              tests/test_kernels.py -k "gpu or cuda or undo" --durations=15 2>&1 | tail -80 | tee -a "$OUT/tests.txt" ;;
