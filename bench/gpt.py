@@ -260,7 +260,6 @@ def pstar_system(cfg, args, example):
              "chunks": len(engine.plan.placement), "recompute": engine.plan.recompute,
              "recompute_tries": list(engine.plan.tried),
              "transaction": engine.plan.transaction, "transaction_cost": engine.plan.transaction_cost,
-             "update_beside": engine.rt.mover.update_beside,     # PSTAR_FX_UPDATE_BESIDE (runtime/movers.py)
              "compute": "inductor" if engine.config.compiles_compute else "eager",
              "optimizer_state": engine.config.optimizer_state,
              "planned_trigger_rate": engine.config.expected_trigger_rate}

@@ -22,7 +22,7 @@
 #   (e.g. pinned:--gib,100,--threads,4,16,--slab-gib,16,--huge-pages); RESULT lines in $OUT/pinned.txt.
 # plan_profile[:ARGS]: bench/plan_profile.py ARGS (spaces as commas): capture + plan of a meta-built model on this
 #   host under cProfile (no GPU used; e.g. plan_profile:--model,hf-llama/Llama3_70B,--lora,16); $OUT/plan.prof.
-# env:NAME=VALUE: exported for the stages after it (e.g. env:PSTAR_FX_UPDATE_BESIDE=1 gpt:... env:PSTAR_FX_UPDATE_BESIDE=0).
+# env:NAME=VALUE: exported for the stages after it (e.g. env:PSTAR_FX_RESERVE_CACHE=0 gpt:... env:PSTAR_FX_RESERVE_CACHE=1).
 # integrations: the GPU tests of PstarTrainer and the Lightning strategy (tests/test_integrations_*.py -m gpu).
 # Wheels in .whl/ (bench/peer_wheels.sh: DeepSpeed and what it needs) are installed first when carried:
 #   run(command="bash bench/gpu_run.sh gpt:GPT_h3072_L36:deepspeed", carry=[".whl"])

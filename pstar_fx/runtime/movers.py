@@ -36,7 +36,6 @@ import torch
 
 from ..planning import Plan
 from ..planning.memory import copy_staging_elems
-from ..config import parse_flag
 from .store import ChunkStore, Pool
 from .telemetry import Telemetry
 
@@ -195,11 +194,6 @@ class Mover:
         self._grad_read: dict[int, object] = {}      # gradient slot data_ptr -> its last reader (`read_back_done`)
         self._late: dict[int, object] = {}           # device chunk -> its work after the last verdict (`after_verdict`)
         self._late_done = None                       # every such work queued so far
-        # PSTAR_FX_UPDATE_BESIDE=1 (an experiment, off by default; CUDA): device chunks' updates inside backward
-        # run on the "late" stream beside backward's next kernels (`beside`) instead of between them
-        self.update_beside = isinstance(copies, CudaCopies) and parse_flag(
-            os.environ.get("PSTAR_FX_UPDATE_BESIDE", "0"), "PSTAR_FX_UPDATE_BESIDE")
-        self._beside_done = None                     # the last update queued `beside`
         self.pinned = {c for c in range(len(layout.chunks)) if plan.placement[c] == "device" and self.dp is None
                        and (dtype == torch.float32 or layout.chunks[c].frozen)}
         for c in self.pinned:
@@ -399,32 +393,6 @@ class Mover:
             finally:
                 self._late_done = self.copies.record()
 
-    @contextlib.contextmanager
-    def beside(self, c: int, slot: torch.Tensor | None):
-        """Device chunk c's update inside backward, queued inside this block, runs on the "late" stream, after
-        everything the compute stream queued so far (its gradient, the norm and the finite flag it reads), beside
-        backward's next kernels: an Adam reads and writes memory while backward's matmuls are bound by arithmetic
-        (the 4.2B GPT, every chunk on the GPU: 29 ms of Adam in a 0.75 s step, bench/RESULTS.md session 7).
-        Chunk c's next reader waits for it (`_late`, as for the work after a verdict), so does the next taker of
-        the gradient slot it reads (`slot`; None: the update reads a buffer the pool does not get back), and the
-        verdict waits for all of it (`join_beside`): what runs after a verdict reads the state these write."""
-        start = self.copies.record()
-        with self.copies.on("late"):
-            self.copies.wait(start)
-            if slot is not None:             # a copy out of the slot (a kept gradient shipped to the host)
-                self.copies.wait(self._grad_done.get(slot.data_ptr()))
-            yield
-            done = self.copies.record()
-        self._late[c] = self._beside_done = done
-        if slot is not None:
-            self._grad_done[slot.data_ptr()] = done
-
-    def join_beside(self) -> None:
-        """The current stream waits for every update queued `beside` so far."""
-        if self._beside_done is not None:
-            self.copies.wait(self._beside_done)
-            self._beside_done = None
-
     def join_late(self) -> None:
         """The current stream waits for all the device work after the verdict (`after_verdict`) queued so far."""
         if self._late_done is not None:
@@ -441,7 +409,6 @@ class Mover:
                 ready.abandon()
         for c in [c for c in self.compute if c not in self.pinned]:
             self.release(c)
-        self.join_beside()
         for buf in self.grads.values():
             self.grad_slots.give(buf)
         self.grads.clear()

@@ -97,10 +97,7 @@ class Updater:
                 self.norms.gate(sq)
             if kind.keeps:                           # kept before it is used
                 back = self.kept.keep(c, grad)
-            if kind.updates and self.mover.update_beside:
-                with self.mover.beside(c, back if back is grad else None):
-                    self._update_device(c, grad, log.hyper)
-            elif kind.updates:
+            if kind.updates:
                 self._update_device(c, grad, log.hyper)
         self.mover.give_back(back)
 
@@ -160,7 +157,6 @@ class Updater:
         """The step's global sum of squared gradient entries (scaled by the loss scale squared): one sync.
         An accumulating step waits for its host chunks' sums here."""
         with record_function("pstar_fx.verdict"):
-            self.mover.join_beside()        # what follows a verdict reads the state backward's updates wrote
             if self.step_log.kind.only_measures:
                 self.host_worker.settle(self.step_log)
             return self.norms.total(self.step_log.host_sq)
@@ -280,5 +276,4 @@ class Updater:
         the device chunks' work after the last verdict."""
         for c in list(self.host_worker.pending):
             self.wait_for(c)
-        self.mover.join_beside()
         self.mover.join_late()
