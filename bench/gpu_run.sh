@@ -5,6 +5,8 @@
 # EXTRA ARGS go to bench/gpt.py as they are, e.g. gpt:GPT3_10B:pstar_fx:16:108GiB::--clip-sweep=none,1e9,1e-3
 # The strongest PyTorch peer: gpt:GPT_h3072_L36:torch-best:16 ({eager, compiled} x checkpoint {none, half, all}).
 # STEPS (default 6) sets the training steps of each gpt stage.
+# Rows planned for the H200's 139 GiB (GPT3_18B and deeper at 110 GiB of host) need that card: the device tool's run
+#   with needs_h200 set (a call naming nvidia-h200 without it may be given an H100, where they stop at a BudgetError).
 # hf_trainer[:ARGS]: bench/hf_trainer_bench.py ARGS (spaces as commas): PstarTrainer against the engine's own loop,
 #   by default HF LlamaForCausalLM at Llama-3-8B's shape, bf16, 16 x 1024, 20 steps, host 110GiB, each side in a
 #   subprocess of its own; one line per side (tokens/s, ratio) appended to $OUT/hf_trainer.jsonl. HF_TRAINER_S
