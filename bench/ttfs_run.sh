@@ -2,7 +2,7 @@
 # Time to the first step (issue 26), on the device machine after bench/gpu_run.sh built the package there:
 # the same bench/gpt.py run twice, each in a fresh process — "cold" on the caches as they are (empty on a fresh
 # machine: plan cache, Inductor's caches under ~/.cache/pstar_fx), then "warm" (same shapes). Each run's JSON goes
-# to $OUT/ttfs.jsonl with a field "run"; gpt.py's compile_phases_s and time_to_first_step_s say where the time went.
+# to $OUT/ttfs.jsonl with a field "run" (its whole log, timestamped, to $OUT/ttfs-MODEL-RUN.log); gpt.py's compile_phases_s and time_to_first_step_s say where the time went.
 #   bash bench/ttfs_run.sh GPT3_18B "--compute inductor --optimizer-state bf16" [SECONDS_LEFT]
 # RUNS (default "cold warm") names the runs in order; a run named "warm-noreserve" is a warm one with
 # PSTAR_FX_RESERVE_CACHE=0 (the same-machine A/B of the remembered reserve: RUNS="cold warm warm-noreserve warm").
@@ -18,7 +18,7 @@ for run in ${RUNS:-cold warm}; do
   rm -f "$OUT/ttfs-$run.jsonl"                          # (a run named twice: ttfs.jsonl gets each once)
   PSTAR_FX_RESERVE_CACHE=$reserve timeout "$remaining" python3 bench/gpt.py --model "$model" --system pstar_fx --batch 16 --seq 1024 \
     --steps "${STEPS:-2}" --host-memory "${HOST:-110GiB}" $extra --json "$OUT/ttfs-$run.jsonl" 2>&1 \
-    | grep -v "^DEBUG" | grep -E "^(compile|step|fits|Traceback)|Error|build regions|initialize|allocate|page-lock|plan done|ahead of the plan|another plan|16-bit copies|artifact|op by op" | tail -24
+    | grep -v "^DEBUG" | tee "$OUT/ttfs-$model-$run.log" | grep -E "^(compile|step|fits|Traceback)|Error|build regions|initialize|allocate|page-lock|plan done|ahead of the plan|another plan|16-bit copies|artifact|op by op" | tail -24
   python3 - "$OUT/ttfs-$run.jsonl" "$run" >> "$OUT/ttfs.jsonl" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):
