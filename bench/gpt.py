@@ -636,8 +636,13 @@ def main(argv=None):
     ap.add_argument("--sweep-timeout", type=float, default=540,
                     help="torch-best: seconds for the whole sweep; configurations it leaves no time for are "
                     "reported as not run (the best line is still written)")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for the whole run, in seconds (the interpreter's default: 0.005): an "
+                    "A/B of the host worker's and the launching thread's turns at the GIL during the steps")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     if args.device != "cuda" and args.system not in ("torch", "torch-best"):
         ap.error("--device cpu: --system torch only (smoke tests)")
     logging.basicConfig(stream=sys.stderr, format="%(relativeCreated)8.0f ms %(message)s")
@@ -654,7 +659,7 @@ def main(argv=None):
         params = sum(p.numel() for p in build(cfg, hf=args.hf).parameters())
     tokens = args.batch * args.seq * args.grad_accum
     result = {"system": args.system, "model": args.model, "n_layer": cfg.n_layer, "params": params, "batch": args.batch,
-              "seq": args.seq, "tokens": tokens}
+              "seq": args.seq, "tokens": tokens, "switch_interval_s": sys.getswitchinterval()}
     if args.system == "torch-best":   # the parent touches no GPU: its context would take memory from the children
         emit(torch_best(args, argv, result), args.json)
         return

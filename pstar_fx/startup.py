@@ -34,7 +34,7 @@ from .planning import Plan
 from .runtime import ChunkRuntime
 from .runtime.dist import DataParallel
 from .runtime.host_memory import HostReserve, device_threads, pin_threads
-from .runtime.parallel_init import own_generators, settle
+from .runtime.parallel_init import own_generators, prompt_handoffs, settle
 from .runtime.store import host_buffer_sizes
 from .runtime.weights import materialize
 
@@ -129,6 +129,8 @@ class Startup:
             reserve.close()                 # (what the store did not take is freed)
         if self._remembered_at is not None:
             reserve_cache.store(self._remembered_at, plan, self.rt.store.host_asked)
+        # (entered first, so restored last: the init's thread has ended by then)
+        self._threads.enter_context(prompt_handoffs())
         thread = self._threads.enter_context(device_threads(1, lowered.device, "pstar_fx-weights"))
         self._weights = thread.submit(self._write_weights, lowered)
 

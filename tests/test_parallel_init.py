@@ -273,3 +273,51 @@ def test_an_init_on_its_own_generators_draws_what_it_would_from_the_global_ones(
     assert torch.equal(torch.get_rng_state(), before)
     settle(7, gens)
     assert torch.equal(torch.get_rng_state(), ref_end)
+
+
+def test_the_init_beside_the_compile_gets_the_gil_promptly_and_the_interval_comes_back(monkeypatch):
+    """While the initial weights are written on their own thread beside lowering and the region builds, the
+    interpreter's switch interval is parallel_init.HANDOFF_S (the init asks for the GIL thousands of times; at the
+    default 5 ms each ask waited behind the busy compiling thread); compile() leaves the interval as it found it,
+    after an error too."""
+    import sys
+
+    import pstar_fx.startup as startup_mod
+    seen, real_materialize = [], startup_mod.materialize
+
+    def materialize(*args):
+        seen.append(sys.getswitchinterval())
+        return real_materialize(*args)
+
+    monkeypatch.setattr(startup_mod, "materialize", materialize)
+    before = sys.getswitchinterval()
+    with torch.device("meta"):
+        model = GPT(gpt_config("tiny"))
+    pstar_fx.compile(model, {"device": "cpu", "placement": "host", "chunk_size": 16384}, batch())
+    assert seen == [pytest.approx(min(before, parallel_init.HANDOFF_S), rel=0.02)]   # (kept in whole microseconds)
+    assert sys.getswitchinterval() == before
+
+    def failing(*args):
+        seen.append(sys.getswitchinterval())
+        raise RuntimeError("init failed")
+
+    monkeypatch.setattr(startup_mod, "materialize", failing)
+    with torch.device("meta"):
+        model = GPT(gpt_config("tiny"))
+    with pytest.raises(RuntimeError, match="init failed"):
+        pstar_fx.compile(model, {"device": "cpu", "placement": "host", "chunk_size": 16384}, batch())
+    assert len(seen) == 2 and seen[1] == seen[0]
+    assert sys.getswitchinterval() == before
+
+
+def test_prompt_handoffs_keeps_a_shorter_interval_already_set():
+    import sys
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(parallel_init.HANDOFF_S / 2)
+        with parallel_init.prompt_handoffs():
+            assert sys.getswitchinterval() == pytest.approx(parallel_init.HANDOFF_S / 2, rel=0.02)
+        with parallel_init.prompt_handoffs(1.0):
+            assert sys.getswitchinterval() == pytest.approx(parallel_init.HANDOFF_S / 2, rel=0.02)
+    finally:
+        sys.setswitchinterval(before)

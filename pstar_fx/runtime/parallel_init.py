@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -45,6 +46,7 @@ PIECE_ELEMS = 1 << 22          # 16 MiB of fp32 per worker task: ~13 ms of norma
 MIN_ELEMS = 1 << 16            # smaller tensors run in place: a piece's state copy would cost more than it saves
 MIN_THREADS = 3                # drawing through: with 2, one thread advancing and one filling is one thread's time
 _SCRATCH_ELEMS = 1 << 21       # int64 values the advance draws into at a time (16 MiB)
+HANDOFF_S = 2e-4               # the interpreter's switch interval while an init runs beside this process's Python
 
 
 def _advance(gen: torch.Generator, draws: int, scratch: torch.Tensor) -> None:
@@ -311,6 +313,26 @@ def settle(seed: int, generators: dict[torch.device, torch.Generator]) -> None:
             torch.set_rng_state(gen.get_state())
         else:
             torch.cuda.set_rng_state(gen.get_state(), device)
+
+
+@contextlib.contextmanager
+def prompt_handoffs(seconds: float | None = None):
+    """Within the block, a thread waiting for the GIL gets it within `seconds` (HANDOFF_S) of asking, not within
+    the interpreter's default 5 ms: for an init on a thread of its own beside this process's own Python work
+    (lowering, the regions pass, loading the region builds). The init holds the GIL only between its ops, but it
+    asks for it thousands of times (each piece handed out and taken back, each op of the model's init), and
+    each time the other thread, busy in Python, keeps it up to the switch interval. On the H200 box a warm
+    GPT3_18B's init took 15.0 s beside the region builds against 6.4 s alone (session 18), and ended 2.9 s after
+    them; on the 2-core development VM an init of 0.4 G values took 6.0 s alone, 37 s beside a thread busy in
+    Python, 5.7 s with a 0.1 ms interval (bench/RESULTS.md, session 26). A shorter interval costs the busy thread
+    a switch only when another thread asks, so no more than the init's own demand. The old interval comes back
+    at the end (a shorter one already set is kept)."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(min(old, HANDOFF_S if seconds is None else seconds))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(old)
 
 
 @contextlib.contextmanager
