@@ -321,3 +321,25 @@ def test_prompt_handoffs_keeps_a_shorter_interval_already_set():
             assert sys.getswitchinterval() == pytest.approx(parallel_init.HANDOFF_S / 2, rel=0.02)
     finally:
         sys.setswitchinterval(before)
+
+
+def test_overlapping_handoff_blocks_restore_the_interval_found_before_the_first():
+    """Compiles on two threads: their blocks overlap and end in either order; the interval before the first
+    comes back when the last ends, never the shorter one a block set."""
+    import sys
+    before = sys.getswitchinterval()
+    a, b = parallel_init.prompt_handoffs(), parallel_init.prompt_handoffs(parallel_init.HANDOFF_S / 4)
+    a.__enter__()
+    b.__enter__()
+    assert sys.getswitchinterval() == pytest.approx(parallel_init.HANDOFF_S / 4, rel=0.02)
+    a.__exit__(None, None, None)                  # the first ends first: the other's interval stays
+    assert sys.getswitchinterval() == pytest.approx(parallel_init.HANDOFF_S / 4, rel=0.02)
+    b.__exit__(None, None, None)
+    assert sys.getswitchinterval() == before
+    a, b = parallel_init.prompt_handoffs(), parallel_init.prompt_handoffs(parallel_init.HANDOFF_S / 4)
+    a.__enter__()
+    b.__enter__()
+    b.__exit__(None, None, None)                  # the last ends first
+    assert sys.getswitchinterval() == pytest.approx(parallel_init.HANDOFF_S, rel=0.02)
+    a.__exit__(None, None, None)
+    assert sys.getswitchinterval() == before

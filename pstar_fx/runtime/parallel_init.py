@@ -31,6 +31,7 @@ import contextlib
 import functools
 import logging
 import sys
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -315,6 +316,10 @@ def settle(seed: int, generators: dict[torch.device, torch.Generator]) -> None:
             torch.cuda.set_rng_state(gen.get_state(), device)
 
 
+_handoffs_lock = threading.Lock()
+_handoffs_open: list[float] = []     # the interval before the first open block, then each open block's own
+
+
 @contextlib.contextmanager
 def prompt_handoffs(seconds: float | None = None):
     """Within the block, a thread waiting for the GIL gets it within `seconds` (HANDOFF_S) of asking, not within
@@ -325,14 +330,21 @@ def prompt_handoffs(seconds: float | None = None):
     GPT3_18B's init took 15.0 s beside the region builds against 6.4 s alone (session 18), and ended 2.9 s after
     them; on the 2-core development VM an init of 0.4 G values took 6.0 s alone, 37 s beside a thread busy in
     Python, 5.7 s with a 0.1 ms interval (bench/RESULTS.md, session 26). A shorter interval costs the busy thread
-    a switch only when another thread asks, so no more than the init's own demand. The old interval comes back
-    at the end (a shorter one already set is kept)."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(min(old, HANDOFF_S if seconds is None else seconds))
+    a switch only when another thread asks, so no more than the init's own demand. The interval found before the
+    first of overlapping blocks (compiles on several threads) comes back when the last one ends (a shorter one
+    already set is kept)."""
+    with _handoffs_lock:
+        if not _handoffs_open:
+            _handoffs_open.append(sys.getswitchinterval())
+        mine = min(_handoffs_open[0], HANDOFF_S if seconds is None else seconds)
+        _handoffs_open.append(mine)
+        sys.setswitchinterval(min(_handoffs_open[1:]))
     try:
         yield
     finally:
-        sys.setswitchinterval(old)
+        with _handoffs_lock:
+            _handoffs_open.remove(mine)
+            sys.setswitchinterval(min(_handoffs_open[1:]) if len(_handoffs_open) > 1 else _handoffs_open.pop())
 
 
 @contextlib.contextmanager
