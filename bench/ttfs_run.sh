@@ -2,7 +2,8 @@
 # Time to the first step (issue 26), on the device machine after bench/gpu_run.sh built the package there:
 # the same bench/gpt.py run twice, each in a fresh process — "cold" on the caches as they are (empty on a fresh
 # machine: plan cache, Inductor's caches under ~/.cache/pstar_fx), then "warm" (same shapes). Each run's JSON goes
-# to $OUT/ttfs.jsonl with a field "run" (its whole log, timestamped, to $OUT/ttfs-MODEL-RUN.log); gpt.py's compile_phases_s and time_to_first_step_s say where the time went.
+# to $OUT/ttfs.jsonl with a field "run", its whole log (timestamped: the compile's timeline) to
+# $OUT/ttfs-MODEL-RUN.log; gpt.py's compile_phases_s and time_to_first_step_s say where the time went.
 #   bash bench/ttfs_run.sh GPT3_18B "--compute inductor --optimizer-state bf16" [SECONDS_LEFT]
 # RUNS (default "cold warm") names the runs in order; a run named "warm-noreserve" is a warm one with
 # PSTAR_FX_RESERVE_CACHE=0 (the same-machine A/B of the remembered reserve: RUNS="cold warm warm-noreserve warm").
