@@ -317,7 +317,8 @@ def settle(seed: int, generators: dict[torch.device, torch.Generator]) -> None:
 
 
 _handoffs_lock = threading.Lock()
-_handoffs_open: list[float] = []     # the interval before the first open block, then each open block's own
+_handoffs_open: list[float] = []     # each open block's interval
+_handoffs_before = 0.0               # the interval found when the first of them opened
 
 
 @contextlib.contextmanager
@@ -333,18 +334,19 @@ def prompt_handoffs(seconds: float | None = None):
     a switch only when another thread asks, so no more than the init's own demand. The interval found before the
     first of overlapping blocks (compiles on several threads) comes back when the last one ends (a shorter one
     already set is kept)."""
+    global _handoffs_before
     with _handoffs_lock:
         if not _handoffs_open:
-            _handoffs_open.append(sys.getswitchinterval())
-        mine = min(_handoffs_open[0], HANDOFF_S if seconds is None else seconds)
+            _handoffs_before = sys.getswitchinterval()
+        mine = min(_handoffs_before, HANDOFF_S if seconds is None else seconds)
         _handoffs_open.append(mine)
-        sys.setswitchinterval(min(_handoffs_open[1:]))
+        sys.setswitchinterval(min(_handoffs_open))
     try:
         yield
     finally:
         with _handoffs_lock:
             _handoffs_open.remove(mine)
-            sys.setswitchinterval(min(_handoffs_open[1:]) if len(_handoffs_open) > 1 else _handoffs_open.pop())
+            sys.setswitchinterval(min(_handoffs_open, default=_handoffs_before))
 
 
 @contextlib.contextmanager
