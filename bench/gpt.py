@@ -642,6 +642,8 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     if args.switch_interval is not None:
+        if not args.switch_interval > 0:
+            ap.error(f"--switch-interval: seconds above 0, got {args.switch_interval}")
         sys.setswitchinterval(args.switch_interval)
     if args.device != "cuda" and args.system not in ("torch", "torch-best"):
         ap.error("--device cpu: --system torch only (smoke tests)")

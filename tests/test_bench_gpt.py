@@ -91,6 +91,8 @@ def test_arguments():
         gpt.main([*TINY, "--system", "torch", "--checkpoint", "some"])
     with pytest.raises(SystemExit):
         gpt.main([*TINY, "--system", "pstar_fx"])       # --device cpu is for the torch system only
+    with pytest.raises(SystemExit):
+        gpt.main([*TINY, "--system", "torch", "--switch-interval", "0"])    # no interval at all: refused, not set
     argv = ["--model", "m", "--system=torch-best", "--compile", "--checkpoint", "half", "--json", "f", "--batch", "4"]
     assert gpt._without(argv, {"--system": True, "--checkpoint": True, "--compile": False, "--json": True}) == \
         ["--model", "m", "--batch", "4"]
