@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,10 +167,12 @@ def test_region_artifacts_train_the_same_bits_without_dynamo(tmp_path):
     """PSTAR_FX_REGION_ARTIFACTS=1: each region is built as a standalone Inductor artifact (by this process, or by
     the build workers), saved by its key beside Inductor's caches and loaded from there by the next compile; no
     region goes through Dynamo, and every run trains the bits of today's torch.compile regions."""
-    plain = compile_in_a_fresh_process(tmp_path / "plain", workers=0)
-    cold = compile_in_a_fresh_process(tmp_path / "here", workers=0, artifacts=True)
-    warm = compile_in_a_fresh_process(tmp_path / "here", workers=0, artifacts=True)
-    by_workers = compile_in_a_fresh_process(tmp_path / "workers", workers=2, artifacts=True)
+    with ThreadPoolExecutor(2) as pool:         # (processes of their own caches side by side)
+        plain = pool.submit(compile_in_a_fresh_process, tmp_path / "plain", workers=0)
+        by_workers = pool.submit(compile_in_a_fresh_process, tmp_path / "workers", workers=2, artifacts=True)
+        cold = compile_in_a_fresh_process(tmp_path / "here", workers=0, artifacts=True)
+        warm = compile_in_a_fresh_process(tmp_path / "here", workers=0, artifacts=True)
+        plain, by_workers = plain.result(), by_workers.result()
     assert plain["dynamo_graphs"] == 2
     assert len(list((Path(cold["cache"]) / "pstar_fx-artifacts").glob("*.bin"))) == 2
     for run in (cold, warm, by_workers):
@@ -199,9 +202,11 @@ def test_a_cache_filled_under_one_cpu_capability_serves_another_the_bits_of_its_
     """Inductor's caches live in one folder per ATen CPU capability: filled under this machine's (AVX512 on the
     development VM) and then read under ATEN_CPU_CAPABILITY=default, Inductor's keys alone gave a C++ compile error
     (`at::vec` undeclared). Now the second capability trains the bits it trains on a cache of its own."""
-    native = compile_in_a_fresh_process(tmp_path / "shared", workers=0)
-    lowered = compile_in_a_fresh_process(tmp_path / "shared", workers=0, capability="default")
-    alone = compile_in_a_fresh_process(tmp_path / "alone", workers=0, capability="default")
+    with ThreadPoolExecutor(1) as pool:         # (a process of its own cache beside the two of the shared one)
+        alone = pool.submit(compile_in_a_fresh_process, tmp_path / "alone", workers=0, capability="default")
+        native = compile_in_a_fresh_process(tmp_path / "shared", workers=0)
+        lowered = compile_in_a_fresh_process(tmp_path / "shared", workers=0, capability="default")
+        alone = alone.result()
     assert Path(lowered["cache"]).name == "inductor-default"
     if Path(native["cache"]).name != "inductor-default":    # (a machine whose own capability is DEFAULT shares it)
         assert native["cache"] != lowered["cache"] and (lowered["hits"], lowered["misses"]) == (0, 2), lowered
