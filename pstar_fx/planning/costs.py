@@ -376,8 +376,9 @@ def _host_adam_rate(state: str, dtype: torch.dtype, n: int, at_least: float = 0.
     repeats of about 10 ms each let one passing disturbance spoil them all (1.12 G params/s read for int8
     moments that training on the same box ran at 3.3)."""
     from pstar_fx.kernels import adam_step, quant8
-    p = torch.rand(n)
-    g = torch.rand(n).to(dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    p = _drawn(n, gen)
+    g = _drawn(n, gen, dtype=dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32)
     out = torch.empty(n, dtype=g.dtype) if g.dtype != torch.float32 else None
     scales = {}
     if state == "int8":
@@ -392,6 +393,19 @@ def _host_adam_rate(state: str, dtype: torch.dtype, n: int, at_least: float = 0.
                        torch.device("cpu"), at_least=at_least)
 
 
+CALIBRATION_BLOCK = 2**20
+
+
+def _drawn(n: int, gen: torch.Generator, dtype: torch.dtype = torch.float32, scale: float = 1.0,
+           shift: float = 0.0) -> torch.Tensor:
+    """`n` values uniform in [shift, shift + scale), as `dtype`: a block of `CALIBRATION_BLOCK` drawn, then repeated.
+    The host kernels timed here do the same work per element on any such values, and torch.rand draws on one
+    thread: a calibration drew 2**27 ten times (0.67 s each on the 2-core development VM, the block repeated 0.37
+    s; on a 16-core host the repeat runs on all of them), while the compile it runs beside waited for its rates."""
+    block = (torch.rand(min(n, CALIBRATION_BLOCK), generator=gen) * scale + shift).to(dtype)
+    return block.repeat(-(-n // block.numel()))[:n]
+
+
 def _host_undo_rate(dtype: torch.dtype, n: int, at_least: float = 0.25) -> float:
     """Host correction parameters/s over `n` elements, as the engine runs one (runtime/undo.py `_correct_one`): the
     speculative update made again with the verdict's scale in one fp32 pass (kernels adam_rescale), fp32 moments,
@@ -402,10 +416,10 @@ def _host_undo_rate(dtype: torch.dtype, n: int, at_least: float = 0.25) -> float
     leave the state about where it was."""
     from pstar_fx.kernels import adam_rescale
     gen = torch.Generator().manual_seed(0)      # (not the global RNG: a calibration draws nothing a model would)
-    p = torch.rand(n, generator=gen)
-    g = torch.rand(n, generator=gen).to(dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32)
+    p = _drawn(n, gen)
+    g = _drawn(n, gen, dtype=dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32)
     out = torch.empty(n, dtype=g.dtype) if g.dtype != torch.float32 else None
-    m, v = torch.rand(n, generator=gen) * 1e-2, torch.rand(n, generator=gen) + 0.5
+    m, v = _drawn(n, gen, scale=1e-2), _drawn(n, gen, shift=0.5)
     return n / _timeit(lambda: adam_rescale(p, g, m, v, step=10, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
                                             weight_decay=0.01, grad_scale=1.25, redo_scale=1.25, param_out=out),
                        torch.device("cpu"), at_least=at_least)
