@@ -157,12 +157,14 @@ class Startup:
         store.ready()                   # (closes the allocation batch even where nothing was queued)
 
     def _write_weights(self, lowered: Lowered) -> None:
-        # the masters are written while the page-locking goes on, unless one is a buffer being locked (its worker
-        # zeroes it first); the 16-bit copies, which cross, once it is done (GPT3_18B with bf16 moments on the H200
-        # box: 8.9 s of page-locking, then 6.4 s of init, one after the other)
+        # the masters are written while the page-locking goes on: those being locked (a master that crosses as it
+        # is) once their own lock is done, not the rest (GPT3_18B with bf16 moments on the H200 box: 8.9 s of
+        # page-locking, then 6.4 s of init, one after the other); the 16-bit copies, which cross, once it is done
         store = self.rt.store
         if store.masters_pending():
-            self._locked()
+            with self.phases("page-lock masters", "the masters that cross to the device as they are, page-locked "
+                                                  "before the init writes them (the rest goes on beside it)"):
+                store.masters_ready()
         with self.phases("initialize", "weights written into the fp32 masters"):
             if self.meta:
                 materialize(self.model, store, lowered.layout, lowered.capture, lowered.device, self._generators)

@@ -164,8 +164,9 @@ def _held_until(event: threading.Event, lock: FakeLock):
 
 def test_host_state_is_page_locked_beside_the_region_builds_and_ready_before_the_init(monkeypatch):
     """compile() allocates the chunks, then builds the regions while the host buffers are page-locked, and waits
-    for every lock before the weights are written: the locks here hold until the build has started (a build
-    that came after them would leave them timing out), and init finds every buffer locked."""
+    for the masters' locks before the weights are written (fp32: every host master crosses): the locks here hold
+    until the build has started (a build that came after them would leave them timing out), and init finds every
+    locked buffer locked."""
     import pstar_fx.startup as startup_mod
     building = threading.Event()
     lock = FakeLock()
@@ -191,9 +192,47 @@ def test_host_state_is_page_locked_beside_the_region_builds_and_ready_before_the
     engine = pstar_fx.compile(model, {"device": "cpu", "placement": "host", "chunk_size": 16384, "seed": 1},
                               batch())
     assert waited and all(waited)                      # no lock finished before the build began
-    assert locked_at_init == [(len(waited), False)]    # all locked, none pending, when the init ran
-    assert "page-lock" in engine.phases.seconds
+    assert [n for n, _ in locked_at_init] == [len(waited)]     # every lock done when the init ran
+    assert "page-lock masters" in engine.phases.seconds and "page-lock" in engine.phases.seconds
     _locked_is_what_crosses(engine, lock)
+
+
+def test_the_init_waits_for_the_masters_it_writes_not_for_the_moments_zeroing(monkeypatch):
+    """fp32 compute: each host chunk's master crosses, and is locked before the init writes it; its moments are
+    only zeroed (never locked), and that zeroing goes on beside the init: here it is held until the init has begun
+    (an init that waited for it would leave it timing out). The masters are asked for first, so the workers reach
+    them before any moment. The same bits as a run that locks nothing."""
+    config, inputs, model, plain = _host_state_run("fp32")
+    initializing = threading.Event()
+    lock = FakeLock()
+    zeroed: list[bool] = []
+
+    class Gated(host_memory.HostBuffers):
+        def __init__(self, pin, _threads, device):
+            super().__init__(True, 2, lock)
+
+        def _ready(self, t, fill, pin):
+            if not pin:                                 # a moment: zeroed once the init has begun
+                zeroed.append(initializing.wait(timeout=10))
+            return super()._ready(t, fill, pin)
+
+    monkeypatch.setattr(store_mod, "HostBuffers", Gated)
+    real_load = store_mod.ChunkStore.load_params
+    at_init = []
+
+    def load_params(store, tensors):
+        at_init.append((store.pinning, len(lock.locked)))
+        initializing.set()
+        return real_load(store, tensors)
+
+    monkeypatch.setattr(store_mod.ChunkStore, "load_params", load_params)
+    locked = pstar_fx.compile(model, config, inputs)
+    store = locked.rt.store
+    host = [c for c in range(len(store.master)) if store.tier(c) == "host"]
+    assert at_init == [(True, len(host))]              # the masters locked, the moments still being zeroed
+    assert len(zeroed) == 2 * len(host) and all(zeroed)
+    _locked_is_what_crosses(locked, lock)
+    _assert_same_bits(plain, locked, inputs)
 
 
 def test_masters_that_do_not_cross_are_initialized_while_the_host_state_is_page_locked(monkeypatch):

@@ -3,7 +3,8 @@
 Page-locking is what takes the time: GPT3_18B's 107 GiB of host state took 35-43 s on the H200 box, one buffer
 after another (touch every page, then cudaHostRegister it). `HostBuffers.batch()` queues that work instead: each
 buffer is handed out at once (allocated, untouched), and `threads` workers write its first values and register it
-while the store goes on; the batch ends when every buffer is ready, so nothing reads one before. Outside a batch a
+while the store goes on; the batch ends when every buffer is ready, so nothing reads one before (a writer that
+needs some buffers sooner waits for those alone: `HostBuffers.wait_ready`, the init's masters). Outside a batch a
 buffer is made ready before it is handed out, as before. Each buffer is its own allocation of exactly its bytes,
 so the budget's accounting (what `ChunkStore.alloc` charges) is what is allocated.
 
@@ -216,7 +217,7 @@ class HostBuffers:
         self.device = device        # the CUDA device whose context locks (a worker thread would default to cuda:0)
         self._pool: ThreadPoolExecutor | None = None
         self._queued: list[Future] = []
-        self._pending: set[int] = set()         # the storages of the buffers queued in this batch
+        self._pending: dict[int, Future] = {}   # the storages of the buffers queued in this batch -> their work
         self.unlocked: list[int] = []           # error codes of buffers that stayed pageable (batch only)
         self.reserve: HostReserve | None = None  # buffers page-locked ahead (a batch takes zero-filled ones there)
         # (nbytes, page-locked) -> how many zero-filled (or unfilled) buffers a batch handed out: what a reserve
@@ -253,13 +254,22 @@ class HostBuffers:
             t = torch.empty(n, dtype=dtype)
             made = self._pool.submit(self._ready, t, fill, pin)
         self._queued.append(made)
-        self._pending.add(t.untyped_storage().data_ptr())
+        self._pending[t.untyped_storage().data_ptr()] = made
         return t
 
     def pending(self, t: torch.Tensor) -> bool:
         """Whether `t`'s buffer is still queued in the open batch (its workers may yet zero it: write it only once
         the batch has ended)."""
         return t.untyped_storage().data_ptr() in self._pending
+
+    def wait_ready(self, tensors: list[torch.Tensor]) -> None:
+        """Wait until those of `tensors` queued in the open batch are ready (filled and page-locked: their
+        writers may write them), while the batch goes on with the rest. A lock's error is counted at the batch's
+        end, as for every buffer."""
+        for t in tensors:
+            made = self._pending.get(t.untyped_storage().data_ptr())
+            if made is not None:
+                made.result()
 
     def _zero_mapping(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         t = torch.frombuffer(mmap.mmap(-1, n * dtype.itemsize), dtype=dtype)   # (the tensor keeps the mapping)

@@ -155,10 +155,15 @@ class ChunkStore:
         host ones whose 16-bit shadow crosses instead) can be written while the rest is page-locked."""
         return any(m is not None and self._host.pending(m) for m in self.master)
 
+    def masters_ready(self) -> None:
+        """Wait until every master still being made ready is (zeroed and page-locked); the batch's other buffers
+        (the moments, the shadows) go on meanwhile. The init may then write the masters."""
+        self._host.wait_ready([m for m in self.master if m is not None])
+
     def ready(self, phase: str | None = None) -> None:
         """Wait until every host buffer handed out so far is filled and page-locked (a no-op when they are);
         `phase`: the compile phase its progress is reported under meanwhile. Nothing reads or writes chunk
-        memory before this returns."""
+        memory before this returns, except the init writing masters `masters_ready` said were ready."""
         if phase is not None:
             self._pin_phase = phase
         self._allocating.close()
@@ -166,24 +171,28 @@ class ChunkStore:
     def _allocate_state(self) -> None:
         layout, plan, config, compute_dtype = self.layout, self.plan, self.config, self.compute_dtype
         cs, n = layout.chunk_size, len(layout.chunks)
+        # every master first, then the moments: a batch's workers make its buffers ready in the order they are
+        # asked for, and the init waits only for the masters it writes (`masters_ready`), not for the moments'
+        # zeroing (an H100's warm GPT3_18B: 6.2 s of page-locking and zeroing, then the init's 4.6 s after it)
         for c in range(n):
             tier = self.tier(c)
             if tier == "remote":
-                for state in (self.master, self.exp_avg, self.exp_avg_sq, self.exp_avg_absmax,
-                              self.exp_avg_sq_absmax):
-                    state.append(None)
-                continue
-            if layout.chunks[c].frozen:
+                self.master.append(None)
+            elif layout.chunks[c].frozen:
                 self.master.append(self.alloc(tier, cs, compute_dtype, zero=True))
+            else:
+                # a host chunk's state is page-locked only where a copy reads it: its master when the master itself
+                # crosses (`master_crosses`); its moments never (the host Adam alone reads them). The init or a
+                # load writes every master before anything reads it
+                self.master.append(self.alloc(tier, layout.state_elems, torch.float32, zero=True,
+                                              lock=master_crosses(plan, c), written_first=True))
+        for c in range(n):
+            tier = self.tier(c)
+            if tier == "remote" or layout.chunks[c].frozen:
                 for state in (self.exp_avg, self.exp_avg_sq, self.exp_avg_absmax, self.exp_avg_sq_absmax):
                     state.append(None)
                 continue
-            # a host chunk's state is page-locked only where a copy reads it: its master when the master itself
-            # crosses (`master_crosses`); its moments never (the host Adam alone reads them). The init or a load
-            # writes every master before anything reads it
             se = layout.state_elems         # (a trainable chunk's state: the chunk size, or less beside frozen ones)
-            self.master.append(self.alloc(tier, se, torch.float32, zero=True, lock=master_crosses(plan, c),
-                                          written_first=True))
             # int8: the code of 0 (the unsigned one is 0)
             self.exp_avg.append(self.alloc(tier, se, config.moment_dtype,
                                            fill=quant8.SIGNED_ZERO if self.quantized else 0, lock=False))
