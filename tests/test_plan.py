@@ -80,6 +80,23 @@ def test_prefetch_starts_early_enough_and_never_overfills_slots():
     assert peak <= 2
 
 
+def test_the_copy_stream_runs_one_copy_at_a_time():
+    """Three chunks read one node apart (1 s a node), each copy 1.5 s, every slot free from the start: one copy
+    stream brings them in one after another (0-1.5, 1.5-3, 3-4.5 s), so the compute waits 0.5 s at each fetch,
+    1.5 s in all (each copy hidden alone, as if they crossed side by side, would leave 0.5 s); each is queued as
+    soon as its slot is free, in the order of the fetches."""
+    reads = [set(), {1}, {2}, {3}, set()]
+    sched = place_prefetches(belady(reads, 4), 4, node_seconds=[1.0] * len(reads),
+                             copy_seconds={1: 1.5, 2: 1.5, 3: 1.5})
+    assert sched.exposed_seconds == pytest.approx(1.5)
+    prefetch_at = [(i, c) for i, ops in sorted(sched.before.items()) for op, c in ops if op == "prefetch"]
+    assert prefetch_at == [(0, 1), (0, 2), (0, 3)]
+    # a copy that lands in time costs nothing, and one queued behind it waits for it
+    sched = place_prefetches(belady(reads, 4), 4, node_seconds=[1.0] * len(reads),
+                             copy_seconds={1: 0.5, 2: 0.5, 3: 2.5})
+    assert sched.exposed_seconds == pytest.approx(0.5)     # the third lands at 3.5 s, needed at 3
+
+
 # ---- chunk size search ----------------------------------------------------------------------------------
 
 def test_chunk_size_search_minimizes_layout_plus_one_chunk():

@@ -14,6 +14,7 @@ Output: per node, ops to run before it (prefetch, fetch = wait for the copy) and
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 
@@ -59,27 +60,51 @@ def belady(reads: list[set[int]], n_slots: int) -> list[tuple[int, int, int]]:
 
 def place_prefetches(intervals: list[tuple[int, int, int]], n_slots: int, node_seconds: list[float],
                      copy_seconds: dict[int, float]) -> Schedule:
-    """Turn residency intervals into prefetch/fetch/release ops with copies started early enough."""
+    """Turn residency intervals into prefetch/fetch/release ops, each copy queued as soon as its slot is free.
+
+    The copies run one after another on one copy stream (the runtime's "h2d": movers.py), in the order they are
+    queued, each once its slot's previous chunk has left; so they are timed as that stream runs them, not each
+    against the compute alone (two copies in flight share one link). A fetch whose copy has not landed stalls the
+    compute, and everything after it runs that much later (`Schedule.exposed_seconds`). Each copy is queued as
+    early as its slot allows, in the order of the fetches: queued later, it only leaves the stream idle before it,
+    and the launching thread, which queues it, may by then be waiting on the host (for a host gradient buffer:
+    2.3 s a step at `GPT3_18B` with fp32 moments on the H200). Before, each copy was queued just early enough to
+    hide it alone; on an H100 box, `GPT3_10B` with fp32 moments (25 host chunks crossing as fp32) ran 2.404 s a step
+    that way and 2.341 s this way, its compute waiting 0.48 and 0.43 s for copies (bench/RESULTS.md, session 27)."""
     sched = Schedule()
     slot_free_after = [-1] * n_slots            # node index after which each slot is empty
     prefix = [0.0]
     for t in node_seconds:
         prefix.append(prefix[-1] + t)
+    stall_nodes: list[int] = []                 # fetch nodes where the compute waited, in order
+    stalled: list[float] = []                   # the compute's waits so far, through each of those nodes
+
+    def waited_through(i: int) -> float:        # the compute's waits at the fetches of nodes 0..i
+        k = bisect.bisect_right(stall_nodes, i)
+        return stalled[k - 1] if k else 0.0
+
+    copies_done = 0.0                           # when the copy stream has run every copy queued so far
+    queued = 0                                  # the node before which the last copy was queued
     for chunk, start, end in intervals:
         slot = min(range(n_slots), key=lambda s: slot_free_after[s])
         earliest = slot_free_after[slot] + 1
         if earliest > start:
             raise AssertionError("more chunks resident than slots: belady() output is inconsistent")
-        need = copy_seconds.get(chunk, 0.0)
-        issue = start
-        while issue > earliest and prefix[start] - prefix[issue] < need:
-            issue -= 1
-        hidden = prefix[start] - prefix[issue]
-        sched.exposed_seconds += max(0.0, need - hidden)
+        issue = max(earliest, queued)
+        # the copy starts once the stream is free and the slot's previous chunk has been read for the last time
+        slot_read = prefix[earliest] + waited_through(earliest - 1) if earliest > 0 else 0.0
+        copies_done = max(copies_done, slot_read) + copy_seconds.get(chunk, 0.0)
+        before = waited_through(start)
+        wait = max(0.0, copies_done - (prefix[start] + before))
+        if wait > 0.0:
+            stall_nodes.append(start)
+            stalled.append(before + wait)
+            sched.exposed_seconds += wait
         if issue < start:
             sched.before.setdefault(issue, []).append(("prefetch", chunk))
         sched.before.setdefault(start, []).append(("fetch", chunk))
         sched.after.setdefault(end, []).append(("release", chunk))
         slot_free_after[slot] = end
+        queued = issue
         sched.fetches += 1
     return sched
