@@ -5,13 +5,14 @@ Lowered's `on_planned`; data parallelism sets its group up first and allocates a
 runs side by side: lowering and the regions pass in this process, the host part's zeroing and page-locking on
 threads (~100 GiB at 18B; begun during the search for the buffers the plan surely needs, and before the capture for
 all of a compile before this one's: runtime/host_memory.py HostReserve, pipeline/reserve_cache.py), the initial
-weights written on a thread of their own (into the masters at once where none is a buffer being locked, the 16-bit
-copies once all are ready; the interpreter hands it the GIL within 0.2 ms meanwhile: parallel_init.prompt_handoffs),
-on a cold cache the region builds in worker processes (Inductor), and this process's own building or loading of the
-regions. The init draws from generators of its own (parallel_init.own_generators):
-Dynamo saves and restores the global ones around each build, which would cut into its draws; after the init the
-global ones are moved where a serial init leaves them. The builds find the device chunks allocated: their examples
-and autotuning take room the step's activations leave free until the first step.
+weights written on a thread of their own (into the masters at once where none is a buffer being locked, else once
+the masters' own locks are done, the rest locking beside them; the 16-bit copies once all are ready; the
+interpreter hands it the GIL within 0.2 ms meanwhile: parallel_init.prompt_handoffs), on a cold cache the region
+builds in worker processes (Inductor), and this process's own building or loading of the regions. The init draws
+from generators of its own (parallel_init.own_generators): Dynamo saves and restores the global ones around each
+build, which would cut into its draws; after the init the global ones are moved where a serial init leaves them.
+The builds find the device chunks allocated: their examples and autotuning take room the step's activations leave
+free until the first step.
 
 `Startup` is a context manager: on an error it never leaves a thread writing chunk memory or a build worker
 running, and it always closes the reserve.
