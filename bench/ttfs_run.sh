@@ -19,7 +19,7 @@ for run in ${RUNS:-cold warm}; do
   rm -f "$OUT/ttfs-$run.jsonl"                          # (a run named twice: ttfs.jsonl gets each once)
   PSTAR_FX_RESERVE_CACHE=$reserve timeout "$remaining" python3 bench/gpt.py --model "$model" --system pstar_fx --batch 16 --seq 1024 \
     --steps "${STEPS:-2}" --host-memory "${HOST:-110GiB}" $extra --json "$OUT/ttfs-$run.jsonl" 2>&1 \
-    | grep -v "^DEBUG" | tee "$OUT/ttfs-${model//\//_}-$run.log" | grep -E "^(compile|step|fits|Traceback)|Error|build regions|initialize|allocate|page-lock|plan done|ahead of the plan|another plan|16-bit copies|artifact|op by op" | tail -24
+    | grep -v "^DEBUG" | tee "$OUT/ttfs-${model//\//_}-$run.log" | grep -E "^(compile|step|fits|Traceback)|Error|build regions|build workers|initialize|allocate|page-lock|plan done|ahead of the plan|another plan|16-bit copies|artifact|op by op" | tail -24
   python3 - "$OUT/ttfs-$run.jsonl" "$run" >> "$OUT/ttfs.jsonl" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):

@@ -14,9 +14,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = r"""
-import hashlib, json, torch, pstar_fx
+import hashlib, json, logging, torch, pstar_fx
 from torch import nn
 from torch._dynamo.utils import counters
+
+said = []                               # the engine's log lines about the build workers' times
+class Said(logging.Handler):
+    def emit(self, record):
+        if "region build workers" in record.getMessage():
+            said.append(record.getMessage())
+logging.getLogger("pstar_fx").addHandler(Said())
+logging.getLogger("pstar_fx").setLevel(logging.INFO)
 
 class TwoLinear(nn.Module):
     def __init__(self):
@@ -40,7 +48,7 @@ print(json.dumps({"losses": losses, "regions": len(engine.graph.meta["regions"])
                   "aot_hits": counters["aot_autograd"]["autograd_cache_hit"],
                   "aot_misses": counters["aot_autograd"]["autograd_cache_miss"],
                   "dynamo_graphs": counters["stats"]["unique_graphs"],
-                  "cache": __import__("os").environ["TORCHINDUCTOR_CACHE_DIR"]}))
+                  "cache": __import__("os").environ["TORCHINDUCTOR_CACHE_DIR"], "workers_said": said}))
 """
 
 
@@ -68,6 +76,9 @@ def test_second_compile_loads_the_regions_the_workers_built_and_trains_the_same_
     assert (cold["hits"], cold["misses"]) == (2, 0), cold
     assert (cold["aot_hits"], cold["aot_misses"]) == (2, 0), cold
     assert list(inductor.glob("pstar_fx-regions-*")), "no marker of the built regions"
+    # where the cold build's time went: each worker's start, and each region's seconds (one region a worker here)
+    said = cold["workers_said"]
+    assert len(said) == 1 and said[0].count("ready at") == 2 and said[0].count(" ops ") == 2, said
     warm = compile_in_a_fresh_process(tmp_path, workers=2)          # the marker: no worker starts
     assert (warm["hits"], warm["misses"]) == (2, 0) and (warm["aot_hits"], warm["aot_misses"]) == (2, 0), warm
     assert warm["losses"] == cold["losses"] and warm["state"] == cold["state"]

@@ -33,6 +33,7 @@ import math
 import operator
 import os
 import pickle
+import time
 
 import torch
 import torch.fx as fx
@@ -202,6 +203,7 @@ def _build_in_order(gm: fx.GraphModule, device: torch.device, builders: region_b
     # step (HF Llama: 5 of its regions, ~20 s at 8B on the H200)
     same: dict[fx.Node, tuple[fx.Node, int]] = {}
     outputs: dict[Region, tuple[list[_Layout | None], list[int]] | None] = {}
+    spent: list[tuple[str, float, float]] = []     # per region: seconds waiting for its worker, then here
     for node in gm.graph.nodes:
         region = node.target
         if not isinstance(region, Region):
@@ -221,9 +223,11 @@ def _build_in_order(gm: fx.GraphModule, device: torch.device, builders: region_b
                     stand_ins[key] = _example(spec, device)
                 examples.append(stand_ins[key])
                 distinct.append(_example(spec, device) if repeat and artifact else stand_ins[key])
+            t0 = time.perf_counter()
             if builders is not None:        # loaded as soon as its worker has built it, while they build others
                 builders.wait_for(region.key)
                 builders.make_room(region.key)
+            t1 = time.perf_counter()
             try:
                 if artifact:
                     # built on distinct inputs: AOTAutograd dedupes a repeated one, and torch 2.11's artifact of
@@ -241,6 +245,7 @@ def _build_in_order(gm: fx.GraphModule, device: torch.device, builders: region_b
             if region.spare_bytes is not None and region.eager_because is None:
                 _fits_compiled(region, specs, examples, device)
             del examples, stand_ins, distinct
+            spent.append((region.__name__, t1 - t0, time.perf_counter() - t1))
         if outputs[region] is not None:
             layouts, firsts = outputs[region]
             for user in node.users:
@@ -248,6 +253,11 @@ def _build_in_order(gm: fx.GraphModule, device: torch.device, builders: region_b
                     if layouts[user.args[1]] is not None:
                         made[user] = layouts[user.args[1]]
                     same[user] = (node, firsts[user.args[1]])
+    if spent:
+        waited, own = sum(w for _, w, _ in spent), sum(b for _, _, b in spent)
+        name, _, longest = max(spent, key=lambda t: t[2])
+        log.info("  build regions: %d here, %.1f s waiting for their workers, %.1f s building or loading (the longest: "
+                 "%s, %.1f s)", len(spent), waited, own, name, longest)
     return sum(v is not None for v in outputs.values())
 
 

@@ -151,11 +151,15 @@ class Builders:
     regions they built (0 when one failed: this process then builds the rest itself, slower, never wrong)."""
 
     def __init__(self, procs: list[subprocess.Popen], tmp: tempfile.TemporaryDirectory, marker: str, n_jobs: int,
-                 owner: dict[str, int] | None = None, device_shared: bool = False):
+                 owner: dict[str, int] | None = None, device_shared: bool = False, started: float | None = None,
+                 ops: dict[str, int] | None = None):
         self._procs, self._tmp, self._marker, self._n = procs, tmp, marker, n_jobs
         self._owner = owner or {}                  # region key -> the worker building it
         self._device_shared = device_shared        # the workers hold shares of the device memory until they end
         self._built: int | None = None
+        self._started = time.time() if started is None else started     # (wall clock: the workers' too)
+        self._ops = ops or {}                      # region key -> its ops
+        self.times: list[dict] = []                # per region a worker built: `wait()` fills it (`said`)
 
     def make_room(self, key: str) -> None:
         """Before this process builds the region with `key` itself: where the workers share the device memory and
@@ -202,8 +206,10 @@ class Builders:
                 if p.wait():
                     with open(os.path.join(self._tmp.name, f"err{w}.txt"), errors="replace") as f:
                         failed.append(f.read().strip().splitlines()[-1:] or ["(no message)"])
+            self.times = self._read_times()
         finally:
             self._end()                     # (an interrupted wait too)
+        log.info("%s", self.said())
         if failed:
             log.warning("%d of %d region build workers failed (%s); building here", len(failed), len(self._procs),
                         failed[0][0])
@@ -213,6 +219,35 @@ class Builders:
             pass
         self._built = self._n
         return self._n
+
+
+    def _read_times(self) -> list[dict]:
+        """What each worker wrote in its regions' files: when it was ready (imports done), when it began and ended
+        each region, in seconds from the workers' start."""
+        times = []
+        for key, w in self._owner.items():
+            try:
+                with open(os.path.join(self._tmp.name, done_name(key))) as f:
+                    t = json.load(f)
+                times.append({"worker": w, "ops": self._ops.get(key, 0), "built": bool(t["built"]),
+                              **{k: round(t[k] - self._started, 2) for k in ("ready", "began", "ended")}})
+            except (OSError, ValueError, KeyError, TypeError):
+                continue                    # (a worker that ended before it: nothing to say)
+        return sorted(times, key=lambda t: t["began"])
+
+    def said(self) -> str:
+        """One line: when the workers were ready, and each one's regions (ops, seconds), the longest first."""
+        if not self.times:
+            return "region build workers: no times"
+        by: dict[int, list[dict]] = {}
+        for t in self.times:
+            by.setdefault(t["worker"], []).append(t)
+        parts = []
+        for w, ts in sorted(by.items()):
+            spans = ", ".join(f"{t['ops']} ops {t['ended'] - t['began']:.1f} s" + ("" if t["built"] else " (not built)")
+                              for t in ts)
+            parts.append(f"worker {w} ready at {ts[0]['ready']:.1f} s, done at {ts[-1]['ended']:.1f} s: {spans}")
+        return f"region build workers ({len(by)}), seconds from their start: " + "; ".join(parts)
 
 
 def done_name(key: str) -> str:
@@ -249,7 +284,7 @@ def start(jobs: list[tuple[str, torch.fx.GraphModule, list]], device: torch.devi
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # pstar_fx's parent
     env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS=str(threads), PSTAR_FX_BUILD_WORKERS="0",
                PYTHONPATH=os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p))
-    procs, owner = [], {}
+    procs, owner, started = [], {}, time.time()
     tmp = tempfile.TemporaryDirectory(prefix="pstar_fx-regions-")
     try:
         for w, share in enumerate(shares(jobs, workers)):
@@ -269,7 +304,8 @@ def start(jobs: list[tuple[str, torch.fx.GraphModule, list]], device: torch.devi
     except BaseException:                   # the ones started must not mark a partial set built
         Builders(procs, tmp, marker, len(jobs)).stop()
         raise
-    return Builders(procs, tmp, marker, len(jobs), owner, device_shared=fraction is not None)
+    return Builders(procs, tmp, marker, len(jobs), owner, device_shared=fraction is not None, started=started,
+                    ops={k: n_ops(gm) for k, gm, _ in jobs})
 
 
 def shares(jobs: list[tuple[str, torch.fx.GraphModule, list]], workers: int) -> list[list]:

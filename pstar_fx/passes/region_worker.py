@@ -4,16 +4,20 @@ filling Inductor's caches (or saving standalone artifacts), and says so region b
 """
 from __future__ import annotations
 
+import json
 import pickle
 import sys
+import time
 
 import torch
 
 from .compile_regions import Region, _example
+from ..planning.costs import written_aside
 from .region_builders import save_artifact
 
 
 def work(path: str) -> None:
+    ready = time.time()                         # (its imports done: what a worker costs before its first build)
     with open(path, "rb") as f:
         job = pickle.load(f)
     torch._inductor.config.load_config(job["inductor_config"])
@@ -25,6 +29,7 @@ def work(path: str) -> None:
     artifacts = job.get("artifacts") or [None] * len(job["regions"])
     for i, ((gm, specs), artifact, done) in enumerate(zip(job["regions"], artifacts, job["done"])):
         region = None if artifact is not None else Region(gm, f"region_w{i}", "inductor", specs)
+        began, built = time.time(), False
         try:
             examples = [_example(s, device) for s in specs]
             if region is None:
@@ -32,12 +37,13 @@ def work(path: str) -> None:
             else:
                 region(*examples)
             del examples
+            built = True
         except torch.OutOfMemoryError:          # the others are still worth building; the parent builds this one
             torch.cuda.empty_cache()
             print(f"region_w{i} not built: out of device memory", file=sys.stderr, flush=True)
-        finally:                                # built or not, the parent may go on with it
-            with open(done, "w"):
-                pass
+        finally:                                # built or not, the parent may go on with it (its times in it)
+            with written_aside(done) as part, open(part, "w") as f:
+                json.dump({"ready": ready, "began": began, "ended": time.time(), "built": built}, f)
         if region is not None and region.eager_because is not None:
             print(f"region_w{i} not built: {region.eager_because}", file=sys.stderr, flush=True)
 
