@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from concurrent import futures
 
 import torch
@@ -28,6 +29,7 @@ import torch.fx as fx
 from torch import nn
 
 from .config import Config, format_bytes
+from .passes import compile_regions, region_builders
 from .passes.compile_regions import build_regions, start_region_builders
 from .phases import Phases
 from .pipeline import reserve_cache
@@ -65,6 +67,18 @@ def build_regions_now(graph: fx.GraphModule, device: torch.device, phases: Phase
                 torch.cuda.empty_cache()    # what autotuning allocated goes back before the activations need it
 
 
+def standby_builders(config: Config, compile_key: str) -> region_builders.Standby | None:
+    """Region build workers started now, before the capture, where this compile will likely build its regions on a
+    cold cache: compiled compute, workers on, and no compile of the same model, inputs and config built them here
+    before (region_builders.Standby, probably_built)."""
+    if not config.compiles_compute or compile_regions.BACKEND != "inductor" or not region_builders.standby_on():
+        return None
+    workers = region_builders.standby_workers()
+    if workers < 2 or region_builders.probably_built(compile_key):
+        return None
+    return region_builders.Standby(workers)
+
+
 class Startup:
     """One compile()'s chunk memory, initial weights and region builds (the module docstring)."""
 
@@ -80,9 +94,12 @@ class Startup:
         self._threads = contextlib.ExitStack()
         self.reserve = host_reserve(config)
         self._remembered_at = self._remembered = None
+        device = torch.device(config.device)
+        self._compile_key = reserve_cache.key(model, example_inputs, config, device)
+        self._standby = standby_builders(config, self._compile_key)
         if self.reserve is not None:
             # a compile of this model, inputs and config before this one: the buffers it made, started now
-            self._remembered_at = reserve_cache.key(model, example_inputs, config, torch.device(config.device))
+            self._remembered_at = self._compile_key
             self._remembered = reserve_cache.load(self._remembered_at)
             if self._remembered is not None:
                 for lock in (True, False):
@@ -112,6 +129,8 @@ class Startup:
         finally:
             if self.reserve is not None:
                 self.reserve.close()
+            if self._standby is not None:
+                self._standby.close()               # (none left waiting: those handed shares are the builders')
             self._threads.close()
 
     def allocate(self, plan: Plan, lowered: Lowered, dp: DataParallel | None = None) -> None:
@@ -140,10 +159,14 @@ class Startup:
         """The runtime, its weights written and the regions built (allocated here if the pipeline did not)."""
         if self.rt is None:
             self.allocate(lowered.plan, lowered, dp)
-        self._builders = start_region_builders(lowered.graph, lowered.device)   # None: no worker started
+        standby, self._standby = self._standby, None
+        self._builders = start_region_builders(lowered.graph, lowered.device, standby)   # None: no worker started
         # the step's Python code (a lazy GraphModule's, ~0.4 s at 18B; else made at the first step)
         getattr(lowered.graph, "real_recompile", lambda: None)()
         build_regions_now(lowered.graph, lowered.device, self.phases, builders=self._builders)
+        marker = compile_regions.regions_marker(lowered.graph, lowered.device)
+        if marker is not None and os.path.exists(marker):
+            region_builders.remember_built(self._compile_key, marker)      # the next compile starts no standby
         self._weights.result()
         if self.meta:
             settle(self.config.seed, self._generators)     # the global generators where a serial init leaves them

@@ -77,10 +77,14 @@ def test_second_compile_loads_the_regions_the_workers_built_and_trains_the_same_
     assert (cold["aot_hits"], cold["aot_misses"]) == (2, 0), cold
     assert list(inductor.glob("pstar_fx-regions-*")), "no marker of the built regions"
     # where the cold build's time went: each worker's start, and each region's seconds (one region a worker here)
+    # (the workers were started before the capture, on standby: handed their shares once the regions were known)
     said = cold["workers_said"]
     assert len(said) == 1 and said[0].count("ready at") == 2 and said[0].count(" ops ") == 2, said
-    warm = compile_in_a_fresh_process(tmp_path, workers=2)          # the marker: no worker starts
+    assert "shares handed at" in said[0], said
+    warm = compile_in_a_fresh_process(tmp_path, workers=2)          # the marker: no worker starts, none on standby
     assert (warm["hits"], warm["misses"]) == (2, 0) and (warm["aot_hits"], warm["aot_misses"]) == (2, 0), warm
+    assert warm["workers_said"] == [] and not list(inductor.glob("pstar_fx-compiles/*.json.tmp*")), warm
+    assert len(list((inductor / "pstar_fx-compiles").glob("*.json"))) == 1     # what told it so
     assert warm["losses"] == cold["losses"] and warm["state"] == cold["state"]
 
 
@@ -285,3 +289,38 @@ def test_a_region_no_worker_builds_waits_for_the_workers_shares_of_the_device(tm
             b.make_room("nobody's")
             assert proc.poll() is not None and not b.running()
         assert b.wait() == 1
+
+
+def test_standby_workers_not_needed_are_killed_at_once_and_leave_nothing(tmp_path, monkeypatch):
+    """Workers started on standby before the capture (region_builders.Standby): `take` keeps the ones a cold build
+    uses and kills the rest without waiting for their imports; `close` kills the rest and removes their folder."""
+    import time
+
+    from pstar_fx.passes import region_builders
+
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    standby = region_builders.Standby(3)
+    folder = standby.tmp.name
+    t0 = time.perf_counter()
+    assert standby.take(1) == 1
+    assert time.perf_counter() - t0 < 5          # (killed, not waited for: importing torch alone takes seconds)
+    assert standby.procs[0].poll() is None and all(p.returncode is not None for p in standby.procs[1:])
+    standby.procs[0].kill()                       # (the one taken: a Builders would own it)
+    standby.procs[0].wait()
+    unused = region_builders.Standby(2)
+    unused.close()
+    assert all(p.returncode is not None for p in unused.procs)
+    assert not os.path.exists(unused.tmp.name) and os.path.exists(folder)
+    standby.tmp.cleanup()
+
+
+def test_a_standby_worker_whose_parent_is_gone_exits_without_a_job(tmp_path, monkeypatch):
+    """A worker on standby that is never handed its share does not linger: once the process that started it is
+    gone (its parent's pid changes), it returns without building anything."""
+    from pstar_fx.passes import region_worker
+
+    parents = iter([1234] + [1] * 1000)                  # started by 1234, then re-parented to init
+    monkeypatch.setattr(region_worker.os, "getppid", lambda: next(parents))
+    monkeypatch.setattr(region_worker, "warm_up", lambda: None)
+    monkeypatch.setattr(region_worker, "work", lambda *a: (_ for _ in ()).throw(AssertionError("built")))
+    region_worker.standby(str(tmp_path / "job0.pkl"))    # returns: no job, parent gone

@@ -138,7 +138,7 @@ def _digest(parts: list[str]) -> str:
     return h.hexdigest()
 
 
-def _marker(keys: list[str], device: torch.device, backend: str) -> str:
+def marker(keys: list[str], device: torch.device, backend: str) -> str:
     how = "artifacts" if artifacts_on() else ""
     name = _digest([torch.__version__, str(device), backend, how, *sorted(keys)])[:32]
     return os.path.join(inductor_cache_dir(), f"pstar_fx-regions-{name}")
@@ -158,6 +158,7 @@ class Builders:
         self._device_shared = device_shared        # the workers hold shares of the device memory until they end
         self._built: int | None = None
         self._started = time.time() if started is None else started     # (wall clock: the workers' too)
+        self._handed = time.time()                 # when they were given their shares (later, for standby ones)
         self._ops = ops or {}                      # region key -> its ops
         self.times: list[dict] = []                # per region a worker built: `wait()` fills it (`said`)
 
@@ -247,7 +248,9 @@ class Builders:
             spans = ", ".join(f"{t['ops']} ops {t['ended'] - t['began']:.1f} s" + ("" if t["built"] else " (not built)")
                               for t in ts)
             parts.append(f"worker {w} ready at {ts[0]['ready']:.1f} s, done at {ts[-1]['ended']:.1f} s: {spans}")
-        return f"region build workers ({len(by)}), seconds from their start: " + "; ".join(parts)
+        handed = self._handed - self._started
+        return (f"region build workers ({len(by)}), seconds from their start"
+                + (f" (their shares handed at {handed:.1f} s)" if handed >= 0.1 else "") + ": " + "; ".join(parts))
 
 
 def done_name(key: str) -> str:
@@ -255,15 +258,113 @@ def done_name(key: str) -> str:
     return "done-" + _digest([key])[:24]
 
 
-def start(jobs: list[tuple[str, torch.fx.GraphModule, list]], device: torch.device, backend: str) -> Builders | None:
+def _worker_env(threads: int) -> dict[str, str]:
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # pstar_fx's parent
+    return dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS=str(threads), PSTAR_FX_BUILD_WORKERS="0",
+                PYTHONPATH=os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p))
+
+
+class Standby:
+    """Build workers started before the capture (`python -m pstar_fx.passes.region_worker --standby JOB`), importing
+    and warming up while the step is captured and planned, for `start` to hand their shares to. On the H100 box a
+    worker was ready 3.5 s after it started and its first region took ~4 s more than later ones of its size: with
+    the workers started after the regions pass, ~7 s of a cold 4.2B compile's 24 s of builds. `close()` kills every
+    worker not handed a share (a standby worker also exits by itself once this process is gone)."""
+
+    def __init__(self, workers: int):
+        self.tmp = tempfile.TemporaryDirectory(prefix="pstar_fx-regions-")
+        self.started = time.time()
+        self.procs: list[subprocess.Popen] = []
+        self._taken = 0
+        env = _worker_env(max(1, (os.cpu_count() or 1) // workers))
+        try:
+            for w in range(workers):
+                with open(os.path.join(self.tmp.name, f"err{w}.txt"), "wb") as err:
+                    self.procs.append(subprocess.Popen([sys.executable, "-m", WORKER, "--standby", self.job(w)],
+                                                       env=env, stdout=subprocess.DEVNULL, stderr=err))
+        except BaseException:
+            self.close()
+            raise
+
+    def job(self, w: int) -> str:
+        return os.path.join(self.tmp.name, f"job{w}.pkl")
+
+    def take(self, workers: int) -> int:
+        """Up to `workers` of them for `start` (how many it gets); the others are sent away."""
+        self._taken = min(workers, len(self.procs))
+        self._send_away(self._taken)
+        return self._taken
+
+    def _send_away(self, first: int) -> None:
+        """The workers from `first` on killed and reaped at once: one still importing would take seconds to read a
+        note, and the compile must not wait for it (its compile processes end with it: they watch their parent)."""
+        for p in self.procs[first:]:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+    def close(self) -> None:
+        """Every worker not taken sent away; the folder removed unless some were taken (the Builders made of them
+        own it then)."""
+        self._send_away(self._taken)
+        if not self._taken:
+            self.tmp.cleanup()
+
+
+def _compile_memo(key: str) -> str:
+    return os.path.join(inductor_cache_dir(), "pstar_fx-compiles", f"{key}.json")
+
+
+def remember_built(key: str, marker_path: str) -> None:
+    """A compile known by `key` before its capture (reserve_cache.key: model, inputs, config, device, torch) built
+    the regions that `marker_path` marks: its next compile starts no standby workers while that marker stands."""
+    try:
+        write_entry(_compile_memo(key), {"marker": marker_path})
+    except OSError as e:
+        log.debug("%s could not be written (%s)", _compile_memo(key), e)
+
+
+def probably_built(key: str) -> bool:
+    """Whether the compile known by `key` built its regions here before (`remember_built`): then they load from the
+    cache and standby workers would start for nothing. A guess: where wrong, the workers start after the regions
+    pass, as without a standby."""
+    try:
+        with open(_compile_memo(key)) as f:
+            return os.path.exists(json.load(f)["marker"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def standby_on() -> bool:
+    """PSTAR_FX_BUILD_STANDBY (default 1; 0: the workers start after the regions pass, an A/B of the head start)."""
+    return parse_flag(os.environ.get("PSTAR_FX_BUILD_STANDBY", "1"), "PSTAR_FX_BUILD_STANDBY")
+
+
+def standby_workers() -> int:
+    """How many build workers a cold compile would start (`workers_for` with regions to spare): what `Standby`
+    starts."""
+    return workers_for(1 << 20)
+
+
+def start(jobs: list[tuple[str, torch.fx.GraphModule, list]], device: torch.device, backend: str,
+          standby: Standby | None = None) -> Builders | None:
     """Start building `jobs` ((key, region graph, input specs) of the regions whose inputs' layouts are known) in
     worker processes, filling Inductor's caches for this process to load; None where none start (the cache has
     them already, there are too few, or workers are off). The caller goes on meanwhile (the engine writes the
-    initial weights) and calls `wait()` before it builds the regions itself."""
+    initial weights) and calls `wait()` before it builds the regions itself. `standby`: workers started ahead
+    (`Standby`), handed the shares instead of new ones; those not needed are sent away."""
+    try:
+        return _start(jobs, device, backend, standby)
+    finally:
+        if standby is not None:
+            standby.close()
+
+
+def _start(jobs, device: torch.device, backend: str, standby: Standby | None) -> Builders | None:
     if backend != "inductor" or not jobs:
         return None
-    marker = _marker([k for k, _, _ in jobs], device, backend)
-    if os.path.exists(marker):
+    marker_path = marker([k for k, _, _ in jobs], device, backend)
+    if os.path.exists(marker_path):
         return None
     workers = workers_for(len(jobs))
     # The chunk memory is allocated; the step's activations are not yet. The workers share most of what is free
@@ -281,15 +382,16 @@ def start(jobs: list[tuple[str, torch.fx.GraphModule, list]], device: torch.devi
     if workers < 2 or len(jobs) < 2:
         return None
     threads = max(1, (os.cpu_count() or 1) // workers)          # Inductor's own kernel-compile pool, per worker
-    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # pstar_fx's parent
-    env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS=str(threads), PSTAR_FX_BUILD_WORKERS="0",
-               PYTHONPATH=os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p))
-    procs, owner, started = [], {}, time.time()
-    tmp = tempfile.TemporaryDirectory(prefix="pstar_fx-regions-")
+    ready = standby.take(workers) if standby is not None else 0   # workers started ahead: the first shares theirs
+    if ready:
+        procs, tmp, started = standby.procs[:ready], standby.tmp, standby.started
+    else:
+        procs, tmp, started = [], tempfile.TemporaryDirectory(prefix="pstar_fx-regions-"), time.time()
+    env, owner = _worker_env(threads), {}
     try:
         for w, share in enumerate(shares(jobs, workers)):
             path = os.path.join(tmp.name, f"job{w}.pkl")
-            with open(path, "wb") as f:
+            with written_aside(path) as part, open(part, "wb") as f:     # (whole once it exists: a standby waits)
                 pickle.dump({"regions": [(gm, specs) for _, gm, specs in share], "device": str(device),
                              "artifacts": [artifact_path(k, sp, device) if artifacts_on() else None
                                            for k, _, sp in share],
@@ -297,14 +399,16 @@ def start(jobs: list[tuple[str, torch.fx.GraphModule, list]], device: torch.devi
                              "inductor_config": torch._inductor.config.save_config(), "threads": threads,
                              "memory_fraction": fraction}, f)
             owner.update({k: w for k, _, _ in share})
+            if w < ready:
+                continue                    # a standby worker: it was waiting for this file
             # (its messages to a file: a pipe nobody reads until the end could fill and stall the worker)
             with open(os.path.join(tmp.name, f"err{w}.txt"), "wb") as err:
                 procs.append(subprocess.Popen([sys.executable, "-m", WORKER, path], env=env,
                                               stdout=subprocess.DEVNULL, stderr=err))
     except BaseException:                   # the ones started must not mark a partial set built
-        Builders(procs, tmp, marker, len(jobs)).stop()
+        Builders(procs, tmp, marker_path, len(jobs)).stop()
         raise
-    return Builders(procs, tmp, marker, len(jobs), owner, device_shared=fraction is not None, started=started,
+    return Builders(procs, tmp, marker_path, len(jobs), owner, device_shared=fraction is not None, started=started,
                     ops={k: n_ops(gm) for k, gm, _ in jobs})
 
 

@@ -1,23 +1,31 @@
 """region_worker: one build worker process (`python -m pstar_fx.passes.region_worker JOB`), started by
 region_builders.start: builds its share of the regions, in the step's order, on zeros laid out as the step's,
 filling Inductor's caches (or saving standalone artifacts), and says so region by region (a file each), built or not.
+
+`--standby JOB`: started at compile() already (region_builders.Standby), before the capture; it imports what a build
+needs (Inductor, its compile pool's processes) while the step is captured and planned, then waits for JOB to appear
+(its share; a worker not needed is killed); it never touches the GPU before then (the plan's budget is read from what is free). It
+exits by itself once the process that started it is gone.
 """
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import sys
 import time
 
 import torch
 
-from .compile_regions import Region, _example
 from ..planning.costs import written_aside
+from .compile_regions import Region, _example
 from .region_builders import save_artifact
 
+STANDBY_LIMIT_S = 1800      # a standby worker never handed its job gives up (its parent hung, or forgot it)
 
-def work(path: str) -> None:
-    ready = time.time()                         # (its imports done: what a worker costs before its first build)
+
+def work(path: str, ready: float | None = None) -> None:
+    ready = ready or time.time()                # (its imports done: what a worker costs before its first build)
     with open(path, "rb") as f:
         job = pickle.load(f)
     torch._inductor.config.load_config(job["inductor_config"])
@@ -48,6 +56,36 @@ def work(path: str) -> None:
             print(f"region_w{i} not built: {region.eager_because}", file=sys.stderr, flush=True)
 
 
+def warm_up() -> None:
+    """What a worker's first build would otherwise import and start: ~4 s of a worker's first region on the H100 box
+    (a 7-op region took 4.8 s first, 1 s later), on top of the 3.5 s of importing torch. Best effort: a part that
+    fails is left to the build, which does it again."""
+    try:
+        import torch._inductor.compile_fx  # noqa: F401
+        from torch._inductor import standalone_compile  # noqa: F401
+        from torch._inductor.async_compile import maybe_warm_pool
+        maybe_warm_pool()                       # its compile processes (TORCHINDUCTOR_COMPILE_THREADS of them)
+    except Exception:                           # noqa: BLE001  (the build will say what is wrong, if anything)
+        pass
+
+
+def standby(path: str) -> None:
+    """Warm up, then wait for the job at `path` (written aside and renamed: whole once it exists) and build it;
+    exit if the parent is gone first."""
+    parent = os.getppid()
+    warm_up()
+    ready = time.time()
+    deadline = time.monotonic() + STANDBY_LIMIT_S
+    while not os.path.exists(path):
+        if os.getppid() != parent or time.monotonic() > deadline:
+            return
+        time.sleep(0.02)
+    work(path, ready)
+
+
 if __name__ == "__main__":
     import pstar_fx  # noqa: F401  (its custom ops, which a region may call)
-    work(sys.argv[1])
+    if sys.argv[1] == "--standby":
+        standby(sys.argv[2])
+    else:
+        work(sys.argv[1])
