@@ -300,7 +300,7 @@ def test_weights_are_written_beside_this_processs_region_builds_with_the_bits_of
         def stop(self):
             events.append("workers stopped")
 
-    def start(graph, device):
+    def start(graph, device, standby=None):
         return Workers() if cold else None
 
     def build(graph, device, phases, builders=True):
