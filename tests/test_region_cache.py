@@ -324,3 +324,61 @@ def test_a_standby_worker_whose_parent_is_gone_exits_without_a_job(tmp_path, mon
     monkeypatch.setattr(region_worker, "warm_up", lambda: None)
     monkeypatch.setattr(region_worker, "work", lambda *a: (_ for _ in ()).throw(AssertionError("built")))
     region_worker.standby(str(tmp_path / "job0.pkl"))    # returns: no job, parent gone
+
+
+def test_an_artifact_that_fails_at_its_first_call_in_a_worker_is_built_by_dynamo_there_and_noted(tmp_path, monkeypatch):
+    """torch 2.11's standalone artifacts of some regions failed at their first call (IndexError inside Inductor's
+    `copy_misaligned_inputs`, H100 and H200 boxes), which the engine's process found only at its own first call and
+    then compiled the region through Dynamo itself (~2.7 s at the end of a cold 4.2B compile). A worker now calls
+    each artifact it saved once: one that fails is noted beside it and the region is built by Dynamo in the worker;
+    the engine's process (`_use_artifact`) then goes to Dynamo at once, as does a later compile."""
+    import pickle
+
+    import torch
+    import torch.fx as fx
+
+    from pstar_fx.passes import compile_regions, region_builders, region_worker
+
+    def region(n):
+        g = fx.Graph()
+        x = g.placeholder("x")
+        g.output((g.call_function(torch.ops.aten.mul.Tensor, (x, float(n))),))
+        return fx.GraphModule(torch.nn.Module(), g)
+
+    class Failing:
+        def __call__(self, *args):
+            raise IndexError("list index out of range (stand-in)")
+
+    saved, dynamo = [], []
+    monkeypatch.setattr(region_worker, "save_artifact", lambda gm, examples, path: saved.append(path) or (
+        Failing() if path.endswith("a0.bin") else (lambda *a: (a[0] * 3,))))
+    call = compile_regions.Region.__call__
+    monkeypatch.setattr(compile_regions.Region, "__call__", lambda self, *a: dynamo.append(self.__name__) or call(self, *a))
+    monkeypatch.setattr(compile_regions, "BACKEND", "eager")
+    monkeypatch.setattr(compile_regions.Region, "compiled", lambda self, *a: self.graph_module(*a))
+    spec = ("value", compile_regions._Layout((4, 8), (8, 1), 0, 32, torch.float32, torch.device("cpu")), None)
+    paths = [str(tmp_path / "a0.bin"), str(tmp_path / "a1.bin")]
+    job = tmp_path / "job.pkl"
+    job.write_bytes(pickle.dumps({"regions": [(region(2), [spec]), (region(3), [spec])], "device": "cpu",
+                                  "artifacts": paths, "done": [str(tmp_path / "d0"), str(tmp_path / "d1")],
+                                  "inductor_config": torch._inductor.config.save_config(), "threads": 1,
+                                  "memory_fraction": None}))
+    before = torch._inductor.config.save_config()
+    try:
+        region_worker.work(str(job))
+    finally:
+        torch._inductor.config.load_config(before)
+    assert saved == paths and dynamo == ["region_w0"]           # the failing one went to Dynamo, in the worker
+    assert region_builders.artifact_failed(paths[0]) and not region_builders.artifact_failed(paths[1])
+    assert "IndexError" in open(paths[0] + ".fails").read()
+    # the engine's process: no artifact for a region noted so (Dynamo's build), a worker's artifact for the other
+    monkeypatch.setattr(region_builders, "artifact_path", lambda key, specs, device: paths[int(key)])
+    r0 = compile_regions.Region(region(2), "region_0", "inductor", [spec], key="0")
+    compile_regions._use_artifact(r0, [spec], [], torch.device("cpu"))
+    assert r0._artifact is None and r0._artifact_path is None
+    saved.clear(), dynamo.clear()
+    try:                                                    # a later cold build's worker: Dynamo at once for it
+        region_worker.work(str(job))
+    finally:
+        torch._inductor.config.load_config(before)
+    assert saved == paths[1:] and dynamo == ["region_w0"]

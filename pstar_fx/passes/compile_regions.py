@@ -84,6 +84,7 @@ class Region:
         self.spare_bytes: int | None = None
         self._artifact = None               # a standalone Inductor artifact run instead of Dynamo's (artifacts_on)
         self._artifact_ran = False          # whether it has returned once (a later failure is the step's own)
+        self._artifact_path: str | None = None  # where it was saved (a failure at its first call is noted beside)
 
     def __call__(self, *args):
         with torch.no_grad():               # one grad mode, whoever calls: the compiled guards never differ
@@ -121,6 +122,8 @@ class Region:
                             "tensor passed before); Dynamo compiles it now", self.__name__, type(e).__name__, e,
                             len(args), repeated, exc_info=True)
                 self._artifact = None
+                if self._artifact_path is not None:     # the next build goes to Dynamo at once
+                    region_builders.mark_artifact_failed(self._artifact_path, f"{type(e).__name__}: {e}")
             else:
                 self._artifact_ran = True
                 return out
@@ -278,6 +281,9 @@ def _use_artifact(region: Region, specs: list, examples: list, device: torch.dev
     (region_builders.artifacts_on)."""
     from torch._inductor import CompiledArtifact
     path = region_builders.artifact_path(region.key, specs, device)
+    if region_builders.artifact_failed(path):
+        return                          # it failed at a first call before: Dynamo's build (region.compiled)
+    region._artifact_path = path
     if os.path.exists(path):
         try:
             region._artifact = CompiledArtifact.load(path=path, format="binary")

@@ -120,6 +120,22 @@ def record_extra(key: str, specs: list, device: torch.device, extra: int) -> Non
         log.debug("%s could not be written (%s); the next build measures again", path, e)
 
 
+def artifact_failed(path: str) -> bool:
+    """Whether the artifact at `path` failed at a first call before (`mark_artifact_failed`): its region is then built
+    and run by Dynamo from the start."""
+    return os.path.exists(path + ".fails")
+
+
+def mark_artifact_failed(path: str, why: str) -> None:
+    """Remember that the artifact at `path` failed at its first call (torch 2.11 on the H100 and H200 boxes: an
+    IndexError inside Inductor's `copy_misaligned_inputs` for one region of the 4.2B and of GPT3_18B), so that no
+    later build loads it only to fall back to Dynamo then (~2.7 s of a cold 4.2B compile's end, in this process)."""
+    try:
+        write_entry(path + ".fails", {"why": why})
+    except OSError as e:
+        log.debug("%s could not be written (%s)", path + ".fails", e)
+
+
 def save_artifact(gm: torch.fx.GraphModule, examples: list, path: str):
     """The region compiled by Inductor alone on `examples` (its layouts specialized: the artifact's code asserts
     every input's size and strides), saved at `path` (written aside, then renamed: a reader never sees half)."""

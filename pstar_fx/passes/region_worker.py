@@ -19,7 +19,7 @@ import torch
 
 from ..planning.costs import written_aside
 from .compile_regions import Region, _example
-from .region_builders import save_artifact
+from .region_builders import artifact_failed, mark_artifact_failed, save_artifact
 
 STANDBY_LIMIT_S = 1800      # a standby worker never handed its job gives up (its parent hung, or forgot it)
 
@@ -40,10 +40,21 @@ def work(path: str, ready: float | None = None) -> None:
         began, built = time.time(), False
         try:
             examples = [_example(s, device) for s in specs]
-            if region is None:
-                save_artifact(gm, examples, artifact)
-            else:
-                region(*examples)
+            if region is None and not artifact_failed(artifact):
+                built_artifact = save_artifact(gm, examples, artifact)
+                try:
+                    # called once here, where a failure costs this worker alone: torch 2.11's artifacts of some
+                    # regions fail at their first call, and the engine would find out only at its own
+                    built_artifact(*examples)
+                except torch.OutOfMemoryError:
+                    raise
+                except Exception as e:          # noqa: BLE001  (Dynamo's build below is the region's path now)
+                    mark_artifact_failed(artifact, f"{type(e).__name__}: {e}")
+                    region = Region(gm, f"region_w{i}", "inductor", specs)
+            elif region is None:
+                region = Region(gm, f"region_w{i}", "inductor", specs)
+            if region is not None:
+                region(*examples)           # Dynamo's build, into Inductor's caches
             del examples
             built = True
         except torch.OutOfMemoryError:          # the others are still worth building; the parent builds this one
