@@ -35,6 +35,7 @@ from .phases import Phases
 from .pipeline import reserve_cache
 from .pipeline.lower import Lowered
 from .planning import Plan
+from .planning.costs import calibration_ahead
 from .runtime import ChunkRuntime
 from .runtime.dist import DataParallel
 from .runtime.host_memory import HostReserve, device_threads, pin_threads
@@ -76,7 +77,8 @@ def standby_builders(config: Config, compile_key: str) -> region_builders.Standb
     workers = region_builders.standby_workers()
     if workers < 2 or region_builders.probably_built(compile_key):
         return None
-    return region_builders.Standby(workers)
+    # (a GPU whose rates this compile measures first: the workers wait for the measurement before they import)
+    return region_builders.Standby(workers, after=calibration_ahead(torch.device(config.device), config.torch_dtype))
 
 
 class Startup:

@@ -382,3 +382,24 @@ def test_an_artifact_that_fails_at_its_first_call_in_a_worker_is_built_by_dynamo
     finally:
         torch._inductor.config.load_config(before)
     assert saved == paths[1:] and dynamo == ["region_w0"]
+
+
+def test_standby_workers_wait_for_the_gpus_rates_before_they_import_anything(tmp_path):
+    """On a GPU whose rates a compile measures first (its host Adam timed on every core), standby workers start as
+    a few lines that import nothing until the rates' file appears, then run the worker module with their arguments
+    (`region_builders._WAIT_THEN_RUN`)."""
+    import time
+
+    from pstar_fx.passes import region_builders
+
+    (tmp_path / "probe_mod.py").write_text("import sys, json\n"
+                                           "open(sys.argv[-1], 'w').write(json.dumps([sys.argv, 'torch' in sys.modules]))\n")
+    after, out = tmp_path / "rates.json", tmp_path / "out.json"
+    proc = subprocess.Popen([sys.executable, "-c", region_builders._WAIT_THEN_RUN, str(after), "probe_mod",
+                             "--standby", str(out)], env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+    time.sleep(0.5)
+    assert proc.poll() is None and not out.exists()        # waiting, nothing run
+    after.write_text("{}")
+    assert proc.wait(timeout=30) == 0
+    argv, torch_imported = json.loads(out.read_text())
+    assert argv[1:] == ["--standby", str(out)] and not torch_imported

@@ -246,6 +246,16 @@ def start_calibration(device: torch.device, dtype: torch.dtype = torch.bfloat16)
         _CHILDREN[key] = _child(device, dtype, key)
 
 
+def calibration_ahead(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Where the rates of `device` will be cached once measured, when a compile now would measure them (neither known
+    here nor cached), else None: the file whose appearance says the measurement, and its host part timed on every
+    core, is over (region_builders.Standby waits for it)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    key = _rates_key(device, dtype)
+    return None if key in _MEASURED or os.path.exists(_cache_path(key)) else _cache_path(key)
+
+
 def _child(device: torch.device, dtype: torch.dtype, key: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "pstar_fx.planning.costs", str(device), str(dtype).split(".")[-1],
                              key], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
