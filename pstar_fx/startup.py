@@ -71,14 +71,17 @@ def build_regions_now(graph: fx.GraphModule, device: torch.device, phases: Phase
 def standby_builders(config: Config, compile_key: str) -> region_builders.Standby | None:
     """Region build workers started now, before the capture, where this compile will likely build its regions on a
     cold cache: compiled compute, workers on, and no compile of the same model, inputs and config built them here
-    before (region_builders.Standby, probably_built)."""
+    before (region_builders.Standby, probably_built). Not where this compile measures the GPU's rates first: that
+    measurement times the host Adam on every core (the rates serve every later plan on the machine), so workers
+    importing beside it would skew it, and waiting for its end made them ready later than workers started after
+    the regions pass (H100 box, cold 4.2B, session 28)."""
     if not config.compiles_compute or compile_regions.BACKEND != "inductor" or not region_builders.standby_on():
         return None
     workers = region_builders.standby_workers()
-    if workers < 2 or region_builders.probably_built(compile_key):
+    if (workers < 2 or region_builders.probably_built(compile_key)
+            or calibration_ahead(torch.device(config.device), config.torch_dtype) is not None):
         return None
-    # (a GPU whose rates this compile measures first: the workers wait for the measurement before they import)
-    return region_builders.Standby(workers, after=calibration_ahead(torch.device(config.device), config.torch_dtype))
+    return region_builders.Standby(workers)
 
 
 class Startup:

@@ -329,8 +329,9 @@ def test_a_standby_worker_whose_parent_is_gone_exits_without_a_job(tmp_path, mon
 def test_an_artifact_that_fails_at_its_first_call_in_a_worker_is_built_by_dynamo_there_and_noted(tmp_path, monkeypatch):
     """torch 2.11's standalone artifacts of some regions failed at their first call (IndexError inside Inductor's
     `copy_misaligned_inputs`, H100 and H200 boxes), which the engine's process found only at its own first call and
-    then compiled the region through Dynamo itself (~2.7 s at the end of a cold 4.2B compile). A worker now calls
-    each artifact it saved once: one that fails is noted beside it and the region is built by Dynamo in the worker;
+    then compiled the region through Dynamo itself (~2.7 s at the end of a cold 4.2B compile). A worker now loads
+    back each artifact it saved and calls it once: one that fails is noted beside it and the region is built by
+    Dynamo in the worker;
     the engine's process (`_use_artifact`) then goes to Dynamo at once, as does a later compile."""
     import pickle
 
@@ -350,7 +351,9 @@ def test_an_artifact_that_fails_at_its_first_call_in_a_worker_is_built_by_dynamo
             raise IndexError("list index out of range (stand-in)")
 
     saved, dynamo = [], []
-    monkeypatch.setattr(region_worker, "save_artifact", lambda gm, examples, path: saved.append(path) or (
+    monkeypatch.setattr(region_worker, "save_artifact", lambda gm, examples, path: saved.append(path))
+    # (the artifact as loaded back from its file fails, as on torch 2.11, where the one just built ran)
+    monkeypatch.setattr(region_worker, "load_artifact", lambda path: (
         Failing() if path.endswith("a0.bin") else (lambda *a: (a[0] * 3,))))
     call = compile_regions.Region.__call__
     monkeypatch.setattr(compile_regions.Region, "__call__", lambda self, *a: dynamo.append(self.__name__) or call(self, *a))
@@ -382,24 +385,3 @@ def test_an_artifact_that_fails_at_its_first_call_in_a_worker_is_built_by_dynamo
     finally:
         torch._inductor.config.load_config(before)
     assert saved == paths[1:] and dynamo == ["region_w0"]
-
-
-def test_standby_workers_wait_for_the_gpus_rates_before_they_import_anything(tmp_path):
-    """On a GPU whose rates a compile measures first (its host Adam timed on every core), standby workers start as
-    a few lines that import nothing until the rates' file appears, then run the worker module with their arguments
-    (`region_builders._WAIT_THEN_RUN`)."""
-    import time
-
-    from pstar_fx.passes import region_builders
-
-    (tmp_path / "probe_mod.py").write_text("import sys, json\n"
-                                           "open(sys.argv[-1], 'w').write(json.dumps([sys.argv, 'torch' in sys.modules]))\n")
-    after, out = tmp_path / "rates.json", tmp_path / "out.json"
-    proc = subprocess.Popen([sys.executable, "-c", region_builders._WAIT_THEN_RUN, str(after), "probe_mod",
-                             "--standby", str(out)], env=dict(os.environ, PYTHONPATH=str(tmp_path)))
-    time.sleep(0.5)
-    assert proc.poll() is None and not out.exists()        # waiting, nothing run
-    after.write_text("{}")
-    assert proc.wait(timeout=30) == 0
-    argv, torch_imported = json.loads(out.read_text())
-    assert argv[1:] == ["--standby", str(out)] and not torch_imported

@@ -288,14 +288,13 @@ def _use_artifact(region: Region, specs: list, examples: list, device: torch.dev
     """The region's standalone Inductor artifact for inputs laid out as `specs`, loaded from the cache folder (a
     build worker or an earlier compile saved it), else built here and saved: its calls then skip Dynamo
     (region_builders.artifacts_on)."""
-    from torch._inductor import CompiledArtifact
     path = region_builders.artifact_path(region.key, specs, device)
     if region_builders.artifact_failed(path):
         return                          # it failed at a first call before: Dynamo's build (region.compiled)
     region._artifact_path = path
     if os.path.exists(path):
         try:
-            region._artifact = CompiledArtifact.load(path=path, format="binary")
+            region._artifact = region_builders.load_artifact(path)
             return
         except Exception as e:          # an unreadable file is rebuilt, never trusted
             log.warning("%s: its saved Inductor artifact could not be loaded (%s: %s); building it again",

@@ -136,6 +136,12 @@ def mark_artifact_failed(path: str, why: str) -> None:
         log.debug("%s could not be written (%s)", path + ".fails", e)
 
 
+def load_artifact(path: str):
+    """The artifact saved at `path`, as the engine's process loads it."""
+    from torch._inductor import CompiledArtifact
+    return CompiledArtifact.load(path=path, format="binary")
+
+
 def save_artifact(gm: torch.fx.GraphModule, examples: list, path: str):
     """The region compiled by Inductor alone on `examples` (its layouts specialized: the artifact's code asserts
     every input's size and strides), saved at `path` (written aside, then renamed: a reader never sees half)."""
@@ -280,18 +286,6 @@ def _worker_env(threads: int) -> dict[str, str]:
                 PYTHONPATH=os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p))
 
 
-# a standby worker's start where it must wait for a file first: no import (pstar_fx imports torch) until it exists
-_WAIT_THEN_RUN = """import os, runpy, sys, time
-after, module, parent = sys.argv[1], sys.argv[2], os.getppid()
-while not os.path.exists(after):
-    if os.getppid() != parent:
-        sys.exit(0)
-    time.sleep(0.05)
-sys.argv = [module] + sys.argv[3:]
-runpy.run_module(module, run_name="__main__", alter_sys=True)
-"""
-
-
 class Standby:
     """Build workers started before the capture (`python -m pstar_fx.passes.region_worker --standby JOB`), importing
     and warming up while the step is captured and planned, for `start` to hand their shares to. On the H100 box a
@@ -299,21 +293,16 @@ class Standby:
     the workers started after the regions pass, ~7 s of a cold 4.2B compile's 24 s of builds. `close()` kills every
     worker not handed a share (a standby worker also exits by itself once this process is gone)."""
 
-    def __init__(self, workers: int, after: str | None = None):
-        """`after`: a file to wait for before importing anything (costs.calibration_ahead: the GPU's rates being
-        measured, whose host Adam timing on every core the workers' imports would slow, and with it every plan made
-        on this machine)."""
+    def __init__(self, workers: int):
         self.tmp = tempfile.TemporaryDirectory(prefix="pstar_fx-regions-")
         self.started = time.time()
         self.procs: list[subprocess.Popen] = []
         self._taken = 0
         env = _worker_env(max(1, (os.cpu_count() or 1) // workers))
-        start = ([sys.executable, "-c", _WAIT_THEN_RUN, after, WORKER] if after is not None
-                 else [sys.executable, "-m", WORKER])
         try:
             for w in range(workers):
                 with open(os.path.join(self.tmp.name, f"err{w}.txt"), "wb") as err:
-                    self.procs.append(subprocess.Popen([*start, "--standby", self.job(w)],
+                    self.procs.append(subprocess.Popen([sys.executable, "-m", WORKER, "--standby", self.job(w)],
                                                        env=env, stdout=subprocess.DEVNULL, stderr=err))
         except BaseException:
             self.close()

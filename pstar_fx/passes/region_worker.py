@@ -3,7 +3,7 @@ region_builders.start: builds its share of the regions, in the step's order, on 
 filling Inductor's caches (or saving standalone artifacts), and says so region by region (a file each), built or not.
 
 `--standby JOB`: started at compile() already (region_builders.Standby), before the capture; it imports what a build
-needs (Inductor, its compile pool's processes) while the step is captured and planned, then waits for JOB to appear
+needs (torch, Inductor) while the step is captured and planned, then waits for JOB to appear
 (its share; a worker not needed is killed); it never touches the GPU before then (the plan's budget is read from what is free). It
 exits by itself once the process that started it is gone.
 """
@@ -19,7 +19,7 @@ import torch
 
 from ..planning.costs import written_aside
 from .compile_regions import Region, _example
-from .region_builders import artifact_failed, mark_artifact_failed, save_artifact
+from .region_builders import artifact_failed, load_artifact, mark_artifact_failed, save_artifact
 
 STANDBY_LIMIT_S = 1800      # a standby worker never handed its job gives up (its parent hung, or forgot it)
 
@@ -41,11 +41,12 @@ def work(path: str, ready: float | None = None) -> None:
         try:
             examples = [_example(s, device) for s in specs]
             if region is None and not artifact_failed(artifact):
-                built_artifact = save_artifact(gm, examples, artifact)
+                save_artifact(gm, examples, artifact)
                 try:
-                    # called once here, where a failure costs this worker alone: torch 2.11's artifacts of some
-                    # regions fail at their first call, and the engine would find out only at its own
-                    built_artifact(*examples)
+                    # loaded back and called once here, where a failure costs this worker alone: on torch 2.11 the
+                    # loaded artifacts of some regions fail at their first call (the one just built runs: H100 box,
+                    # session 28), and the engine would find out only at its own
+                    load_artifact(artifact)(*examples)
                 except torch.OutOfMemoryError:
                     raise
                 except Exception as e:          # noqa: BLE001  (Dynamo's build below is the region's path now)
@@ -68,14 +69,13 @@ def work(path: str, ready: float | None = None) -> None:
 
 
 def warm_up() -> None:
-    """What a worker's first build would otherwise import and start: ~4 s of a worker's first region on the H100 box
-    (a 7-op region took 4.8 s first, 1 s later), on top of the 3.5 s of importing torch. Best effort: a part that
-    fails is left to the build, which does it again."""
+    """What a worker's first build would otherwise import: Inductor's compile path and its standalone artifacts (a
+    worker's first region took ~4 s more than later ones of its size on the H100 box, on top of the 3.5 s of
+    importing torch). Not its compile processes: started here, 4 workers' 16 of them importing torch at once made
+    the workers ready later, not sooner (session 28). Best effort: a part that fails is left to the build."""
     try:
         import torch._inductor.compile_fx  # noqa: F401
         from torch._inductor import standalone_compile  # noqa: F401
-        from torch._inductor.async_compile import maybe_warm_pool
-        maybe_warm_pool()                       # its compile processes (TORCHINDUCTOR_COMPILE_THREADS of them)
     except Exception:                           # noqa: BLE001  (the build will say what is wrong, if anything)
         pass
 

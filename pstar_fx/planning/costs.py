@@ -248,8 +248,7 @@ def start_calibration(device: torch.device, dtype: torch.dtype = torch.bfloat16)
 
 def calibration_ahead(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str | None:
     """Where the rates of `device` will be cached once measured, when a compile now would measure them (neither known
-    here nor cached), else None: the file whose appearance says the measurement, and its host part timed on every
-    core, is over (region_builders.Standby waits for it)."""
+    here nor cached), else None (startup.standby_builders starts no workers beside that measurement)."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     key = _rates_key(device, dtype)
