@@ -21,7 +21,10 @@ for run in ${RUNS:-cold warm}; do
     --steps "${STEPS:-2}" --host-memory "${HOST:-110GiB}" $extra --json "$OUT/ttfs-$run.jsonl" 2>&1 \
     | grep -v "^DEBUG" | tee "$OUT/ttfs-${model//\//_}-$run.log" | grep -E "^(compile|step|fits|Traceback)|Error|build regions|build workers|initialize|allocate|page-lock|plan done|ahead of the plan|another plan|16-bit copies|artifact|op by op" | tail -24
   python3 - "$OUT/ttfs-$run.jsonl" "$run" >> "$OUT/ttfs.jsonl" <<'PY'
-import json, sys
+import json, os, sys
+if not os.path.exists(sys.argv[1]):             # (a run cut by its limit wrote none: its log says how far it got)
+    print(f"=== ttfs {sys.argv[2]}: no record (cut by its limit?)", file=sys.stderr)
+    sys.exit(0)
 for line in open(sys.argv[1]):
     r = json.loads(line); r["run"] = sys.argv[2]; print(json.dumps(r))
 PY
