@@ -240,6 +240,7 @@ def pstar_system(cfg, args, example):
     print(engine.explain(), file=sys.stderr)
     extra = {"compile_s": round(compile_s, 2),
              "compile_phases_s": {k: round(v, 2) for k, v in engine.phases.seconds.items()},
+             "region_builds": getattr(engine, "region_build_times", None) or None,
              "predicted_gpu_peak_bytes": engine.plan.device_peak_bytes,
              "predicted_host_peak_bytes": engine.plan.host_peak_bytes, "host_memory": args.host_memory,
              "chunk_size": engine.lowered.layout.chunk_size,

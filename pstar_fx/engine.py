@@ -90,6 +90,8 @@ class Engine:
             self.device = self.lowered.device
             self.dp = DataParallel(rank, world, chunked=self.lowered.chunked) if world > 1 else None
             self.rt = startup.finish(self.lowered, self.dp)
+        # where a cold compile's region builds went, worker by worker (empty when no worker built: a warm cache)
+        self.region_build_times: list[dict] = startup.build_times
         named, meta = startup.named, startup.meta
         cap, plan = self.lowered.capture, self.lowered.plan
         self._buffers = [self.rt.store.adopt(model.get_buffer(b).detach().to(self.device, copy=True))

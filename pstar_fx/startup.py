@@ -99,6 +99,7 @@ class Startup:
         self._threads = contextlib.ExitStack()
         self.reserve = host_reserve(config)
         self._remembered_at = self._remembered = None
+        self.build_times: list[dict] = []
         device = torch.device(config.device)
         self._compile_key = reserve_cache.key(model, example_inputs, config, device)
         self._standby = standby_builders(config, self._compile_key)
@@ -169,6 +170,8 @@ class Startup:
         # the step's Python code (a lazy GraphModule's, ~0.4 s at 18B; else made at the first step)
         getattr(lowered.graph, "real_recompile", lambda: None)()
         build_regions_now(lowered.graph, lowered.device, self.phases, builders=self._builders)
+        # each region a worker built: its worker, ops, and when (seconds from the workers' start; Builders.times)
+        self.build_times = list(self._builders.times) if self._builders is not None else []
         marker = compile_regions.regions_marker(lowered.graph, lowered.device)
         if marker is not None and os.path.exists(marker):
             region_builders.remember_built(self._compile_key, marker)      # the next compile starts no standby
