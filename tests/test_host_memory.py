@@ -294,6 +294,8 @@ def test_weights_are_written_beside_this_processs_region_builds_with_the_bits_of
     events, started, ended = [], threading.Event(), threading.Event()
 
     class Workers:
+        times = []                  # (what the workers said of their builds: nothing, here)
+
         def wait(self):
             return 1
 
