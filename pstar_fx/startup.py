@@ -8,7 +8,8 @@ all of a compile before this one's: runtime/host_memory.py HostReserve, pipeline
 weights written on a thread of their own (into the masters at once where none is a buffer being locked, else once
 the masters' own locks are done, the rest locking beside them; the 16-bit copies once all are ready; the
 interpreter hands it the GIL within 0.2 ms meanwhile: parallel_init.prompt_handoffs), on a cold cache the region
-builds in worker processes (Inductor), and this process's own building or loading of the regions. The init draws
+builds in worker processes (Inductor; started on standby before the capture where this compile likely builds cold and
+no GPU rates are being measured: `standby_builders`), and this process's own building or loading of the regions. The init draws
 from generators of its own (parallel_init.own_generators): Dynamo saves and restores the global ones around each
 build, which would cut into its draws; after the init the global ones are moved where a serial init leaves them.
 The builds find the device chunks allocated: their examples and autotuning take room the step's activations leave

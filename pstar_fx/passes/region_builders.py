@@ -17,7 +17,12 @@ whether a region loads or compiles is Inductor's cache's decision, as always).
 
 Workers: `PSTAR_FX_BUILD_WORKERS` (0 or 1: none), else one per 4 host cores, at most 8, never more than there
 are regions to build. On CUDA they share 80% of the device memory free once the chunks are allocated, each capped at
-its share, and build only the regions a share has room for (`fit_workers`); this process builds the rest.
+its share, and build only the regions a share has room for (`fit_workers`); this process builds the rest. Where a
+compile will likely build cold (`probably_built`: no earlier compile of the same model, inputs and config built its
+regions here), they start at `compile()` already, on standby (`Standby`, `PSTAR_FX_BUILD_STANDBY`), and are handed
+their shares here. Each worker's times come back in its regions' files (`Builders.times`, `said`: the compile's log
+and `engine.region_build_times`). An artifact that fails at its first call once loaded back (torch 2.11) is noted
+beside it by the worker, which builds the region through Dynamo instead (`artifact_failed`).
 
 Artifacts (`PSTAR_FX_REGION_ARTIFACTS`, default 1; 0: Dynamo's `torch.compile` of each region, as before): the regions
 are built as standalone Inductor artifacts (`save_artifact`), by the workers or this process, saved by region key and
