@@ -341,6 +341,13 @@ class Engine:
             lines.append(f"recompute search, {len(plan.tried)} tries in the order made:")
             lines += [f"  {t}" for t in plan.tried]
         lines.append(f"compile: {self.phases.summary()}")
+        builds = getattr(self, "region_build_times", None)
+        if builds:                          # a cold cache: where the workers' time went (seconds from their start)
+            longest = max(builds, key=lambda t: t["ended"] - t["began"])
+            lines.append(f"region builds: {len(builds)} regions on {len({t['worker'] for t in builds})} worker(s), "
+                         f"ready at {min(t['ready'] for t in builds):.1f}-{max(t['ready'] for t in builds):.1f} s, "
+                         f"done at {max(t['ended'] for t in builds):.1f} s; the longest {longest['ops']} ops, "
+                         f"{longest['ended'] - longest['began']:.1f} s")
         if len(self.shapes) > 1:
             lines.append(f"input shapes on this chunk memory: {len(self.shapes)} (micro-batch shapes "
                          + "; ".join(str([s for s, _ in key]) for key in self.shapes.shapes) + ", the compiled first)")

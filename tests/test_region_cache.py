@@ -49,7 +49,8 @@ print(json.dumps({"losses": losses, "regions": len(engine.graph.meta["regions"])
                   "aot_misses": counters["aot_autograd"]["autograd_cache_miss"],
                   "dynamo_graphs": counters["stats"]["unique_graphs"],
                   "cache": __import__("os").environ["TORCHINDUCTOR_CACHE_DIR"], "workers_said": said,
-                  "build_times": engine.region_build_times}))
+                  "build_times": engine.region_build_times,
+                  "explained": [l for l in engine.explain().splitlines() if l.startswith("region builds:")]}))
 """
 
 
@@ -83,11 +84,12 @@ def test_second_compile_loads_the_regions_the_workers_built_and_trains_the_same_
     assert len(said) == 1 and said[0].count("ready at") == 2 and said[0].count(" ops ") == 2, said
     assert "shares handed at" in said[0], said
     times = cold["build_times"]                         # the same, for a record (bench/gpt.py's region_builds)
+    assert len(cold["explained"]) == 1 and "2 regions on 2 worker(s)" in cold["explained"][0], cold["explained"]
     assert sorted(t["worker"] for t in times) == [0, 1] and all(t["ready"] <= t["began"] <= t["ended"] and t["built"]
                                                                for t in times), times
     warm = compile_in_a_fresh_process(tmp_path, workers=2)          # the marker: no worker starts, none on standby
     assert (warm["hits"], warm["misses"]) == (2, 0) and (warm["aot_hits"], warm["aot_misses"]) == (2, 0), warm
-    assert warm["workers_said"] == [] and warm["build_times"] == [] and not list(inductor.glob("pstar_fx-compiles/*.json.tmp*")), warm
+    assert warm["workers_said"] == [] and warm["build_times"] == [] and warm["explained"] == [] and not list(inductor.glob("pstar_fx-compiles/*.json.tmp*")), warm
     assert len(list((inductor / "pstar_fx-compiles").glob("*.json"))) == 1     # what told it so
     assert warm["losses"] == cold["losses"] and warm["state"] == cold["state"]
 
