@@ -8,10 +8,11 @@ all of a compile before this one's: runtime/host_memory.py HostReserve, pipeline
 weights written on a thread of their own (into the masters at once where none is a buffer being locked, else once
 the masters' own locks are done, the rest locking beside them; the 16-bit copies once all are ready; the
 interpreter hands it the GIL within 0.2 ms meanwhile: parallel_init.prompt_handoffs), on a cold cache the region
-builds in worker processes (Inductor; started on standby before the capture where this compile likely builds cold and
-no GPU rates are being measured: `standby_builders`), and this process's own building or loading of the regions. The init draws
-from generators of its own (parallel_init.own_generators): Dynamo saves and restores the global ones around each
-build, which would cut into its draws; after the init the global ones are moved where a serial init leaves them.
+builds in worker processes (Inductor; started on standby before the capture where this compile likely builds cold
+and no GPU rates are being measured: `standby_builders`), and this process's own building or loading of the regions.
+The init draws from generators of its own (parallel_init.own_generators): Dynamo saves and restores the global ones
+around each build, which would cut into its draws; after the init the global ones are moved where a serial init
+leaves them.
 The builds find the device chunks allocated: their examples and autotuning take room the step's activations leave
 free until the first step.
 
@@ -36,7 +37,7 @@ from .phases import Phases
 from .pipeline import reserve_cache
 from .pipeline.lower import Lowered
 from .planning import Plan
-from .planning.costs import calibration_ahead
+from .planning.costs import needs_calibration
 from .runtime import ChunkRuntime
 from .runtime.dist import DataParallel
 from .runtime.host_memory import HostReserve, device_threads, pin_threads
@@ -80,7 +81,7 @@ def standby_builders(config: Config, compile_key: str) -> region_builders.Standb
         return None
     workers = region_builders.standby_workers()
     if (workers < 2 or region_builders.probably_built(compile_key)
-            or calibration_ahead(torch.device(config.device), config.torch_dtype) is not None):
+            or needs_calibration(torch.device(config.device), config.torch_dtype)):
         return None
     return region_builders.Standby(workers)
 

@@ -156,13 +156,18 @@ def _distinct(gm: fx.GraphModule) -> list["Region"]:
     return list(dict.fromkeys(n.target for n in gm.graph.nodes if isinstance(n.target, Region)))
 
 
+def _buildable(gm: fx.GraphModule) -> list["Region"]:
+    """`gm`'s distinct regions whose every input's layout is known: those a worker can build ahead."""
+    return [r for r in _distinct(gm) if all(s is not None for s in r._specs)]
+
+
 def start_region_builders(gm: fx.GraphModule, device: torch.device,
                           standby: region_builders.Standby | None = None) -> region_builders.Builders | None:
     """On a cold cache, worker processes start building `gm`'s regions (region_builders.py); None when none
     start. `build_regions(gm, device, builders)` loads each region once its worker has built it. `standby`: workers
     started ahead (region_builders.Standby), used instead of new ones, sent away if none are needed."""
     inductor_cache_dir()
-    known = [r for r in _distinct(gm) if all(s is not None for s in r._specs)]
+    known = _buildable(gm)
     if not known:
         if standby is not None:
             standby.close()
@@ -173,7 +178,7 @@ def start_region_builders(gm: fx.GraphModule, device: torch.device,
 
 def regions_marker(gm: fx.GraphModule, device: torch.device) -> str | None:
     """The file that says `gm`'s regions were built on this machine (region_builders' marker), None without any."""
-    known = [r for r in _distinct(gm) if all(s is not None for s in r._specs)]
+    known = _buildable(gm)
     return region_builders.marker([r.key for r in known], device, known[0].backend) if known else None
 
 

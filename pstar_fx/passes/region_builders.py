@@ -248,7 +248,6 @@ class Builders:
         self._built = self._n
         return self._n
 
-
     def _read_times(self) -> list[dict]:
         """What each worker wrote in its regions' files: when it was ready (imports done), when it began and ended
         each region, in seconds from the workers' start."""
@@ -264,7 +263,7 @@ class Builders:
         return sorted(times, key=lambda t: t["began"])
 
     def said(self) -> str:
-        """One line: when the workers were ready, and each one's regions (ops, seconds), the longest first."""
+        """One line: when each worker was ready and done, and its regions (ops, seconds) in the order it built them."""
         if not self.times:
             return "region build workers: no times"
         by: dict[int, list[dict]] = {}

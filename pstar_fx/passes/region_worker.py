@@ -3,9 +3,9 @@ region_builders.start: builds its share of the regions, in the step's order, on 
 filling Inductor's caches (or saving standalone artifacts), and says so region by region (a file each), built or not.
 
 `--standby JOB`: started at compile() already (region_builders.Standby), before the capture; it imports what a build
-needs (torch, Inductor) while the step is captured and planned, then waits for JOB to appear
-(its share; a worker not needed is killed); it never touches the GPU before then (the plan's budget is read from what is free). It
-exits by itself once the process that started it is gone.
+needs (torch, Inductor) while the step is captured and planned, then waits for JOB to appear (its share; a worker
+not needed is killed); it never touches the GPU before then (the plan's budget is read from what is free). It exits
+by itself once the process that started it is gone.
 """
 from __future__ import annotations
 
@@ -36,11 +36,11 @@ def work(path: str, ready: float | None = None) -> None:
         torch.cuda.set_per_process_memory_fraction(job["memory_fraction"], index)
     artifacts = job.get("artifacts") or [None] * len(job["regions"])
     for i, ((gm, specs), artifact, done) in enumerate(zip(job["regions"], artifacts, job["done"])):
-        region = None if artifact is not None else Region(gm, f"region_w{i}", "inductor", specs)
+        region = None                           # (Dynamo's build of it, where it has one)
         began, built = time.time(), False
         try:
             examples = [_example(s, device) for s in specs]
-            if region is None and not artifact_failed(artifact):
+            if artifact is not None and not artifact_failed(artifact):
                 save_artifact(gm, examples, artifact)
                 try:
                     # loaded back and called once here, where a failure costs this worker alone: on torch 2.11 the
@@ -52,7 +52,7 @@ def work(path: str, ready: float | None = None) -> None:
                 except Exception as e:          # noqa: BLE001  (Dynamo's build below is the region's path now)
                     mark_artifact_failed(artifact, f"{type(e).__name__}: {e}")
                     region = Region(gm, f"region_w{i}", "inductor", specs)
-            elif region is None:
+            else:
                 region = Region(gm, f"region_w{i}", "inductor", specs)
             if region is not None:
                 region(*examples)           # Dynamo's build, into Inductor's caches

@@ -239,20 +239,18 @@ def start_calibration(device: torch.device, dtype: torch.dtype = torch.bfloat16)
     """Start measuring a GPU's rates in a child process now when they are neither known here nor cached, so that
     the measurement (a fresh process, CUDA, host Adam over 512 MiB buffers: seconds) runs beside the capture
     instead of after it; `calibrate` takes the child's result."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return
-    key = _rates_key(device, dtype)
-    if key not in _MEASURED and key not in _CHILDREN and not os.path.exists(_cache_path(key)):
+    key = _rates_key(device, dtype) if needs_calibration(device, dtype) else None
+    if key is not None and key not in _CHILDREN:
         _CHILDREN[key] = _child(device, dtype, key)
 
 
-def calibration_ahead(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str | None:
-    """Where the rates of `device` will be cached once measured, when a compile now would measure them (neither known
-    here nor cached), else None (startup.standby_builders starts no workers beside that measurement)."""
+def needs_calibration(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether a compile now would measure `device`'s rates (a GPU whose rates are neither known here nor cached;
+    startup.standby_builders starts no workers beside that measurement)."""
     if device.type != "cuda" or not torch.cuda.is_available():
-        return None
+        return False
     key = _rates_key(device, dtype)
-    return None if key in _MEASURED or os.path.exists(_cache_path(key)) else _cache_path(key)
+    return key not in _MEASURED and not os.path.exists(_cache_path(key))
 
 
 def _child(device: torch.device, dtype: torch.dtype, key: str) -> subprocess.Popen:
