@@ -262,6 +262,8 @@ def pstar_system(cfg, args, example):
              "recompute_tries": list(engine.plan.tried),
              "transaction": engine.plan.transaction, "transaction_cost": engine.plan.transaction_cost,
              "compute": "inductor" if engine.config.compiles_compute else "eager",
+             "regions": next((n for n in engine.plan.notes if n.startswith("compute:")), None),
+             "updates_by_block": len(engine.plan.moves.updates_after),
              "optimizer_state": engine.config.optimizer_state,
              "planned_trigger_rate": engine.config.expected_trigger_rate}
     step = ((lambda *b: engine.step(**dict(zip(CHAT_KEYS, b)))) if args.chat_packed else

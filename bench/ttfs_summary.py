@@ -18,7 +18,9 @@ def main(dirs):
                 print(f"TTFS {r['model']} {r.get('optimizer_state')} {r['run']}: first step's end "
                       f"{r.get('time_to_first_step_s')} s, compile {r.get('compile_s')} s {r.get('compile_phases_s')}; "
                       f"steps {r.get('steps_s')}, est {r.get('estimated_step_s')}, {r.get('tflops')} TFLOPs; "
-                      f"placement {r.get('placement_device_chunks')}/{r.get('chunks')}, {r.get('transaction')}")
+                      f"placement {r.get('placement_device_chunks')}/{r.get('chunks')}, {r.get('transaction')}; "
+                      f"{r.get('regions')}; updates by block {r.get('updates_by_block')}; "
+                      f"compute slots {r.get('compute_slots')}, grad slots {r.get('grad_slots')}")
         for path in sorted(glob.glob(os.path.join(d, "**", "ttfs-*.log"), recursive=True)):
             for line in open(path, errors="replace"):
                 if "build workers" in line or "build regions:" in line or "region_" in line and "op by op" in line:

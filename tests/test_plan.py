@@ -712,6 +712,7 @@ def test_backward_waits_for_gradients_copied_out_of_one_slot_and_a_second_hides_
     from pstar_fx.planning import planner
     box, record, rates = _recorded_fp32("2026-12-05-h200-s20.jsonl", 90)
     monkeypatch.setattr(recompute_search._Search, "nestable", lambda self: None)     # the recorded run's recompute
+    monkeypatch.setenv("PSTAR_FX_BLOCK_SPANS", "0")     # and its updates, each right after its chunk's last use
     make, made = planner._make_plan, []
     monkeypatch.setattr(planner, "_make_plan", lambda *a, **kw: made.append(make(*a, **kw)) or made[-1])
     p = box.plan(90, "fp32", rates)

@@ -14,7 +14,9 @@ What may move, and why it is safe:
   - `rt.prefetch(c)` moves up, unless a release moved down before it in the same run (the prefetch
     takes the slot that release gives back): then the run is cut there.
 Everything else stays in place and ends a run: `rt.fetch` (the compute stream waits for a copy),
-updates, offloads and collectives, seeded random ops (they reseed through rt), and in-place ops.
+updates, offloads and collectives, seeded random ops (they reseed through rt), and in-place ops. A run also
+ends where a block's span begins (planning/blocks.py: the plan put the chunk moves and updates there), so every
+block's forward is one region, and its backward another, the same function for every block.
 
 Memory: a region frees what it read only when it returns (the caller holds its inputs), and a gradient
 moved down lives to the region's end. The plan's activation profile is recomputed with those lifetimes
@@ -40,6 +42,7 @@ import torch.fx as fx
 
 from ..config import format_bytes
 from .. import planning as plan_mod
+from ..planning.blocks import SPAN
 from ..fxutil import aliases_input, args_by_position, mutated_args, node_copy, role_nodes
 from . import region_builders
 from .region_builders import inductor_cache_dir
@@ -417,10 +420,18 @@ def find_runs(g: fx.Graph) -> list[tuple[list[fx.Node], list[fx.Node], list[fx.N
             runs.append((up, ops, down))
         up, ops, down = [], [], []
 
+    ups_before_last = 0                     # of `up`, the nodes before the run's last op
     for node in g.nodes:
         inside = set(ops)
+        if _is_compute(node) and ops and node.meta.get(SPAN) != ops[-1].meta.get(SPAN):
+            # a block's span begins (planning/blocks.py): its own region, with the parameter views made for it
+            ahead = up[ups_before_last:]
+            up = up[:ups_before_last]
+            close()
+            up, inside = ahead, set()
         if _is_compute(node) and (node.target is not operator.getitem or node.args[0] in inside):
             ops.append(node)
+            ups_before_last = len(up)
         elif node.op == "call_method" and node.target in _MOVE_UP and not any(
                 d.target == "release" for d in down):
             up.append(node)

@@ -5,6 +5,9 @@ Provides: the output is (loss,); after the node producing parameter i's
 gradient comes `rt.grad(i, g)`; after the last node that reads or writes chunk c comes `rt.adam(c)`.
 Why: the optimizer runs inside backward, so whole-model gradients never exist at once, and a chunk's
 gradient buffer lives only from its first gradient to its update.
+
+Where the compute is compiled (Config.compute), the nodes are also grouped into the model's blocks
+(planning/blocks.py: `node.meta["span"]`): the planner may then hold chunks and put updates by block.
 """
 from __future__ import annotations
 
@@ -12,23 +15,27 @@ import torch.fx as fx
 
 from ..fxutil import role_nodes
 from ..layout import Layout
+from ..planning import blocks
+from .recompute import backward_nodes
 from .contract import FUSED, VIEWS_LOCAL, Pass, PassContext
 
 NAME = "fuse_optimizer"
 
 
 def run(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    return fuse_optimizer(gm, ctx.layout, lint=ctx.lint)
+    return fuse_optimizer(gm, ctx.layout, lint=ctx.lint, spans=ctx.config.compiles_compute and blocks.enabled())
 
 
 PASS = Pass(NAME, run, requires=frozenset({VIEWS_LOCAL}), provides=frozenset({FUSED}),
             why="the update runs inside backward: whole-model gradients never exist at once")
 
 
-def fuse_optimizer(gm: fx.GraphModule, layout: Layout, lint: bool = True) -> fx.GraphModule:
+def fuse_optimizer(gm: fx.GraphModule, layout: Layout, lint: bool = True, spans: bool = False) -> fx.GraphModule:
     g = gm.graph
     rt = role_nodes(g, "rt")[0]
     params = role_nodes(g, "param")
+    if spans:
+        blocks.mark_spans(g, params, [s.param.name for s in layout.slots], backward_nodes(g))
     output = g.output_node()
     outs = list(output.args[0])
     grads = outs[1:]
@@ -49,6 +56,8 @@ def fuse_optimizer(gm: fx.GraphModule, layout: Layout, lint: bool = True) -> fx.
             continue
         with g.inserting_after(grad):
             write = g.call_method("grad", (rt, slot.index, grad))
+        if blocks.SPAN in grad.meta:
+            write.meta[blocks.SPAN] = grad.meta[blocks.SPAN]
         touch(slot.chunk, order[grad] + 0.5, write)
     for chunk, (_, node) in sorted(last_touch.items(), key=lambda kv: -kv[1][0]):
         if layout.chunks[chunk].grad_spans():

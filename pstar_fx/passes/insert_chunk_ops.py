@@ -1,7 +1,8 @@
 """insert_chunk_ops: make every chunk move an explicit node, and read parameters from chunk buffers.
 
 Needs: the graph after `fuse_optimizer` and the Plan made from it. Provides: `rt.prefetch(c)`,
-`rt.fetch(c)` and `rt.release(c)` where the plan's schedule puts them, `rt.offload(c)` (gradients of a
+`rt.fetch(c)` and `rt.release(c)` where the plan's schedule puts them, `rt.adam(c)` moved where the plan puts
+it (the end of its block's span: planning/blocks.py), `rt.offload(c)` (gradients of a
 host-resident chunk go to the host) before `rt.adam(c)`, and `rt.param(i)` (a view of parameter i in its
 chunk's compute buffer) right before each op that reads it. Parameter placeholders are removed: the
 lowered step takes (rt, buffers..., inputs..., tangent).
@@ -41,6 +42,14 @@ def insert_chunk_ops(gm: fx.GraphModule, layout: Layout, plan: Plan, dp: str | N
     def emit(op: str, chunk: int) -> fx.Node:
         return g.call_method(op, (rt, chunk))
 
+    if plan.moves.updates_after:            # updates planned at the end of their block's span (planning/blocks.py)
+        named = {n.name: n for n in g.nodes}
+        placed: dict[str, fx.Node] = {}     # anchor -> the last update moved after it (they keep their order)
+        for node in [n for n in g.nodes if n.op == "call_method" and n.target == "adam"]:
+            anchor = plan.moves.updates_after.get(node.args[1])
+            if anchor is not None:
+                placed.get(anchor, named[anchor]).append(node)
+                placed[anchor] = node
     for node in list(g.nodes):
         for op, c in plan.schedule_before.get(node.name, []):
             with g.inserting_before(node if node.op != "placeholder" else first_op):

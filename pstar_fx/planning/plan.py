@@ -51,6 +51,9 @@ class Moves:
     before: dict[str, list[tuple[str, int]]]    # node name -> (prefetch | fetch, chunk) before it
     after: dict[str, list[tuple[str, int]]]     # node name -> (release, chunk) after it
     n_fetches: int = 0
+    # chunk -> the node its update goes after, where not right after its last use: the end of its block's span
+    # (blocks.py; insert_chunk_ops moves it there)
+    updates_after: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from .memory import (CUDA_BLOCK_BYTES, device_breakdown, host_breakdown, step_by
                      with_kept_on_device)
 from .placement import (ChunkUse, chunk_use, device_order, host_room_chunks, n_compute_slots, n_device_chunks,
                         n_grad_slots, tiers)
-from . import placement as placement_module
+from . import blocks, placement as placement_module
 from .plan import Estimate, Memory, Moves, NodeProfile, Placement, Plan, Remarks, Shipping, Slots, Transaction
 from .report import (KEEPS_COMPUTE_COPIES_NOTE, _transaction_cost, _why, cuda_memory_note, data_parallel_note,
                      exposed_copies_note, host_adam_note)
@@ -32,6 +32,11 @@ from .shipping import (_choose_shipping, copy_seconds, fallback_code, keeps_comp
                        ship_bytes_per_elem, ship_codes)
 from .transaction import (KEEPS, _choose_transaction, defer_above, n_grad_slots_to_keep, n_kept_on_device,
                           two_passes)
+
+
+# what a plan by block may cost the step over one op by op, estimated, for its fewer compiled functions (a cold
+# compile's builds: planning/blocks.py)
+SPANS_MAY_COST = 0.005
 
 
 def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_itemsize: int,
@@ -47,17 +52,32 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     device chunk's backward. Where backward waits for gradients copied out of its one gradient slot
     (grad_slots.py) and the device has no room left for a second, a plan with a second slot in room taken from
     something else (a chunk, a compute slot) is weighed the same way. One rank, on CUDA, a plan of its own (`on`
-    keeps another's placement); `host_order`: plan with that order alone (a cached decision's)."""
+    keeps another's placement); `host_order`: plan with that order alone (a cached decision's). Where the graph's
+    nodes lie in blocks' spans (blocks.py: the compute is compiled), each span's chunks are planned resident across
+    it and each update at its end (`_by_span`); where that takes more compute or gradient slots than op by op, the
+    plan op by op is made too and the better kept (under a tight budget a slot more costs a device chunk)."""
     rates = rates or calibrate(torch.device(config.device), config.torch_dtype)
     # what the graph's nodes read, hold and cost: the same for every plan of it below (two thirds of a plan at 18B)
     facts = _graph_facts(gm, layout, config.device.startswith("cuda"), rates)
-    plan = _make_plan(gm, layout, config, compute_itemsize=compute_itemsize, buffer_bytes=buffer_bytes, on=on,
-                      world=world, rank=rank, rates=rates, host_order=host_order or "last", facts=facts)
-    if on is not None or world > 1 or not config.device.startswith("cuda"):
-        return plan
+    spanned = _by_span(facts, world > 1, on)
 
     def better(other: Plan) -> bool:
         return other.fits >= plan.fits and other.estimated_step_seconds < plan.estimated_step_seconds - 1e-3
+
+    plan = _make_plan(gm, layout, config, compute_itemsize=compute_itemsize, buffer_bytes=buffer_bytes, on=on,
+                      world=world, rank=rank, rates=rates, host_order=host_order or "last", facts=spanned or facts)
+    if spanned is not None and (spanned.use.min_slots > facts.use.min_slots or
+                                n_grad_slots(spanned.use, world > 1) > n_grad_slots(facts.use, world > 1)):
+        # by block, more compute slots at once than one op takes, or more gradient slots: planned op by op too, the
+        # better kept
+        other = _make_plan(gm, layout, config, compute_itemsize=compute_itemsize, buffer_bytes=buffer_bytes, on=on,
+                           world=world, rank=rank, rates=rates, host_order=host_order or "last", facts=facts)
+        faster = other.estimated_step_seconds < plan.estimated_step_seconds * (1 - SPANS_MAY_COST)
+        if other.fits > plan.fits or other.fits == plan.fits and faster:
+            plan, spanned = other, None
+    facts = spanned or facts
+    if on is not None or world > 1 or not config.device.startswith("cuda"):
+        return plan
 
     if host_order is None and plan.host_grad_buffers and plan.estimate.host_adam_exposed_seconds > 1e-3:
         for order in placement_module.HOST_ORDERS[1:]:
@@ -100,7 +120,7 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
     notes: list[str] = []
 
     # what each node reads, holds and costs, and the byte sizes the stages share
-    nodes, use, act_bytes_per_node, act_peak_bytes, node_secs = facts
+    nodes, use, act_bytes_per_node, act_peak_bytes, node_secs, _ = facts
     host_order = on.chunks.host_order if on is not None else host_order
     sizes = replace(step_bytes(g, layout, config, compute_itemsize=compute_itemsize, buffer_bytes=buffer_bytes,
                                activation_peak_bytes=act_peak_bytes, rates=rates, cuda=cuda, world=world),
@@ -329,7 +349,8 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
     return Plan(
         chunks=chunks, buffers=Slots(n_slots, n_grad, n_host_grad),
         moves=Moves({nodes[i].name: ops for i, ops in sched.before.items()},
-                    {nodes[i].name: ops for i, ops in sched.after.items()}, sched.fetches),
+                    {nodes[i].name: ops for i, ops in sched.after.items()}, sched.fetches,
+                    {c: nodes[i].name for c, i in facts.updates_after.items()}),
         memory=memory, shipping=Shipping(ship, keeps_copies),
         step_transaction=Transaction(transaction, not random_ops, measures_first, kept_on_device, switch, in_shadow,
                                      cost),
@@ -350,6 +371,7 @@ class GraphFacts(NamedTuple):
     activation_bytes: list[int]      # live graph values while each node runs
     activation_peak_bytes: int
     node_seconds: list[float]        # each node's cost at the plan's rates
+    updates_after: dict = {}         # chunk -> the node its update is planned after, where not its own (by span)
 
 
 def _graph_facts(gm: fx.GraphModule, layout: Layout, cuda: bool, rates: Rates) -> GraphFacts:
@@ -361,6 +383,23 @@ def _graph_facts(gm: fx.GraphModule, layout: Layout, cuda: bool, rates: Rates) -
     act_bytes_per_node, act_peak_bytes = activation_profile(g, skip=skip, round_to=CUDA_BLOCK_BYTES if cuda else 1,
                                                             cuda=cuda)
     return GraphFacts(nodes, use, act_bytes_per_node, act_peak_bytes, [node_seconds(n, rates) for n in nodes])
+
+
+def _by_span(facts: GraphFacts, chunked: bool, on: Plan | None) -> GraphFacts | None:
+    """`facts` planned by block (blocks.py), None where the graph has no spans: each span's chunks read at its first
+    and last node, where they are no more than one op reads, or two (a block across a chunk boundary), and no more
+    than `on`'s compute slots (another plan's, where this graph runs on them); each update at the end of its span,
+    unless that takes more gradient slots than `on` has."""
+    spans = [n.meta.get(blocks.SPAN) for n in facts.nodes]
+    if all(s is None for s in spans):
+        return None
+    limit = max(facts.use.min_slots, 2) if on is None else min(max(facts.use.min_slots, 2), on.slots)
+    reads, widened = blocks.widen(facts.use.reads, spans, limit)
+    moved = blocks.updates_at_ends(facts.use.adam_at, spans, widened)
+    use = replace(facts.use, reads=reads, adam_at={**facts.use.adam_at, **moved})
+    if on is not None and n_grad_slots(use, chunked) > on.grad_slots:
+        use, moved = replace(use, adam_at=facts.use.adam_at), {}
+    return facts._replace(use=use, updates_after=moved)
 
 
 class _Moving(NamedTuple):

@@ -1,0 +1,112 @@
+"""blocks: the step's nodes in spans, one per block of the model, so that chunk moves and updates fall between
+blocks and every block's compiled region is the same function.
+
+A model built of repeated blocks (a transformer's layers, `transformer.h.0`, `.h.1`, ... in a ModuleList) runs
+the same ops in each. Chunk boundaries fall anywhere in a block, and each `rt.fetch`, `rt.adam` and release ends
+a compiled region (passes/compile_regions.py): planned op by op, the cuts fall at a different op in each block
+and Inductor builds a function for every variant. The 4.2B GPT on an H100 box: 30 distinct region functions for
+81 calls, 24 s of a cold compile's 34 s building them. Planned by span, every chunk an op of a span reads is
+resident from the span's first node to its last (`widen`), each chunk's update waits for the end of the span of
+its last use (`fuse_optimizer`), and the regions are cut at span starts too: one function for the blocks'
+forward and one for their backward, as a compiled model's own repeated layers.
+
+A parameter's block is its name up to its first index (`transformer.h.12.attn.c_attn.weight` ->
+`transformer.h.12`); a parameter outside any indexed container (embeddings, the last norm, the head) belongs to
+none. A span starts at the first node of backward, at a node reading a block's parameters where that block was not
+yet read in this half of the step (forward or backward), and at a node reading only parameters of no block after
+a block's span. A node reading parameters of a block already passed (backward's recompute reads the block
+before) stays in the current span: the spans of each half follow the blocks in order, never back.
+
+What it costs: a chunk is resident a little longer (from its block's start, to its block's end), which the
+planner sees (the reads it plans from are widened) and counts, in memory (a span's chunks take compute slots at
+once: spans whose chunks are more than `limit` stay planned op by op) and in time (a copy has less compute to
+hide behind: the schedule's exposed seconds). PSTAR_FX_BLOCK_SPANS=0 plans op by op everywhere.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import torch.fx as fx
+
+from ..fxutil import aliases_input
+
+SPAN = "span"        # node.meta key: the span a node of the fused graph belongs to (an int, increasing)
+
+_INDEX = re.compile(r"\.(\d+)(?:\.|$)")
+
+
+def enabled() -> bool:
+    """PSTAR_FX_BLOCK_SPANS (default 1; 0: chunk moves planned op by op, for an A/B of what spans cost a step)."""
+    return os.environ.get("PSTAR_FX_BLOCK_SPANS", "1").strip() not in ("0", "false", "no", "off")
+
+
+def block_of(name: str) -> str | None:
+    """The block a parameter belongs to: its name up to its first index, None outside any indexed container."""
+    m = _INDEX.search(name)
+    return name[:m.start(1) + len(m.group(1))] if m else None
+
+
+def mark_spans(g: fx.Graph, params: list[fx.Node], names: list[str], backward: set[fx.Node]) -> int:
+    """Write each node's span into `node.meta[SPAN]` (`params[i]` is the parameter named `names[i]`); the number
+    of spans. Graphs with no block (no indexed parameter) get none marked: nothing to align."""
+    blocks = {p: block_of(name) for p, name in zip(params, names)}
+    if not any(b is not None for b in blocks.values()):
+        return 0
+    via: dict[fx.Node, set] = {p: {b} for p, b in blocks.items()}     # the blocks a node reads, through views
+    span, current, seen, half = -1, None, set(), None
+    for node in g.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        read = set().union(*(via[a] for a in node.all_input_nodes if a in via))
+        if read and aliases_input(node):
+            via[node] = read
+        starts = (node in backward) != half                 # the first node, or backward's
+        if starts:
+            half, seen = node in backward, set()
+        new = [b for b in read if b is not None and b not in seen]
+        key = new[0] if new else None if read == {None} else current
+        if starts or key != current:
+            span += 1
+        current = key
+        seen.update(b for b in read if b is not None)
+        node.meta[SPAN] = span
+    return span + 1
+
+
+def bounds(spans: list[int | None]) -> dict[int, tuple[int, int]]:
+    """Each span's first and last node (positions in the list `spans` gives a span for, None: none)."""
+    out: dict[int, list[int]] = {}
+    for i, s in enumerate(spans):
+        if s is not None:
+            out.setdefault(s, [i, i])[1] = i
+    return {s: (a, b) for s, (a, b) in out.items()}
+
+
+def widen(reads: list[set[int]], spans: list[int | None], limit: int) -> tuple[list[set[int]], set[int]]:
+    """`reads` (the chunks each node reads) with each span's chunks read at its first and its last node, so the
+    schedule holds them resident across the span, and the spans so widened; a span reading more than `limit`
+    chunks is left as it was (its chunks' moves fall inside it anyway)."""
+    out = [set(r) for r in reads]
+    widened = set()
+    for s, (first, last) in bounds(spans).items():
+        union = set().union(*reads[first:last + 1])
+        if union and len(union) <= limit:
+            out[first] |= union
+            out[last] |= union
+            widened.add(s)
+    return out, widened
+
+
+def updates_at_ends(adam_at: dict[int, int], spans: list[int | None], widened: set[int]) -> dict[int, int]:
+    """Each chunk's update moved to the end of the span it follows (the span of the nearest node before it that
+    has one), where that span is widened: the position of the node it then goes after."""
+    ends = {s: last for s, (_, last) in bounds(spans).items()}
+    moved = {}
+    for c, i in adam_at.items():
+        k = i - 1
+        while k >= 0 and spans[k] is None:
+            k -= 1
+        if k >= 0 and spans[k] in widened and ends[spans[k]] > i:
+            moved[c] = ends[spans[k]]
+    return moved

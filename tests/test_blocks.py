@@ -1,0 +1,92 @@
+"""planning/blocks.py: the step planned by the model's blocks, so every block's compiled region is one function.
+
+A 6-layer GPT whose chunks (69632 elements) hold 1.4 blocks (49 280 parameters each): op by op, each chunk boundary
+cuts a block's region at another op, and no two regions are alike; by block, the forward of every block is one
+function and the backward another, and the steps give the uncompiled engine's bits.
+"""
+import collections
+import sys
+
+import pytest
+import torch
+
+import pstar_fx
+from pstar_fx.models import GPT, gpt_config
+from pstar_fx.planning import blocks
+import pstar_fx.passes.compile_regions  # noqa: F401  (the module, whose BACKEND the tests set)
+from test_engine import batch, tight_budget
+
+regions_pass = sys.modules["pstar_fx.passes.compile_regions"]
+CHUNK = 69632
+LAYERS = 6
+
+
+@pytest.fixture
+def dynamo_only(monkeypatch):
+    monkeypatch.setattr(regions_pass, "BACKEND", "eager")
+
+
+def test_a_parameters_block_is_its_name_up_to_its_first_index():
+    assert blocks.block_of("transformer.h.12.attn.c_attn.weight") == "transformer.h.12"
+    assert blocks.block_of("model.layers.3.mlp.down_proj.lora_A.default.weight") == "model.layers.3"
+    assert blocks.block_of("h.0.ln_1.bias") == "h.0"
+    assert blocks.block_of("wte.weight") is None
+    assert blocks.block_of("layer10.weight") is None        # an index is a name part of its own
+
+
+def _engine(model, inputs, compute, **cfg):
+    return pstar_fx.compile(model, pstar_fx.Config(device="cpu", compute=compute, chunk_size=CHUNK, **cfg), inputs)
+
+
+def _calls(engine) -> collections.Counter:
+    return collections.Counter(n.target for n in engine.graph.graph.nodes if isinstance(n.target, regions_pass.Region))
+
+
+def test_every_blocks_region_is_one_function_and_the_bits_hold(dynamo_only, monkeypatch):
+    """Planned by block (taken whatever it costs: on the CPU tier this tiny step is a millisecond, of which a block's
+    delay in copies and updates is 1-3%), one function runs every block's forward and one every block's backward,
+    and the steps give the uncompiled engine's bits. The planner's own choice here is the plan op by op: by block
+    it estimates more than `SPANS_MAY_COST` slower."""
+    from pstar_fx.planning import planner
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny", n_layer=LAYERS))
+    batches = [batch(seed=s) for s in range(3)]
+    budget, _ = tight_budget(model, batches[0], device_chunks=1, chunk_size=CHUNK, compute="inductor")
+    cfg = dict(device_memory=budget, grad_clip=0.5)
+    chosen = _engine(model, batches[0], "inductor", **cfg)
+    with monkeypatch.context() as m:
+        m.setattr(planner, "SPANS_MAY_COST", 1.0)
+        ours = _engine(model, batches[0], "inductor", **cfg)
+    assert {"device", "host"} <= set(ours.plan.placement), ours.plan.placement
+    calls = _calls(ours)
+    # every block's forward; every block's backward but the first's (the embeddings' gradients follow it) and the
+    # last's (the head's backward reaches into it)
+    most, second = sorted(calls.values())[-1], sorted(calls.values())[-2]
+    assert most == LAYERS and second == LAYERS - 2 and len(calls) <= 6, calls
+    assert ours.plan.moves.updates_after, "no update was planned at its block's end"
+    assert not chosen.plan.moves.updates_after
+    assert chosen.plan.estimated_step_seconds < ours.plan.estimated_step_seconds * (1 - planner.SPANS_MAY_COST)
+    assert len(_calls(chosen)) > len(calls), (_calls(chosen), calls)   # op by op: a function for almost every call
+
+    plain = _engine(model, batches[0], "eager", **cfg)
+    for b in batches:
+        assert torch.equal(ours.step(*b), plain.step(*b))
+    a, b = ours.state_dict(), plain.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_spans_follow_the_blocks_and_never_go_back(monkeypatch):
+    """Forward: the embeddings, each block, the head; backward: the head, each block in reverse, the embeddings'
+    gradients in the first block's span (a node reading a block already passed, as backward's recompute does,
+    stays in the span it falls in)."""
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny", n_layer=3))
+    engine = _engine(model, batch(), "inductor", placement="device", disable_passes=("compile_regions",))
+    spans = [n.meta.get(blocks.SPAN) for n in engine.graph.graph.nodes if n.op == "call_function"]
+    marked = [s for s in spans if s is not None]
+    assert marked == sorted(marked), "a span comes back"
+    assert len(marked) == len(spans)       # every op is in one
+    assert sorted(set(marked)) == list(range(2 * (1 + 3 + 1) - 1)), sorted(set(marked))
+    monkeypatch.setenv("PSTAR_FX_BLOCK_SPANS", "0")
+    engine = _engine(model, batch(), "inductor", placement="device", disable_passes=("compile_regions",))
+    assert not any(blocks.SPAN in n.meta for n in engine.graph.graph.nodes)
