@@ -55,18 +55,23 @@ def test_every_blocks_region_is_one_function_and_the_bits_hold(dynamo_only, monk
     cfg = dict(device_memory=budget, grad_clip=0.5)
     chosen = _engine(model, batches[0], "inductor", **cfg)
     with monkeypatch.context() as m:
-        m.setattr(planner, "SPANS_MAY_COST", 1.0)
+        m.setenv("PSTAR_FX_SPANS_MAY_COST", "1")
         ours = _engine(model, batches[0], "inductor", **cfg)
     assert {"device", "host"} <= set(ours.plan.placement), ours.plan.placement
     calls = _calls(ours)
     # every block's forward; every block's backward but the first's (the embeddings' gradients follow it) and the
     # last's (the head's backward reaches into it)
     most, second = sorted(calls.values())[-1], sorted(calls.values())[-2]
-    assert most == LAYERS and second == LAYERS - 2 and len(calls) <= 6, calls
+    assert most == LAYERS and second >= LAYERS - 2 and len(calls) <= 6, calls
     assert ours.plan.moves.updates_after, "no update was planned at its block's end"
     assert not chosen.plan.moves.updates_after
     assert chosen.plan.estimated_step_seconds < ours.plan.estimated_step_seconds * (1 - planner.SPANS_MAY_COST)
     assert len(_calls(chosen)) > len(calls), (_calls(chosen), calls)   # op by op: a function for almost every call
+    assert not chosen.plan.moves.by_block and ours.plan.moves.by_block
+    # a plan op by op keeps its regions as without blocks (cut at blocks too, they would be more, not fewer)
+    with monkeypatch.context() as m:
+        m.setenv("PSTAR_FX_BLOCK_SPANS", "0")
+        assert _calls(_engine(model, batches[0], "inductor", **cfg)).total() == _calls(chosen).total()
 
     plain = _engine(model, batches[0], "eager", **cfg)
     for b in batches:

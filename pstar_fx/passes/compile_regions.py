@@ -14,9 +14,10 @@ What may move, and why it is safe:
   - `rt.prefetch(c)` moves up, unless a release moved down before it in the same run (the prefetch
     takes the slot that release gives back): then the run is cut there.
 Everything else stays in place and ends a run: `rt.fetch` (the compute stream waits for a copy),
-updates, offloads and collectives, seeded random ops (they reseed through rt), and in-place ops. A run also
-ends where a block's span begins (planning/blocks.py: the plan put the chunk moves and updates there), so every
-block's forward is one region, and its backward another, the same function for every block.
+updates, offloads and collectives, seeded random ops (they reseed through rt), and in-place ops. Where the plan
+is by block (planning/blocks.py: it put the chunk moves and updates between blocks), a run also ends where a
+block's span begins, so every block's forward is one region, and its backward another, the same function for
+every block (a plan op by op keeps its runs: cut at blocks too, they make more distinct functions, not fewer).
 
 Memory: a region frees what it read only when it returns (the caller holds its inputs), and a gradient
 moved down lives to the region's end. The plan's activation profile is recomputed with those lifetimes
@@ -407,8 +408,9 @@ def _kernels(nodes: list[fx.Node]) -> int:
     return sum(1 for n in nodes if n.op == "call_function" and n.target not in _EXTERN and not aliases_input(n))
 
 
-def find_runs(g: fx.Graph) -> list[tuple[list[fx.Node], list[fx.Node], list[fx.Node]]]:
-    """(moved up, compute, moved down) for each run of compute between two nodes that end a run."""
+def find_runs(g: fx.Graph, by_block: bool = False) -> list[tuple[list[fx.Node], list[fx.Node], list[fx.Node]]]:
+    """(moved up, compute, moved down) for each run of compute between two nodes that end a run; `by_block`: and
+    where a block's span begins (the plan put the chunk moves and updates there)."""
     runs = []
     up: list[fx.Node] = []
     ops: list[fx.Node] = []
@@ -423,7 +425,7 @@ def find_runs(g: fx.Graph) -> list[tuple[list[fx.Node], list[fx.Node], list[fx.N
     ups_before_last = 0                     # of `up`, the nodes before the run's last op
     for node in g.nodes:
         inside = set(ops)
-        if _is_compute(node) and ops and node.meta.get(SPAN) != ops[-1].meta.get(SPAN):
+        if by_block and _is_compute(node) and ops and node.meta.get(SPAN) != ops[-1].meta.get(SPAN):
             # a block's span begins (planning/blocks.py): its own region, with the parameter views made for it
             ahead = up[ups_before_last:]
             up = up[:ups_before_last]
@@ -566,7 +568,7 @@ def compile_regions(gm: fx.GraphModule, plan, *, cuda: bool, backend: str | None
     `min_kernels` ops Inductor would generate (a lone matmul between two chunk nodes) stays eager too."""
     backend = backend or BACKEND
     g = gm.graph
-    runs = [r for r in find_runs(g) if _kernels(r[1]) >= min_kernels]
+    runs = [r for r in find_runs(g, plan.moves.by_block) if _kernels(r[1]) >= min_kernels]
     _, _, eager_peak = _profile(g, [], [], cuda)
     budget = plan_mod.usable_budget(plan.budget_bytes, cuda)
     limit = None if budget is None else budget - (plan.device_peak_bytes - plan.activation_peak_bytes)

@@ -11,7 +11,7 @@ the graph code and the training bits are those of the cold compile (tests/test_p
 An entry is keyed by a sha256 fingerprint of everything the search reads: the graph the plan step receives (each
 node's op, name, target, arguments, the metadata the passes read, and its value's shape, dtype and stride: the
 model's structure and the input shapes), the chunk layout, the parameters' names (their blocks) and whether
-blocks are planned as spans (PSTAR_FX_BLOCK_SPANS), every Config field but those planning never reads
+blocks are planned as spans (PSTAR_FX_BLOCK_SPANS, PSTAR_FX_SPANS_MAY_COST), every Config field but those planning never reads
 (`NOT_PLANNED`), the compute dtype and device, the cost model's Rates, the world and rank, torch's version and
 `FORMAT`. The fingerprint is stored inside the entry and compared on load, and the applied try's plan must give
 the device peak, fit and step estimate the entry recorded: a mismatch falls back to the full search, which
@@ -40,6 +40,7 @@ import torch.fx as fx
 
 from ..planning import blocks
 from ..planning.costs import cache_root, write_entry
+from ..planning.planner import spans_may_cost
 
 log = logging.getLogger("pstar_fx")
 
@@ -94,7 +95,7 @@ def fingerprint(gm: fx.GraphModule, ctx, rates, buffer_bytes: int, partition: di
     put("rates", *(f"{k}={v!r}" for k, v in dataclasses.asdict(rates).items()))
     put("buffers", buffer_bytes)
     put("layout", _layout_text(ctx.layout))
-    put("blocks", blocks.enabled(), *(s.param.name for s in ctx.layout.slots))    # (the spans planned by)
+    put("blocks", blocks.enabled(), spans_may_cost(), *(s.param.name for s in ctx.layout.slots))   # (by block?)
     for n in gm.graph.nodes:
         args = fx.node.map_arg((n.args, n.kwargs), lambda a: _NodeName(a.name))
         put(n.op, n.name, _target(n.target), _value_text(args), _value_text(n.meta.get("val")),

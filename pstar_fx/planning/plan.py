@@ -54,6 +54,7 @@ class Moves:
     # chunk -> the node its update goes after, where not right after its last use: the end of its block's span
     # (blocks.py; insert_chunk_ops moves it there)
     updates_after: dict[int, str] = field(default_factory=dict)
+    by_block: bool = False      # planned by block (blocks.py): the compiled regions are cut where a block begins
 
 
 @dataclass(frozen=True)

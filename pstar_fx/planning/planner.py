@@ -5,6 +5,7 @@ host Adam (host_adam.py), how host chunks cross (shipping.py), the chunk moves (
 """
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -35,8 +36,23 @@ from .transaction import (KEEPS, _choose_transaction, defer_above, n_grad_slots_
 
 
 # what a plan by block may cost the step over one op by op, estimated, for its fewer compiled functions (a cold
-# compile's builds: planning/blocks.py)
-SPANS_MAY_COST = 0.005
+# compile's builds: planning/blocks.py); PSTAR_FX_SPANS_MAY_COST sets another (1: by block whatever it costs)
+SPANS_MAY_COST = 0.0025
+# the copy waits a plan by block adds, as measured against the schedule's estimate of them: GPT3_18B with bf16
+# moments on an H100 box (51 of 69 chunks on the host), by block against op by op, waited 0.36 s a step more for
+# copies where the estimate said 0.08 (bench/RESULTS.md, session 29)
+SPAN_COPY_WAITS = 4.0
+
+
+def spans_may_cost() -> float:
+    env = os.environ.get("PSTAR_FX_SPANS_MAY_COST")
+    if env is None:
+        return SPANS_MAY_COST
+    try:
+        return float(env)
+    except ValueError:
+        raise ValueError(f"PSTAR_FX_SPANS_MAY_COST={env!r}: a fraction of the step (0.0025: a quarter of a per "
+                         "cent)") from None
 
 
 def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_itemsize: int,
@@ -54,8 +70,8 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
     something else (a chunk, a compute slot) is weighed the same way. One rank, on CUDA, a plan of its own (`on`
     keeps another's placement); `host_order`: plan with that order alone (a cached decision's). Where the graph's
     nodes lie in blocks' spans (blocks.py: the compute is compiled), each span's chunks are planned resident across
-    it and each update at its end (`_by_span`); where that takes more compute or gradient slots than op by op, the
-    plan op by op is made too and the better kept (under a tight budget a slot more costs a device chunk)."""
+    it and each update at its end (`_by_span`), and the plan op by op is made too: it is kept where estimated
+    faster by more than `spans_may_cost()` (under a tight budget a slot more costs a device chunk)."""
     rates = rates or calibrate(torch.device(config.device), config.torch_dtype)
     # what the graph's nodes read, hold and cost: the same for every plan of it below (two thirds of a plan at 18B)
     facts = _graph_facts(gm, layout, config.device.startswith("cuda"), rates)
@@ -66,13 +82,15 @@ def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_ite
 
     plan = _make_plan(gm, layout, config, compute_itemsize=compute_itemsize, buffer_bytes=buffer_bytes, on=on,
                       world=world, rank=rank, rates=rates, host_order=host_order or "last", facts=spanned or facts)
-    if spanned is not None and (spanned.use.min_slots > facts.use.min_slots or
-                                n_grad_slots(spanned.use, world > 1) > n_grad_slots(facts.use, world > 1)):
-        # by block, more compute slots at once than one op takes, or more gradient slots: planned op by op too, the
-        # better kept
+    if spanned is not None:
+        # planned op by op too: by block, a chunk is resident longer (a slot more, a copy with less compute to hide
+        # behind, an update later). The plan op by op is kept where it is estimated faster by more than
+        # `spans_may_cost()`, the copy waits that planning by block adds counted `SPAN_COPY_WAITS` times over
         other = _make_plan(gm, layout, config, compute_itemsize=compute_itemsize, buffer_bytes=buffer_bytes, on=on,
                            world=world, rank=rank, rates=rates, host_order=host_order or "last", facts=facts)
-        faster = other.estimated_step_seconds < plan.estimated_step_seconds * (1 - SPANS_MAY_COST)
+        added = max(0.0, plan.estimate.copies_exposed_seconds - other.estimate.copies_exposed_seconds)
+        by_block = plan.estimated_step_seconds + (SPAN_COPY_WAITS - 1) * added
+        faster = other.estimated_step_seconds < by_block * (1 - spans_may_cost())
         if other.fits > plan.fits or other.fits == plan.fits and faster:
             plan, spanned = other, None
     facts = spanned or facts
@@ -120,7 +138,7 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
     notes: list[str] = []
 
     # what each node reads, holds and costs, and the byte sizes the stages share
-    nodes, use, act_bytes_per_node, act_peak_bytes, node_secs, _ = facts
+    nodes, use, act_bytes_per_node, act_peak_bytes, node_secs, _, _ = facts
     host_order = on.chunks.host_order if on is not None else host_order
     sizes = replace(step_bytes(g, layout, config, compute_itemsize=compute_itemsize, buffer_bytes=buffer_bytes,
                                activation_peak_bytes=act_peak_bytes, rates=rates, cuda=cuda, world=world),
@@ -350,7 +368,7 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
         chunks=chunks, buffers=Slots(n_slots, n_grad, n_host_grad),
         moves=Moves({nodes[i].name: ops for i, ops in sched.before.items()},
                     {nodes[i].name: ops for i, ops in sched.after.items()}, sched.fetches,
-                    {c: nodes[i].name for c, i in facts.updates_after.items()}),
+                    {c: nodes[i].name for c, i in facts.updates_after.items()}, facts.by_block),
         memory=memory, shipping=Shipping(ship, keeps_copies),
         step_transaction=Transaction(transaction, not random_ops, measures_first, kept_on_device, switch, in_shadow,
                                      cost),
@@ -372,6 +390,7 @@ class GraphFacts(NamedTuple):
     activation_peak_bytes: int
     node_seconds: list[float]        # each node's cost at the plan's rates
     updates_after: dict = {}         # chunk -> the node its update is planned after, where not its own (by span)
+    by_block: bool = False           # the reads and updates are by block's span (`_by_span`)
 
 
 def _graph_facts(gm: fx.GraphModule, layout: Layout, cuda: bool, rates: Rates) -> GraphFacts:
@@ -399,7 +418,7 @@ def _by_span(facts: GraphFacts, chunked: bool, on: Plan | None) -> GraphFacts | 
     use = replace(facts.use, reads=reads, adam_at={**facts.use.adam_at, **moved})
     if on is not None and n_grad_slots(use, chunked) > on.grad_slots:
         use, moved = replace(use, adam_at=facts.use.adam_at), {}
-    return facts._replace(use=use, updates_after=moved)
+    return facts._replace(use=use, updates_after=moved, by_block=True)
 
 
 class _Moving(NamedTuple):
