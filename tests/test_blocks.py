@@ -64,6 +64,8 @@ def test_every_blocks_region_is_one_function_and_the_bits_hold(dynamo_only, monk
     most, second = sorted(calls.values())[-1], sorted(calls.values())[-2]
     assert most == LAYERS and second >= LAYERS - 2 and len(calls) <= 6, calls
     assert ours.plan.moves.updates_after, "no update was planned at its block's end"
+    assert any(n.startswith("planned by block") for n in ours.plan.notes), ours.plan.notes
+    assert not any(n.startswith("planned by block") for n in chosen.plan.notes), chosen.plan.notes
     assert not chosen.plan.moves.updates_after
     assert chosen.plan.estimated_step_seconds < ours.plan.estimated_step_seconds * (1 - planner.SPANS_MAY_COST)
     assert len(_calls(chosen)) > len(calls), (_calls(chosen), calls)   # op by op: a function for almost every call

@@ -292,6 +292,10 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
                          f"of its {n_grad} gradient slot(s) before the next chunk's gradient can take one")
     keeps_copies = keeps_compute_copies(n_slots, sum(needs_slot), world, config.torch_dtype)
     notes += [KEEPS_COMPUTE_COPIES_NOTE] if keeps_copies else []
+    if facts.by_block:
+        notes.append(f"planned by block (planning/blocks.py): each block's chunks resident across it, "
+                     f"{len(facts.updates_after)} updates moved to their block's end, so that every block's compiled "
+                     "region is one function (PSTAR_FX_BLOCK_SPANS=0: op by op)")
     notes += [cuda_memory_note(config, sizes.workspace_bytes, budget_bytes)] if cuda else []
     chunks = Placement(placement, n_device, world, rank, host_order)
     memory = Memory(sum(device.values()), sum(host.values()), device, host, act_peak_bytes, config.optimizer_state,
