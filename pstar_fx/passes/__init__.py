@@ -13,13 +13,17 @@ pass received, and `engine.graph.code` is the result of the last.
     plan                  the driver's step (pipeline/recompute_search.py): for each try, `recompute` (backward
                           recomputes chosen forward segments or cheap values instead of keeping them), then
                           `fuse_optimizer` (each gradient written into its chunk, `rt.grad`, each chunk updated,
-                          `rt.adam`, right after its last use), then the planner; the least recompute that fits.
-    insert_chunk_ops      `rt.fetch/prefetch/release/offload` where the plan's schedule puts them, and `rt.param`
-                          views; parameters are no longer graph inputs.
+                          `rt.adam`, right after its last use; with compiled compute, each node marked with its
+                          block's span: planning/blocks.py), then the planner (by block or op by op, the faster);
+                          the least recompute that fits.
+    insert_chunk_ops      `rt.fetch/prefetch/release/offload` where the plan's schedule puts them (updates moved to
+                          their block's end where the plan is by block), and `rt.param` views; parameters are no
+                          longer graph inputs.
     grads_in_place        a weight gradient a matmul makes is written by it into its chunk's gradient slot
                           (`rt.grad_mm`), never a tensor of its own.
-    compile_regions       each run of ATen ops between chunk nodes is one call of a function Inductor compiles
-                          (Config.compute); the plan's peaks count what the regions hold (a PlanDelta).
+    compile_regions       each run of ATen ops between chunk nodes (and, by block, between blocks) is one call of a
+                          function Inductor compiles (Config.compute); the plan's peaks count what the regions hold
+                          (a PlanDelta).
 
 Evaluation runs the same list up to insert_chunk_ops on a forward-only capture, its plan step planning on the
 training plan's placement (`pipeline/lower.py`).

@@ -3,7 +3,8 @@
 It reads a fused graph (chunk reads, gradient writes and updates are nodes), the Layout and the Config, and
 imports nothing from `passes/`: a pass that knows something the planner must count writes it into `node.meta`.
 
-planner.py (`make_plan`) runs the stages in order: liveness.py (what the graph's values hold), memory.py (bytes),
+planner.py (`make_plan`) runs the stages in order: blocks.py (the model's blocks as spans of nodes, for a plan by
+block, which `fuse_optimizer` marks), liveness.py (what the graph's values hold), memory.py (bytes),
 placement.py (chunks on the device, slots), transaction.py, host_adam.py, shipping.py, schedule.py (chunk moves),
 costs.py (seconds), correction.py (the step when clipping triggers), report.py (words); plan.py holds the frozen records they make, timeline.py what plot draws.
 """
