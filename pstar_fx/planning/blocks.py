@@ -5,10 +5,11 @@ A model built of repeated blocks (a transformer's layers, `transformer.h.0`, `.h
 the same ops in each. Chunk boundaries fall anywhere in a block, and each `rt.fetch`, `rt.adam` and release ends
 a compiled region (passes/compile_regions.py): planned op by op, the cuts fall at a different op in each block
 and Inductor builds a function for every variant. The 4.2B GPT on an H100 box: 30 distinct region functions for
-81 calls, 24 s of a cold compile's 34 s building them. Planned by span, every chunk an op of a span reads is
-resident from the span's first node to its last (`widen`), each chunk's update waits for the end of the span of
-its last use (`fuse_optimizer`), and the regions are cut at span starts too: one function for the blocks'
-forward and one for their backward, as a compiled model's own repeated layers.
+81 calls, 24 s of a cold compile's 34 s building them. Planned by span (planner.py `_by_span`), every chunk an op
+of a span reads is resident from the span's first node to its last (`widen`), each chunk's update waits for the
+end of the span of its last use (`updates_at_ends`; insert_chunk_ops moves it there), and the regions are cut at
+span starts too (compile_regions): one function for the blocks' forward and one for their backward, as a compiled
+model's own repeated layers. `fuse_optimizer` marks the spans (`mark_spans`) where the compute is compiled.
 
 A parameter's block is its name up to its first index (`transformer.h.12.attn.c_attn.weight` ->
 `transformer.h.12`); a parameter outside any indexed container (embeddings, the last norm, the head) belongs to
@@ -20,7 +21,8 @@ before) stays in the current span: the spans of each half follow the blocks in o
 What it costs: a chunk is resident a little longer (from its block's start, to its block's end), which the
 planner sees (the reads it plans from are widened) and counts, in memory (a span's chunks take compute slots at
 once: spans whose chunks are more than `limit` stay planned op by op) and in time (a copy has less compute to
-hide behind: the schedule's exposed seconds). PSTAR_FX_BLOCK_SPANS=0 plans op by op everywhere.
+hide behind: the schedule's exposed seconds). The planner also plans op by op and keeps that plan where it is
+faster (planner.py `SPANS_MAY_COST`, `SPAN_COPY_WAITS`). PSTAR_FX_BLOCK_SPANS=0 plans op by op everywhere.
 """
 from __future__ import annotations
 
@@ -64,7 +66,7 @@ def mark_spans(g: fx.Graph, params: list[fx.Node], names: list[str], backward: s
         starts = (node in backward) != half                 # the first node, or backward's
         if starts:
             half, seen = node in backward, set()
-        new = [b for b in read if b is not None and b not in seen]
+        new = sorted(b for b in read if b is not None and b not in seen)
         key = new[0] if new else None if read == {None} else current
         if starts or key != current:
             span += 1
