@@ -97,3 +97,18 @@ def test_spans_follow_the_blocks_and_never_go_back(monkeypatch):
     monkeypatch.setenv("PSTAR_FX_BLOCK_SPANS", "0")
     engine = _engine(model, batch(), "inductor", placement="device", disable_passes=("compile_regions",))
     assert not any(blocks.SPAN in n.meta for n in engine.graph.graph.nodes)
+
+
+def test_a_span_is_widened_only_up_to_the_limit_and_its_updates_move_to_its_end():
+    """Nodes 0-2 in span 0 reading chunks 0 and 1; nodes 3-6 in span 1 reading chunks 1, 2 and 3 (more than the
+    limit of 2: left op by op). Updates (nodes without a span) move to the end of a widened span they fall in."""
+    reads = [{0}, set(), {1}, {1}, {2}, set(), {3}, set(), set()]
+    spans = [0, 0, 0, 1, 1, 1, 1, None, None]
+    widened_reads, widened = blocks.widen(reads, spans, limit=2)
+    assert widened == {0}
+    assert widened_reads[0] == widened_reads[2] == {0, 1} and widened_reads[1] == set()
+    assert widened_reads[3:] == reads[3:]
+    spans_with_updates = [0, 0, None, 0, 1, None, 1, 1]     # updates at 2 (after span 0's node 1) and 5 (in span 1)
+    moved = blocks.updates_at_ends({7: 2, 8: 5}, spans_with_updates, widened={0})
+    assert moved == {7: 3}          # to span 0's last node; span 1 is not widened: its update stays
+    assert blocks.bounds(spans_with_updates) == {0: (0, 3), 1: (4, 7)}
