@@ -112,3 +112,12 @@ def test_a_span_is_widened_only_up_to_the_limit_and_its_updates_move_to_its_end(
     moved = blocks.updates_at_ends({7: 2, 8: 5}, spans_with_updates, widened={0})
     assert moved == {7: 3}          # to span 0's last node; span 1 is not widened: its update stays
     assert blocks.bounds(spans_with_updates) == {0: (0, 3), 1: (4, 7)}
+
+
+@pytest.mark.parametrize("name, value", [("PSTAR_FX_BLOCK_SPANS", "off"), ("PSTAR_FX_SPANS_MAY_COST", "-0.1"),
+                                         ("PSTAR_FX_SPANS_MAY_COST", "half"), ("PSTAR_FX_SPANS_MAY_COST", "nan")])
+def test_a_bad_setting_is_an_error_naming_it(monkeypatch, name, value):
+    from pstar_fx.planning import planner
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        blocks.enabled() if name == "PSTAR_FX_BLOCK_SPANS" else planner.spans_may_cost()

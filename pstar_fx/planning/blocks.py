@@ -31,6 +31,7 @@ import re
 
 import torch.fx as fx
 
+from ..config import parse_flag
 from ..fxutil import aliases_input
 
 SPAN = "span"        # node.meta key: the span a node of the fused graph belongs to (an int, increasing)
@@ -40,7 +41,7 @@ _INDEX = re.compile(r"\.(\d+)(?:\.|$)")
 
 def enabled() -> bool:
     """PSTAR_FX_BLOCK_SPANS (default 1; 0: chunk moves planned op by op, for an A/B of what spans cost a step)."""
-    return os.environ.get("PSTAR_FX_BLOCK_SPANS", "1").strip() not in ("0", "false", "no", "off")
+    return parse_flag(os.environ.get("PSTAR_FX_BLOCK_SPANS", "1"), "PSTAR_FX_BLOCK_SPANS")
 
 
 def block_of(name: str) -> str | None:

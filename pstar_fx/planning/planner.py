@@ -45,14 +45,18 @@ SPAN_COPY_WAITS = 4.0
 
 
 def spans_may_cost() -> float:
+    """`SPANS_MAY_COST`, or PSTAR_FX_SPANS_MAY_COST: a fraction of the step, 0 or more; else a ValueError."""
     env = os.environ.get("PSTAR_FX_SPANS_MAY_COST")
     if env is None:
         return SPANS_MAY_COST
     try:
-        return float(env)
+        cost = float(env)
     except ValueError:
-        raise ValueError(f"PSTAR_FX_SPANS_MAY_COST={env!r}: a fraction of the step (0.0025: a quarter of a per "
-                         "cent)") from None
+        cost = -1.0
+    if not cost >= 0.0:                 # (a NaN too)
+        raise ValueError(f"PSTAR_FX_SPANS_MAY_COST: expected a fraction of the step, 0 or more (0.0025: a quarter "
+                         f"of a per cent), got {env!r}")
+    return cost
 
 
 def make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_itemsize: int,
