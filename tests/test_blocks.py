@@ -59,10 +59,9 @@ def test_every_blocks_region_is_one_function_and_the_bits_hold(dynamo_only, monk
         ours = _engine(model, batches[0], "inductor", **cfg)
     assert {"device", "host"} <= set(ours.plan.placement), ours.plan.placement
     calls = _calls(ours)
-    # every block's forward; every block's backward but the first's (the embeddings' gradients follow it) and the
-    # last's (the head's backward reaches into it)
+    # every block's forward, every block's backward
     most, second = sorted(calls.values())[-1], sorted(calls.values())[-2]
-    assert most == LAYERS and second >= LAYERS - 2 and len(calls) <= 6, calls
+    assert most == second == LAYERS and len(calls) <= 6, calls
     assert ours.plan.moves.updates_after, "no update was planned at its block's end"
     assert any(n.startswith("planned by block") for n in ours.plan.notes), ours.plan.notes
     assert not any(n.startswith("planned by block") for n in chosen.plan.notes), chosen.plan.notes
@@ -82,18 +81,60 @@ def test_every_blocks_region_is_one_function_and_the_bits_hold(dynamo_only, monk
     assert all(torch.equal(a[k], b[k]) for k in b)
 
 
+def test_regions_cut_for_builds_side_by_side_share_their_functions_and_the_bits_hold(dynamo_only, monkeypatch):
+    """Where a cold compile builds on worker processes, a region with more kernels than the workers' fair share is
+    cut (after a library kernel or a view, where the fewest values cross): a block's regions are then more
+    functions, each still one for every block, and the steps give the uncompiled engine's bits."""
+    from pstar_fx.passes import region_builders
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny", n_layer=LAYERS))
+    batches = [batch(seed=s) for s in range(3)]
+    cfg = dict(placement="device", grad_clip=0.5)
+    whole = _calls(_engine(model, batches[0], "inductor", **cfg))
+    monkeypatch.setattr(region_builders, "standby_workers", lambda: 4)
+    monkeypatch.setenv("PSTAR_FX_BUILD_WORKERS", "0")       # (none started: Dynamo builds here)
+    engine = _engine(model, batches[0], "inductor", **cfg)
+    cut = _calls(engine)
+    per_block = [f for f, calls in cut.items() if calls == LAYERS]
+    assert sorted(whole.values())[-2:] == [LAYERS] * 2 and len(per_block) >= 3, (cut, whole)
+    assert cut.total() > whole.total()
+    for region in cut:
+        assert compile_regions_kernels(region) <= max(
+            regions_pass.LEAST_KERNELS, max(map(compile_regions_kernels, whole))), region
+    monkeypatch.setenv("PSTAR_FX_REGION_KERNELS", "0")
+    assert _calls(_engine(model, batches[0], "inductor", **cfg)).total() == whole.total()
+    plain = _engine(model, batches[0], "eager", **cfg)
+    for b in batches:
+        assert torch.equal(engine.step(*b), plain.step(*b))
+    a, b = engine.state_dict(), plain.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+def compile_regions_kernels(region) -> int:
+    return regions_pass._kernels([n for n in region.graph_module.graph.nodes if n.op == "call_function"])
+
+
 def test_spans_follow_the_blocks_and_never_go_back(monkeypatch):
-    """Forward: the embeddings, each block, the head; backward: the head, each block in reverse, the embeddings'
-    gradients in the first block's span (a node reading a block already passed, as backward's recompute does,
-    stays in the span it falls in)."""
+    """Forward: the embeddings, each block, the head; backward: the head, each block in reverse, each cut after the
+    ops every block's backward runs (the view the next block reads, and after the first block the embeddings'
+    gradients, are spans of their own), so every block's span runs the same ops in each half (a node reading a
+    block already passed, as backward's recompute does, stays in the span it falls in)."""
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny", n_layer=3))
     engine = _engine(model, batch(), "inductor", placement="device", disable_passes=("compile_regions",))
-    spans = [n.meta.get(blocks.SPAN) for n in engine.graph.graph.nodes if n.op == "call_function"]
+    ops = [n for n in engine.graph.graph.nodes if n.op == "call_function"]
+    spans = [n.meta.get(blocks.SPAN) for n in ops]
     marked = [s for s in spans if s is not None]
     assert marked == sorted(marked), "a span comes back"
     assert len(marked) == len(spans)       # every op is in one
-    assert sorted(set(marked)) == list(range(2 * (1 + 3 + 1) - 1)), sorted(set(marked))
+    # forward: embeddings, 3 blocks, head; backward: head, 3 blocks, the 2 views after the last two, embeddings
+    assert sorted(set(marked)) == list(range(5 + 1 + 3 + 2 + 1)), sorted(set(marked))
+    runs = collections.defaultdict(list)
+    for n, s in zip(ops, spans):
+        runs[s].append(n.target)
+    assert runs[1] == runs[2] == runs[3]                    # the blocks' forward
+    assert runs[6] == runs[8] == runs[10] and runs[7] == runs[9] == [torch.ops.aten.view.default]
+    assert torch.ops.aten.embedding_dense_backward.default in runs[11]
     monkeypatch.setenv("PSTAR_FX_BLOCK_SPANS", "0")
     engine = _engine(model, batch(), "inductor", placement="device", disable_passes=("compile_regions",))
     assert not any(blocks.SPAN in n.meta for n in engine.graph.graph.nodes)

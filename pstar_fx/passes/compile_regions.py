@@ -41,7 +41,7 @@ import time
 import torch
 import torch.fx as fx
 
-from ..config import format_bytes
+from ..config import format_bytes, parse_count
 from .. import planning as plan_mod
 from ..planning.blocks import SPAN
 from ..fxutil import aliases_input, args_by_position, mutated_args, node_copy, role_nodes
@@ -450,6 +450,65 @@ def find_runs(g: fx.Graph, by_block: bool = False) -> list[tuple[list[fx.Node], 
     return runs
 
 
+def region_kernels(runs: list[tuple], workers: int) -> int:
+    """The kernels a region holds at most where a cold compile builds the regions on `workers` processes side by
+    side (region_builders): the distinct runs' kernels shared out over the workers (at least `LEAST_KERNELS`), so that
+    the blocks' forward and backward, two large functions, are not the whole build. PSTAR_FX_REGION_KERNELS sets it
+    (0: the regions as the runs fall). A count of this machine's cores, never of its caches: a warm compile cuts
+    its regions as the cold one did."""
+    env = os.environ.get("PSTAR_FX_REGION_KERNELS")
+    if env is not None:
+        return parse_count(env, "PSTAR_FX_REGION_KERNELS", "kernels", least=0)
+    distinct = {tuple((n.op, n.target) for n in ops): _kernels(ops) for _, ops, _ in runs}
+    return max(LEAST_KERNELS, math.ceil(sum(distinct.values()) / workers))
+
+
+LEAST_KERNELS = 8
+
+
+def split_run(run: tuple, most: int) -> list[tuple]:
+    """`run` (moved up, ops, moved down) cut into runs of at most `most` kernels (0: not cut), each cut where the
+    fewest values cross it among the places that share the kernels out most evenly, and only after a library
+    kernel or a view (where nothing fusible is cut apart) and where every value crossing is a tensor. A cut depends
+    on the run's ops alone, so equal runs are cut alike and still share their functions."""
+    up, ops, down = run
+    n = _kernels(ops)
+    if most <= 0 or n <= most:
+        return [run]
+    at = _cut_at(ops, n, math.ceil(n / most))
+    if at is None:
+        return [run]
+    return [*split_run((up, ops[:at], []), most), *split_run(([], ops[at:], down), most)]
+
+
+def _cut_at(ops: list[fx.Node], n: int, pieces: int) -> int | None:
+    """Where to cut `ops` (`n` kernels) for its first part to hold about 1/`pieces` of them (half for two)."""
+    pos = {o: i for i, o in enumerate(ops)}
+    last = {}                                   # a value made here: its last reader here
+    for i, o in enumerate(ops):
+        for a in o.all_input_nodes:
+            if a in pos:
+                last[a] = i
+    ends = {}
+    for a, i in last.items():
+        ends.setdefault(i, []).append(a)
+    target = n * (pieces // 2) / pieces
+    live: set[fx.Node] = set()
+    kernels, best = 0, None
+    for i, o in enumerate(ops[:-1]):
+        kernels += _kernels([o])
+        if o in last:
+            live.add(o)
+        live.difference_update(ends.get(i, ()))
+        clean = (o.target in _EXTERN or aliases_input(o)) and all(
+            isinstance(v.meta.get("val"), torch.Tensor) for v in live)
+        if clean and 0 < kernels < n and abs(kernels - target) <= n / (2 * pieces):
+            score = (len(live), abs(kernels - target))
+            if best is None or score < best[0]:
+                best = (score, i + 1)
+    return None if best is None else best[1]
+
+
 def _region_io(ops: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
     inside = set(ops)
     inputs: list[fx.Node] = []
@@ -459,6 +518,33 @@ def _region_io(ops: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
                 inputs.append(a)
     outputs = [n for n in ops if any(u not in inside for u in n.users)]
     return inputs, outputs
+
+
+def _shared_outputs(runs: list[list[fx.Node]], spare: dict[int, int | None]) -> dict[int, list[int]]:
+    """Where runs of the same ops on the same inputs return different values, what each of them returns instead (by
+    id of its ops: the positions in them): every value any of them needs outside. The last block's forward returns
+    one value fewer than the others (nothing reads its residual stream in 16 bits), and a function of its own would
+    cost a cold compile another build; returning that value anyway costs the call its bytes until it returns, where
+    its spare memory (`spare`; None: no budget) has room (else the run keeps its own outputs)."""
+    io = {id(ops): _region_io(ops) for ops in runs}
+    groups: dict[str, list[list[fx.Node]]] = {}
+    for ops in runs:
+        groups.setdefault(_extract(ops, io[id(ops)][0], [])[1], []).append(ops)
+    returned = {}
+    for group in groups.values():
+        wanted = sorted({ops.index(o) for ops in group for o in io[id(ops)][1]})
+        for ops in group:
+            more = [ops[i] for i in wanted if ops[i] not in io[id(ops)][1]]
+            room = spare.get(id(ops))
+            if more and (room is None or room >= sum(map(_bytes, more))):
+                returned[id(ops)] = wanted
+    return returned
+
+
+def _bytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else (val,)
+    return sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
 
 
 def _spec(a: fx.Node):
@@ -569,6 +655,9 @@ def compile_regions(gm: fx.GraphModule, plan, *, cuda: bool, backend: str | None
     backend = backend or BACKEND
     g = gm.graph
     runs = [r for r in find_runs(g, plan.moves.by_block) if _kernels(r[1]) >= min_kernels]
+    if region_builders.standby_workers() >= 2:
+        most = region_kernels(runs, region_builders.standby_workers())
+        runs = [piece for run in runs for piece in split_run(run, most)]
     _, _, eager_peak = _profile(g, [], [], cuda)
     budget = plan_mod.usable_budget(plan.budget_bytes, cuda)
     limit = None if budget is None else budget - (plan.device_peak_bytes - plan.activation_peak_bytes)
@@ -591,8 +680,11 @@ def compile_regions(gm: fx.GraphModule, plan, *, cuda: bool, backend: str | None
              limit - max(per_node[pos[(up or ops)[0]]:pos[(down or ops)[-1]] + 1]) for up, ops, down in chosen}
     _reorder(g, chosen)
     regions: dict[str, Region] = {}
+    returned = _shared_outputs([ops for _, ops, _ in chosen], spare)
     for up, ops, down in chosen:
         inputs, outputs = _region_io(ops)
+        if id(ops) in returned:
+            outputs = [ops[i] for i in returned[id(ops)]]
         sub, key = _extract(ops, inputs, outputs)
         if key not in regions:
             regions[key] = Region(_module(sub), f"region_{len(regions)}", backend, [_spec(a) for a in inputs], key)
@@ -605,6 +697,8 @@ def compile_regions(gm: fx.GraphModule, plan, *, cuda: bool, backend: str | None
         anchor = call
         named = []
         for i, o in enumerate(outputs):
+            if not any(u not in ops for u in o.users):
+                continue                # returned for another call of the function: nothing here reads it
             with g.inserting_after(anchor):
                 out = anchor = g.call_function(operator.getitem, (call, i))
             out.meta["val"] = o.meta.get("val")

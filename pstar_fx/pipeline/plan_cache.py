@@ -44,11 +44,12 @@ from ..planning.planner import spans_may_cost
 
 log = logging.getLogger("pstar_fx")
 
-FORMAT = 7      # bump when what an entry means, or what the fingerprint covers, changes (4: gradient buffers
+FORMAT = 8      # bump when what an entry means, or what the fingerprint covers, changes (4: gradient buffers
 #                sized by Layout.state_elems: a LoRA decision made with chunk-long ones would place otherwise;
 #                5: the host chunks' order, which a warm compile plans with instead of comparing both; 6: nested
 #                pairs of runs, which a search may now choose where an entry before them pinned another try; 7: the
-#                blocks' spans, from the parameters' names: planning/blocks.py)
+#                blocks' spans, from the parameters' names: planning/blocks.py; 8: blocks' spans cut after the ops
+#                every block's span runs)
 
 # Config fields planning never reads: the lr schedule (a callable's repr holds its address) and the process
 # group's timeout

@@ -58,6 +58,7 @@ def mark_spans(g: fx.Graph, params: list[fx.Node], names: list[str], backward: s
         return 0
     via: dict[fx.Node, set] = {p: {b} for p, b in blocks.items()}     # the blocks a node reads, through views
     span, current, seen, half = -1, None, set(), None
+    halves: list[tuple[bool, str | None]] = []       # each span's half (backward: True) and block
     for node in g.nodes:
         if node.op in ("placeholder", "output"):
             continue
@@ -74,7 +75,39 @@ def mark_spans(g: fx.Graph, params: list[fx.Node], names: list[str], backward: s
         current = key
         seen.update(b for b in read if b is not None)
         node.meta[SPAN] = span
-    return span + 1
+        if starts or len(halves) <= span:
+            halves.append((half, current))
+    return _cut_to_common_ops(g, halves)
+
+
+def _cut_to_common_ops(g: fx.Graph, spans: list[tuple[bool, str | None]]) -> int:
+    """Each block's span cut after the ops every block's span of its half begins with, the rest a span of its own;
+    the number of spans after. Ops reading no parameter stay in the span they fall in, so the ends of blocks' spans
+    differ: in backward each block's span ends with the view the next block's first matmul reads, and the first
+    block's with the embeddings' gradients instead. Cut after the ops they share, every block's region is one
+    function (the remainders are a view, which runs eager, and the embeddings' gradients: a region of their own).
+    Spans sharing less than half their ops (blocks of different kinds) are left as they are."""
+    nodes: list[list[fx.Node]] = [[] for _ in spans]
+    for node in g.nodes:
+        if SPAN in node.meta:
+            nodes[node.meta[SPAN]].append(node)
+    cut: dict[int, int] = {}
+    for half in (False, True):
+        ours = [s for s, (h, key) in enumerate(spans) if h == half and key is not None]
+        if len(ours) < 2:
+            continue
+        ops = [[(n.op, n.target) for n in nodes[s]] for s in ours]
+        common = 0
+        while all(len(o) > common and o[common] == ops[0][common] for o in ops):
+            common += 1
+        if common * 2 >= max(map(len, ops)):
+            cut.update({s: common for s, o in zip(ours, ops) if len(o) > common})
+    shift = 0
+    for s, ns in enumerate(nodes):
+        for i, n in enumerate(ns):
+            n.meta[SPAN] = s + shift + (1 if s in cut and i >= cut[s] else 0)
+        shift += s in cut
+    return len(spans) + shift
 
 
 def bounds(spans: list[int | None]) -> dict[int, tuple[int, int]]:
