@@ -87,6 +87,9 @@ def test_second_compile_loads_the_regions_the_workers_built_and_trains_the_same_
     assert len(cold["explained"]) == 1 and "2 regions on 2 worker(s)" in cold["explained"][0], cold["explained"]
     assert sorted(t["worker"] for t in times) == [0, 1] and all(t["ready"] <= t["began"] <= t["ended"] and t["built"]
                                                                for t in times), times
+    # and where each worker's start went: its imports (torch, pstar_fx), then Inductor's, in CPU seconds too
+    assert all(t["imported"] <= t["ready"] and 0 < t["imported_cpu_s"] <= t["ready_cpu_s"] for t in times), times
+    assert "torch and pstar_fx imported at" in said[0], said
     warm = compile_in_a_fresh_process(tmp_path, workers=2)          # the marker: no worker starts, none on standby
     assert (warm["hits"], warm["misses"]) == (2, 0) and (warm["aot_hits"], warm["aot_misses"]) == (2, 0), warm
     assert warm["workers_said"] == [] and warm["build_times"] == [] and warm["explained"] == [], warm

@@ -257,7 +257,8 @@ class Builders:
                 with open(os.path.join(self._tmp.name, done_name(key))) as f:
                     t = json.load(f)
                 times.append({"worker": w, "ops": self._ops.get(key, 0), "built": bool(t["built"]),
-                              **{k: round(t[k] - self._started, 2) for k in ("ready", "began", "ended")}})
+                              **{k: round(t[k] - self._started, 2) for k in ("ready", "began", "ended")},
+                              **_startup(t.get("startup"), self._started)})
             except (OSError, ValueError, KeyError, TypeError):
                 continue                    # (a worker that ended before it: nothing to say)
         return sorted(times, key=lambda t: t["began"])
@@ -273,10 +274,31 @@ class Builders:
         for w, ts in sorted(by.items()):
             spans = ", ".join(f"{t['ops']} ops {t['ended'] - t['began']:.1f} s" + ("" if t["built"] else " (not built)")
                               for t in ts)
-            parts.append(f"worker {w} ready at {ts[0]['ready']:.1f} s, done at {ts[-1]['ended']:.1f} s: {spans}")
+            how = ""
+            if "imported" in ts[0]:
+                how = (f" (began at {ts[0]['spawned']:.1f} s, " if "spawned" in ts[0] else " (") + (
+                    f"torch and pstar_fx imported at {ts[0]['imported']:.1f} s, {ts[0]['ready_cpu_s']:.1f} s "
+                    "of CPU by ready)")
+            parts.append(f"worker {w} ready at {ts[0]['ready']:.1f} s{how}, done at {ts[-1]['ended']:.1f} s: {spans}")
         handed = self._handed - self._started
         return (f"region build workers ({len(by)}), seconds from their start"
                 + (f" (their shares handed at {handed:.1f} s)" if handed >= 0.1 else "") + ": " + "; ".join(parts))
+
+
+def _startup(said, started: float) -> dict:
+    """A worker's start (region_worker.STARTUP) in seconds from the workers' start: when its process began, when
+    torch and pstar_fx were imported, its CPU seconds by then and by ready. Where a slow start goes on the box:
+    its imports' CPU (a slow core), or waiting beside the compile (cores or disk busy)."""
+    if not isinstance(said, dict):
+        return {}
+    try:
+        out = {"imported": round(said["imported"] - started, 2), "imported_cpu_s": round(said["imported_cpu"], 2),
+               "ready_cpu_s": round(said["ready_cpu"], 2)}
+        if said.get("began") is not None:
+            out["spawned"] = round(said["began"] - started, 2)
+        return out
+    except (KeyError, TypeError):
+        return {}
 
 
 def done_name(key: str) -> str:

@@ -18,6 +18,22 @@ import time
 import torch
 
 from ..planning.costs import written_aside
+
+
+def _started() -> float | None:
+    """When this process began (wall clock), from Linux's /proc; None elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+# where a worker's time before its first build goes (torch and pstar_fx imported by now; `Builders.said`)
+STARTUP = {"began": _started(), "imported": time.time(), "imported_cpu": time.process_time()}
 from .compile_regions import Region, _example
 from .region_builders import artifact_failed, load_artifact, mark_artifact_failed, save_artifact
 
@@ -26,6 +42,7 @@ STANDBY_LIMIT_S = 1800      # a standby worker never handed its job gives up (it
 
 def work(path: str, ready: float | None = None) -> None:
     ready = ready or time.time()                # (its imports done: what a worker costs before its first build)
+    startup = {**STARTUP, "ready_cpu": STARTUP.get("ready_cpu", time.process_time())}
     with open(path, "rb") as f:
         job = pickle.load(f)
     torch._inductor.config.load_config(job["inductor_config"])
@@ -63,7 +80,8 @@ def work(path: str, ready: float | None = None) -> None:
             print(f"region_w{i} not built: out of device memory", file=sys.stderr, flush=True)
         finally:                                # built or not, the parent may go on with it (its times in it)
             with written_aside(done) as part, open(part, "w") as f:
-                json.dump({"ready": ready, "began": began, "ended": time.time(), "built": built}, f)
+                json.dump({"ready": ready, "began": began, "ended": time.time(), "built": built,
+                           "startup": startup}, f)
         if region is not None and region.eager_because is not None:
             print(f"region_w{i} not built: {region.eager_because}", file=sys.stderr, flush=True)
 
@@ -86,6 +104,7 @@ def standby(path: str) -> None:
     parent = os.getppid()
     warm_up()
     ready = time.time()
+    STARTUP["ready_cpu"] = time.process_time()
     deadline = time.monotonic() + STANDBY_LIMIT_S
     while not os.path.exists(path):
         if os.getppid() != parent or time.monotonic() > deadline:

@@ -26,6 +26,8 @@ faster (planner.py `SPANS_MAY_COST`, `SPAN_COPY_WAITS`). PSTAR_FX_BLOCK_SPANS=0 
 """
 from __future__ import annotations
 
+import collections
+import difflib
 import os
 import re
 
@@ -77,37 +79,51 @@ def mark_spans(g: fx.Graph, params: list[fx.Node], names: list[str], backward: s
         node.meta[SPAN] = span
         if starts or len(halves) <= span:
             halves.append((half, current))
-    return _cut_to_common_ops(g, halves)
+    return _cut_to_the_pattern(g, halves)
 
 
-def _cut_to_common_ops(g: fx.Graph, spans: list[tuple[bool, str | None]]) -> int:
-    """Each block's span cut after the ops every block's span of its half begins with, the rest a span of its own;
-    the number of spans after. Ops reading no parameter stay in the span they fall in, so the ends of blocks' spans
-    differ: in backward each block's span ends with the view the next block's first matmul reads, and the first
-    block's with the embeddings' gradients instead. Cut after the ops they share, every block's region is one
-    function (the remainders are a view, which runs eager, and the embeddings' gradients: a region of their own).
-    Spans sharing less than half their ops (blocks of different kinds) are left as they are."""
+def _cut_to_the_pattern(g: fx.Graph, spans: list[tuple[bool, str | None]]) -> int:
+    """The blocks' spans of each half cut where they differ from the ops most of them run (the pattern) at an end,
+    so that the ops they share are a span, and a compiled region, alike in every block; the number of spans after.
+    Ops reading no parameter stay in the span they fall in, so in backward each block's span ends with the view
+    the next block's first matmul reads, and the first block's with the embeddings' gradients instead. Each span
+    run once is matched against the patterns, the spans run by two blocks or more (difflib: the longest run of
+    equal ops), and where that run is at least 3/4 of a pattern both are cut at its ends: every block's backward
+    then runs the ops the first block's does before the embeddings' gradients. Spans differing inside (a block whose forward is recomputed runs those ops amid its
+    backward's, each before its first use) are left as they are: cut at every difference, the 4.2B's backward
+    became 10 functions and 3x the calls."""
     nodes: list[list[fx.Node]] = [[] for _ in spans]
     for node in g.nodes:
         if SPAN in node.meta:
             nodes[node.meta[SPAN]].append(node)
-    cut: dict[int, int] = {}
+    cuts: dict[int, set[int]] = {}
     for half in (False, True):
         ours = [s for s, (h, key) in enumerate(spans) if h == half and key is not None]
-        if len(ours) < 2:
-            continue
-        ops = [[(n.op, n.target) for n in nodes[s]] for s in ours]
-        common = 0
-        while all(len(o) > common and o[common] == ops[0][common] for o in ops):
-            common += 1
-        if common * 2 >= max(map(len, ops)):
-            cut.update({s: common for s, o in zip(ours, ops) if len(o) > common})
-    shift = 0
+        seqs = {s: tuple((n.op, n.target) for n in nodes[s]) for s in ours}
+        counts = collections.Counter(seqs.values())
+        patterns = [q for q, n in counts.items() if n >= 2]         # the ops repeated blocks run
+        matched: dict[tuple, tuple[tuple, object]] = {}
+        in_pattern: dict[tuple, set[int]] = {q: set() for q in patterns}
+        for q in set(seqs.values()) - set(patterns):
+            found = [(difflib.SequenceMatcher(None, q, p, autojunk=False).find_longest_match(), p) for p in patterns]
+            m, p = max(found, key=lambda f: f[0].size, default=(None, None))
+            if m is not None and 4 * m.size >= 3 * len(p):
+                matched[q] = p, m
+                in_pattern[p] |= {m.b, m.b + m.size} - {0, len(p)}
+        for s, q in seqs.items():
+            if q in in_pattern:
+                cuts[s] = in_pattern[q]
+            elif q in matched:
+                p, m = matched[q]
+                at = {m.a, m.a + m.size} | {m.a + c - m.b for c in in_pattern[p] if m.b < c < m.b + m.size}
+                cuts[s] = at - {0, len(q)}
+    span = -1
     for s, ns in enumerate(nodes):
+        span += 1
         for i, n in enumerate(ns):
-            n.meta[SPAN] = s + shift + (1 if s in cut and i >= cut[s] else 0)
-        shift += s in cut
-    return len(spans) + shift
+            span += i in cuts.get(s, ())
+            n.meta[SPAN] = span
+    return span + 1
 
 
 def bounds(spans: list[int | None]) -> dict[int, tuple[int, int]]:
