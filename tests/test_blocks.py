@@ -81,39 +81,6 @@ def test_every_blocks_region_is_one_function_and_the_bits_hold(dynamo_only, monk
     assert all(torch.equal(a[k], b[k]) for k in b)
 
 
-def test_regions_cut_for_builds_side_by_side_share_their_functions_and_the_bits_hold(dynamo_only, monkeypatch):
-    """Where a cold compile builds on worker processes, a region with more kernels than the workers' fair share is
-    cut (after a library kernel or a view, where the fewest values cross): a block's regions are then more
-    functions, each still one for every block, and the steps give the uncompiled engine's bits."""
-    from pstar_fx.passes import region_builders
-    torch.manual_seed(0)
-    model = GPT(gpt_config("tiny", n_layer=LAYERS))
-    batches = [batch(seed=s) for s in range(3)]
-    cfg = dict(placement="device", grad_clip=0.5)
-    whole = _calls(_engine(model, batches[0], "inductor", **cfg))
-    monkeypatch.setattr(region_builders, "standby_workers", lambda: 4)
-    monkeypatch.setenv("PSTAR_FX_BUILD_WORKERS", "0")       # (none started: Dynamo builds here)
-    engine = _engine(model, batches[0], "inductor", **cfg)
-    cut = _calls(engine)
-    per_block = [f for f, calls in cut.items() if calls == LAYERS]
-    assert sorted(whole.values())[-2:] == [LAYERS] * 2 and len(per_block) >= 3, (cut, whole)
-    assert cut.total() > whole.total()
-    for region in cut:
-        assert compile_regions_kernels(region) <= max(
-            regions_pass.LEAST_KERNELS, max(map(compile_regions_kernels, whole))), region
-    monkeypatch.setenv("PSTAR_FX_REGION_KERNELS", "0")
-    assert _calls(_engine(model, batches[0], "inductor", **cfg)).total() == whole.total()
-    plain = _engine(model, batches[0], "eager", **cfg)
-    for b in batches:
-        assert torch.equal(engine.step(*b), plain.step(*b))
-    a, b = engine.state_dict(), plain.state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in b)
-
-
-def compile_regions_kernels(region) -> int:
-    return regions_pass._kernels([n for n in region.graph_module.graph.nodes if n.op == "call_function"])
-
-
 def test_spans_follow_the_blocks_and_never_go_back(monkeypatch):
     """Forward: the embeddings, each block, the head; backward: the head, each block in reverse, each cut after the
     ops every block's backward runs (the view the next block reads, and after the first block the embeddings'

@@ -41,7 +41,7 @@ import time
 import torch
 import torch.fx as fx
 
-from ..config import format_bytes, parse_count
+from ..config import format_bytes
 from .. import planning as plan_mod
 from ..planning.blocks import SPAN
 from ..fxutil import aliases_input, args_by_position, mutated_args, node_copy, role_nodes
@@ -450,65 +450,6 @@ def find_runs(g: fx.Graph, by_block: bool = False) -> list[tuple[list[fx.Node], 
     return runs
 
 
-def region_kernels(runs: list[tuple], workers: int) -> int:
-    """The kernels a region holds at most where a cold compile builds the regions on `workers` processes side by
-    side (region_builders): the distinct runs' kernels shared out over the workers (at least `LEAST_KERNELS`), so that
-    the blocks' forward and backward, two large functions, are not the whole build. PSTAR_FX_REGION_KERNELS sets it
-    (0: the regions as the runs fall). A count of this machine's cores, never of its caches: a warm compile cuts
-    its regions as the cold one did."""
-    env = os.environ.get("PSTAR_FX_REGION_KERNELS")
-    if env is not None:
-        return parse_count(env, "PSTAR_FX_REGION_KERNELS", "kernels", least=0)
-    distinct = {tuple((n.op, n.target) for n in ops): _kernels(ops) for _, ops, _ in runs}
-    return max(LEAST_KERNELS, math.ceil(sum(distinct.values()) / workers))
-
-
-LEAST_KERNELS = 8
-
-
-def split_run(run: tuple, most: int) -> list[tuple]:
-    """`run` (moved up, ops, moved down) cut into runs of at most `most` kernels (0: not cut), each cut where the
-    fewest values cross it among the places that share the kernels out most evenly, and only after a library
-    kernel or a view (where nothing fusible is cut apart) and where every value crossing is a tensor. A cut depends
-    on the run's ops alone, so equal runs are cut alike and still share their functions."""
-    up, ops, down = run
-    n = _kernels(ops)
-    if most <= 0 or n <= most:
-        return [run]
-    at = _cut_at(ops, n, math.ceil(n / most))
-    if at is None:
-        return [run]
-    return [*split_run((up, ops[:at], []), most), *split_run(([], ops[at:], down), most)]
-
-
-def _cut_at(ops: list[fx.Node], n: int, pieces: int) -> int | None:
-    """Where to cut `ops` (`n` kernels) for its first part to hold about 1/`pieces` of them (half for two)."""
-    pos = {o: i for i, o in enumerate(ops)}
-    last = {}                                   # a value made here: its last reader here
-    for i, o in enumerate(ops):
-        for a in o.all_input_nodes:
-            if a in pos:
-                last[a] = i
-    ends = {}
-    for a, i in last.items():
-        ends.setdefault(i, []).append(a)
-    target = n * (pieces // 2) / pieces
-    live: set[fx.Node] = set()
-    kernels, best = 0, None
-    for i, o in enumerate(ops[:-1]):
-        kernels += _kernels([o])
-        if o in last:
-            live.add(o)
-        live.difference_update(ends.get(i, ()))
-        clean = (o.target in _EXTERN or aliases_input(o)) and all(
-            isinstance(v.meta.get("val"), torch.Tensor) for v in live)
-        if clean and 0 < kernels < n and abs(kernels - target) <= n / (2 * pieces):
-            score = (len(live), abs(kernels - target))
-            if best is None or score < best[0]:
-                best = (score, i + 1)
-    return None if best is None else best[1]
-
-
 def _region_io(ops: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
     inside = set(ops)
     inputs: list[fx.Node] = []
@@ -655,9 +596,6 @@ def compile_regions(gm: fx.GraphModule, plan, *, cuda: bool, backend: str | None
     backend = backend or BACKEND
     g = gm.graph
     runs = [r for r in find_runs(g, plan.moves.by_block) if _kernels(r[1]) >= min_kernels]
-    if region_builders.standby_workers() >= 2:
-        most = region_kernels(runs, region_builders.standby_workers())
-        runs = [piece for run in runs for piece in split_run(run, most)]
     _, _, eager_peak = _profile(g, [], [], cuda)
     budget = plan_mod.usable_budget(plan.budget_bytes, cuda)
     limit = None if budget is None else budget - (plan.device_peak_bytes - plan.activation_peak_bytes)
