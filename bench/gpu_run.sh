@@ -39,6 +39,18 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3
+# The box's packages come without bytecode and PYTHONDONTWRITEBYTECODE=1 is set: every process compiled torch's
+# modules from source at each import (10.5-11.8 s to import torch and Inductor; a build worker's start, and the
+# capture's first Dynamo import, session 30). pip writes them at install; written here once per box, as pip would.
+python3 - <<'EOF'
+import compileall, importlib.util, os, time
+t = time.perf_counter()
+for name in ("torch", "triton", "sympy", "transformers", "pstar_fx"):
+    spec = importlib.util.find_spec(name)
+    if spec is not None and spec.origin:
+        compileall.compile_dir(os.path.dirname(spec.origin), quiet=2, workers=0)
+print(f"bytecode written in {time.perf_counter() - t:.1f} s")
+EOF
 python3 -c "import pstar_fx.kernels as k; print(k.build_info())"
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
