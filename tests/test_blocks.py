@@ -107,6 +107,39 @@ def test_spans_follow_the_blocks_and_never_go_back(monkeypatch):
     assert not any(blocks.SPAN in n.meta for n in engine.graph.graph.nodes)
 
 
+def test_spans_are_cut_to_the_ops_repeated_blocks_run():
+    """Backward's block spans (the letters stand for ops): three blocks run P, whose last op is the view the next
+    block reads; two recompute (R: P with recomputed ops amid it, a pattern of its own); the first block runs P but
+    its view and then the embeddings' gradients. P is cut before its view, and so is the first block, whose P part
+    is then every block's; R stays whole; the forward's equal spans stay as they are."""
+    import torch.fx as fx
+    from pstar_fx.planning.blocks import _cut_to_the_pattern
+    aten = torch.ops.aten
+    op = dict(A=aten.add.Tensor, M=aten.mul.Tensor, S=aten.sub.Tensor, N=aten.neg.default, E=aten.exp.default,
+              V=aten.view.default, G=aten.embedding_dense_backward.default)
+    forward, pattern = "AMSNE", "AMSNEAMSNEAMV"
+    recomputed = "NN" + pattern[:5] + "NN" + pattern[5:]
+    spans = [(False, "h.0"), (False, "h.1"), (False, "h.2"), (True, None),
+             (True, "h.5"), (True, "h.4"), (True, "h.3"), (True, "h.2"), (True, "h.1"), (True, "h.0")]
+    letters = [forward] * 3 + ["A"] + [pattern] * 3 + [recomputed] * 2 + [pattern[:-1] + "GGA"]
+    g = fx.Graph()
+    x = g.placeholder("x")
+    for s, word in enumerate(letters):
+        for ch in word:
+            x = g.call_function(op[ch], (x,))
+            x.meta[blocks.SPAN] = s
+    g.output(x)
+    n = _cut_to_the_pattern(g, spans)
+    runs = collections.defaultdict(str)
+    for node in g.nodes:
+        if blocks.SPAN in node.meta:
+            runs[node.meta[blocks.SPAN]] += next(k for k, v in op.items() if v == node.target)
+    marked = [node.meta[blocks.SPAN] for node in g.nodes if blocks.SPAN in node.meta]
+    assert marked == sorted(marked) and n == len(runs) == max(marked) + 1
+    assert list(runs.values()) == [forward] * 3 + ["A"] + [pattern[:-1], "V"] * 3 + [recomputed] * 2 + [
+        pattern[:-1], "GGA"], list(runs.values())
+
+
 def test_a_span_is_widened_only_up_to_the_limit_and_its_updates_move_to_its_end():
     """Nodes 0-2 in span 0 reading chunks 0 and 1; nodes 3-6 in span 1 reading chunks 1, 2 and 3 (more than the
     limit of 2: left op by op). Updates (nodes without a span) move to the end of a widened span they fall in."""

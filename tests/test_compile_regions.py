@@ -250,6 +250,31 @@ def test_a_region_key_is_equal_exactly_for_the_same_ops_constants_and_layouts():
     assert len({base, *others}) == 1 + len(others)
 
 
+def test_equal_runs_return_what_any_of_them_needs_where_there_is_room():
+    """Two runs of the same ops on inputs laid out alike, the first's middle value read after it and the second's not
+    (the last block's forward): both return it, so they share one function, unless the second run's spare memory
+    has no room for the value's bytes; runs of other ops are left alone."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(x, y):
+        a = torch.exp(x)
+        b = a * 2
+        c = torch.exp(y)            # the second run: the same ops
+        d = c * 2
+        return a + b, d             # a is read after its run, c is not
+
+    g = make_fx(step)(torch.zeros(4, 8), torch.zeros(4, 8)).graph
+    ops = [n for n in g.nodes if n.op == "call_function"]
+    first, second = ops[0:2], ops[2:4]
+    returned = regions_pass._shared_outputs([first, second], {id(first): None, id(second): None})
+    assert returned == {id(second): [0, 1]}         # the first returns both already
+    value_bytes = 4 * 8 * 4
+    assert regions_pass._shared_outputs([first, second], {id(first): 0, id(second): value_bytes}) == returned
+    assert regions_pass._shared_outputs([first, second], {id(first): 0, id(second): value_bytes - 1}) == {}
+    other = ops[4:5]                                # a + b: other ops, no group of its own to share with
+    assert regions_pass._shared_outputs([first, other], {id(first): None, id(other): None}) == {}
+
+
 def test_regions_fed_one_tensor_twice_by_inductor_are_built_for_it(monkeypatch):
     """Inductor returns one tensor for a region's outputs that alias (HF Llama's RMSNorm: its rsqrt and the detach
     saved for backward), so the next region receives it as two inputs. build_regions hands that region one

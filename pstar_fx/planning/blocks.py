@@ -89,8 +89,9 @@ def _cut_to_the_pattern(g: fx.Graph, spans: list[tuple[bool, str | None]]) -> in
     the next block's first matmul reads, and the first block's with the embeddings' gradients instead. Each span
     run once is matched against the patterns, the spans run by two blocks or more (difflib: the longest run of
     equal ops), and where that run is at least 3/4 of a pattern both are cut at its ends: every block's backward
-    then runs the ops the first block's does before the embeddings' gradients. Spans differing inside (a block whose forward is recomputed runs those ops amid its
-    backward's, each before its first use) are left as they are: cut at every difference, the 4.2B's backward
+    then runs the ops the first block's does before the embeddings' gradients. Spans differing inside (a block
+    whose forward is recomputed runs those ops amid its backward's, each before its first use) are left as they
+    are, a pattern of their own where two blocks or more recompute: cut at every difference, the 4.2B's backward
     became 10 functions and 3x the calls."""
     nodes: list[list[fx.Node]] = [[] for _ in spans]
     for node in g.nodes:
