@@ -470,7 +470,7 @@ def _shared_outputs(runs: list[list[fx.Node]], spare: dict[int, int | None]) -> 
     io = {id(ops): _region_io(ops) for ops in runs}
     groups: dict[str, list[list[fx.Node]]] = {}
     for ops in runs:
-        groups.setdefault(_extract(ops, io[id(ops)][0], [])[1], []).append(ops)
+        groups.setdefault(_structure(ops, io[id(ops)][0]), []).append(ops)
     returned = {}
     for group in groups.values():
         wanted = sorted({ops.index(o) for ops in group for o in io[id(ops)][1]})
@@ -480,6 +480,17 @@ def _shared_outputs(runs: list[list[fx.Node]], spare: dict[int, int | None]) -> 
             if more and (room is None or room >= sum(map(_bytes, more))):
                 returned[id(ops)] = wanted
     return returned
+
+
+def _structure(ops: list[fx.Node], inputs: list[fx.Node]) -> str:
+    """What `_extract`'s key says of a run but its outputs, taken from the run's own nodes (no graph built: the
+    regions pass takes a run's key twice then): equal for runs of the same ops on inputs laid out alike."""
+    at = {a: i for i, a in enumerate(inputs)}
+    at.update({n: len(inputs) + i for i, n in enumerate(ops)})
+    metas = [(v.shape, tuple(v.stride), str(v.dtype)) if (v := spec and spec[1]) is not None else None
+             for spec in map(_spec, inputs)]
+    return repr([(n.op, _name(n.target), fx.node.map_aggregate(args_by_position(n, at), _tensor_literal))
+                 for n in ops]) + repr(metas)
 
 
 def _bytes(node: fx.Node) -> int:
