@@ -18,6 +18,8 @@ import time
 import torch
 
 from ..planning.costs import written_aside
+from .compile_regions import Region, _example
+from .region_builders import artifact_failed, load_artifact, mark_artifact_failed, save_artifact
 
 
 def _started() -> float | None:
@@ -34,8 +36,6 @@ def _started() -> float | None:
 
 # where a worker's time before its first build goes (torch and pstar_fx imported by now; `Builders.said`)
 STARTUP = {"began": _started(), "imported": time.time(), "imported_cpu": time.process_time()}
-from .compile_regions import Region, _example
-from .region_builders import artifact_failed, load_artifact, mark_artifact_failed, save_artifact
 
 STANDBY_LIMIT_S = 1800      # a standby worker never handed its job gives up (its parent hung, or forgot it)
 

@@ -16,7 +16,10 @@ A parameter's block is its name up to its first index (`transformer.h.12.attn.c_
 none. A span starts at the first node of backward, at a node reading a block's parameters where that block was not
 yet read in this half of the step (forward or backward), and at a node reading only parameters of no block after
 a block's span. A node reading parameters of a block already passed (backward's recompute reads the block
-before) stays in the current span: the spans of each half follow the blocks in order, never back.
+before) stays in the current span: the spans of each half follow the blocks in order, never back. A block's span
+is then cut where it differs from the ops repeated blocks run at an end (`_cut_to_the_pattern`: the first block's
+backward before the embeddings' gradients, the view each block's backward ends with), so that the first and the
+last block's regions are every block's functions too.
 
 What it costs: a chunk is resident a little longer (from its block's start, to its block's end), which the
 planner sees (the reads it plans from are widened) and counts, in memory (a span's chunks take compute slots at
@@ -77,7 +80,7 @@ def mark_spans(g: fx.Graph, params: list[fx.Node], names: list[str], backward: s
         current = key
         seen.update(b for b in read if b is not None)
         node.meta[SPAN] = span
-        if starts or len(halves) <= span:
+        if len(halves) <= span:                         # a span begins
             halves.append((half, current))
     return _cut_to_the_pattern(g, halves)
 
