@@ -227,7 +227,7 @@ def test_hugging_face_models_through_regions_give_the_same_bits(dynamo_only, kin
 
 
 def test_a_region_key_is_equal_exactly_for_the_same_ops_constants_and_layouts():
-    """Regions share a compiled function by key (`_extract`): the same ops with the same constants on inputs laid out
+    """Regions share a compiled function by key (`_key`): the same ops with the same constants on inputs laid out
     alike give one key; another constant, overload, argument order or input layout gives another."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -236,7 +236,7 @@ def test_a_region_key_is_equal_exactly_for_the_same_ops_constants_and_layouts():
         g = make_fx(fn)(*xs).graph
         inputs = list(g.find_nodes(op="placeholder"))
         ops = [n for n in g.nodes if n.op == "call_function"]
-        return regions_pass._extract(ops, inputs, [ops[-1]])[1]
+        return regions_pass._key(ops, inputs, [ops[-1]])
 
     base = key(lambda x, y: torch.relu(x * 0.5 + y), (4, 8), (4, 8))
     assert base == key(lambda a, b: torch.relu(a * 0.5 + b), (4, 8), (4, 8))
@@ -265,14 +265,18 @@ def test_equal_runs_return_what_any_of_them_needs_where_there_is_room():
 
     g = make_fx(step)(torch.zeros(4, 8), torch.zeros(4, 8)).graph
     ops = [n for n in g.nodes if n.op == "call_function"]
-    first, second = ops[0:2], ops[2:4]
-    returned = regions_pass._shared_outputs([first, second], {id(first): None, id(second): None})
+    first, second, other = ops[0:2], ops[2:4], ops[4:5]     # other: a + b, other ops
+    structure = {id(r): regions_pass._structure(r, regions_pass._region_io(r)[0]) for r in (first, second, other)}
+
+    def shared(runs, spare):
+        return regions_pass._shared_outputs(runs, dict(zip(map(id, runs), spare)), structure)
+
+    returned = shared([first, second], [None, None])
     assert returned == {id(second): [0, 1]}         # the first returns both already
     value_bytes = 4 * 8 * 4
-    assert regions_pass._shared_outputs([first, second], {id(first): 0, id(second): value_bytes}) == returned
-    assert regions_pass._shared_outputs([first, second], {id(first): 0, id(second): value_bytes - 1}) == {}
-    other = ops[4:5]                                # a + b: other ops, no group of its own to share with
-    assert regions_pass._shared_outputs([first, other], {id(first): None, id(other): None}) == {}
+    assert shared([first, second], [0, value_bytes]) == returned
+    assert shared([first, second], [0, value_bytes - 1]) == {}
+    assert shared([first, other], [None, None]) == {}       # no group of its own to share with
 
 
 def test_regions_fed_one_tensor_twice_by_inductor_are_built_for_it(monkeypatch):

@@ -461,16 +461,18 @@ def _region_io(ops: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
     return inputs, outputs
 
 
-def _shared_outputs(runs: list[list[fx.Node]], spare: dict[int, int | None]) -> dict[int, list[int]]:
+def _shared_outputs(runs: list[list[fx.Node]], spare: dict[int, int | None],
+                    structure: dict[int, str]) -> dict[int, list[int]]:
     """Where runs of the same ops on the same inputs return different values, what each of them returns instead (by
     id of its ops: the positions in them): every value any of them needs outside. The last block's forward returns
     one value fewer than the others (nothing reads its residual stream in 16 bits), and a function of its own would
     cost a cold compile another build; returning that value anyway costs the call its bytes until it returns, where
-    its spare memory (`spare`; None: no budget) has room (else the run keeps its own outputs)."""
+    its spare memory (`spare`; None: no budget) has room (else the run keeps its own outputs). `structure`: each
+    run's `_structure`, by id of its ops."""
     io = {id(ops): _region_io(ops) for ops in runs}
     groups: dict[str, list[list[fx.Node]]] = {}
     for ops in runs:
-        groups.setdefault(_structure(ops, io[id(ops)][0]), []).append(ops)
+        groups.setdefault(structure[id(ops)], []).append(ops)
     returned = {}
     for group in groups.values():
         wanted = sorted({ops.index(o) for ops in group for o in io[id(ops)][1]})
@@ -483,14 +485,24 @@ def _shared_outputs(runs: list[list[fx.Node]], spare: dict[int, int | None]) -> 
 
 
 def _structure(ops: list[fx.Node], inputs: list[fx.Node]) -> str:
-    """What `_extract`'s key says of a run but its outputs, taken from the run's own nodes (no graph built: the
-    regions pass takes a run's key twice then): equal for runs of the same ops on inputs laid out alike."""
+    """A run's ops and its inputs' layouts, as a string equal for equal runs: each op with its arguments, a value
+    as the position of the input or op making it, a tensor constant as itself (capture lifts them into constants:
+    none expected). Taken from the run's own nodes, without the graph `_extract` builds (~14 000 node copies at
+    18B, where 17 of 248 runs are functions of their own)."""
     at = {a: i for i, a in enumerate(inputs)}
     at.update({n: len(inputs) + i for i, n in enumerate(ops)})
     metas = [(v.shape, tuple(v.stride), str(v.dtype)) if (v := spec and spec[1]) is not None else None
              for spec in map(_spec, inputs)]
     return repr([(n.op, _name(n.target), fx.node.map_aggregate(args_by_position(n, at), _tensor_literal))
                  for n in ops]) + repr(metas)
+
+
+def _key(ops: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node], structure: str | None = None) -> str:
+    """A region's key: equal for equal regions (the same ops, constants and input layouts, returning the same
+    values), the compiled function they share. `structure`: the run's `_structure`, where taken already (the same
+    after the runs before it became region calls: an input's position and layout are kept)."""
+    at = {n: i for i, n in enumerate(ops)}
+    return (structure or _structure(ops, inputs)) + repr([at[o] for o in outputs])
 
 
 def _bytes(node: fx.Node) -> int:
@@ -521,11 +533,9 @@ def _example(spec, device: torch.device) -> torch.Tensor:
                                                                                     val.storage_offset)
 
 
-def _extract(ops: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> tuple[fx.Graph, str]:
-    """The region as its own graph with canonical names, and a key equal for equal regions (its code, as a
-    GraphModule of it would have it, and its inputs' layouts). The GraphModule is made only for a new key
-    (`_module`): most regions repeat one before them (every transformer block's), and making one compiles its
-    code."""
+def _extract(ops: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> fx.Graph:
+    """The region as its own graph with canonical names (inputs `in0`..., values `v0`...), made only for a region
+    whose key (`_key`) no region before it has: most repeat one (every transformer block's)."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for i, a in enumerate(inputs):
@@ -534,15 +544,7 @@ def _extract(ops: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) 
     for i, n in enumerate(ops):
         env[n] = node_copy(g, n, env.__getitem__, name=f"v{i}")
     g.output(tuple(env[o] for o in outputs))
-    metas = []
-    for spec in map(_spec, inputs):
-        v = spec and spec[1]
-        metas.append((v.shape, tuple(v.stride), str(v.dtype)) if v is not None else None)
-    # each op with its arguments, a value as the position of the node making it (what its code says, without
-    # generating the code: ~5 ms a region, 195 regions at 18B)
-    at = {n: i for i, n in enumerate(g.nodes)}
-    ops = [(n.op, _name(n.target), fx.node.map_aggregate(args_by_position(n, at), _tensor_literal)) for n in g.nodes]
-    return g, repr(ops) + repr(metas)
+    return g
 
 
 def _tensor_literal(a):
@@ -602,8 +604,10 @@ def _profile(g: fx.Graph, runs: list, compiled: list, cuda: bool) -> tuple[list[
 def compile_regions(gm: fx.GraphModule, plan, *, cuda: bool, backend: str | None = None,
                     min_kernels: int = 2) -> fx.GraphModule:
     """Compile `gm`'s runs of compute in place. What holding the regions' inputs costs goes to the planner as
-    `gm.meta["plan_delta"]` (planning.fold counts it); runs that would take the plan over its budget stay eager. A run with fewer than
-    `min_kernels` ops Inductor would generate (a lone matmul between two chunk nodes) stays eager too."""
+    `gm.meta["plan_delta"]` (planning.fold counts it); runs that would take the plan over its budget stay eager.
+    A run with fewer than `min_kernels` ops Inductor would generate (a lone matmul between two chunk nodes) stays
+    eager too. Equal runs share one compiled function (`_key`), returning what any of them needs
+    (`_shared_outputs`)."""
     backend = backend or BACKEND
     g = gm.graph
     runs = [r for r in find_runs(g, plan.moves.by_block) if _kernels(r[1]) >= min_kernels]
@@ -629,14 +633,16 @@ def compile_regions(gm: fx.GraphModule, plan, *, cuda: bool, backend: str | None
              limit - max(per_node[pos[(up or ops)[0]]:pos[(down or ops)[-1]] + 1]) for up, ops, down in chosen}
     _reorder(g, chosen)
     regions: dict[str, Region] = {}
-    returned = _shared_outputs([ops for _, ops, _ in chosen], spare)
+    structure = {id(ops): _structure(ops, _region_io(ops)[0]) for _, ops, _ in chosen}
+    returned = _shared_outputs([ops for _, ops, _ in chosen], spare, structure)
     for up, ops, down in chosen:
         inputs, outputs = _region_io(ops)
         if id(ops) in returned:
             outputs = [ops[i] for i in returned[id(ops)]]
-        sub, key = _extract(ops, inputs, outputs)
+        key = _key(ops, inputs, outputs, structure[id(ops)])
         if key not in regions:
-            regions[key] = Region(_module(sub), f"region_{len(regions)}", backend, [_spec(a) for a in inputs], key)
+            regions[key] = Region(_module(_extract(ops, inputs, outputs)), f"region_{len(regions)}", backend,
+                                  [_spec(a) for a in inputs], key)
         if spare[id(ops)] is not None:
             left = regions[key].spare_bytes
             regions[key].spare_bytes = spare[id(ops)] if left is None else min(left, spare[id(ops)])

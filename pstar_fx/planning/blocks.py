@@ -5,11 +5,12 @@ A model built of repeated blocks (a transformer's layers, `transformer.h.0`, `.h
 the same ops in each. Chunk boundaries fall anywhere in a block, and each `rt.fetch`, `rt.adam` and release ends
 a compiled region (passes/compile_regions.py): planned op by op, the cuts fall at a different op in each block
 and Inductor builds a function for every variant. The 4.2B GPT on an H100 box: 18 distinct region functions for
-95 calls, 22 s of a cold compile's 31.5 s building them; by block 7 for 74, 15 s (bench/RESULTS.md, session 29). Planned by span (planner.py `_by_span`), every chunk an op
-of a span reads is resident from the span's first node to its last (`widen`), each chunk's update waits for the
-end of the span of its last use (`updates_at_ends`; insert_chunk_ops moves it there), and the regions are cut at
-span starts too (compile_regions): one function for the blocks' forward and one for their backward, as a compiled
-model's own repeated layers. `fuse_optimizer` marks the spans (`mark_spans`) where the compute is compiled.
+95 calls, 22 s of a cold compile's 31.5 s building them; by block 7 for 74, 15 s (bench/RESULTS.md, session 29).
+Planned by span (planner.py `_by_span`), every chunk an op of a span reads is resident from the span's first node
+to its last (`widen`), each chunk's update waits for the end of the span of its last use (`updates_at_ends`;
+insert_chunk_ops moves it there), and the regions are cut at span starts too (compile_regions): one function for
+the blocks' forward and one for their backward, as a compiled model's own repeated layers. `fuse_optimizer`
+marks the spans (`mark_spans`) where the compute is compiled.
 
 A parameter's block is its name up to its first index (`transformer.h.12.attn.c_attn.weight` ->
 `transformer.h.12`); a parameter outside any indexed container (embeddings, the last norm, the head) belongs to
