@@ -266,10 +266,11 @@ def test_equal_runs_return_what_any_of_them_needs_where_there_is_room():
     g = make_fx(step)(torch.zeros(4, 8), torch.zeros(4, 8)).graph
     ops = [n for n in g.nodes if n.op == "call_function"]
     first, second, other = ops[0:2], ops[2:4], ops[4:5]     # other: a + b, other ops
-    structure = {id(r): regions_pass._structure(r, regions_pass._region_io(r)[0]) for r in (first, second, other)}
+    io = {id(r): regions_pass._region_io(r) for r in (first, second, other)}
+    structure = {id(r): regions_pass._structure(r, io[id(r)][0]) for r in (first, second, other)}
 
     def shared(runs, spare):
-        return regions_pass._shared_outputs(runs, dict(zip(map(id, runs), spare)), structure)
+        return regions_pass._shared_outputs(runs, dict(zip(map(id, runs), spare)), structure, io)
 
     returned = shared([first, second], [None, None])
     assert returned == {id(second): [0, 1]}         # the first returns both already

@@ -461,15 +461,14 @@ def _region_io(ops: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
     return inputs, outputs
 
 
-def _shared_outputs(runs: list[list[fx.Node]], spare: dict[int, int | None],
-                    structure: dict[int, str]) -> dict[int, list[int]]:
+def _shared_outputs(runs: list[list[fx.Node]], spare: dict[int, int | None], structure: dict[int, str],
+                    io: dict[int, tuple[list[fx.Node], list[fx.Node]]]) -> dict[int, list[int]]:
     """Where runs of the same ops on the same inputs return different values, what each of them returns instead (by
     id of its ops: the positions in them): every value any of them needs outside. The last block's forward returns
     one value fewer than the others (nothing reads its residual stream in 16 bits), and a function of its own would
     cost a cold compile another build; returning that value anyway costs the call its bytes until it returns, where
-    its spare memory (`spare`; None: no budget) has room (else the run keeps its own outputs). `structure`: each
-    run's `_structure`, by id of its ops."""
-    io = {id(ops): _region_io(ops) for ops in runs}
+    its spare memory (`spare`; None: no budget) has room (else the run keeps its own outputs). `structure`, `io`:
+    each run's `_structure` and `_region_io`, by id of its ops."""
     groups: dict[str, list[list[fx.Node]]] = {}
     for ops in runs:
         groups.setdefault(structure[id(ops)], []).append(ops)
@@ -633,8 +632,9 @@ def compile_regions(gm: fx.GraphModule, plan, *, cuda: bool, backend: str | None
              limit - max(per_node[pos[(up or ops)[0]]:pos[(down or ops)[-1]] + 1]) for up, ops, down in chosen}
     _reorder(g, chosen)
     regions: dict[str, Region] = {}
-    structure = {id(ops): _structure(ops, _region_io(ops)[0]) for _, ops, _ in chosen}
-    returned = _shared_outputs([ops for _, ops, _ in chosen], spare, structure)
+    io = {id(ops): _region_io(ops) for _, ops, _ in chosen}
+    structure = {id(ops): _structure(ops, io[id(ops)][0]) for _, ops, _ in chosen}
+    returned = _shared_outputs([ops for _, ops, _ in chosen], spare, structure, io)
     for up, ops, down in chosen:
         inputs, outputs = _region_io(ops)
         if id(ops) in returned:

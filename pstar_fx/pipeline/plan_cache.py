@@ -12,12 +12,12 @@ An entry is keyed by a sha256 fingerprint of everything the search reads: the gr
 node's op, name, target, arguments, the metadata the passes read, and its value's shape, dtype and stride: the
 model's structure and the input shapes), the chunk layout, the parameters' names (their blocks) and whether
 blocks are planned as spans (PSTAR_FX_BLOCK_SPANS, PSTAR_FX_SPANS_MAY_COST), every Config field but those
-planning never reads (`NOT_PLANNED`), the compute dtype and device, the cost model's Rates, the world and rank, torch's version and
-`FORMAT`. The fingerprint is stored inside the entry and compared on load, and the applied try's plan must give
-the device peak, fit and step estimate the entry recorded: a mismatch falls back to the full search, which
-rewrites the entry. An unreadable or corrupt entry is ignored (a debug log line) and rewritten; writes go to a
-temporary file renamed over the entry, so a reader never sees half of one. Files lie beside the calibrated rates
-(`costs.cache_root()`: ~/.cache/pstar_fx, or PSTAR_FX_CACHE) as plan-v<FORMAT>-<fingerprint>.json.
+planning never reads (`NOT_PLANNED`), the compute dtype and device, the cost model's Rates, the world and rank,
+torch's version and `FORMAT`. The fingerprint is stored inside the entry and compared on load, and the applied
+try's plan must give the device peak, fit and step estimate the entry recorded: a mismatch falls back to the full
+search, which rewrites the entry. An unreadable or corrupt entry is ignored (a debug log line) and rewritten;
+writes go to a temporary file renamed over the entry, so a reader never sees half of one. Files lie beside the
+calibrated rates (`costs.cache_root()`: ~/.cache/pstar_fx, or PSTAR_FX_CACHE) as plan-v<FORMAT>-<fingerprint>.json.
 PSTAR_FX_PLAN_CACHE=0 switches the cache off (neither read nor written).
 
 A step planned on another step's chunk memory (`Lowered(on=...)`, other input shapes) is not cached: its plan

@@ -6,7 +6,8 @@ imports nothing from `passes/`: a pass that knows something the planner must cou
 planner.py (`make_plan`) runs the stages in order: blocks.py (the model's blocks as spans of nodes, for a plan by
 block, which `fuse_optimizer` marks), liveness.py (what the graph's values hold), memory.py (bytes),
 placement.py (chunks on the device, slots), transaction.py, host_adam.py, shipping.py, schedule.py (chunk moves),
-costs.py (seconds), correction.py (the step when clipping triggers), report.py (words); plan.py holds the frozen records they make, timeline.py what plot draws.
+costs.py (seconds), correction.py (the step when clipping triggers), report.py (words); plan.py holds the frozen
+records they make, timeline.py what plot draws.
 """
 from .costs import NOMINAL_COLL_BW, Rates, assumed, calibrate, node_seconds
 from .liveness import LiveSet, activation_profile, last_uses, op_scratch_bytes
