@@ -42,15 +42,19 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3
 # The box's packages come without bytecode and PYTHONDONTWRITEBYTECODE=1 is set: every process compiled torch's
 # modules from source at each import (10.5-11.8 s to import torch and Inductor; a build worker's start, and the
 # capture's first Dynamo import, session 30). pip writes them at install; written here once per box, as pip would.
-python3 - <<'EOF'
-import compileall, importlib.util, os, time
-t = time.perf_counter()
-for name in ("torch", "triton", "sympy", "transformers", "pstar_fx"):
+# (compileall's own process pool lost a worker on an H100 box, session 31, and wrote nothing: batches of files in
+# processes of their own, 16 at once, so a file that crashes the compiler costs only its batch)
+t0=$(date +%s.%N)
+python3 -c "
+import importlib.util, os
+for name in ('torch', 'triton', 'sympy', 'transformers', 'pstar_fx'):
     spec = importlib.util.find_spec(name)
     if spec is not None and spec.origin:
-        compileall.compile_dir(os.path.dirname(spec.origin), quiet=2, workers=0)
-print(f"bytecode written in {time.perf_counter() - t:.1f} s")
-EOF
+        print(os.path.dirname(spec.origin))" | while read -r d; do find "$d" -name "*.py"; done \
+  | xargs -P 16 -n 200 python3 -m compileall -q > /tmp/compileall.log 2>&1
+echo "bytecode written in $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s ($(grep -c . /tmp/compileall.log) lines of \
+complaints; $(python3 -c "import torch, os; print(len(os.listdir(os.path.join(os.path.dirname(torch.__file__), '__pycache__'))))") \
+files in torch/__pycache__)"
 python3 -c "import pstar_fx.kernels as k; print(k.build_info())"
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
