@@ -70,6 +70,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # bench/trace_summary.py
 import pstar_fx  # noqa: E402
 import trace_summary  # noqa: E402
+import copy_waits  # noqa: E402
 from pstar_fx.models import GPT, Llama, gpt_config, llama_config  # noqa: E402
 
 
@@ -573,6 +574,7 @@ def _stream_timeline(prof, label: str) -> list:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         summary = trace_summary.summarize(trace_summary.load(path))
+        waits = copy_waits.analyze(copy_waits.load(path))     # why the compute stream waited for copies
         keep = os.environ.get("PSTAR_FX_TRACE_DIR")
         if keep:
             os.makedirs(keep, exist_ok=True)
@@ -581,6 +583,8 @@ def _stream_timeline(prof, label: str) -> list:
                 dst.write(src.read())
     print(f"profile {label}:", file=sys.stderr)
     trace_summary.print_summary(summary)
+    print(f"copy waits {label}:", file=sys.stderr)
+    copy_waits.print_report(waits, show=12, file=sys.stderr)
     return summary["steps"]
 
 

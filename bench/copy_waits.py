@@ -1,0 +1,164 @@
+"""Why the compute stream waited for copies, from a torch.profiler chrome trace of training steps (bench/gpt.py
+--profile with PSTAR_FX_TRACE_DIR): each idle stretch of the compute stream that ends as a host-to-device copy lands
+is put down to one of three causes, from the copy's own times.
+
+    python bench/copy_waits.py TRACE.json[.gz] [--step-prefix bench.step] [--min-gap-ms 0.3] [--show 15]
+
+For the copy that ended the stretch (a memcpy on another stream ending within `--slack-us` of the compute stream's
+next kernel), with its launch (the runtime call of the same correlation id, on the launching thread or another:
+the host Adam's worker queues a host chunk's copy as its update ends):
+- "queued late": it started within `--slack-us` of its launch's end — it ran as soon as it was asked for, so the
+  wait is the asking: the thread that queues it was elsewhere (waiting for a host gradient buffer, a host update);
+- "behind its stream": it started as the op before it on its stream ended — the copy stream was busy (the bytes
+  before it, or a cast on the stream); how that back-to-back run began is given too (one of these causes);
+- "waited for an event": neither — its stream waited for an event first (a slot's last reader on the compute
+  stream, work after a verdict).
+Per step: the compute stream's wait by cause, the launching threads' shares, and the longest stretches with the copy's
+launch, start, end and bytes. The planner (planning/schedule.py) prices only the second cause.
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import gzip
+import json
+from collections import defaultdict
+
+COPY_CALLS = ("cudaMemcpyAsync", "cudaMemcpy", "cuMemcpyAsync", "cuMemcpyHtoDAsync")
+
+
+def load(path: str) -> dict:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def thread_names(data: dict) -> dict:
+    return {(e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "")
+            for e in data.get("traceEvents", []) if e.get("ph") == "M" and e.get("name") == "thread_name"}
+
+
+def analyze(data: dict, step_prefix: str = "bench.step", min_gap_ms: float = 0.3, slack_us: float = 30.0) -> dict:
+    events = [e for e in data.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    names = thread_names(data)
+    steps = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                   if e.get("cat") == "user_annotation" and e["name"].startswith(step_prefix))
+    main = next(((e.get("pid"), e["tid"]) for e in events if e.get("cat") == "user_annotation"
+                 and e["name"].startswith(step_prefix)), None)
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    busy: dict = defaultdict(float)
+    for e in kernels:
+        busy[e["tid"]] += e["dur"]
+    compute = max(busy, key=busy.get) if busy else None
+    copies = [e for e in events if e.get("cat") == "gpu_memcpy" and "HtoD" in e["name"]]
+    launches = {e.get("args", {}).get("correlation"): e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and e["name"].startswith(COPY_CALLS)}
+    by_stream: dict = defaultdict(list)                   # every GPU op on each stream, in order
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            by_stream[e["tid"]].append((e["ts"], e["ts"] + e["dur"]))
+    for spans in by_stream.values():
+        spans.sort()
+    # what may end a stretch: any op on another stream (a copy, or the cast after a copy of fp32 pieces, which runs
+    # on the copy stream: then the copy before it on that stream is the one weighed)
+    others = sorted((e["ts"] + e["dur"], e["ts"], e["tid"], e.get("cat")) for e in events
+                    if e.get("cat") in ("kernel", "gpu_memcpy") and e["tid"] != compute)
+    end_ts = [o[0] for o in others]
+    copy_at = {(e["tid"], e["ts"]): e for e in copies}
+    copy_starts: dict = defaultdict(list)
+    for e in copies:
+        copy_starts[e["tid"]].append(e["ts"])
+    for v in copy_starts.values():
+        v.sort()
+
+    def copy_of(j: int):
+        """The host-to-device copy behind op `j` of `others`: itself, or the last copy before it on its stream."""
+        _, start, tid, cat = others[j]
+        starts = copy_starts.get(tid, [])
+        i = bisect.bisect_right(starts, start) - 1
+        return copy_at[(tid, starts[i])] if i >= 0 else None
+
+    def cause(copy: dict) -> tuple[str, dict]:
+        start, corr = copy["ts"], copy.get("args", {}).get("correlation")
+        launch = launches.get(corr)
+        spans = by_stream[copy["tid"]]
+        k = bisect.bisect_left(spans, (start, start + copy["dur"]))
+        prev_end = spans[k - 1][1] if k > 0 else None
+        info = {"start_us": start, "dur_ms": round(copy["dur"] / 1e3, 3),
+                "bytes": copy.get("args", {}).get("bytes"), "stream": copy["tid"],
+                "launched_by": "?" if launch is None else
+                ("launching thread" if (launch.get("pid"), launch["tid"]) == main
+                 else names.get((launch.get("pid"), launch["tid"])) or f"thread {launch['tid']}"),
+                "launch_end_us": None if launch is None else launch["ts"] + launch["dur"]}
+        if launch is not None and start - (launch["ts"] + launch["dur"]) <= slack_us:
+            return "queued late", info
+        if prev_end is not None and start - prev_end <= slack_us:
+            # the stream ran back to back up to it: how did that run begin (a chunk crossing as fp32 pieces, each
+            # followed by its cast, is such a run)?
+            i = k - 1
+            while i > 0 and spans[i][0] - spans[i - 1][1] <= slack_us:
+                i -= 1
+            first = copy_at.get((copy["tid"], spans[i][0]))
+            info["run_ms"] = round((start + copy["dur"] - spans[i][0]) / 1e3, 3)
+            info["run_began"] = "?" if first is None else cause(first)[0]
+            return "behind its stream", info
+        return "waited for an event", info
+
+    out = []
+    cs = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in kernels if e["tid"] == compute)
+    for s0, s1, step in steps:
+        mine = [k for k in cs if s0 <= k[0] <= s1]
+        by_cause: dict = defaultdict(float)
+        by_launcher: dict = defaultdict(float)
+        stretches = []
+        for (a0, a1, an), (b0, _, bn) in zip(mine, mine[1:]):
+            gap = b0 - max(a1, a0)
+            if gap / 1e3 < min_gap_ms:
+                continue
+            j = bisect.bisect_right(end_ts, b0 + slack_us) - 1    # the last op elsewhere ending by the next kernel
+            copy = copy_of(j) if j >= 0 and end_ts[j] >= max(a1, b0 - slack_us) else None
+            if copy is None:
+                by_cause["no copy ends it"] += gap
+                continue
+            why, info = cause(copy)
+            by_cause[why] += gap
+            by_launcher[info["launched_by"]] += gap
+            stretches.append({"ms": round(gap / 1e3, 3), "at_ms": round((a1 - s0) / 1e3, 3), "cause": why,
+                              "launched_by": info["launched_by"], "bytes": info["bytes"],
+                              "copy_ms": info["dur_ms"],
+                              "launched_at_ms": None if info["launch_end_us"] is None
+                              else round((info["launch_end_us"] - s0) / 1e3, 3),
+                              "started_at_ms": round((info["start_us"] - s0) / 1e3, 3), "before": bn[:60],
+                              "run_began": info.get("run_began"), "run_ms": info.get("run_ms")})
+        out.append({"step": step, "wall_ms": round((s1 - s0) / 1e3, 3),
+                    "idle_by_cause_ms": {k: round(v / 1e3, 3) for k, v in sorted(by_cause.items())},
+                    "idle_by_launcher_ms": {k: round(v / 1e3, 3) for k, v in sorted(by_launcher.items())},
+                    "stretches": sorted(stretches, key=lambda s: -s["ms"])})
+    return {"compute_stream": compute, "steps": out}
+
+
+def print_report(report: dict, show: int = 15, file=None) -> None:
+    for s in report["steps"]:
+        print(f"{s['step']}: wall {s['wall_ms']:.1f} ms; compute idle by cause (ms): {s['idle_by_cause_ms']}; "
+              f"by who queued the copy: {s['idle_by_launcher_ms']}", file=file)
+        for x in s["stretches"][:show]:
+            print(f"  {x['ms']:7.2f} ms at {x['at_ms']:8.1f}: {x['cause']}, queued by {x['launched_by']} at "
+                  f"{x['launched_at_ms']} ms, started {x['started_at_ms']} ms, {x['copy_ms']} ms, "
+                  f"{x['bytes']} B (before {x['before']})"
+                  + (f"; its stream's run of {x['run_ms']} ms began {x['run_began']}" if x["run_began"] else ""),
+                  file=file)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace")
+    ap.add_argument("--step-prefix", default="bench.step")
+    ap.add_argument("--min-gap-ms", type=float, default=0.3)
+    ap.add_argument("--slack-us", type=float, default=30.0)
+    ap.add_argument("--show", type=int, default=15)
+    a = ap.parse_args(argv)
+    print_report(analyze(load(a.trace), a.step_prefix, a.min_gap_ms, a.slack_us), a.show)
+
+
+if __name__ == "__main__":
+    main()
