@@ -14,7 +14,8 @@ the host Adam's worker queues a host chunk's copy as its update ends):
 - "waited for an event": neither — its stream waited for an event first (a slot's last reader on the compute
   stream, work after a verdict).
 Per step: the compute stream's wait by cause, the launching threads' shares, and the longest stretches with the copy's
-launch, start, end and bytes. The planner (planning/schedule.py) prices only the second cause.
+launch, start, end and bytes; each host job on the worker (`pstar_fx.host_job cN`: from, to) and the launching
+thread's waits (`pstar_fx.wait_for_*`), which the runtime names in the trace. The planner (planning/schedule.py) prices only the second cause.
 """
 from __future__ import annotations
 
@@ -130,7 +131,19 @@ def analyze(data: dict, step_prefix: str = "bench.step", min_gap_ms: float = 0.3
                               else round((info["launch_end_us"] - s0) / 1e3, 3),
                               "started_at_ms": round((info["start_us"] - s0) / 1e3, 3), "before": bn[:60],
                               "run_began": info.get("run_began"), "run_ms": info.get("run_ms")})
+        # the host jobs (pstar_fx.host_job cN, on the worker) and the launching thread's waits (pstar_fx.wait_for_*)
+        jobs = sorted((e["ts"], e["ts"] + e["dur"], e["name"].rpartition(" ")[2]) for e in events
+                      if e.get("cat") == "user_annotation" and e["name"].startswith("pstar_fx.host_job")
+                      and s0 <= e["ts"] + e["dur"] and e["ts"] <= s1)
+        waits: dict = defaultdict(float)
+        for e in events:
+            if e.get("cat") == "user_annotation" and e["name"].startswith("pstar_fx.wait_for") \
+                    and (e.get("pid"), e["tid"]) == main and s0 <= e["ts"] <= s1:
+                waits[e["name"].removeprefix("pstar_fx.")] += e["dur"]
         out.append({"step": step, "wall_ms": round((s1 - s0) / 1e3, 3),
+                    "host_jobs": [{"chunk": c, "from_ms": round((a - s0) / 1e3, 3), "to_ms": round((b - s0) / 1e3, 3)}
+                                  for a, b, c in jobs],
+                    "launcher_waits_ms": {k: round(v / 1e3, 3) for k, v in sorted(waits.items())},
                     "idle_by_cause_ms": {k: round(v / 1e3, 3) for k, v in sorted(by_cause.items())},
                     "idle_by_launcher_ms": {k: round(v / 1e3, 3) for k, v in sorted(by_launcher.items())},
                     "stretches": sorted(stretches, key=lambda s: -s["ms"])})
@@ -141,6 +154,13 @@ def print_report(report: dict, show: int = 15, file=None) -> None:
     for s in report["steps"]:
         print(f"{s['step']}: wall {s['wall_ms']:.1f} ms; compute idle by cause (ms): {s['idle_by_cause_ms']}; "
               f"by who queued the copy: {s['idle_by_launcher_ms']}", file=file)
+        jobs = s["host_jobs"]
+        if jobs:
+            print(f"  host jobs: {len(jobs)}, {sum(j['to_ms'] - j['from_ms'] for j in jobs):.1f} ms, from "
+                  f"{jobs[0]['from_ms']:.1f} to {jobs[-1]['to_ms']:.1f} ms: "
+                  + " ".join(f"{j['chunk']}@{j['from_ms']:.0f}-{j['to_ms']:.0f}" for j in jobs), file=file)
+        if s["launcher_waits_ms"]:
+            print(f"  the launching thread waited (ms): {s['launcher_waits_ms']}", file=file)
         for x in s["stretches"][:show]:
             print(f"  {x['ms']:7.2f} ms at {x['at_ms']:8.1f}: {x['cause']}, queued by {x['launched_by']} at "
                   f"{x['launched_at_ms']} ms, started {x['started_at_ms']} ms, {x['copy_ms']} ms, "

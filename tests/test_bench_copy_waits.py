@@ -34,6 +34,10 @@ def made_up_trace():
     # 7000-8000: nothing ends it; 8500-9500: a cast on the copy stream after a copy asked for late (fp32 pieces)
     ev += [launch(8990, 4), h2d(9000, 400, 4), x("cast", "kernel", 9400, 100, COPY)]
     ev += [x("gemm", "kernel", 9700, 50, COPY)]               # (a 0.3 ms stretch: 9600-10000, no copy lands)
+    ev += [x("pstar_fx.host_job c12", "user_annotation", 100, 4000, WORKER),
+           x("pstar_fx.host_job c13", "user_annotation", 4100, 1000, WORKER),
+           x("pstar_fx.wait_for_host_adam", "user_annotation", 4200, 800, MAIN),
+           x("pstar_fx.wait_for_host_adam", "user_annotation", 5200, 200, MAIN)]
     return {"traceEvents": ev}
 
 
@@ -52,6 +56,9 @@ def test_each_stretch_by_cause(tmp_path):
     assert by_at[3.0]["cause"] == "behind its stream" and by_at[3.0]["run_ms"] == 1.5
     assert by_at[5.0]["launched_by"] == "pstar_fx-adam_0" and by_at[5.0]["started_at_ms"] == 5.6
     assert by_at[8.5]["cause"] == "queued late" and by_at[8.5]["bytes"] == 4096
+    assert step["host_jobs"] == [{"chunk": "c12", "from_ms": 0.1, "to_ms": 4.1},
+                                 {"chunk": "c13", "from_ms": 4.1, "to_ms": 5.1}]
+    assert step["launcher_waits_ms"] == {"wait_for_host_adam": 1.0}
 
 
 def test_report_prints_each_stretch(tmp_path, capsys):
@@ -60,3 +67,4 @@ def test_report_prints_each_stretch(tmp_path, capsys):
     copy_waits.print_report(copy_waits.analyze(copy_waits.load(str(path))))
     out = capsys.readouterr().out
     assert "queued by pstar_fx-adam_0" in out and "began waited for an event" in out
+    assert "host jobs: 2, 5.0 ms, from 0.1 to 5.1 ms: c12@0-4 c13@4-5" in out

@@ -15,9 +15,18 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from torch.profiler import record_function
+
 from ..kernels import cpu_adam
 from .step_log import StepLog
 from .telemetry import Telemetry
+
+
+def _annotated(c: int, fn, *args):
+    """A host job on the worker, named in a profiler trace ("pstar_fx.host_job cN": bench/copy_waits.py reads when
+    each ran against the copies the compute stream waited for)."""
+    with record_function(f"pstar_fx.host_job c{c}"):
+        return fn(*args)
 
 
 class HostWorker:
@@ -49,7 +58,7 @@ class HostWorker:
         (reads of the 16-bit copy go on waiting for that one alone); otherwise the job changes the copy too."""
         if not after_copy:
             self.copies_first.pop(c, None)
-        result = fn(*args) if self.executor is None else self.executor.submit(fn, *args)
+        result = fn(*args) if self.executor is None else self.executor.submit(_annotated, c, fn, *args)
         if self.executor is not None:
             self.pending[c] = result
         if log is not None:
@@ -60,7 +69,7 @@ class HostWorker:
         it: queue chunk c's master job next, with `run(..., after_copy=True)`). A read of the copy waits for it
         alone; `log` counts it among its step's jobs, so that its failure is that step's (`failed_settling`)."""
         assert self.executor is not None, "a copy first is for the threaded worker: inline, the master job is as soon"
-        fut = self.executor.submit(fn, *args)
+        fut = self.executor.submit(_annotated, c, fn, *args)
         self.copies_first[c] = fut
         log.copies_first.append(fut)
 
