@@ -51,7 +51,7 @@ for name in ('torch', 'triton', 'sympy', 'transformers', 'pstar_fx'):
     spec = importlib.util.find_spec(name)
     if spec is not None and spec.origin:
         print(os.path.dirname(spec.origin))" | while read -r d; do find "$d" -name "*.py"; done \
-  | xargs -P 16 -n 200 python3 -m compileall -q > /tmp/compileall.log 2>&1
+  | xargs -r -P 16 -n 200 python3 -m compileall -q > /tmp/compileall.log 2>&1
 echo "bytecode written in $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s ($(grep -c . /tmp/compileall.log) lines of \
 complaints; $(python3 -c "import torch, os; print(len(os.listdir(os.path.join(os.path.dirname(torch.__file__), '__pycache__'))))") \
 files in torch/__pycache__)"
