@@ -14,7 +14,9 @@ the host Adam's worker queues a host chunk's copy as its update ends):
 - "waited for an event": neither — its stream waited for an event first (a slot's last reader on the compute
   stream, work after a verdict).
 Per step: the compute stream's wait by cause, the launching threads' shares, and the longest stretches with the copy's
-launch, start, end and bytes; each host job on the worker (`pstar_fx.host_job cN`: from, to) and the launching
+launch, start, end and bytes; the kernels on a copy stream (the cast after each piece of a chunk crossing as fp32)
+that started later than the copy before them, which holds up every copy queued behind them, and the compute kernels
+they waited beside; each host job on the worker (`pstar_fx.host_job cN`: from, to) and the launching
 thread's waits (`pstar_fx.wait_for_*`), which the runtime names in the trace. The planner (planning/schedule.py) prices only the second cause.
 """
 from __future__ import annotations
@@ -107,6 +109,10 @@ def analyze(data: dict, step_prefix: str = "bench.step", min_gap_ms: float = 0.3
 
     out = []
     cs = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in kernels if e["tid"] == compute)
+    cs_starts = [k[0] for k in cs]
+    copy_span: dict = defaultdict(set)
+    for e in copies:
+        copy_span[e["tid"]].add((e["ts"], e["ts"] + e["dur"]))
     for s0, s1, step in steps:
         mine = [k for k in cs if s0 <= k[0] <= s1]
         by_cause: dict = defaultdict(float)
@@ -140,7 +146,25 @@ def analyze(data: dict, step_prefix: str = "bench.step", min_gap_ms: float = 0.3
             if e.get("cat") == "user_annotation" and e["name"].startswith("pstar_fx.wait_for") \
                     and (e.get("pid"), e["tid"]) == main and s0 <= e["ts"] <= s1:
                 waits[e["name"].removeprefix("pstar_fx.")] += e["dur"]
+        # kernels on a copy stream (the cast after each fp32 piece: movers.py `_copy_in`) that started later than the
+        # op before them on their stream ended: the copies queued behind them waited too. Beside which compute
+        # kernel each waited (one that holds every SM until it ends keeps a kernel of another stream out).
+        stalls, beside = [], defaultdict(float)
+        for e in events:
+            if e.get("cat") == "kernel" and e["tid"] != compute and s0 <= e["ts"] <= s1:
+                spans = by_stream[e["tid"]]
+                k = bisect.bisect_left(spans, (e["ts"], e["ts"] + e["dur"]))
+                if k > 0 and (spans[k - 1][0], spans[k - 1][1]) in copy_span.get(e["tid"], ()):
+                    wait = e["ts"] - spans[k - 1][1]
+                    if wait > slack_us:
+                        stalls.append(wait)
+                        i = bisect.bisect_right(cs_starts, spans[k - 1][1]) - 1
+                        beside[cs[i][2][:50] if i >= 0 and cs[i][1] > spans[k - 1][1] else "-"] += wait
         out.append({"step": step, "wall_ms": round((s1 - s0) / 1e3, 3),
+                    "copy_stream_kernel_waits": {"count": len(stalls), "ms": round(sum(stalls) / 1e3, 3),
+                                                 "longest_ms": round(max(stalls, default=0.0) / 1e3, 3),
+                                                 "beside": {k: round(v / 1e3, 3) for k, v in
+                                                            sorted(beside.items(), key=lambda kv: -kv[1])[:5]}},
                     "host_jobs": [{"chunk": c, "from_ms": round((a - s0) / 1e3, 3), "to_ms": round((b - s0) / 1e3, 3)}
                                   for a, b, c in jobs],
                     "launcher_waits_ms": {k: round(v / 1e3, 3) for k, v in sorted(waits.items())},
@@ -154,6 +178,10 @@ def print_report(report: dict, show: int = 15, file=None) -> None:
     for s in report["steps"]:
         print(f"{s['step']}: wall {s['wall_ms']:.1f} ms; compute idle by cause (ms): {s['idle_by_cause_ms']}; "
               f"by who queued the copy: {s['idle_by_launcher_ms']}", file=file)
+        w = s["copy_stream_kernel_waits"]
+        if w["count"]:
+            print(f"  kernels on a copy stream waited {w['ms']:.1f} ms after the copy before them ({w['count']}, the "
+                  f"longest {w['longest_ms']:.2f} ms), beside: {w['beside']}", file=file)
         jobs = s["host_jobs"]
         if jobs:
             print(f"  host jobs: {len(jobs)}, {sum(j['to_ms'] - j['from_ms'] for j in jobs):.1f} ms, from "

@@ -59,6 +59,23 @@ def test_each_stretch_by_cause(tmp_path):
     assert step["host_jobs"] == [{"chunk": "c12", "from_ms": 0.1, "to_ms": 4.1},
                                  {"chunk": "c13", "from_ms": 4.1, "to_ms": 5.1}]
     assert step["launcher_waits_ms"] == {"wait_for_host_adam": 1.0}
+    # the cast after the 9000-9400 copy started at once; the 9700 kernel on the copy stream follows a kernel
+    assert step["copy_stream_kernel_waits"]["count"] == 0
+
+
+def test_a_cast_that_waits_beside_a_compute_kernel(tmp_path):
+    ev = [x("bench.step0", "user_annotation", 0, 3000, MAIN), x("gemm_big", "kernel", 0, 2000, COMPUTE),
+          x("gemm", "kernel", 2410, 100, COMPUTE), launch(10, 1), h2d(20, 300, 1),
+          x("cast", "kernel", 2000, 50, COPY), launch(30, 2), h2d(2050, 300, 2), x("cast", "kernel", 2350, 50, COPY)]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": ev}))
+    (step,) = copy_waits.analyze(copy_waits.load(str(path)))["steps"]
+    assert step["copy_stream_kernel_waits"] == {"count": 1, "ms": 1.68, "longest_ms": 1.68,
+                                                "beside": {"gemm_big": 1.68}}
+    # the compute stream's wait (2000-2410 us) ends as the second piece's cast lands: that piece's copy ran behind
+    # the first cast, which waited beside gemm_big
+    (stretch,) = step["stretches"]
+    assert stretch["ms"] == 0.41 and stretch["cause"] == "behind its stream" and stretch["started_at_ms"] == 2.05
 
 
 def test_report_prints_each_stretch(tmp_path, capsys):
