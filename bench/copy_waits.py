@@ -4,8 +4,8 @@ is put down to one of three causes, from the copy's own times.
 
     python bench/copy_waits.py TRACE.json[.gz] [--step-prefix bench.step] [--min-gap-ms 0.3] [--show 15]
 
-For the copy that ended the stretch (a memcpy on another stream ending within `--slack-us` of the compute stream's
-next kernel), with its launch (the runtime call of the same correlation id, on the launching thread or another:
+For the copy that ended the stretch (the op on another stream ending within `--slack-us` of the compute stream's next
+kernel: a copy, or a cast after one on a copy stream, whose copy is then the one weighed), with its launch (the runtime call of the same correlation id, on the launching thread or another:
 the host Adam's worker queues a host chunk's copy as its update ends):
 - "queued late": it started within `--slack-us` of its launch's end — it ran as soon as it was asked for, so the
   wait is the asking: the thread that queues it was elsewhere (waiting for a host gradient buffer, a host update);
@@ -17,7 +17,8 @@ Per step: the compute stream's wait by cause, the launching threads' shares, and
 launch, start, end and bytes; the kernels on a copy stream (the cast after each piece of a chunk crossing as fp32)
 that started later than the copy before them, which holds up every copy queued behind them, and the compute kernels
 they waited beside; each host job on the worker (`pstar_fx.host_job cN`: from, to) and the launching
-thread's waits (`pstar_fx.wait_for_*`), which the runtime names in the trace. The planner (planning/schedule.py) prices only the second cause.
+thread's waits (`pstar_fx.wait_for_*`), which the runtime names in the trace. The planner (planning/schedule.py)
+prices only the second cause.
 """
 from __future__ import annotations
 

@@ -52,9 +52,9 @@ for name in ('torch', 'triton', 'sympy', 'transformers', 'pstar_fx'):
     if spec is not None and spec.origin:
         print(os.path.dirname(spec.origin))" | while read -r d; do find "$d" -name "*.py"; done \
   | xargs -r -P 16 -n 200 python3 -m compileall -q > /tmp/compileall.log 2>&1
-echo "bytecode written in $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s ($(grep -c . /tmp/compileall.log) lines of \
-complaints; $(python3 -c "import torch, os; print(len(os.listdir(os.path.join(os.path.dirname(torch.__file__), '__pycache__'))))") \
-files in torch/__pycache__)"
+took=$(python3 -c "print(round($(date +%s.%N) - $t0, 1))")
+cached=$(python3 -c "import os, torch; print(len(os.listdir(os.path.join(os.path.dirname(torch.__file__), '__pycache__'))))")
+echo "bytecode written in $took s ($(grep -c . /tmp/compileall.log) lines of complaints; $cached files in torch/__pycache__)"
 python3 -c "import pstar_fx.kernels as k; print(k.build_info())"
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
