@@ -5,8 +5,9 @@ is put down to one of three causes, from the copy's own times.
     python bench/copy_waits.py TRACE.json[.gz] [--step-prefix bench.step] [--min-gap-ms 0.3] [--show 15]
 
 For the copy that ended the stretch (the op on another stream ending within `--slack-us` of the compute stream's next
-kernel: a copy, or a cast after one on a copy stream, whose copy is then the one weighed), with its launch (the runtime call of the same correlation id, on the launching thread or another:
-the host Adam's worker queues a host chunk's copy as its update ends):
+kernel: a copy, or a cast after one on a copy stream, whose copy is then the one weighed), with its launch (the
+runtime call of the same correlation id, on the launching thread or another: the host Adam's worker queues a host
+chunk's copy as its update ends):
 - "queued late": it started within `--slack-us` of its launch's end — it ran as soon as it was asked for, so the
   wait is the asking: the thread that queues it was elsewhere (waiting for a host gradient buffer, a host update);
 - "behind its stream": it started as the op before it on its stream ended — the copy stream was busy (the bytes
