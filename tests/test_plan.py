@@ -258,12 +258,15 @@ def test_16bit_shadows_ship_half_the_bytes_and_change_no_result():
     assert runs["shadow"][2]["host_peak_bytes"] > runs["cast"][2]["host_peak_bytes"]  # ... shadows cost host
 
 
-def test_fp32_masters_cross_in_staging_pieces_with_the_same_bits(monkeypatch):
+@pytest.mark.parametrize("cast_stream", ["0", "1"])
+def test_fp32_masters_cross_in_staging_pieces_with_the_same_bits(monkeypatch, cast_stream):
     """A host chunk without a shadow crosses on CUDA as its fp32 master, cast on the device from a staging buffer
     of COPY_STAGING_ELEMS values, piece by piece: forced here on the CPU runtime (the cast then runs on the CPU
     tier) with pieces of 1000 values for 16384-value chunks, it trains the bits the shadows do, crosses 4 B/param,
-    and the planned device peak (one piece of staging) is the measured one."""
+    and the planned device peak (one piece of staging) is the measured one. PSTAR_FX_CAST_STREAM=1: the casts on a
+    stream of their own, from two halves of the same buffer (pieces of 500), alike."""
     from pstar_fx.planning import memory, shipping
+    monkeypatch.setenv("PSTAR_FX_CAST_STREAM", cast_stream)
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny"))
     batches = [batch(seed=s) for s in range(3)]
@@ -277,6 +280,7 @@ def test_fp32_masters_cross_in_staging_pieces_with_the_same_bits(monkeypatch):
     assert set(engine.plan.ship) == {"fp32"}, engine.plan.ship
     assert engine.plan.device_breakdown["copy staging"] == 1000 * 4
     assert engine.rt.mover._staging.numel() == 1000
+    assert (engine.rt.mover._cast_done is not None) == (cast_stream == "1")
     got = ([engine.step(*b).item() for b in batches], engine.state_dict(), engine.memory_stats())
     assert got[0] == want[0] and all(torch.equal(got[1][k], want[1][k]) for k in want[1])
     assert got[2]["h2d_bytes"] == 2 * want[2]["h2d_bytes"]                  # 4 B/param against 2

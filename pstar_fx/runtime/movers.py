@@ -34,10 +34,56 @@ from concurrent.futures import Future
 
 import torch
 
+from ..config import parse_flag
 from ..planning import Plan
 from ..planning.memory import copy_staging_elems
 from .store import ChunkStore, Pool
 from .telemetry import Telemetry
+
+
+def cast_stream() -> bool:
+    """PSTAR_FX_CAST_STREAM (default 0; 1: an A/B): the casts of a chunk crossing as fp32 run on a stream of their
+    own (`copy_in_pieces`)."""
+    return parse_flag(os.environ.get("PSTAR_FX_CAST_STREAM", "0"), "PSTAR_FX_CAST_STREAM")
+
+
+def copy_in_pieces(dst: torch.Tensor, src: torch.Tensor, staging: torch.Tensor, copies,
+                   cast_done: list | None = None):
+    """fp32 `src` (host) into 16-bit `dst` (device) through the fp32 `staging` buffer, piece by piece, queued on the
+    current stream (the copy stream).
+
+    `cast_done` None: each piece crosses into `staging` and is cast into `dst` on the current stream, so the next
+    piece's copy waits for that cast, and a cast waits for SMs that the compute stream's kernels hold. Every copy
+    queued behind it waits too. (A suspect for the copy waits of rows that cross host chunks as fp32:
+    bench/RESULTS.md, session 31.) Returns None: the current stream's next event covers it all.
+
+    `cast_done`, two events (None at first; one per half of `staging`, updated here): each piece crosses into a half
+    on the current stream once that half's last cast has read it, and is cast on the "cast" stream, so the copy
+    engine fills one half while the other waits for its cast. The buffer is the same, the pieces are half as large.
+    Returns the last cast's event: what a reader of `dst` waits for (each cast waited for its piece's copy, and the
+    casts run in order on their stream)."""
+    n = dst.numel()
+    if cast_done is None or staging.numel() < 2:
+        piece = staging.numel()
+        for a in range(0, n, piece):
+            b = min(a + piece, n)
+            staging[: b - a].copy_(src[a:b], non_blocking=True)
+            dst[a:b].copy_(staging[: b - a])
+        return None
+    half = staging.numel() // 2
+    halves = (staging[:half], staging[half: 2 * half])
+    last = None
+    for i, a in enumerate(range(0, n, half)):
+        b, h = min(a + half, n), i % 2
+        buf = halves[h][: b - a]
+        copies.wait(cast_done[h])                   # the half's last cast has read it
+        buf.copy_(src[a:b], non_blocking=True)
+        copied = copies.record()
+        with copies.on("cast"):
+            copies.wait(copied)
+            dst[a:b].copy_(buf)
+            cast_done[h] = last = copies.record()
+    return last
 
 
 class CpuCopies:
@@ -82,7 +128,8 @@ class CudaCopies:
         # "late": device chunks' work after the verdict (corrections, a deferred step's updates: Mover.after_verdict);
         # "back": their kept gradients coming back from the host (on "h2d" the next forward's copies in, which are
         # device-to-device casts for device chunks, would queue behind them all)
-        self.streams = {name: torch.cuda.Stream(device) for name in ("h2d", "d2h", "late", "back")}
+        # "cast": the casts of chunks crossing as fp32, with PSTAR_FX_CAST_STREAM=1 (`copy_in_pieces`)
+        self.streams = {name: torch.cuda.Stream(device) for name in ("h2d", "d2h", "late", "back", "cast")}
         telemetry.mark = self._mark     # the launching thread's host waits read against the compute stream
 
     def _mark(self) -> torch.cuda.Event:
@@ -185,6 +232,7 @@ class Mover:
                                fifo=True)
         self._staging = (store.alloc("device", copy_staging_elems(cs), torch.float32)
                          if "fp32" in plan.ship and dtype != torch.float32 else None)
+        self._cast_done = [None, None] if cast_stream() else None   # `copy_in_pieces`: each half's last cast
         self._host_cast = store.alloc("host", cs, dtype) if "cast" in plan.ship else None
         self.compute: dict[int, torch.Tensor] = {}   # chunk -> its compute buffer, while resident
         self.grads: dict[int, torch.Tensor] = {}     # chunk -> its gradient slot, from first gradient to hand-over
@@ -225,7 +273,7 @@ class Mover:
                 self.copies.wait(self._late.pop(c, None))
                 if self.store.holds(c):
                     self._count_in(c, n)
-                    self._copy_in(c, buf[:n])
+                    self.copies.wait(self._copy_in(c, buf[:n]))      # (its casts, where they ran apart)
                 self._ready[c] = self.dp.broadcast_chunk(buf[:n], c)
                 self.stats.coll_bytes += n * buf.element_size()
         self.compute[c] = buf
@@ -242,9 +290,8 @@ class Mover:
         with self.copies.on("h2d"):
             self.copies.wait(slot_free)
             self.copies.wait(self._late.pop(c, None))          # it reads the state the verdict's work writes
-            if self.store.holds(c):
-                self._copy_in(c, dst)
-            return self.copies.record()
+            cast = self._copy_in(c, dst) if self.store.holds(c) else None
+            return cast if cast is not None else self.copies.record()
 
     def _count_in(self, c: int, n: int) -> None:
         """(Counted on the launching thread: a copy started on the worker must not race the count.)"""
@@ -252,7 +299,9 @@ class Mover:
         if how != "-":
             self.stats.h2d_bytes += n * (4 if how == "fp32" else self.store.compute_dtype.itemsize)
 
-    def _copy_in(self, c: int, dst: torch.Tensor) -> None:
+    def _copy_in(self, c: int, dst: torch.Tensor):
+        """Queue chunk c's compute copy into `dst` on the current stream; returns the event of its last cast where
+        that ran on a stream of its own (`copy_in_pieces`), else None."""
         store = self.store
         # the slot holds any chunk; a trainable chunk's state may be shorter (Layout.state_elems): its tail is
         # no parameter's
@@ -261,7 +310,7 @@ class Mover:
         how = self.plan.ship[c]
         if how == "-":
             dst.copy_(src)                                      # cast on the device
-            return
+            return None
         if how == "shadow":
             dst.copy_(store.shadow[c][:n], non_blocking=True)   # the host Adam already wrote the 16-bit copy
         elif how == "frozen":
@@ -270,13 +319,10 @@ class Mover:
             self._host_cast[:n].copy_(src)                      # cast on the host, ship 16 bits
             dst.copy_(self._host_cast[:n], non_blocking=True)
         elif self._staging is not None:                         # ship fp32, cast on the device, piece by piece
-            piece = self._staging.numel()                       # (one stream: a piece lands after the last cast)
-            for a in range(0, n, piece):
-                b = min(a + piece, n)
-                self._staging[: b - a].copy_(src[a:b], non_blocking=True)
-                dst[a:b].copy_(self._staging[: b - a])
+            return copy_in_pieces(dst, src, self._staging, self.copies, self._cast_done)
         else:
             dst.copy_(src, non_blocking=True)
+        return None
 
     def fetch(self, c: int) -> None:
         if c not in self.compute:
