@@ -505,3 +505,34 @@ def test_gpu_chunked_ranks_sharing_one_gpu_equal_one_process(tmp_path, tiers):
     torch.testing.assert_close(torch.tensor([x[0] for x in runs[0]["reports"]]), torch.tensor([o[0] for o in ref_out]),
                                rtol=1e-4, atol=0)
     assert_weights_close(sds[0], ref, 1e-4, per_tensor=False)
+
+
+def test_gpu_fp32_pieces_cast_on_their_own_stream_change_no_bit(monkeypatch):
+    """Host chunks crossing as their fp32 masters, cast on the device from a staging buffer piece by piece (forced:
+    pieces of 1000 values for 16384-value chunks): with the casts on the copy stream, and with PSTAR_FX_CAST_STREAM=1
+    on a stream of their own from two halves of the buffer (movers.py `copy_in_pieces`), the same bits, the same bytes
+    crossing; the losses track the CPU fp32 reference's."""
+    from pstar_fx.planning import memory, shipping
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny"))
+    batches = gpt_batches(4)
+    _, _, ref_out = reference(model, batches)
+    monkeypatch.setattr(shipping, "fallback_code", lambda itemsize, cuda: "fp32")
+    monkeypatch.setattr(memory, "COPY_STAGING_ELEMS", 1000)
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("PSTAR_FX_CAST_STREAM", flag)
+        shadows = pstar_fx.plan(model, {"device": "cuda", "dtype": "bf16", "placement": "host", "chunk_size": 16384,
+                                        "optimizer": OPT}, _on_gpu(batches[0]))
+        hb = shadows.host_breakdown          # no room for shadows or kept gradients: two gradient buffers
+        tight = hb["process overhead"] + hb["chunk state"] + 2 * 16384 * 2
+        engine = pstar_fx.compile(model, {"device": "cuda", "dtype": "bf16", "placement": "host", "chunk_size": 16384,
+                                          "optimizer": OPT, "host_memory": tight}, _on_gpu(batches[0]))
+        assert "fp32" in engine.plan.ship, engine.plan.ship
+        assert (engine.rt.mover._cast_done is not None) == (flag == "1")
+        reports = _run_gpu(engine, batches)
+        runs[flag] = ([r.loss for r in reports], engine.state_dict(), engine.memory_stats()["h2d_bytes"])
+        torch.testing.assert_close(torch.tensor(runs[flag][0]), torch.tensor([o[0] for o in ref_out]),
+                                   rtol=3e-2, atol=0)           # bf16 compute against the fp32 reference
+    assert runs["0"][0] == runs["1"][0] and runs["0"][2] == runs["1"][2]
+    assert all(torch.equal(runs["0"][1][k], runs["1"][1][k]) for k in runs["0"][1])
