@@ -341,6 +341,9 @@ class Mover:
             # prefetched, never fetched: its copy may not yet be queued, so the copy stream's order alone would
             # not keep it before the slot's next copy; the slot is free once it has landed
             self.copies.wait(unread.event())
+        elif unread is not None and self._cast_done is not None:
+            # (its last writes may be casts on their own stream, which the copy stream's order does not hold back)
+            self.copies.wait(unread)
         self._slot_done[buf.data_ptr()] = self.copies.record()
         self.slots.give(buf)
 
