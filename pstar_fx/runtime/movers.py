@@ -20,7 +20,8 @@
 
 What differs between a CPU playing the device tier and a GPU is only how copies are ordered: `CpuCopies`
 runs every copy at once; `CudaCopies` puts them on a host->device and a device->host stream (and the work
-after a verdict, with the kept gradients it brings back, on two more: `Mover.after_verdict`) and orders every
+after a verdict, with the kept gradients it brings back, on two more: `Mover.after_verdict`; with
+PSTAR_FX_CAST_STREAM=1 the casts of chunks crossing as fp32 on a fifth: `copy_in_pieces`) and orders every
 cross-stream use by an explicit event (no `record_stream`; all buffers come from pools allocated once), with
 timing events around each wait of the compute stream.
 """
