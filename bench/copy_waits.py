@@ -25,17 +25,14 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import gzip
-import json
+import os
+import sys
 from collections import defaultdict
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # bench/trace_summary.py
+from trace_summary import complete, read as load  # noqa: E402
+
 COPY_CALLS = ("cudaMemcpyAsync", "cudaMemcpy", "cuMemcpyAsync", "cuMemcpyHtoDAsync")
-
-
-def load(path: str) -> dict:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return json.load(f)
 
 
 def thread_names(data: dict) -> dict:
@@ -44,7 +41,7 @@ def thread_names(data: dict) -> dict:
 
 
 def analyze(data: dict, step_prefix: str = "bench.step", min_gap_ms: float = 0.3, slack_us: float = 30.0) -> dict:
-    events = [e for e in data.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    events = complete(data)
     names = thread_names(data)
     steps = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
                    if e.get("cat") == "user_annotation" and e["name"].startswith(step_prefix))
@@ -115,6 +112,8 @@ def analyze(data: dict, step_prefix: str = "bench.step", min_gap_ms: float = 0.3
     copy_span: dict = defaultdict(set)
     for e in copies:
         copy_span[e["tid"]].add((e["ts"], e["ts"] + e["dur"]))
+    annotations = [e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("pstar_fx.")]
+    side_kernels = [e for e in kernels if e["tid"] != compute]
     for s0, s1, step in steps:
         mine = [k for k in cs if s0 <= k[0] <= s1]
         by_cause: dict = defaultdict(float)
@@ -140,20 +139,18 @@ def analyze(data: dict, step_prefix: str = "bench.step", min_gap_ms: float = 0.3
                               "started_at_ms": round((info["start_us"] - s0) / 1e3, 3), "before": bn[:60],
                               "run_began": info.get("run_began"), "run_ms": info.get("run_ms")})
         # the host jobs (pstar_fx.host_job cN, on the worker) and the launching thread's waits (pstar_fx.wait_for_*)
-        jobs = sorted((e["ts"], e["ts"] + e["dur"], e["name"].rpartition(" ")[2]) for e in events
-                      if e.get("cat") == "user_annotation" and e["name"].startswith("pstar_fx.host_job")
-                      and s0 <= e["ts"] + e["dur"] and e["ts"] <= s1)
+        jobs = sorted((e["ts"], e["ts"] + e["dur"], e["name"].rpartition(" ")[2]) for e in annotations
+                      if e["name"].startswith("pstar_fx.host_job") and s0 <= e["ts"] + e["dur"] and e["ts"] <= s1)
         waits: dict = defaultdict(float)
-        for e in events:
-            if e.get("cat") == "user_annotation" and e["name"].startswith("pstar_fx.wait_for") \
-                    and (e.get("pid"), e["tid"]) == main and s0 <= e["ts"] <= s1:
+        for e in annotations:
+            if e["name"].startswith("pstar_fx.wait_for") and (e.get("pid"), e["tid"]) == main and s0 <= e["ts"] <= s1:
                 waits[e["name"].removeprefix("pstar_fx.")] += e["dur"]
         # kernels on a copy stream (the cast after each fp32 piece: movers.py `_copy_in`) that started later than the
         # op before them on their stream ended: the copies queued behind them waited too. Beside which compute
         # kernel each waited (one that holds every SM until it ends keeps a kernel of another stream out).
         stalls, beside = [], defaultdict(float)
-        for e in events:
-            if e.get("cat") == "kernel" and e["tid"] != compute and s0 <= e["ts"] <= s1:
+        for e in side_kernels:
+            if s0 <= e["ts"] <= s1:
                 spans = by_stream[e["tid"]]
                 k = bisect.bisect_left(spans, (e["ts"], e["ts"] + e["dur"]))
                 if k > 0 and (spans[k - 1][0], spans[k - 1][1]) in copy_span.get(e["tid"], ()):

@@ -573,8 +573,9 @@ def _stream_timeline(prof, label: str) -> list:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
-        summary = trace_summary.summarize(trace_summary.load(path))
-        waits = copy_waits.analyze(copy_waits.load(path))     # why the compute stream waited for copies
+        data = trace_summary.read(path)
+        summary = trace_summary.summarize(trace_summary.complete(data))
+        waits = copy_waits.analyze(data)                      # why the compute stream waited for copies
         keep = os.environ.get("PSTAR_FX_TRACE_DIR")
         if keep:
             os.makedirs(keep, exist_ok=True)

@@ -29,12 +29,21 @@ BLOCKING = ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchron
             "cudaStreamWaitEvent", "cuLaunchKernel", "cudaLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 
 
-def load(path: str) -> list[dict]:
-    """The trace's complete events (chrome trace JSON, gzipped or not)."""
+def read(path: str) -> dict:
+    """A chrome trace (JSON, gzipped or not), whole."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
-        data = json.load(f)
+        return json.load(f)
+
+
+def complete(data: dict) -> list[dict]:
+    """A trace's complete events (those with a duration)."""
     return [e for e in data.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+
+
+def load(path: str) -> list[dict]:
+    """The trace's complete events (chrome trace JSON, gzipped or not)."""
+    return complete(read(path))
 
 
 def _union(spans: list[tuple[float, float]]) -> float:

@@ -519,13 +519,13 @@ def test_gpu_fp32_pieces_cast_on_their_own_stream_change_no_bit(monkeypatch):
     _, _, ref_out = reference(model, batches)
     monkeypatch.setattr(shipping, "fallback_code", lambda itemsize, cuda: "fp32")
     monkeypatch.setattr(memory, "COPY_STAGING_ELEMS", 1000)
+    shadows = pstar_fx.plan(model, {"device": "cuda", "dtype": "bf16", "placement": "host", "chunk_size": 16384,
+                                    "optimizer": OPT}, _on_gpu(batches[0]))
+    hb = shadows.host_breakdown              # no room for shadows or kept gradients: two gradient buffers
+    tight = hb["process overhead"] + hb["chunk state"] + 2 * 16384 * 2
     runs = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("PSTAR_FX_CAST_STREAM", flag)
-        shadows = pstar_fx.plan(model, {"device": "cuda", "dtype": "bf16", "placement": "host", "chunk_size": 16384,
-                                        "optimizer": OPT}, _on_gpu(batches[0]))
-        hb = shadows.host_breakdown          # no room for shadows or kept gradients: two gradient buffers
-        tight = hb["process overhead"] + hb["chunk state"] + 2 * 16384 * 2
         engine = pstar_fx.compile(model, {"device": "cuda", "dtype": "bf16", "placement": "host", "chunk_size": 16384,
                                           "optimizer": OPT, "host_memory": tight}, _on_gpu(batches[0]))
         assert "fp32" in engine.plan.ship, engine.plan.ship
