@@ -21,7 +21,7 @@
 What differs between a CPU playing the device tier and a GPU is only how copies are ordered: `CpuCopies`
 runs every copy at once; `CudaCopies` puts them on a host->device and a device->host stream (and the work
 after a verdict, with the kept gradients it brings back, on two more: `Mover.after_verdict`; with
-PSTAR_FX_CAST_STREAM=1 the casts of chunks crossing as fp32 on a fifth: `copy_in_pieces`) and orders every
+the casts of chunks crossing as fp32 on a fifth: `copy_in_pieces`) and orders every
 cross-stream use by an explicit event (no `record_stream`; all buffers come from pools allocated once), with
 timing events around each wait of the compute stream.
 """
@@ -43,9 +43,12 @@ from .telemetry import Telemetry
 
 
 def cast_stream() -> bool:
-    """PSTAR_FX_CAST_STREAM (default 0; 1: an A/B): the casts of a chunk crossing as fp32 run on a stream of their
-    own (`copy_in_pieces`)."""
-    return parse_flag(os.environ.get("PSTAR_FX_CAST_STREAM", "0"), "PSTAR_FX_CAST_STREAM")
+    """PSTAR_FX_CAST_STREAM (default 1; 0: each cast on the copy stream, behind its piece's copy): the casts of a
+    chunk crossing as fp32 run on a stream of their own (`copy_in_pieces`). Measured on an H100 box (GPT3_18B, bf16
+    moments, 51 host chunks crossing as fp32 in a `two_pass` step; bench/RESULTS.md, session 32): the compute waited
+    0.68 s a step for copies and casts against 1.05 s with the casts on the copy stream, steps 7.65-7.91 s against
+    8.00-8.03."""
+    return parse_flag(os.environ.get("PSTAR_FX_CAST_STREAM", "1"), "PSTAR_FX_CAST_STREAM")
 
 
 def copy_in_pieces(dst: torch.Tensor, src: torch.Tensor, staging: torch.Tensor, copies,
@@ -55,8 +58,9 @@ def copy_in_pieces(dst: torch.Tensor, src: torch.Tensor, staging: torch.Tensor, 
 
     `cast_done` None: each piece crosses into `staging` and is cast into `dst` on the current stream, so the next
     piece's copy waits for that cast, and a cast waits for SMs that the compute stream's kernels hold. Every copy
-    queued behind it waits too. (A suspect for the copy waits of rows that cross host chunks as fp32:
-    bench/RESULTS.md, session 31.) Returns None: the current stream's next event covers it all.
+    queued behind it waits too: at GPT3_18B on an H100 box the compute waited 1.05 s a step for copies so queued,
+    0.68 s with the casts on their own stream (bench/RESULTS.md, session 32). Returns None: the current stream's next
+    event covers it all.
 
     `cast_done`, two events (None at first; one per half of `staging`, updated here): each piece crosses into a half
     on the current stream once that half's last cast has read it, and is cast on the "cast" stream, so the copy
@@ -129,7 +133,7 @@ class CudaCopies:
         # "late": device chunks' work after the verdict (corrections, a deferred step's updates: Mover.after_verdict);
         # "back": their kept gradients coming back from the host (on "h2d" the next forward's copies in, which are
         # device-to-device casts for device chunks, would queue behind them all)
-        # "cast": the casts of chunks crossing as fp32, with PSTAR_FX_CAST_STREAM=1 (`copy_in_pieces`)
+        # "cast": the casts of chunks crossing as fp32 (`copy_in_pieces`; PSTAR_FX_CAST_STREAM=0: none)
         self.streams = {name: torch.cuda.Stream(device) for name in ("h2d", "d2h", "late", "back", "cast")}
         telemetry.mark = self._mark     # the launching thread's host waits read against the compute stream
 
