@@ -16,8 +16,9 @@ def _host_adam_pipeline(placement: list[str], layout: Layout, node_secs: list[fl
 
     Backward hands each host chunk's gradient to one worker that runs the host Adam chunk after chunk.
     A gradient waits in a host buffer until its Adam is done; with every buffer taken, the thread that
-    launches GPU work blocks, and the GPU runs dry. The Adam still running when the step ends overlaps
-    the next step's forward up to the first read of a host chunk. The smallest buffer count that never
+    launches GPU work blocks, and the GPU runs dry. The updates not started when the step's compute ends run
+    in the order the next forward reads their chunks (runtime/host_worker.py), beside it: the forward stalls
+    by the latest chunk's lateness. The smallest buffer count that never
     blocks (within `n_spare_buffers` more than the 2 always counted, at most `most`) is chosen; the CPU runtime is
     synchronous and uses one. The third figure: the seconds of host Adam the estimate hides behind the next
     forward (running when the step's compute ends, until the forward's first read of a host chunk): a correction
@@ -35,18 +36,30 @@ def _host_adam_pipeline(placement: list[str], layout: Layout, node_secs: list[fl
         clock.append(t)
     first_host_read = next((clock[i] - node_secs[i] for i, r in enumerate(reads)
                             if any(placement[c] == "host" for c in r)), 0.0)
+    first_read, _ = first_reads(node_secs, reads)       # the next forward's, as this step's
     adam_s = [layout.chunks[c].used_elems / host_adam for c in host]
 
     def simulate(k: int, with_tail: bool = False):
-        delay, done = 0.0, []
+        delay, start, done = 0.0, [], []
         for i, c in enumerate(host):
             ready = clock[adam_at[c]] + delay
             if i >= k and done[i - k] > ready:       # every buffer holds a gradient Adam has not read
                 delay += done[i - k] - ready
                 ready = done[i - k]
-            done.append(max(ready, done[-1] if done else 0.0) + adam_s[i])
-        tail = done[-1] - (clock[-1] + delay)          # Adam left when the step's compute ends
-        exposed = delay + max(0.0, tail - first_host_read)
+            start.append(max(ready, done[-1] if done else 0.0))
+            done.append(start[-1] + adam_s[i])
+        end = clock[-1] + delay                        # the step's compute ends
+        tail = done[-1] - end                          # Adam left then
+        # the updates not started by then run in the order the next forward reads their chunks (host_worker.py),
+        # which stalls where it reads a chunk before its update is done: by the latest chunk's lateness
+        late = [i for i in range(len(host)) if start[i] >= end]
+        t = start[late[0]] if late else 0.0
+        for i in sorted(late, key=lambda i: first_read.get(host[i], first_host_read)):
+            t += adam_s[i]
+            done[i] = t
+        stall = max((done[i] - end - first_read.get(host[i], first_host_read) for i in range(len(host))
+                     if done[i] > end), default=0.0)
+        exposed = delay + max(0.0, stall)
         return (exposed, min(max(0.0, tail), first_host_read)) if with_tail else exposed
 
     cap = most if n_spare_buffers is None else max(2, min(most, 2 + n_spare_buffers))

@@ -111,6 +111,10 @@ class CpuCopies:
     def host_waits(self, event) -> None:
         """The calling host thread waits for `event`."""
 
+    def landed(self, event) -> bool:
+        """Whether `event` has happened (a host thread would not wait for it)."""
+        return True
+
     def back_after_copies_out(self) -> None:
         """Kept gradients brought back from now on (`Mover.bring_back`) come after every copy to the host queued so
         far."""
@@ -169,6 +173,10 @@ class CudaCopies:
     def host_waits(self, event) -> None:
         if event is not None:
             event.synchronize()
+
+    def landed(self, event) -> bool:
+        query = getattr(event, "query", None)
+        return query is None or query()
 
     def back_after_copies_out(self) -> None:
         self.streams["back"].wait_stream(self.streams["d2h"])

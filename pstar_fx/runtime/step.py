@@ -130,7 +130,9 @@ class Stepper:
     def run_pass(self, inputs: list[torch.Tensor], tangent: torch.Tensor) -> torch.Tensor:
         """Forward and backward over one micro-batch (the chunk updates run inside backward); returns the loss."""
         with record_function("pstar_fx.pass"):
-            return self._run(inputs, tangent)
+            loss = self._run(inputs, tangent)
+        self.rt.updater.pass_queued()
+        return loss
 
     def verdict(self, scale: float) -> tuple[float, float, bool]:
         """(the global norm of the unscaled gradient, the clip coefficient, whether it is finite)."""

@@ -81,8 +81,10 @@ class Updater:
         self.wait_for(c)
         log = self.step_log
         if self.store.tier(c) == "host":
+            # (an accumulating pass queues a chunk's job once a micro-batch: those keep their order)
+            landed = None if log.kind.accumulates else (lambda: self.copies.landed(ready))
             self.host_worker.run(c, log, self._host_job, c, grad, ready, log, log.kind, self._first_micro,
-                                 self._last_micro, checked)
+                                 self._last_micro, checked, landed=landed)
             return
         kind, back = log.kind, grad                  # back: what the gradient slot pool gets back
         if kind.replays:
@@ -100,6 +102,11 @@ class Updater:
             if kind.updates:
                 self._update_device(c, grad, log.hyper)
         self.mover.give_back(back)
+
+    def pass_queued(self) -> None:
+        """The pass has queued its last update: the host ones not started run in the next forward's order
+        (host_worker.py)."""
+        self.host_worker.close_pass()
 
     def _update_device(self, c: int, grad: torch.Tensor, hyper: Hyper, found_inf: torch.Tensor | None = None) -> None:
         found_inf = self.norms.found_inf if found_inf is None else found_inf
