@@ -522,3 +522,33 @@ def test_a_regions_measured_extra_memory_is_kept_for_its_next_build(monkeypatch,
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "a file" / "cache"))
     regions_pass._fits_compiled(unkept, specs, [a], cuda)
     assert measured[-1] == "region_unkept" and "3.00 MiB more device memory" in unkept.eager_because
+
+
+@pytest.mark.parametrize("cut", ["chunk node", "span"])
+def test_an_op_with_several_outputs_and_its_getitems_stay_in_one_run(cut):
+    """A layer norm's three outputs taken apart by getitems, with the run cut between its first getitem and the rest:
+    by a chunk node that ends a run, or (planned by block) where the next getitem's span begins (GPT3_10B on
+    an H100 box, session 32: the final layer norm's region returned the norm's tuple whole and its build failed,
+    "output spec mismatch"). The getitems stay with their op: no run returns a value that is not a tensor."""
+    from torch.fx import Graph
+
+    from pstar_fx.planning.blocks import SPAN
+    aten = torch.ops.aten
+    g = Graph()
+    rt, x, w, b = (g.placeholder(n) for n in ("rt", "x", "w", "b"))
+    norm = g.call_function(aten.native_layer_norm.default, (x, [8], w, b, 1e-5))
+    y = g.call_function(operator.getitem, (norm, 0))
+    out = g.call_function(aten.mul.Tensor, (y, y))
+    if cut == "chunk node":
+        g.call_method("fetch", (rt, 3))         # (the compute stream waits for a copy: a run ends)
+    mean = g.call_function(operator.getitem, (norm, 1))
+    rstd = g.call_function(operator.getitem, (norm, 2))
+    later = g.call_function(aten.mul.Tensor, (mean, rstd))
+    g.output((out, later))
+    for n, span in zip((norm, y, out, mean, rstd, later), (0, 0, 0, 1, 1, 1)):
+        n.meta[SPAN] = span
+    runs = regions_pass.find_runs(g, by_block=cut == "span")
+    for _, ops, _ in runs:
+        _, outputs = regions_pass._region_io(ops)
+        assert norm not in outputs and all(o.target is not aten.native_layer_norm.default for o in outputs), ops
+    assert any(norm in ops and mean in ops and rstd in ops for _, ops, _ in runs)

@@ -410,7 +410,11 @@ def _kernels(nodes: list[fx.Node]) -> int:
 
 def find_runs(g: fx.Graph, by_block: bool = False) -> list[tuple[list[fx.Node], list[fx.Node], list[fx.Node]]]:
     """(moved up, compute, moved down) for each run of compute between two nodes that end a run; `by_block`: and
-    where a block's span begins (the plan put the chunk moves and updates there)."""
+    where a block's span begins (the plan put the chunk moves and updates there). An op with several outputs and
+    the getitems taking them apart stay in one run (`_getitems_after_their_ops`): a run returning such an op whole
+    fails its build (AOTAutograd: "output spec mismatch"; GPT3_10B by block on an H100 box, session 32, where a
+    span's cut fell between the final layer norm's outputs)."""
+    _getitems_after_their_ops(g)
     runs = []
     up: list[fx.Node] = []
     ops: list[fx.Node] = []
@@ -425,7 +429,8 @@ def find_runs(g: fx.Graph, by_block: bool = False) -> list[tuple[list[fx.Node], 
     ups_before_last = 0                     # of `up`, the nodes before the run's last op
     for node in g.nodes:
         inside = set(ops)
-        if by_block and _is_compute(node) and ops and node.meta.get(SPAN) != ops[-1].meta.get(SPAN):
+        if by_block and _is_compute(node) and ops and node.meta.get(SPAN) != ops[-1].meta.get(SPAN) and not (
+                node.target is operator.getitem and node.args[0] in inside):
             # a block's span begins (planning/blocks.py): its own region, with the parameter views made for it
             ahead = up[ups_before_last:]
             up = up[:ups_before_last]
@@ -448,6 +453,20 @@ def find_runs(g: fx.Graph, by_block: bool = False) -> list[tuple[list[fx.Node], 
             close()
     close()
     return runs
+
+
+def _getitems_after_their_ops(g: fx.Graph) -> None:
+    """Each getitem moved next to the op whose output it takes (they read nothing else): a chunk node the schedule
+    put between them would end a run there."""
+    for node in list(g.nodes):
+        if (node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node)
+                and node.args[0].op == "call_function"):
+            at = node.args[0]
+            while at.next.op == "call_function" and at.next.target is operator.getitem and at.next.args[0] is \
+                    node.args[0] and at.next is not node:
+                at = at.next
+            if at.next is not node:
+                at.append(node)
 
 
 def _region_io(ops: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
