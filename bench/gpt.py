@@ -506,6 +506,17 @@ def cpu_profile_step(step, batch, sync) -> dict:
 ANNOTATIONS = ("bench.", "pstar_fx.")   # the steps' and the runtime's profiler ranges: the device shows them too
 
 
+def all_threads() -> dict:
+    """torch.profiler.profile's keywords that record every thread's ranges, not only the one that starts it: the host
+    worker's jobs (`pstar_fx.host_job cN`, which bench/copy_waits.py reads) ran on a thread of their own and were
+    missing from session 32's traces. {} where this torch has no such option."""
+    from torch._C._profiler import _ExperimentalConfig
+    try:
+        return {"experimental_config": _ExperimentalConfig(profile_all_threads=True)}
+    except TypeError:
+        return {}
+
+
 def profile_steps(step, batches, n: int, label: str = "") -> dict:
     """GPU kernel time of `n` steps by kind, every kernel (the 25 largest printed), the stretches when no
     kernel ran on any stream, with the kernels either side, and each step stream by stream (torch.profiler;
@@ -513,7 +524,7 @@ def profile_steps(step, batches, n: int, label: str = "") -> dict:
     With PSTAR_FX_TRACE_DIR set, the trace is kept there, gzipped (`label` names it)."""
     from torch.profiler import ProfilerActivity, profile, record_function
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], **all_threads()) as prof:
         for k in range(n):
             with record_function(f"bench.step{k}"):     # each step's span, back to back as `timed` runs them:
                 float(step(*batches[k % 2]))            # the device work a step leaves runs in the next one's
