@@ -552,3 +552,37 @@ def test_an_op_with_several_outputs_and_its_getitems_stay_in_one_run(cut):
         _, outputs = regions_pass._region_io(ops)
         assert norm not in outputs and all(o.target is not aten.native_layer_norm.default for o in outputs), ops
     assert any(norm in ops and mean in ops and rstd in ops for _, ops, _ in runs)
+
+
+def test_no_region_of_a_gpt_planned_by_block_returns_an_ops_tuple(monkeypatch):
+    """GPT3_10B's shape with 8 layers, captured on the meta device for CUDA (its layer norms in fp32, as CUDA's autocast
+    runs them) and lowered at the rates an H100 box recorded (bench/results, session 32) with a 20 GiB device budget:
+    planned by block, whole-forward recompute, host chunks. The span cut that split the final layer norm's getitems
+    from it there (GPT3_10B's build failed on the box: "output spec mismatch") leaves every region returning tensors."""
+    import json
+    import os
+
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from pstar_fx.pipeline.lower import Lowered
+    from pstar_fx.planning.costs import assumed
+
+    def fp32_norm(self, x):
+        with torch.autocast("cpu", enabled=False):
+            return F.layer_norm(x.float(), self.normalized_shape, self.weight.float(), self.bias.float(), self.eps)
+    monkeypatch.setattr(nn.LayerNorm, "forward", fp32_norm)
+    monkeypatch.setenv("PSTAR_FX_PLAN_CACHE", "0")
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "2026-12-06-h100-s32.jsonl")
+    with open(path) as f:
+        rates = {k: v for k, v in json.loads(f.readline())["rates"].items() if k != "device"}
+    with torch.device("meta"):
+        model = GPT(gpt_config("GPT3_10B", n_layer=8))
+    idx = torch.randint(0, 50304, (16, 1024), device="meta")
+    with assumed(**rates):
+        low = Lowered(model, pstar_fx.Config(device="cuda", dtype="bf16", device_memory=20 * 2**30,
+                                             host_memory="110GiB", compute="inductor"), (idx, idx))
+    assert low.plan.moves.by_block and "host" in low.plan.placement
+    calls = [n for n in low.graph.graph.nodes if isinstance(n.target, regions_pass.Region)]
+    assert calls
+    for call in calls:
+        assert all(isinstance(v, torch.Tensor) for v in call.meta["val"]), (call.name, call.meta["val"])
