@@ -160,3 +160,17 @@ def test_forward_order_off_keeps_the_order_queued(monkeypatch):
         q.landed[c] = True
     q.worker.close_pass()
     assert q.release() == ["5", "4", "3"]
+
+
+def test_a_chunk_queued_twice_in_one_ended_pass_keeps_its_order():
+    """(A pass that failed before it ended leaves its updates unmarked; the next pass's end marks them with its own.)
+    The worker never takes a chunk's later job before its earlier one."""
+    q = Queued()
+    q.update(4, "a")
+    q.update(3, "a")
+    q.update(4, "b")
+    q.update(2, "b")
+    q.worker.close_pass()
+    q.landed.update({2: True, 3: True, 4: True})
+    order = q.release()
+    assert order.index("4a") < order.index("4b") and order[:2] == ["3a", "4a"], order

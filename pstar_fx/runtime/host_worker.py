@@ -123,7 +123,12 @@ class HostWorker:
         with self._lock:
             head = self._queue[0]
             if head.batch is not None:
-                run = list(itertools.takewhile(lambda j: j.batch == head.batch, self._queue))
+                run, chunks = [], set()
+                for j in self._queue:        # (a chunk twice, from a pass that failed before it ended: the first)
+                    if j.batch != head.batch or j.c in chunks:
+                        break
+                    run.append(j)
+                    chunks.add(j.c)
                 ready = [j for j in run if j.landed()]
                 if ready:
                     head = min(ready, key=lambda j: j.c)
