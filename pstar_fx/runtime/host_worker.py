@@ -15,7 +15,10 @@ H100 box: 125 ms a step at its first host chunk, bench/RESULTS.md, session 32); 
 where it reads a chunk before that chunk's turn (planning/host_adam.py prices it so). Only once the pass has ended:
 before, the launching thread may still wait for a host gradient buffer, which a job passed over would hold while newer
 ones overtake it. One chunk's jobs keep their order: a pass queues one update a chunk (an accumulating pass one a
-micro-batch: its jobs keep their order), and the jobs after it, a correction or a restore, wait for the whole pass.
+micro-batch: its jobs keep their order), and the jobs after it, a correction or a restore, wait for the whole pass:
+a correction reads the outcome of every update of its step (undo.py `_correct_host`), so one taken before an update
+queued ahead of it would wait on the worker for a job only the worker can run. (So with the host Adam behind, a
+clipped step's corrections of the chunks the next forward reads first wait behind the updates of those it reads last.)
 PSTAR_FX_FORWARD_ORDER=0 keeps every job in the order queued (an A/B).
 
 A job after a verdict (a correction, a deferred update) may make a host chunk's 16-bit copy current ahead of its
