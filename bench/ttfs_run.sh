@@ -6,7 +6,9 @@
 # $OUT/ttfs-MODEL-RUN.log; gpt.py's compile_phases_s and time_to_first_step_s say where the time went.
 #   bash bench/ttfs_run.sh GPT3_18B "--compute inductor --optimizer-state bf16" [SECONDS_LEFT]
 # RUNS (default "cold warm") names the runs in order; a run named "warm-noreserve" is a warm one with
-# PSTAR_FX_RESERVE_CACHE=0 (the same-machine A/B of the remembered reserve: RUNS="cold warm warm-noreserve warm").
+# PSTAR_FX_RESERVE_CACHE=0 (the same-machine A/B of the remembered reserve: RUNS="cold warm warm-noreserve warm");
+# a run named RUN:NAME=VALUE[,NAME=VALUE] runs with those variables set (RUNS="cold warm warm:PSTAR_FX_HUGE_PAGES=1"),
+# its files named RUN-NAME_VALUE.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 model=$1; extra=${2:-}; left=${3:-560}
@@ -16,8 +18,9 @@ for run in ${RUNS:-cold warm}; do
   (( remaining > 30 )) || { echo "=== ttfs $run: no time left"; break; }
   echo "=== ttfs $model $run $(date +%T) (limit ${remaining}s)"
   reserve=1; [[ $run == warm-noreserve ]] && reserve=0
+  vars=""; [[ $run == *:* ]] && vars=${run#*:} && run=${run%%:*}-${vars//[=,]/_}
   rm -f "$OUT/ttfs-$run.jsonl"                          # (a run named twice: ttfs.jsonl gets each once)
-  PSTAR_FX_RESERVE_CACHE=$reserve timeout "$remaining" python3 bench/gpt.py --model "$model" --system pstar_fx --batch 16 --seq 1024 \
+  env PSTAR_FX_RESERVE_CACHE=$reserve ${vars//,/ } timeout "$remaining" python3 bench/gpt.py --model "$model" --system pstar_fx --batch 16 --seq 1024 \
     --steps "${STEPS:-2}" --host-memory "${HOST:-110GiB}" $extra --json "$OUT/ttfs-$run.jsonl" 2>&1 \
     | grep -v "^DEBUG" | tee "$OUT/ttfs-${model//\//_}-$run.log" | grep -E "^(compile|step|fits|Traceback)|Error|build regions|build workers|initialize|allocate|page-lock|plan done|ahead of the plan|another plan|16-bit copies|artifact|op by op" | tail -24
   python3 - "$OUT/ttfs-$run.jsonl" "$run" >> "$OUT/ttfs.jsonl" <<'PY'
