@@ -60,6 +60,29 @@ def test_split_draws_give_one_threads_bits_and_generator_state(small_pieces):
     assert torch.equal(state_after, torch.get_rng_state())
 
 
+@pytest.mark.parametrize("threads", [2, 5])
+def test_init_threads_from_the_environment_give_the_same_bits(small_pieces, monkeypatch, threads):
+    shapes = [(40, 41), (1000,), (17,), (3, 1003)]
+    torch.manual_seed(7)
+    serial = [torch.empty(s) for s in shapes]
+    an_init(serial)
+    monkeypatch.setenv("PSTAR_FX_INIT_THREADS", str(threads))
+    assert parallel_init.init_threads() == threads
+    torch.manual_seed(7)
+    split = [torch.empty(s) for s in shapes]
+    with parallel_init.split_normal_draws() as mode:
+        an_init(split)
+    moved = parallel_init._state_mover() is not None      # (drawing through, one of them advances)
+    assert mode is not None and mode.pool._max_workers == (threads if moved else threads - 1)
+    assert all(torch.equal(a, b) for a, b in zip(serial, split))
+
+
+def test_init_threads_refuses_a_count_below_one(monkeypatch):
+    monkeypatch.setenv("PSTAR_FX_INIT_THREADS", "0")
+    with pytest.raises(ValueError, match="PSTAR_FX_INIT_THREADS"):
+        parallel_init.init_threads()
+
+
 def test_split_pieces_start_at_multiples_of_16_and_cover_the_tensor():
     for n, piece in [(16, 48), (17, 48), (1000, 48), (64, 48), (63, 16), (10 ** 6 + 3, 1 << 16)]:
         pieces = parallel_init._pieces(n, piece)

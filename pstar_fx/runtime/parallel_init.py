@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,6 +39,8 @@ from typing import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from ..config import parse_count
 
 log = logging.getLogger("pstar_fx")
 
@@ -349,19 +352,27 @@ def prompt_handoffs(seconds: float | None = None):
             sys.setswitchinterval(min(_handoffs_open, default=_handoffs_before))
 
 
+def init_threads() -> int:
+    """The threads an init fills on: torch's intra-op threads, or PSTAR_FX_INIT_THREADS (an A/B of the init beside the
+    compile's own threads, which it shares the host's cores with: on the H100 box a warm GPT3_18B's init ran at 1.2 G
+    values/s on 16 threads beside the compile, against 2.1 alone on the H200 box's 16)."""
+    env = os.environ.get("PSTAR_FX_INIT_THREADS")
+    return torch.get_num_threads() if env is None else parse_count(env, "PSTAR_FX_INIT_THREADS", "threads", least=1)
+
+
 @contextlib.contextmanager
 def split_normal_draws(threads: int | None = None, piece_elems: int | None = None,
                        progress: Callable[[int], None] | None = None,
                        generators: dict[torch.device, torch.Generator] | None = None):
     """Within the block, large host fp32 or 16-bit `normal_` calls on the global generator run on `threads` threads
-    (default: torch's intra-op threads) with the bits and generator state one thread gives: this one advances the
+    (default: `init_threads()`) with the bits and generator state one thread gives: this one advances the
     generator and `threads` others fill the pieces (`threads` - 1 where the advance draws through the stream, which
     costs a core); the block ends when every value is written. Drawing through, nothing is split with fewer than
     MIN_THREADS threads (the advance would only add work); nothing is split either where this torch draws otherwise
     (`same_bits_as_serial`). `progress(values)`: called as in-place ops write values (for a progress display).
     `generators` (`own_generators`): every random op without a generator of its own draws from the one for its
     device instead of the global one (whose state this block then leaves alone; `settle` moves it after)."""
-    threads = threads or torch.get_num_threads()
+    threads = threads or init_threads()
     moved = _state_mover() is not None     # the advance costs little: every thread of `threads` fills
     least = min(2, MIN_THREADS) if moved else MIN_THREADS     # (MIN_THREADS below 2: a test splitting on 1 core)
     split = threads >= least and same_bits_as_serial()
