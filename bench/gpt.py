@@ -34,7 +34,8 @@ and after the last step (window_s: the whole run, to the device idle after it).
 Fields: params, tokens, step_s (median of the steps after the first two), tflops (6 * params * tokens /
 step_s), steps_s, window_s, gc_s (each step's seconds in Python's garbage collections, by generation),
 gpu_peak_bytes (torch.cuda.max_memory_allocated), host_rss_bytes (largest RSS seen
-after a step), host_max_rss_bytes (the process's peak RSS, compile included), and for pstar_fx the plan's
+after a step), host_max_rss_bytes (the process's peak RSS, compile included), host_anon_huge_bytes (its memory in
+transparent huge pages at the end), and for pstar_fx the plan's
 predicted GPU and host peaks, a per-phase breakdown, compile_phases_s (seconds per compile phase) and
 time_to_first_step_s (compile() plus the first step); for torch, checkpoint (none|half|all),
 checkpointed_blocks, compile (bool) and compile_s (with --compile: the first two steps' time above step_s,
@@ -479,6 +480,16 @@ def _max_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _anon_huge_bytes() -> int | None:
+    """The process's memory in transparent huge pages at its end (None where the kernel does not say): whether the
+    huge pages PSTAR_FX_HUGE_PAGES=1 asks for were given."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("AnonHugePages:")), None)
+    except OSError:
+        return None
+
+
 def cpu_profile_step(step, batch, sync) -> dict:
     """One step under cProfile: where the launching thread's time goes (what it does while the GPU has no work
     queued shows as the GPU idle at the step's ends). The 30 functions of most own time, and the step's wall
@@ -826,6 +837,7 @@ def main(argv=None):
             result["gpu_peak_bytes"] = torch.cuda.max_memory_allocated()
         result["host_rss_bytes"] = max(rss, proc.memory_info().rss)
         result["host_max_rss_bytes"] = _max_rss()
+    result["host_anon_huge_bytes"] = _anon_huge_bytes()
     emit(result, args.json)
 
 

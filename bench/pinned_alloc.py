@@ -41,6 +41,19 @@ def emit(option: str, seconds: float, nbytes: int, held: int | None = None, **ex
                                   "bytes_held": held if held is not None else nbytes, **extra}), flush=True)
 
 
+def anon_huge_bytes() -> int | None:
+    """This process's memory in transparent huge pages now (None where the kernel does not say): whether the huge
+    pages asked for were given (a VM's kernel may give none)."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def unregister(bufs: list[torch.Tensor]) -> None:
     bufs.clear()             # the weakref finalizers of `register` unregister as the tensors go
     import gc
@@ -72,7 +85,7 @@ def run(args) -> None:
             with host.batch():
                 bufs = [host.empty(n_elems, torch.float32, fill=0) for _ in range(count)]
             emit(("serial" if k == 1 else f"threads={k}") + (",huge" if huge else ""), time.perf_counter() - t,
-                 nbytes, unlocked=len(host.unlocked))
+                 nbytes, unlocked=len(host.unlocked), anon_huge_bytes=anon_huge_bytes())
             unregister(bufs)
     os.environ.pop("PSTAR_FX_HUGE_PAGES")
 
