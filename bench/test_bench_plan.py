@@ -41,7 +41,7 @@ def test_plan_gpt_175b(benchmark):
     per_param = state / num_params(gpt_config("GPT_175B"))
     benchmark.extra_info.update(max_rss_gib=round(rss_gib, 2), state_bytes_per_param=round(per_param, 2),
                                 fits=plan.fits)
-    assert not plan.fits and "missing" in plan.why
+    assert not plan.fits and "host_memory is too small" in plan.why     # (2.1 TB of state for 126 GiB)
     assert per_param >= 12
     assert rss_gib <= 6
     assert benchmark.stats.stats.max <= 60
