@@ -470,10 +470,11 @@ def test_host_buffers_locked_ahead_of_the_plan_train_the_same_bits(monkeypatch):
     _assert_same_bits(plain, ahead, inputs)
 
 
-def test_huge_pages_are_asked_for_before_the_first_touch_only_when_wanted(monkeypatch):
-    """PSTAR_FX_HUGE_PAGES=1: every page-locked host buffer a batch, a reserve or a buffer made at once hands out is
-    advised huge pages before its first values are written (its pages do not exist yet); by default, or unpinned,
-    none is. A buffer so advised keeps its values (on the CPU box's kernel the advice itself is taken)."""
+def test_huge_pages_are_asked_for_before_the_first_touch_unless_turned_off(monkeypatch):
+    """By default (PSTAR_FX_HUGE_PAGES unset or 1) every host buffer a pinning store's batch, its reserve (locked or
+    only zeroed) or a buffer made at once hands out is advised huge pages before its first values are written (its
+    pages do not exist yet); with PSTAR_FX_HUGE_PAGES=0, or unpinned (the CPU tier), none is. A buffer so advised
+    keeps its values (on the CPU box's kernel the advice itself is taken)."""
     from pstar_fx.runtime.host_memory import OWN_MAPPING_BYTES, huge_pages
     advised: list[tuple[int, bool]] = []                    # (address, touched already?)
     real_first = host_memory._first_values
@@ -488,24 +489,30 @@ def test_huge_pages_are_asked_for_before_the_first_touch_only_when_wanted(monkey
         reserve = host_memory.HostReserve(2, lock=lock) if pin else None   # (the engine makes one on CUDA only)
         if reserve is not None:
             reserve.want({4000: 1})
+            reserve.want({800: 1}, lock=False)              # (zeroed ahead, never locked: a host chunk's moments)
         host = host_memory.HostBuffers(pin=pin, threads=2, lock=lock)
         host.reserve = reserve
         with host.batch():
-            bufs = [host.empty(1000, torch.float32, fill=0), host.empty(300, torch.float32, fill=2.0)]
+            bufs = [host.empty(1000, torch.float32, fill=0), host.empty(300, torch.float32, fill=2.0),
+                    host.empty(200, torch.float32, fill=0, lock=False)]
         if reserve is not None:
             reserve.close()
-            assert reserve.taken == 1
+            assert reserve.taken == 2
         return bufs + [host.empty(10, torch.float32, fill=1.0)]
 
+    monkeypatch.setenv("PSTAR_FX_HUGE_PAGES", "0")
     make(pin=True)
     assert advised == []
-    monkeypatch.setenv("PSTAR_FX_HUGE_PAGES", "1")
+    monkeypatch.delenv("PSTAR_FX_HUGE_PAGES")
     make(pin=False)
     assert advised == []
     bufs = make(pin=True)
     assert sorted(p for p, _ in advised) == sorted(b.data_ptr() for b in bufs)
     assert not any(before for _, before in advised)
-    assert not bufs[0].any() and bool((bufs[1] == 2.0).all()) and bool((bufs[2] == 1.0).all())
+    assert not bufs[0].any() and bool((bufs[1] == 2.0).all()) and not bufs[2].any() and bool((bufs[3] == 1.0).all())
+    advised.clear()
+    monkeypatch.setenv("PSTAR_FX_HUGE_PAGES", "1")
+    assert len(make(pin=True)) == len(advised) == 4
     monkeypatch.setenv("PSTAR_FX_HUGE_PAGES", "yes")
     with pytest.raises(ValueError, match="PSTAR_FX_HUGE_PAGES"):
         host_memory.huge_pages_wanted()
