@@ -38,6 +38,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from . import capture_blocks
 from .fxutil import role_nodes, tag
 
 log = logging.getLogger("pstar_fx")
@@ -205,16 +206,39 @@ def capture(model: nn.Module, example_inputs, device: torch.device, dtype: torch
     with fake_mode:
         fake_inputs = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=traced_on)
                        for x in example_inputs]
-        fake_params = [p.detach().requires_grad_(p.requires_grad) for p in fake_model.parameters()]
-        fake_buffers = list(fake_model.buffers())
         tangent = torch.ones((), device=traced_on)
-    # frozen parameters (requires_grad=False) are inputs autograd does not differentiate: the traced backward has
-    # no weight gradient for them (only what flows through them to the trainable ones)
-    trainable = [i for i, p in enumerate(fake_params) if p.requires_grad]
+    trainable = [i for i, p in enumerate(fake_model.parameters()) if p.requires_grad]
     if not trainable and not forward_only:
         raise CaptureError(f"every parameter of {type(model).__name__} is frozen (requires_grad=False): there is "
                            "nothing to train; set requires_grad=True on the parameters to train (a LoRA model: "
                            "peft's get_peft_model marks the adapters trainable)")
+
+    def trace(module: nn.Module) -> fx.GraphModule:
+        return _trace(module, fake_inputs, tangent, signature, forward_only, traced_on, dtype)
+
+    try:
+        gm = capture_blocks.by_blocks(fake_model, trace) if capture_blocks.wanted() and not forward_only else None
+        if gm is None:
+            gm = trace(fake_model)
+    except CaptureError:
+        raise
+    except Exception as e:  # noqa: BLE001 - re-raised with the user's source line
+        raise CaptureError(_explain_capture_failure(model, e)) from e
+    return _normalize(gm, model, param_names, buffer_names, trainable, example_inputs, device, traced_on, dtype,
+                      signature)
+
+
+def _trace(fake_model: nn.Module, fake_inputs: list, tangent: torch.Tensor, signature: Signature, forward_only: bool,
+           traced_on: torch.device, dtype: torch.dtype) -> fx.GraphModule:
+    """make_fx of the step of `fake_model` (a fake copy: the whole model, or one cut to fewer blocks by
+    capture_blocks), its placeholders its own parameters, buffers, then `fake_inputs` and `tangent`."""
+    param_names = list(dict(fake_model.named_parameters()))
+    buffer_names = [n for n, _ in fake_model.named_buffers()]
+    fake_params = [p.detach().requires_grad_(p.requires_grad) for p in fake_model.parameters()]
+    fake_buffers = list(fake_model.buffers())
+    # frozen parameters (requires_grad=False) are inputs autograd does not differentiate: the traced backward has
+    # no weight gradient for them (only what flows through them to the trainable ones)
+    trainable = [i for i, p in enumerate(fake_params) if p.requires_grad]
 
     def step(params, buffers, inputs, tangent):
         state = {**dict(zip(param_names, params)), **dict(zip(buffer_names, buffers))}
@@ -234,18 +258,11 @@ def capture(model: nn.Module, example_inputs, device: torch.device, dtype: torch
 
     autocast = (torch.autocast(traced_on.type, dtype=dtype) if dtype != torch.float32
                 else contextlib.nullcontext())
-    try:
-        # a lazy GraphModule: its Python code is generated when first run or read, not after every pass that
-        # changes the graph (~0.3 s a time at 18B)
-        with autocast, (torch.no_grad() if forward_only else contextlib.nullcontext()), _quiet_fake_kernels(), \
-                _use_lazy_graph_module(True):
-            gm = make_fx(step, tracing_mode="fake")(fake_params, fake_buffers, fake_inputs, tangent)
-    except CaptureError:
-        raise
-    except Exception as e:  # noqa: BLE001 - re-raised with the user's source line
-        raise CaptureError(_explain_capture_failure(model, e)) from e
-    return _normalize(gm, model, param_names, buffer_names, trainable, example_inputs, device, traced_on, dtype,
-                      signature)
+    # a lazy GraphModule: its Python code is generated when first run or read, not after every pass that
+    # changes the graph (~0.3 s a time at 18B)
+    with autocast, (torch.no_grad() if forward_only else contextlib.nullcontext()), _quiet_fake_kernels(), \
+            _use_lazy_graph_module(True):
+        return make_fx(step, tracing_mode="fake")(fake_params, fake_buffers, fake_inputs, tangent)
 
 
 def _fake_copy(model: nn.Module, mode: FakeTensorMode, device: torch.device, dtype: torch.dtype) -> nn.Module:
