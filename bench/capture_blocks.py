@@ -3,11 +3,14 @@ once and stamping the rest (issue 26: the capture is the longest phase of a warm
 the H100 box, 5.1-5.4 s on the development VM, ~0.4 ms of make_fx a node).
 
     python bench/capture_blocks.py [--model GPT3_18B | llama/Llama3_8B | hf-llama/Llama3_8B] [--layers 2,3,4,8] [--full]
+    python bench/capture_blocks.py --compare [mistral,qwen2,...]
 
 Captures the model (meta, traced for CUDA with CUDA's autocast norms, bench/plan_at_rates.py) at each depth, prints
 each capture's nodes and seconds, and for consecutive depths the stretches where the node sequences (op, target)
 differ: one block added should be its parameters' placeholders, its forward and its backward, each one contiguous
 stretch. --full also captures the model at its own depth and checks the node count the smallest depths predict.
+--compare captures small Hugging Face models (9 layers, fp32, CPU) with pstar_fx/capture_blocks.py on and off and
+says, for each, whether it was captured by blocks and whether the two codes are the same (they must be).
 """
 import argparse
 import difflib
@@ -36,12 +39,68 @@ def captured(name: str, layers: int | None):
     return [(n.op, str(n.target)) for n in c.gm.graph.nodes], time.perf_counter() - t0, cfg.n_layer
 
 
+HF = {   # kind -> (model class, config class, config fields beyond the common ones)
+    "llama": ("LlamaForCausalLM", "LlamaConfig", {"head_dim": 8}),
+    "mistral": ("MistralForCausalLM", "MistralConfig", {"head_dim": 8, "sliding_window": 8}),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {}),
+    "qwen2-sliding": ("Qwen2ForCausalLM", "Qwen2Config", {"use_sliding_window": True, "sliding_window": 8,
+                                                         "max_window_layers": 5}),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {"head_dim": 8}),
+    "gemma": ("GemmaForCausalLM", "GemmaConfig", {"head_dim": 8}),
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", {"head_dim": 8, "sliding_window": 8}),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", {"head_dim": 8, "sliding_window": 8}),
+    "cohere2": ("Cohere2ForCausalLM", "Cohere2Config", {"sliding_window": 8}),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", {"pad_token_id": 0}),
+    "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config", {"pad_token_id": 0}),
+    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2}),
+    "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", {}),
+}
+
+
+def compare(kinds: list[str]) -> None:
+    import logging
+
+    import transformers
+    records: list[str] = []
+
+    class Said(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+    logging.getLogger("pstar_fx").addHandler(Said())
+    logging.getLogger("pstar_fx").setLevel(logging.INFO)
+    common = dict(num_hidden_layers=9, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=32)
+    ids = torch.randint(0, 128, (2, 16))
+    for kind in kinds:
+        model_cls, config_cls, extra = HF[kind]
+        fields = {**common, **extra}
+        if kind == "gpt_neox":
+            fields.pop("num_key_value_heads")           # (its attention has none)
+        config = getattr(transformers, config_cls)(**fields)
+        torch.manual_seed(0)
+        model = getattr(transformers, model_cls)(config)
+        codes = []
+        for on in ("0", "1"):
+            os.environ["PSTAR_FX_CAPTURE_BLOCKS"] = on
+            records.clear()
+            codes.append(cap.capture(model, {"input_ids": ids, "labels": ids}, torch.device("cpu"),
+                                     torch.float32).gm.code)
+        by_blocks = any("captured" in r and "blocks" in r for r in records)
+        print(f"{kind}: {'captured by blocks' if by_blocks else 'traced whole'}, "
+              f"{'the same code' if codes[0] == codes[1] else 'ANOTHER CODE'}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="GPT3_18B")
     ap.add_argument("--layers", default="2,3,4,8")
     ap.add_argument("--full", action="store_true")
+    ap.add_argument("--compare", nargs="?", const=",".join(HF), default=None,
+                    help="Hugging Face kinds, comma-separated (default: all of " + ", ".join(HF) + ")")
     args = ap.parse_args()
+    if args.compare is not None:
+        compare(args.compare.split(","))
+        return
     plan_at_rates.cuda_autocast_norms()
     depths = [int(x) for x in args.layers.split(",")]
     got = {}
