@@ -56,20 +56,29 @@ def by_blocks(fake_model: nn.Module, trace: Callable[[nn.Module], fx.GraphModule
     if params is None:
         return None
     n = len(blocks)
+
+    def cut(chosen: list[int]) -> fx.GraphModule:
+        return _cut(fake_model, parent, name, blocks, chosen, trace)
+
     try:
-        small = {k: _cut(fake_model, parent, name, blocks, list(range(k)), trace)
-                 for k in (TRACED - 1, TRACED, TRACED + 1)}
+        small = {k: cut(list(range(k))) for k in (TRACED - 1, TRACED)}
+        # made from the 3- and 4-block traces: 5 blocks (to check against their trace, below) and, where the blocks
+        # do not repeat (peft's LoRA), nothing, before the two other traces are paid for
+        check = _stamped(small[TRACED - 1], small[TRACED], TRACED + 1, *params)
+        if check is None:
+            log.debug("capture by blocks: the blocks' stretches do not repeat; traced whole")
+            return None
+        small[TRACED + 1] = cut(list(range(TRACED + 1)))
         # the last blocks traced in the first ones' places: a block whose index changes what it runs (a path taken
         # by the last layer, a pattern every few layers that its attributes do not show) makes another graph
-        tail = _cut(fake_model, parent, name, blocks, list(range(n - TRACED, n)), trace)
+        tail = cut(list(range(n - TRACED, n)))
     except Exception as e:  # noqa: BLE001 - a forward that needs every block: traced whole
         log.debug("capture by blocks: a cut stack does not trace (%s: %s); traced whole", type(e).__name__, e)
         return None
     if _text(tail.graph) != _text(small[TRACED].graph):
         log.debug("capture by blocks: the last %d blocks trace otherwise than the first; traced whole", TRACED)
         return None
-    check = _stamped(small[TRACED - 1], small[TRACED], TRACED + 1, *params)
-    if check is None or _text(check.graph) != _text(small[TRACED + 1].graph):
+    if _text(check.graph) != _text(small[TRACED + 1].graph):
         log.debug("capture by blocks: %s blocks made from %s are not their trace; traced whole", TRACED + 1, TRACED)
         return None
     gm = _stamped(small[TRACED - 1], small[TRACED], len(blocks), *params)
