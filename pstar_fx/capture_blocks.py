@@ -26,6 +26,8 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+from collections import Counter
+from dataclasses import dataclass
 from typing import Callable
 
 import torch.fx as fx
@@ -47,7 +49,8 @@ def wanted() -> bool:
 
 def by_blocks(fake_model: nn.Module, trace: Callable[[nn.Module], fx.GraphModule]) -> fx.GraphModule | None:
     """The step of `fake_model` (a fake copy, cut and restored here) as `trace` would give it, made from the
-    traces of 3, 4 and 5 of its blocks; None where it cannot be (then the caller traces it whole)."""
+    traces of its first 3, 4 and 5 blocks and its last 4; None where it cannot be (then the caller traces it
+    whole)."""
     found = _stack(fake_model)
     if found is None:
         return None
@@ -62,9 +65,10 @@ def by_blocks(fake_model: nn.Module, trace: Callable[[nn.Module], fx.GraphModule
 
     try:
         small = {k: cut(list(range(k))) for k in (TRACED - 1, TRACED)}
-        # made from the 3- and 4-block traces: 5 blocks (to check against their trace, below) and, where the blocks
-        # do not repeat (peft's LoRA), nothing, before the two other traces are paid for
-        check = _stamped(small[TRACED - 1], small[TRACED], TRACED + 1, *params)
+        # read from the 3- and 4-block traces: where the blocks do not repeat (peft's LoRA), nothing, before the two
+        # other traces are paid for; else 5 blocks made from it, to check against their trace below
+        template = _template(small[TRACED - 1], small[TRACED], *params)
+        check = _build(template, TRACED + 1) if template is not None else None
         if check is None:
             log.debug("capture by blocks: the blocks' stretches do not repeat; traced whole")
             return None
@@ -81,9 +85,9 @@ def by_blocks(fake_model: nn.Module, trace: Callable[[nn.Module], fx.GraphModule
     if _text(check.graph) != _text(small[TRACED + 1].graph):
         log.debug("capture by blocks: %s blocks made from %s are not their trace; traced whole", TRACED + 1, TRACED)
         return None
-    gm = _stamped(small[TRACED - 1], small[TRACED], len(blocks), *params)
+    gm = _build(template, n)
     if gm is not None:
-        log.info("  captured %d blocks of %s.%s from a trace of %d", len(blocks), type(parent).__name__, name, TRACED)
+        log.info("  captured %d blocks of %s.%s from a trace of %d", n, type(parent).__name__, name, TRACED)
     return gm
 
 
@@ -96,11 +100,8 @@ def _stack(model: nn.Module) -> tuple[nn.Module, str, nn.ModuleList] | None:
                 best = (parent, name, child)
     if best is None or not _alike(list(best[2])):
         return None
-    shared = {id(p) for b in best[2] for p in b.parameters()}
-    uses: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        uses[id(p)] = uses.get(id(p), 0) + 1
-    if any(uses.get(i, 0) != 1 for i in shared):
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    if any(uses[id(p)] != 1 for b in best[2] for p in b.parameters()):
         return None                     # a block's parameter tied to another module's
     return best
 
@@ -233,11 +234,22 @@ def _run(keys: list[tuple], start: int, length: int) -> int | None:
     return lo if (hi - lo) // length + 1 == TRACED else None
 
 
-def _stamped(small: fx.GraphModule, big: fx.GraphModule, n_blocks: int, first: int,
-             per_block: int) -> fx.GraphModule | None:
-    """The step of `n_blocks` blocks from `big` (TRACED blocks) and `small` (one fewer), the blocks' parameters
-    from placeholder `first` on, `per_block` each; None where the blocks do not repeat as the module docstring
-    says."""
+@dataclass
+class _Template:
+    """What `big` (the TRACED-block trace) says of its blocks: its nodes, each block's stretches (`where[b]`:
+    parameters, forward, backward), each block node's place (`at`: block, kind, position) and how block 2's nodes
+    read theirs (`relation`, `_relations`)."""
+    big: fx.GraphModule
+    nodes: list[fx.Node]
+    where: dict[int, list[list[fx.Node]]]
+    at: dict[fx.Node, tuple[int, int, int]]
+    relation: dict[fx.Node, list[tuple]]
+    output: fx.Node
+
+
+def _template(small: fx.GraphModule, big: fx.GraphModule, first: int, per_block: int) -> _Template | None:
+    """The blocks of `big` (TRACED blocks) against `small` (one fewer), the blocks' parameters from placeholder
+    `first` on, `per_block` each; None where the blocks do not repeat as the module docstring says."""
     found = _stretches(small.graph, big.graph, first + (TRACED - 1) * per_block, per_block)
     if found is None:
         return None
@@ -270,7 +282,7 @@ def _stamped(small: fx.GraphModule, big: fx.GraphModule, n_blocks: int, first: i
     for n in nodes:
         if n not in at and n is not output and any(at.get(a, (0,))[0] in (1, 2) for a in n.all_input_nodes):
             return None
-    return _build(big, nodes, where, at, relation, n_blocks, output)
+    return _Template(big, nodes, where, at, relation, output)
 
 
 def _relations(where, at) -> dict | None:
@@ -305,10 +317,12 @@ def _shape(n: fx.Node):
     return repr(fx.map_arg((n.args, n.kwargs), lambda _: "%"))
 
 
-def _build(big: fx.GraphModule, nodes: list[fx.Node], where, at, relation, n_blocks: int,
-           output: fx.Node) -> fx.GraphModule | None:
-    """The new graph, in the full trace's order: block 3 of `big` becomes block n - 1, copies 3 .. n - 2 of block
-    2 go between (parameters and forward after block 2's, backward after block 3's, the last first)."""
+def _build(template: _Template, n_blocks: int) -> fx.GraphModule | None:
+    """The step of `n_blocks` blocks, in the full trace's order: block 3 of the template's trace becomes block
+    n - 1, copies 3 .. n - 2 of block 2 go between (parameters and forward after block 2's, backward after block
+    3's, the last first); None where a copy would read a node not made yet."""
+    big, nodes, where, at, relation, output = (template.big, template.nodes, template.where, template.at,
+                                               template.relation, template.output)
     g = fx.Graph()
     made: dict[tuple[int, int, int], fx.Node] = {}      # (block, kind, q) -> node of the new graph
     env: dict[fx.Node, fx.Node] = {}                    # node of `big` outside the blocks -> new node
