@@ -72,6 +72,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # bench/trace
 import pstar_fx  # noqa: E402
 import trace_summary  # noqa: E402
 import copy_waits  # noqa: E402
+from pinned_alloc import anon_huge_bytes  # noqa: E402
 from pstar_fx.models import GPT, Llama, gpt_config, llama_config  # noqa: E402
 
 
@@ -480,16 +481,6 @@ def _max_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _anon_huge_bytes() -> int | None:
-    """The process's memory in transparent huge pages at its end (None where the kernel does not say): whether the
-    huge pages PSTAR_FX_HUGE_PAGES=1 asks for were given."""
-    try:
-        with open("/proc/self/smaps_rollup") as f:
-            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("AnonHugePages:")), None)
-    except OSError:
-        return None
-
-
 def cpu_profile_step(step, batch, sync) -> dict:
     """One step under cProfile: where the launching thread's time goes (what it does while the GPU has no work
     queued shows as the GPU idle at the step's ends). The 30 functions of most own time, and the step's wall
@@ -837,7 +828,7 @@ def main(argv=None):
             result["gpu_peak_bytes"] = torch.cuda.max_memory_allocated()
         result["host_rss_bytes"] = max(rss, proc.memory_info().rss)
         result["host_max_rss_bytes"] = _max_rss()
-    result["host_anon_huge_bytes"] = _anon_huge_bytes()
+    result["host_anon_huge_bytes"] = anon_huge_bytes()
     emit(result, args.json)
 
 
