@@ -25,7 +25,7 @@ import plan_at_rates  # noqa: E402
 
 import gpt  # noqa: E402
 
-from pstar_fx import capture as cap  # noqa: E402
+from pstar_fx import capture as cap, capture_blocks  # noqa: E402
 
 
 def captured(name: str, layers: int | None):
@@ -68,6 +68,7 @@ def compare(kinds: list[str]) -> None:
             records.append(record.getMessage())
     logging.getLogger("pstar_fx").addHandler(Said())
     logging.getLogger("pstar_fx").setLevel(logging.INFO)
+    capture_blocks.MIN_BLOCKS = 9       # (by blocks at 9 layers, below the default's break-even: what is compared)
     common = dict(num_hidden_layers=9, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=32)
     ids = torch.randint(0, 128, (2, 16))

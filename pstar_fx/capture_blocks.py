@@ -39,7 +39,10 @@ from .fxutil import node_copy
 
 log = logging.getLogger("pstar_fx")
 
-MIN_BLOCKS = 8          # fewer: the three small traces cost about what one whole trace does
+# the four small traces hold 16 blocks and four times the ends (embedding, head, loss): a whole trace costs as much
+# at about 24 blocks (development VM: our tiny LLaMA at 16 blocks 1.5-1.9 s whole, 1.9 so; at 24, 2.3-2.4 and 2.1-2.2;
+# at 32, 3.3 and 2.1-2.3); fewer are traced whole
+MIN_BLOCKS = 24
 TRACED = 4              # blocks in the template's trace: 0 and 3 at the ends, 1 and 2 in the middle
 
 

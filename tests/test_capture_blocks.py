@@ -14,7 +14,13 @@ from pstar_fx import capture_blocks
 from pstar_fx.models import GPT, Llama, gpt_config, llama_config
 from test_engine import batch
 
-DEPTH = capture_blocks.MIN_BLOCKS      # the fewest blocks captured by blocks (the cheapest test)
+DEPTH = 8       # blocks in these tests' models: stacks this short are captured by blocks here (the cheapest test)
+
+
+@pytest.fixture(autouse=True)
+def short_stacks(monkeypatch):
+    """By blocks from DEPTH blocks on (the default, MIN_BLOCKS, is where that starts to pay: 24)."""
+    monkeypatch.setattr(capture_blocks, "MIN_BLOCKS", DEPTH)
 
 
 def captured(model, inputs, blocks: bool, monkeypatch, dtype=torch.float32):
@@ -80,7 +86,7 @@ def test_a_peft_lora_model_captures_as_its_full_trace(monkeypatch, caplog):
 
 
 def test_blocks_not_alike_or_too_few_are_traced_whole(monkeypatch, caplog):
-    few = GPT(gpt_config("tiny", n_layer=capture_blocks.MIN_BLOCKS - 1))
+    few = GPT(gpt_config("tiny", n_layer=DEPTH - 1))
     assert not same_capture(few, batch(), monkeypatch, caplog)
     odd = GPT(gpt_config("tiny", n_layer=DEPTH))
     odd.h[6].attn.some_flag = True                  # one block's attribute differs
