@@ -4,6 +4,7 @@ the H100 box, 5.1-5.4 s on the development VM, ~0.4 ms of make_fx a node).
 
     python bench/capture_blocks.py [--model GPT3_18B | llama/Llama3_8B | hf-llama/Llama3_8B] [--layers 2,3,4,8] [--full]
     python bench/capture_blocks.py --compare [mistral,qwen2,...]
+    python bench/capture_blocks.py --model hf-llama/Llama3_70B --lora 16 --on-off
 
 Captures the model (meta, traced for CUDA with CUDA's autocast norms, bench/plan_at_rates.py) at each depth, prints
 each capture's nodes and seconds, and for consecutive depths the stretches where the node sequences (op, target)
@@ -11,6 +12,8 @@ differ: one block added should be its parameters' placeholders, its forward and 
 stretch. --full also captures the model at its own depth and checks the node count the smallest depths predict.
 --compare captures small Hugging Face models (9 layers, fp32, CPU) with pstar_fx/capture_blocks.py on and off and
 says, for each, whether it was captured by blocks and whether the two codes are the same (they must be).
+--on-off captures the model at its own depth traced whole, then by blocks, and prints both times and whether the code
+is the same; --lora R wraps it in peft LoRA of rank R on the seven projections first (bench/lora_bench.py).
 """
 import argparse
 import difflib
@@ -28,15 +31,31 @@ import gpt  # noqa: E402
 from pstar_fx import capture as cap, capture_blocks  # noqa: E402
 
 
-def captured(name: str, layers: int | None):
+def captured(name: str, layers: int | None, lora: int = 0, code: bool = False):
     cfg, hf = gpt.model_config(name, 1024, layers)
-    with torch.device("meta"):
-        net = gpt.build(cfg, hf)
+    if lora:
+        import lora_bench
+        net = lora_bench.lora_model(cfg, lora)
+    else:
+        with torch.device("meta"):
+            net = gpt.build(cfg, hf)
     idx = torch.randint(0, cfg.vocab_size, (16, 1024), device="meta")
-    inputs = {"input_ids": idx, "labels": idx} if hf else (idx, idx)
+    inputs = {"input_ids": idx, "labels": idx} if hf or lora else (idx, idx)
     t0 = time.perf_counter()
     c = cap.capture(net, inputs, torch.device("cuda"), torch.bfloat16)
-    return [(n.op, str(n.target)) for n in c.gm.graph.nodes], time.perf_counter() - t0, cfg.n_layer
+    seconds = time.perf_counter() - t0
+    return c.gm.code if code else [(n.op, str(n.target)) for n in c.gm.graph.nodes], seconds, cfg.n_layer
+
+
+def on_off(name: str, lora: int) -> None:
+    codes = []
+    for on in ("0", "1"):
+        os.environ["PSTAR_FX_CAPTURE_BLOCKS"] = on
+        code, seconds, n = captured(name, None, lora, code=True)
+        codes.append(code)
+        print(f"{name}{f' LoRA r={lora}' if lora else ''} ({n} blocks) {'by blocks' if on == '1' else 'traced whole'}: "
+              f"{seconds:.2f} s")
+    print("the same code" if codes[0] == codes[1] else "ANOTHER CODE")
 
 
 HF = {   # kind -> (model class, config class, config fields beyond the common ones)
@@ -96,6 +115,8 @@ def main():
     ap.add_argument("--model", default="GPT3_18B")
     ap.add_argument("--layers", default="2,3,4,8")
     ap.add_argument("--full", action="store_true")
+    ap.add_argument("--on-off", action="store_true")
+    ap.add_argument("--lora", type=int, default=0, help="peft LoRA rank (0: none)")
     ap.add_argument("--compare", nargs="?", const=",".join(HF), default=None,
                     help="Hugging Face kinds, comma-separated (default: all of " + ", ".join(HF) + ")")
     args = ap.parse_args()
@@ -103,6 +124,9 @@ def main():
         compare(args.compare.split(","))
         return
     plan_at_rates.cuda_autocast_norms()
+    if args.on_off:
+        on_off(args.model, args.lora)
+        return
     depths = [int(x) for x in args.layers.split(",")]
     got = {}
     for L in depths:

@@ -19,7 +19,8 @@ Graph contract (what later passes may rely on):
 
 What forward may return: the loss (a 0-d float tensor), an object with a `.loss` (a Hugging Face
 `ModelOutput`), or a tuple or list whose first element is the loss. Inference-only paths are switched off: a
-forward that takes `use_cache` gets `use_cache=False` unless the example inputs say otherwise.
+forward that takes `use_cache` (or hands **kwargs on to a model whose config has it: peft) gets `use_cache=False`
+unless the example inputs say otherwise.
 """
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ class Signature:
             if not (v is None or isinstance(v, (bool, int, float, str))):
                 raise TypeError(f"example_inputs[{k!r}]: a {type(v).__name__}; keyword arguments must be tensors "
                                 "or constants (None, bool, int, float, str)")
-        if "use_cache" not in kwargs and _takes(model, "use_cache"):
+        if "use_cache" not in kwargs and _takes_use_cache(model):
             constants["use_cache"] = False       # training never reads a KV cache; building one adds constants
         return cls(len(args), tuple(tensors), constants), [*args, *tensors.values()]
 
@@ -150,6 +151,19 @@ def _takes(model: nn.Module, name: str) -> bool:
         return name in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
+
+
+def _takes_use_cache(model: nn.Module) -> bool:
+    """forward() takes `use_cache`: by name, or (a wrapper such as peft's `PeftModel`, whose forward hands its
+    keyword arguments on to a Hugging Face model) through **kwargs where the model's config has the field."""
+    if _takes(model, "use_cache"):
+        return True
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return (any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+            and hasattr(getattr(model, "config", None), "use_cache"))
 
 
 def loss_of(out):

@@ -43,7 +43,8 @@ log = logging.getLogger("pstar_fx")
 # at about 24 blocks (development VM: our tiny LLaMA at 16 blocks 1.5-1.9 s whole, 1.9 so; at 24, 2.3-2.4 and 2.1-2.2;
 # at 32, 3.3 and 2.1-2.3); fewer are traced whole
 MIN_BLOCKS = 24
-TRACED = 4              # blocks in the template's trace: 0 and 3 at the ends, 1 and 2 in the middle
+TRACED = 4              # blocks in the template: its first and last at the ends, two in the middle
+MAX_LEAD = 1            # blocks before the template's that may run otherwise (traced as the model's other nodes)
 
 
 def wanted() -> bool:
@@ -68,29 +69,37 @@ def by_blocks(fake_model: nn.Module, trace: Callable[[nn.Module], fx.GraphModule
 
     try:
         small = {k: cut(list(range(k))) for k in (TRACED - 1, TRACED)}
-        # read from the 3- and 4-block traces: where the blocks do not repeat (peft's LoRA), nothing, before the two
-        # other traces are paid for; else 5 blocks made from it, to check against their trace below
-        template = _template(small[TRACED - 1], small[TRACED], *params)
-        check = _build(template, TRACED + 1) if template is not None else None
-        if check is None:
+        # read from the 3- and 4-block traces: where the blocks do not repeat, nothing, before the other traces are
+        # paid for; else 5 blocks made from it, to check against their trace below. Where the first block runs
+        # otherwise (peft's LoRA: nothing before it is trained, so its backward makes no input gradient), the
+        # template is read from the 4- and 5-block traces with block 0 outside it (`lead`)
+        for lead in range(MAX_LEAD + 1):
+            if TRACED + lead not in small:
+                small[TRACED + lead] = cut(list(range(TRACED + lead)))
+            template = _template(small[TRACED + lead - 1], small[TRACED + lead], *params, lead)
+            check = _build(template, TRACED + lead + 1) if template is not None else None
+            if check is not None:
+                break
+        else:
             log.debug("capture by blocks: the blocks' stretches do not repeat; traced whole")
             return None
-        small[TRACED + 1] = cut(list(range(TRACED + 1)))
+        small[TRACED + lead + 1] = cut(list(range(TRACED + lead + 1)))
         # the last blocks traced in the first ones' places: a block whose index changes what it runs (a path taken
         # by the last layer, a pattern every few layers that its attributes do not show) makes another graph
-        tail = cut(list(range(n - TRACED, n)))
+        tail = cut(list(range(n - TRACED - lead, n)))
     except Exception as e:  # noqa: BLE001 - a forward that needs every block: traced whole
         log.debug("capture by blocks: a cut stack does not trace (%s: %s); traced whole", type(e).__name__, e)
         return None
-    if _text(tail.graph) != _text(small[TRACED].graph):
-        log.debug("capture by blocks: the last %d blocks trace otherwise than the first; traced whole", TRACED)
+    k = TRACED + lead
+    if _text(tail.graph) != _text(small[k].graph):
+        log.debug("capture by blocks: the last %d blocks trace otherwise than the first; traced whole", k)
         return None
-    if _text(check.graph) != _text(small[TRACED + 1].graph):
-        log.debug("capture by blocks: %s blocks made from %s are not their trace; traced whole", TRACED + 1, TRACED)
+    if _text(check.graph) != _text(small[k + 1].graph):
+        log.debug("capture by blocks: %s blocks made from %s are not their trace; traced whole", k + 1, k)
         return None
     gm = _build(template, n)
     if gm is not None:
-        log.info("  captured %d blocks of %s.%s from a trace of %d", n, type(parent).__name__, name, TRACED)
+        log.info("  captured %d blocks of %s.%s from a trace of %d", n, type(parent).__name__, name, k)
     return gm
 
 
@@ -225,35 +234,39 @@ def _stretches(small: fx.Graph, big: fx.Graph, params_at: int, per_block: int) -
     return [(params_at, per_block)] + [(ph + j1, j2 - j1) for _, _, _, j1, j2 in ops]
 
 
-def _run(keys: list[tuple], start: int, length: int) -> int | None:
-    """Where the run of TRACED equal stretches of `length` through [start, start + length) begins; None where the
-    run has another count."""
+def _run(keys: list[tuple], start: int, length: int, lead: int) -> tuple[int, int] | None:
+    """(first, last) start of the run of equal stretches of `length` through [start, start + length); None where
+    it holds fewer than TRACED or more than TRACED + `lead` of them."""
     seg = keys[start: start + length]
     lo, hi = start, start
     while lo - length >= 0 and keys[lo - length: lo] == seg:
         lo -= length
     while keys[hi + length: hi + 2 * length] == seg:
         hi += length
-    return lo if (hi - lo) // length + 1 == TRACED else None
+    return (lo, hi) if TRACED <= (hi - lo) // length + 1 <= TRACED + lead else None
 
 
 @dataclass
 class _Template:
-    """What `big` (the TRACED-block trace) says of its blocks: its nodes, each block's stretches (`where[b]`:
-    parameters, forward, backward), each block node's place (`at`: block, kind, position) and how block 2's nodes
-    read theirs (`relation`, `_relations`)."""
+    """What `big` (a trace of `lead` + TRACED blocks) says of its last TRACED blocks (the first `lead` are as the
+    model's other nodes): its nodes, each block's stretches (`where[b]`: parameters, forward, backward), each block
+    node's place (`at`: block, kind, position) and how the template block's (`lead` + 2) nodes read theirs
+    (`relation`, `_relations`)."""
     big: fx.GraphModule
     nodes: list[fx.Node]
     where: dict[int, list[list[fx.Node]]]
     at: dict[fx.Node, tuple[int, int, int]]
     relation: dict[fx.Node, list[tuple]]
     output: fx.Node
+    lead: int
 
 
-def _template(small: fx.GraphModule, big: fx.GraphModule, first: int, per_block: int) -> _Template | None:
-    """The blocks of `big` (TRACED blocks) against `small` (one fewer), the blocks' parameters from placeholder
-    `first` on, `per_block` each; None where the blocks do not repeat as the module docstring says."""
-    found = _stretches(small.graph, big.graph, first + (TRACED - 1) * per_block, per_block)
+def _template(small: fx.GraphModule, big: fx.GraphModule, first: int, per_block: int,
+              lead: int = 0) -> _Template | None:
+    """The blocks of `big` (`lead` + TRACED blocks) against `small` (one fewer), the blocks' parameters from
+    placeholder `first` on, `per_block` each; None where the blocks do not repeat as the module docstring says."""
+    end = lead + TRACED - 1                     # the last block
+    found = _stretches(small.graph, big.graph, first + end * per_block, per_block)
     if found is None:
         return None
     nodes = list(big.graph.nodes)
@@ -261,57 +274,59 @@ def _template(small: fx.GraphModule, big: fx.GraphModule, first: int, per_block:
     (pa, pl), (fa, fl), (ba, bl) = found
     # The blocks alike, where the inserted stretch lies among their stretches is the aligner's choice (often the
     # first, sometimes a rotation: a block's tail and the next one's head). Each kind's stretches are the run of
-    # TRACED equal ones through it; a rotated run is still a periodic cut of the same graph (the relations below
-    # then read the neighbour's parameters too). Parameters go by name: the last block's are `pa`.
-    fwd, bwd = _run(keys, fa, fl), _run(keys, ba, bl)
-    if fwd is None or bwd is None:
+    # equal ones through it; a rotated run is still a periodic cut of the same graph (the relations below then read
+    # the neighbour's parameters too). The template's blocks: the run's last TRACED forward, its first TRACED
+    # backward (the last block first), whether the `lead` blocks before repeat them or not. Parameters go by name:
+    # the last block's are `pa`.
+    fwd, bwd = _run(keys, fa, fl, lead), _run(keys, ba, bl, lead)
+    if fwd is None or bwd is None or pa - (TRACED - 1) * pl < 0:
         return None
     where: dict[int, list[list[fx.Node]]] = {}
-    for b in range(TRACED):
-        back = TRACED - 1 - b
-        where[b] = [nodes[pa - back * pl: pa - back * pl + pl], nodes[fwd + b * fl: fwd + (b + 1) * fl],
-                    nodes[bwd + back * bl: bwd + (back + 1) * bl]]       # (backward: the last block first)
-        if pa - back * pl < 0:
-            return None
-    for b in range(TRACED - 1):
-        if any([_key(n) for n in x] != [_key(n) for n in y] for x, y in zip(where[b], where[TRACED - 1])):
+    for b in range(lead, end + 1):
+        back = end - b
+        f, w = fwd[1] - back * fl, bwd[0] + back * bl
+        where[b] = [nodes[pa - back * pl: pa - back * pl + pl], nodes[f: f + fl], nodes[w: w + bl]]
+    for b in range(lead, end):
+        if any([_key(n) for n in x] != [_key(n) for n in y] for x, y in zip(where[b], where[end])):
             return None
     at = {n: (b, kind, q) for b, kinds in where.items() for kind, span in enumerate(kinds) for q, n in enumerate(span)}
-    relation = _relations(where, at)
+    relation = _relations(where, at, lead)
     if relation is None:
         return None
     # outside the blocks, only the ends' nodes may be read (the output's gradients aside, handled below)
     output = big.graph.output_node()
+    middle = (lead + 1, lead + 2)
     for n in nodes:
-        if n not in at and n is not output and any(at.get(a, (0,))[0] in (1, 2) for a in n.all_input_nodes):
+        if n not in at and n is not output and any(at.get(a, (-1,))[0] in middle for a in n.all_input_nodes):
             return None
-    return _Template(big, nodes, where, at, relation, output)
+    return _Template(big, nodes, where, at, relation, output, lead)
 
 
-def _relations(where, at) -> dict | None:
-    """For each node of block 2 (the template) and each node it reads, how the copy of block j reads it:
-    ("self", kind, q) its own, ("prev", kind, q) block j - 1's, ("next", kind, q) block j + 1's, ("shared", node)
-    the same node; read from block 2 against block 1. None where they disagree."""
+def _relations(where, at, lead: int) -> dict | None:
+    """For each node of the template block (t = `lead` + 2) and each node it reads, how the copy of block j reads
+    it: ("self", kind, q) its own, ("prev", kind, q) block j - 1's, ("next", kind, q) block j + 1's, ("shared",
+    node) the same node; read from block t against block t - 1. None where they disagree."""
+    t = lead + 2
     relation = {}
-    for kind, (tspan, rspan) in enumerate(zip(where[2], where[1])):
-        for q, (t, r) in enumerate(zip(tspan, rspan)):
-            ta, ra = t.all_input_nodes, r.all_input_nodes
-            if len(ta) != len(ra) or _shape(t) != _shape(r):
+    for kind, (tspan, rspan) in enumerate(zip(where[t], where[t - 1])):
+        for q, (n, r) in enumerate(zip(tspan, rspan)):
+            na, ra = n.all_input_nodes, r.all_input_nodes
+            if len(na) != len(ra) or _shape(n) != _shape(r):
                 return None
             how = []
-            for a, b in zip(ta, ra):
+            for a, b in zip(na, ra):
                 pa, pb = at.get(a), at.get(b)
                 if pa is None and pb is None and a is b:
                     how.append(("shared", a))
-                elif pa and pb and pa[0] == 2 and pb[0] == 1 and pa[1:] == pb[1:]:
+                elif pa and pb and pa[0] == t and pb[0] == t - 1 and pa[1:] == pb[1:]:
                     how.append(("self", *pa[1:]))
-                elif pa and pb and pa[0] == 1 and pb[0] == 0 and pa[1:] == pb[1:]:
+                elif pa and pb and pa[0] == t - 1 and pb[0] == t - 2 and pa[1:] == pb[1:]:
                     how.append(("prev", *pa[1:]))
-                elif pa and pb and pa[0] == 3 and pb[0] == 2 and pa[1:] == pb[1:]:
+                elif pa and pb and pa[0] == t + 1 and pb[0] == t and pa[1:] == pb[1:]:
                     how.append(("next", *pa[1:]))
                 else:
                     return None
-            relation[t] = how
+            relation[n] = how
     return relation
 
 
@@ -321,16 +336,18 @@ def _shape(n: fx.Node):
 
 
 def _build(template: _Template, n_blocks: int) -> fx.GraphModule | None:
-    """The step of `n_blocks` blocks, in the full trace's order: block 3 of the template's trace becomes block
-    n - 1, copies 3 .. n - 2 of block 2 go between (parameters and forward after block 2's, backward after block
-    3's, the last first); None where a copy would read a node not made yet."""
+    """The step of `n_blocks` blocks, in the full trace's order: the template's last block (`end`) becomes block
+    n - 1, copies end .. n - 2 of its block t (`lead` + 2) go between (parameters and forward after block t's,
+    backward after block n - 1's, the last first); None where a copy would read a node not made yet."""
     big, nodes, where, at, relation, output = (template.big, template.nodes, template.where, template.at,
                                                template.relation, template.output)
+    t, end = template.lead + 2, template.lead + TRACED - 1
     g = fx.Graph()
     made: dict[tuple[int, int, int], fx.Node] = {}      # (block, kind, q) -> node of the new graph
     env: dict[fx.Node, fx.Node] = {}                    # node of `big` outside the blocks -> new node
     last = n_blocks - 1
-    traced_block = {0: 0, 1: 1, 2: 2, 3: last}
+    traced_block = {b: b for b in where}
+    traced_block[end] = last
 
     def block_node(b: int, kind: int, q: int) -> fx.Node:
         node = made.get((b, kind, q))
@@ -345,10 +362,10 @@ def _build(template: _Template, n_blocks: int) -> fx.GraphModule | None:
         b, kind, q = p
         new_b = traced_block[b]
         # the traced neighbours now have copies between them
-        if reader_block == 3 and b == 2:
+        if reader_block == end and b == t:
             new_b = last - 1
-        elif reader_block == 2 and b == 3:
-            new_b = 3 if last > 3 else last
+        elif reader_block == t and b == end:
+            new_b = end if last > end else last
         return block_node(new_b, kind, q)
 
     def emit(template: fx.Node, args_map) -> fx.Node:
@@ -360,15 +377,15 @@ def _build(template: _Template, n_blocks: int) -> fx.GraphModule | None:
         return new
 
     def emit_copy(j: int, kind: int, q: int) -> None:
-        t = where[2][kind][q]
+        n = where[t][kind][q]
         mapping = {}
-        for a, r in zip(t.all_input_nodes, relation[t]):
+        for a, r in zip(n.all_input_nodes, relation[n]):
             if r[0] == "shared":
                 mapping[a] = arg_of_traced(r[1], None)
             else:
                 b = {"self": j, "prev": j - 1, "next": j + 1}[r[0]]
-                mapping[a] = block_node(min(b, last), r[1], r[2])       # (block n - 1: the traced block 3)
-        made[(j, kind, q)] = emit(t, lambda a: mapping[a])
+                mapping[a] = block_node(min(b, last), r[1], r[2])       # (block n - 1: the traced last block)
+        made[(j, kind, q)] = emit(n, lambda a: mapping[a])
 
     try:
         for n in nodes:
@@ -381,29 +398,29 @@ def _build(template: _Template, n_blocks: int) -> fx.GraphModule | None:
             b, kind, q = p
             made[(traced_block[b], kind, q)] = emit(n, lambda a, b=b: arg_of_traced(a, b))
             span = where[b][kind]
-            if q == len(span) - 1 and (b, kind) in ((2, 0), (2, 1)):         # after block 2's params, forward
-                for j in range(3, last):
+            if q == len(span) - 1 and (b, kind) in ((t, 0), (t, 1)):         # after block t's params, forward
+                for j in range(end, last):
                     for qq in range(len(span)):
                         emit_copy(j, kind, qq)
-            if q == len(span) - 1 and (b, kind) == (3, 2):                  # after block n - 1's backward
-                for j in range(last - 1, 2, -1):
+            if q == len(span) - 1 and (b, kind) == (end, 2):                # after block n - 1's backward
+                for j in range(last - 1, t, -1):
                     for qq in range(len(span)):
                         emit_copy(j, kind, qq)
     except (_NotYet, KeyError):
         return None
     outs = list(output.args[0])
-    grads2 = [i for i, o in enumerate(outs) if isinstance(o, fx.Node) and at.get(o, (None,))[0] == 2]
-    grads3 = [i for i, o in enumerate(outs) if isinstance(o, fx.Node) and at.get(o, (None,))[0] == 3]
-    if len(grads2) != len(grads3) or not grads2 or grads2 != list(range(grads2[0], grads2[0] + len(grads2))) \
-            or grads3 != list(range(grads2[-1] + 1, grads2[-1] + 1 + len(grads3))):
+    grads_t = [i for i, o in enumerate(outs) if isinstance(o, fx.Node) and at.get(o, (None,))[0] == t]
+    grads_end = [i for i, o in enumerate(outs) if isinstance(o, fx.Node) and at.get(o, (None,))[0] == end]
+    if len(grads_t) != len(grads_end) or not grads_t or grads_t != list(range(grads_t[0], grads_t[0] + len(grads_t))) \
+            or grads_end != list(range(grads_t[-1] + 1, grads_t[-1] + 1 + len(grads_end))):
         return None
     new_outs = []
     for i, o in enumerate(outs):
         new_outs.append(arg_of_traced(o, None) if isinstance(o, fx.Node) and at.get(o) is None
                         else (block_node(traced_block[at[o][0]], *at[o][1:]) if isinstance(o, fx.Node) else o))
-        if i == grads2[-1]:
-            for j in range(3, last):
-                new_outs.extend(block_node(j, *at[outs[k]][1:]) for k in grads2)
+        if i == grads_t[-1]:
+            for j in range(end, last):
+                new_outs.extend(block_node(j, *at[outs[k]][1:]) for k in grads_t)
     g.output(new_outs)
     g.output_node().meta = dict(output.meta)
     g._codegen = fx.graph.CodeGen()      # (positional, as capture._normalize makes it: the trace's spec counts 4)

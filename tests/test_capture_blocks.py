@@ -74,15 +74,19 @@ def test_hugging_face_models_by_blocks_are_their_full_trace(monkeypatch, caplog,
     assert same_capture(model, {"input_ids": ids, "labels": ids}, monkeypatch, caplog)
 
 
-def test_a_peft_lora_model_captures_as_its_full_trace(monkeypatch, caplog):
+def test_a_peft_lora_model_by_blocks_is_its_full_trace(monkeypatch, caplog):
     """peft's LoRA layers name their target with the block's index in it ("model.layers.5.mlp.gate_proj"): alike
-    all the same. Their forward makes a tensor constant a block (a `get_attr` each, numbered on), which stamping
-    does not make yet, so this model is traced whole today: the check below holds the code either way."""
+    all the same. Its forward hands **kwargs on, so it gets `use_cache=False` too (else every block builds a KV
+    cache: a tensor constant each). Its first block's backward makes no input gradient (nothing before it is
+    trained): the template is read from blocks 1-4 of a 5-block trace, block 0 traced as it is."""
     peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[peft]')")
     model = peft.get_peft_model(hf("llama"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj"]))
     assert capture_blocks._stack(cap._fake_copy(model, cap.FakeTensorMode(), torch.device("cpu"), torch.float32))
     ids = torch.randint(0, 128, (2, 16))
-    assert not same_capture(model, {"input_ids": ids, "labels": ids}, monkeypatch, caplog)
+    assert same_capture(model, {"input_ids": ids, "labels": ids}, monkeypatch, caplog)
+    assert any("from a trace of 5" in r.getMessage() for r in caplog.records)
+    assert not any(n.op == "get_attr" for n in captured(model, {"input_ids": ids, "labels": ids}, True,
+                                                            monkeypatch).gm.graph.nodes)
 
 
 def test_blocks_not_alike_or_too_few_are_traced_whole(monkeypatch, caplog):
