@@ -53,8 +53,8 @@ def wanted() -> bool:
 
 def by_blocks(fake_model: nn.Module, trace: Callable[[nn.Module], fx.GraphModule]) -> fx.GraphModule | None:
     """The step of `fake_model` (a fake copy, cut and restored here) as `trace` would give it, made from the
-    traces of its first 3, 4 and 5 blocks and its last 4; None where it cannot be (then the caller traces it
-    whole)."""
+    traces of its first 3, 4 and 5 blocks and its last 4 (one more each where block 0 stays outside the template);
+    None where it cannot be (then the caller traces it whole)."""
     found = _stack(fake_model)
     if found is None:
         return None
@@ -67,15 +67,20 @@ def by_blocks(fake_model: nn.Module, trace: Callable[[nn.Module], fx.GraphModule
     def cut(chosen: list[int]) -> fx.GraphModule:
         return _cut(fake_model, parent, name, blocks, chosen, trace)
 
+    # Where the first block runs otherwise (nothing before it is trained, so its backward makes no input gradient:
+    # peft's LoRA, a frozen embedding), the template is read with block 0 outside it (`lead` 1: blocks 1-4 of a
+    # 5-block trace against a 4-block one); else from blocks 0-3. Lead 1 holds wherever lead 0 does (one block more
+    # traced), so the likely one is tried first, the other where it does not repeat.
+    trained_before = any(p.requires_grad for p in list(fake_model.parameters())[:params[0]])
+    leads = range(MAX_LEAD + 1) if trained_before else range(MAX_LEAD, -1, -1)
     try:
-        small = {k: cut(list(range(k))) for k in (TRACED - 1, TRACED)}
-        # read from the 3- and 4-block traces: where the blocks do not repeat, nothing, before the other traces are
-        # paid for; else 5 blocks made from it, to check against their trace below. Where the first block runs
-        # otherwise (peft's LoRA: nothing before it is trained, so its backward makes no input gradient), the
-        # template is read from the 4- and 5-block traces with block 0 outside it (`lead`)
-        for lead in range(MAX_LEAD + 1):
-            if TRACED + lead not in small:
-                small[TRACED + lead] = cut(list(range(TRACED + lead)))
+        small: dict[int, fx.GraphModule] = {}
+        # read from two small traces: where the blocks do not repeat, nothing, before the other traces are paid
+        # for; else one block more made from it, to check against its trace below
+        for lead in leads:
+            for k in (TRACED + lead - 1, TRACED + lead):
+                if k not in small:
+                    small[k] = cut(list(range(k)))
             template = _template(small[TRACED + lead - 1], small[TRACED + lead], *params, lead)
             check = _build(template, TRACED + lead + 1) if template is not None else None
             if check is not None:
@@ -83,7 +88,8 @@ def by_blocks(fake_model: nn.Module, trace: Callable[[nn.Module], fx.GraphModule
         else:
             log.debug("capture by blocks: the blocks' stretches do not repeat; traced whole")
             return None
-        small[TRACED + lead + 1] = cut(list(range(TRACED + lead + 1)))
+        if TRACED + lead + 1 not in small:
+            small[TRACED + lead + 1] = cut(list(range(TRACED + lead + 1)))
         # the last blocks traced in the first ones' places: a block whose index changes what it runs (a path taken
         # by the last layer, a pattern every few layers that its attributes do not show) makes another graph
         tail = cut(list(range(n - TRACED - lead, n)))

@@ -89,6 +89,15 @@ def test_a_peft_lora_model_by_blocks_is_its_full_trace(monkeypatch, caplog):
                                                             monkeypatch).gm.graph.nodes)
 
 
+def test_a_frozen_embedding_keeps_block_0_outside_the_template(monkeypatch, caplog):
+    """A full fine-tune with the embedding frozen: block 0's backward makes no input gradient, as in LoRA, so the
+    template comes from blocks 1-4 (a trace of 5), tried first since nothing before the stack is trained."""
+    llama = Llama(llama_config("tiny", n_layer=DEPTH))
+    llama.embed_tokens.weight.requires_grad_(False)
+    assert same_capture(llama, batch(vocab=llama.config.vocab_size), monkeypatch, caplog)
+    assert any("from a trace of 5" in r.getMessage() for r in caplog.records)
+
+
 def test_blocks_not_alike_or_too_few_are_traced_whole(monkeypatch, caplog):
     few = GPT(gpt_config("tiny", n_layer=DEPTH - 1))
     assert not same_capture(few, batch(), monkeypatch, caplog)
