@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The H200 rows that issues 24, 26 and 27 still need, as four device calls of at most ~560 s each (a machine start
+# and the 600 s limit per command aside): each call builds the package (bench/gpu_run.sh) and runs its rows with a
+# time share each, so a slow row never costs the rows after it their whole time. Run each as one device call with
+# needs_h200 set (these rows are planned for 139 GiB: on an H100 they stop at a BudgetError or plan two_pass):
+#   run(command="bash bench/closeout.sh A", kind="nvidia-h200", needs_h200=True)
+# A: issue 26 (time to the first step, cold then warm, each in a fresh process; GPT3_18B with bf16 and fp32 moments,
+#    the 4.2B cold) and, from the same runs' steps after the first, issue 27's two GPT3_18B rows; the box's limits.
+# B: issue 27's other rows: h4096 L99 with fp32 moments at 110 GiB, the 4.2B beside the fastest PyTorch that fits.
+# C: issue 24 at 8B and 10B: our LLaMA and HF LlamaForCausalLM at Llama-3-8B's shape, GPT3_10B, clip 1.0 on early
+#    norms (`1e-3@1`: triggers every step, the plan made for it) beside the same engine unclipped (`1e9@0`).
+# D: issue 24 at 18B, bf16 and fp32 moments, the same sweep.
+# Each call's records land in $OUT (gpt.jsonl, ttfs.jsonl, limits.json) and its lines in the output's tail; copy
+# them to bench/results/ and the tables to bench/RESULTS.md with the call's date and device.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+call=${1:?which call: A, B, C or D}
+start=$(date +%s)
+left() { echo $(( ${CLOSEOUT_S:-560} - ($(date +%s) - start) )); }
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+stages=(); [[ $call == A ]] && stages=("limits:--rounds,1,--elems,128M")     # (the box's limits beside its rows)
+bash bench/gpu_run.sh "${stages[@]}" > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
+echo "=== built in $(( $(date +%s) - start )) s"
+# one bench/gpt.py row as bench/gpu_run.sh's gpt stage runs it, cut at SECONDS: row SECONDS MODEL SYSTEM HOST [ARGS]
+row() {
+  local secs=$1 model=$2 system=$3 host=$4; shift 4
+  echo "=== $model $system $* (${secs}s) $(date +%T)"
+  timeout "$secs" python3 bench/gpt.py --model "$model" --system "$system" --batch 16 --seq 1024 --steps "${STEPS:-6}" \
+    --host-memory "$host" "$@" --json "$OUT/gpt.jsonl" 2>> "$OUT/gpt.log" | grep -E "^(step|RESULT)" | cut -c1-600
+}
+sweep="--grad-clip 1.0 --expected-trigger-rate 1 --clip-sweep=1e9@0,1e-3@1"
+case "$call" in
+  A)
+    export STEPS=5
+    OUT=/tmp/ca1 RUNS="cold warm" bash bench/ttfs_ab.sh GPT3_18B "--optimizer-state bf16" $(( $(left) * 2 / 5 )) \
+      > "$OUT/ttfs-18b-bf16.log" 2>&1
+    OUT=/tmp/ca2 RUNS="cold warm" bash bench/ttfs_ab.sh GPT3_18B "" $(( $(left) * 2 / 3 )) > "$OUT/ttfs-18b-fp32.log" 2>&1
+    OUT=/tmp/ca3 RUNS=cold bash bench/ttfs_ab.sh GPT_h3072_L36 "" $(( $(left) - 10 )) > "$OUT/ttfs-4b.log" 2>&1
+    cat /tmp/ca*/*/ttfs.jsonl > "$OUT/ttfs.jsonl" 2>/dev/null
+    python3 bench/ttfs_summary.py /tmp/ca1 /tmp/ca2 /tmp/ca3 | grep "^TTFS" | cut -c1-700 ;;
+  B)
+    row $(( $(left) / 3 )) GPT3_18B pstar_fx 110GiB --layers 99
+    row $(( $(left) / 4 )) GPT_h3072_L36 pstar_fx 110GiB
+    peer=$(( $(left) - 10 )); row $peer GPT_h3072_L36 torch-best 110GiB --sweep-timeout $(( peer - 20 )) ;;
+  C)
+    row $(( $(left) / 3 )) llama/Llama3_8B pstar_fx 110GiB $sweep
+    row $(( $(left) / 2 )) hf-llama/Llama3_8B pstar_fx 110GiB $sweep
+    row $(( $(left) - 10 )) GPT3_10B pstar_fx 108GiB $sweep ;;
+  D)
+    row $(( $(left) / 2 )) GPT3_18B pstar_fx 110GiB --optimizer-state bf16 $sweep
+    row $(( $(left) - 10 )) GPT3_18B pstar_fx 110GiB $sweep ;;
+  *) echo "closeout: no call $call (A, B, C or D)"; exit 2 ;;
+esac
+echo "=== call $call done in $(( $(date +%s) - start )) s"
