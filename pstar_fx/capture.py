@@ -146,24 +146,15 @@ def _same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
-def _takes(model: nn.Module, name: str) -> bool:
-    try:
-        return name in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def _takes_use_cache(model: nn.Module) -> bool:
     """forward() takes `use_cache`: by name, or (a wrapper such as peft's `PeftModel`, whose forward hands its
     keyword arguments on to a Hugging Face model) through **kwargs where the model's config has the field."""
-    if _takes(model, "use_cache"):
-        return True
     try:
-        params = inspect.signature(model.forward).parameters.values()
+        params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
-    return (any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-            and hasattr(getattr(model, "config", None), "use_cache"))
+    return "use_cache" in params or (any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+                                     and hasattr(getattr(model, "config", None), "use_cache"))
 
 
 def loss_of(out):

@@ -16,10 +16,12 @@ buffers, non-tensor attributes but an index, no hooks, no parameter shared), the
 three inserted stretches whose neighbours repeat them, each relation must hold for block 2 against block 1, the
 same construction from the 3- and 4-block traces must give the 5-block trace node for node, and the last 4 blocks
 traced in the first ones' places must give the 4-block trace (a block that runs otherwise by its index: a path for
-the last layer, a pattern its attributes do not show). Anything else, or a forward that does not run on a shorter
-stack, and the whole model is traced as before. GPT3_18B on the development VM: 5.7 s whole, 2.0 s so (four small
-traces, 1.2 s of it). Copies share their template's metadata (`val`: shape, strides, dtype; no pass here compares
-fake tensors by identity). PSTAR_FX_CAPTURE_BLOCKS=0 traces every block.
+the last layer, a pattern its attributes do not show). Where block 0 runs otherwise (nothing before the stack is
+trained: its backward makes no input gradient), it stays outside the template and each of these is one block on:
+blocks 1-4 of a 5-block trace, block 3 against block 2, a 6-block check, the last 5 blocks. Anything else, or a
+forward that does not run on a shorter stack, and the whole model is traced as before. GPT3_18B on the development
+VM: 5.7 s whole, 2.0 s so (four small traces, 1.2 s of it). Copies share their template's metadata (`val`: shape,
+strides, dtype; no pass here compares fake tensors by identity). PSTAR_FX_CAPTURE_BLOCKS=0 traces every block.
 """
 from __future__ import annotations
 
@@ -268,7 +270,7 @@ class _Template:
 
 
 def _template(small: fx.GraphModule, big: fx.GraphModule, first: int, per_block: int,
-              lead: int = 0) -> _Template | None:
+              lead: int) -> _Template | None:
     """The blocks of `big` (`lead` + TRACED blocks) against `small` (one fewer), the blocks' parameters from
     placeholder `first` on, `per_block` each; None where the blocks do not repeat as the module docstring says."""
     end = lead + TRACED - 1                     # the last block

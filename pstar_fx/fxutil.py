@@ -33,6 +33,9 @@ def op_of(node: fx.Node):
     return getattr(node.target, "seeded_op", node.target)
 
 
+_ALIASING: dict[tuple[int, bool], tuple[object, bool]] = {}     # (id(op), in_place) -> (op, aliases_input)
+
+
 def aliases_input(node: fx.Node, *, in_place: bool = True) -> bool:
     """The node's output shares memory with its first input: a view (`_unsafe_view` too: matmul's
     reshape of its result), `getitem` of a multi-output op, or (with `in_place`) an in-place op. Such a
@@ -40,15 +43,12 @@ def aliases_input(node: fx.Node, *, in_place: bool = True) -> bool:
     if node.op != "call_function":
         return False
     target = op_of(node)
-    # read from the op's schema once per op: the planner asks ~30 times per node of every recompute try (1.7 M
+    # read from the op's schema once per op: the planner asks several times per node of every recompute try (1.7 M
     # times in the 70B LoRA's search, 5 of its 62 s); keyed by id, the op kept to tell a reused id apart
     known = _ALIASING.get((id(target), in_place))
     if known is None or known[0] is not target:
         known = _ALIASING[(id(target), in_place)] = (target, _op_aliases_input(target, in_place))
     return known[1]
-
-
-_ALIASING: dict[tuple[int, bool], tuple[object, bool]] = {}
 
 
 def _op_aliases_input(target, in_place: bool) -> bool:
