@@ -760,18 +760,21 @@ def test_the_largest_fp32_state_gpt_spreads_its_host_chunks_among_the_device_chu
     them (the H200 box: 1.77 s a step of the launching thread waiting for a buffer, 88 ms of host Adam per chunk).
     Spread every other one from the end, each follows a device chunk's backward: the plan, at the box's recorded
     rates, chooses that, and hides the host Adam the last-chunks plan leaves exposed."""
-    from pstar_fx.planning import placement, planner
+    from pstar_fx.planning import planner
     box, rates = _s14_fp32(99)
+    make, made = planner._make_plan, []
+    monkeypatch.setattr(planner, "_make_plan", lambda *a, **kw: made.append(make(*a, **kw)) or made[-1])
     spread = box.plan(99, "fp32", rates)
+    # the last chunks on the host, at the chosen try: the plan made just before the chosen one, with the same slots
+    i = max(i for i, q in enumerate(made) if q.chunks.host_order == "spread"
+            and q.estimated_step_seconds == spread.estimated_step_seconds)
+    last = next(q for q in reversed(made[:i]) if q.chunks.host_order == "last" and q.grad_slots <= spread.grad_slots)
     # again: the plan cache's decision names the order, and the planner plans with it alone
-    make, orders = planner._make_plan, []
+    orders = []
     monkeypatch.setattr(planner, "_make_plan", lambda *a, **kw: orders.append(kw["host_order"]) or make(*a, **kw))
     again = box.plan(99, "fp32", rates)
     # (and the same order again with a second gradient slot: grad_slots.py)
     assert set(orders) == {"spread"} and again.estimated_step_seconds == spread.estimated_step_seconds, orders
-    monkeypatch.setattr(planner, "_make_plan", make)
-    monkeypatch.setattr(placement, "HOST_ORDERS", ("last",))
-    last = box.plan(99, "fp32", rates)
     assert spread.fits and last.fits
     assert spread.chunks.host_order == "spread" and last.chunks.host_order == "last"
     assert last.estimate.host_adam_exposed_seconds > 0.1, last.estimate
