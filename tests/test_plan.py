@@ -705,6 +705,23 @@ def test_slot_waits_follow_the_copies_out_of_the_slots():
     assert slot_waits({2: 0, 1: 3, 0: 6}, {2: 1, 1: 4, 0: 7}, {0, 1, 2}, [6e-3] * 8, 1, copy) == pytest.approx(8e-3)
 
 
+def _made_plans(monkeypatch) -> list:
+    """Every plan planner._make_plan makes from now on, in order: a search's tries, each with its host orders and
+    gradient slots, for a test to read the ones made beside the plan chosen (`_made_before`)."""
+    from pstar_fx.planning import planner
+    make, made = planner._make_plan, []
+    monkeypatch.setattr(planner, "_make_plan", lambda *a, **kw: made.append(make(*a, **kw)) or made[-1])
+    return made
+
+
+def _made_before(made: list, chosen, keep):
+    """The last plan made before `chosen` (the last one of its host order, slots and estimate) for which keep(plan)
+    holds: make_plan plans a try with the last chunks on the host first, then the other orders, then a second slot."""
+    i = max(i for i, q in enumerate(made) if q.chunks.host_order == chosen.chunks.host_order
+            and q.grad_slots == chosen.grad_slots and q.estimated_step_seconds == chosen.estimated_step_seconds)
+    return next(q for q in reversed(made[:i]) if keep(q))
+
+
 def test_backward_waits_for_gradients_copied_out_of_one_slot_and_a_second_hides_them(monkeypatch):
     """h4096 L90 with fp32 moments at 110 GiB of host (`replay`, 35 host chunks spread among the device chunks), at
     the rates the H200 box recorded (session 20, call 2), where the compute stream waited 0.37 s a step for copies
@@ -713,17 +730,14 @@ def test_backward_waits_for_gradients_copied_out_of_one_slot_and_a_second_hides_
     within 0.6-1.2x of the measured one (whether it is that wait is not established: bench/RESULTS.md, session 23),
     and takes a second slot, which hides it, for a lower estimate."""
     from pstar_fx.pipeline import recompute_search
-    from pstar_fx.planning import planner
     box, record, rates = _recorded_fp32("2026-12-05-h200-s20.jsonl", 90)
     monkeypatch.setattr(recompute_search._Search, "nestable", lambda self: None)     # the recorded run's recompute
     monkeypatch.setenv("PSTAR_FX_BLOCK_SPANS", "0")     # and its updates, each right after its chunk's last use
-    make, made = planner._make_plan, []
-    monkeypatch.setattr(planner, "_make_plan", lambda *a, **kw: made.append(make(*a, **kw)) or made[-1])
+    made = _made_plans(monkeypatch)
     p = box.plan(90, "fp32", rates)
     assert p.fits and p.transaction == "replay" and p.grad_slots == 2, p.summary()
     # the chosen try's plan with one slot: made just before it, with the same order of host chunks
-    i = max(i for i, q in enumerate(made) if q.grad_slots == 2 and q.estimated_step_seconds == p.estimated_step_seconds)
-    one = next(q for q in reversed(made[:i]) if q.grad_slots == 1 and q.chunks.host_order == p.chunks.host_order)
+    one = _made_before(made, p, lambda q: q.grad_slots == 1 and q.chunks.host_order == p.chunks.host_order)
     measured = record["phases"]["compute_waits_for_copies"]
     assert 0.6 * measured <= one.estimate.grad_slot_waits_seconds <= 1.2 * measured, (one.estimate, measured)
     assert p.estimate.grad_slot_waits_seconds < 0.01 and p.estimated_step_seconds < one.estimated_step_seconds
@@ -762,13 +776,10 @@ def test_the_largest_fp32_state_gpt_spreads_its_host_chunks_among_the_device_chu
     rates, chooses that, and hides the host Adam the last-chunks plan leaves exposed."""
     from pstar_fx.planning import planner
     box, rates = _s14_fp32(99)
-    make, made = planner._make_plan, []
-    monkeypatch.setattr(planner, "_make_plan", lambda *a, **kw: made.append(make(*a, **kw)) or made[-1])
+    make, made = planner._make_plan, _made_plans(monkeypatch)
     spread = box.plan(99, "fp32", rates)
-    # the last chunks on the host, at the chosen try: the plan made just before the chosen one, with the same slots
-    i = max(i for i, q in enumerate(made) if q.chunks.host_order == "spread"
-            and q.estimated_step_seconds == spread.estimated_step_seconds)
-    last = next(q for q in reversed(made[:i]) if q.chunks.host_order == "last" and q.grad_slots <= spread.grad_slots)
+    # the last chunks on the host at the chosen try: made before the chosen plan, with no more gradient slots
+    last = _made_before(made, spread, lambda q: q.chunks.host_order == "last" and q.grad_slots <= spread.grad_slots)
     # again: the plan cache's decision names the order, and the planner plans with it alone
     orders = []
     monkeypatch.setattr(planner, "_make_plan", lambda *a, **kw: orders.append(kw["host_order"]) or make(*a, **kw))

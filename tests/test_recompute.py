@@ -157,6 +157,15 @@ def test_segments_on_top_of_cheap_values_when_those_are_not_enough(fixed_rates):
     assert 0.85 <= measured / engine.plan.device_peak_bytes <= 1.0 and measured <= budget
 
 
+def least_budget(model, base: dict, inputs) -> int:
+    """The least device budget a step fits in under `base`, to the byte: a plan that does not fit reports the least
+    peak its search reached (its most recomputing try); a byte less does not fit."""
+    short = pstar_fx.plan(model, {**base, "device_memory": 1}, inputs)
+    least = short.device_peak_bytes
+    assert not short.fits and not pstar_fx.plan(model, {**base, "device_memory": least - 1}, inputs).fits
+    return least
+
+
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
 def test_pairs_of_runs_fit_where_the_longest_runs_do_not(kind, fixed_rates):
     """Under the least device budget that fits, an 8-layer GPT (or LLaMA: RMSNorm, rotary, SwiGLU) keeps half its
@@ -169,23 +178,20 @@ def test_pairs_of_runs_fit_where_the_longest_runs_do_not(kind, fixed_rates):
     batches = [batch(b=4, t=64, seed=s) for s in range(2)]
     base = {"device": "cpu", "placement": "device", "optimizer": OPT}
     free = pstar_fx.plan(model, base, batches[0])
-    # a plan that does not fit reports the least peak its search reached: the least budget that fits, to the byte
-    short = pstar_fx.plan(model, {**base, "device_memory": 1}, batches[0])
-    hi = short.device_peak_bytes
-    assert not short.fits and not pstar_fx.plan(model, {**base, "device_memory": hi - 1}, batches[0]).fits
-    plan = pstar_fx.plan(model, {**base, "device_memory": hi}, batches[0])
+    least = least_budget(model, base, batches[0])
+    plan = pstar_fx.plan(model, {**base, "device_memory": least}, batches[0])
     assert plan.fits and "pairs too" in plan.recompute, plan.recompute
     assert any("pairs of them too" in t and "fits" in t for t in plan.tried), plan.tried
     longest = [t for t in plan.tried if "runs of" in t and "pairs" not in t and "segments:" in t]
     assert longest and all("does not fit" in t for t in longest), plan.tried   # no run alone fits this budget
 
-    engine, losses = run(model, batches, {"placement": "device", "device_memory": hi})
+    engine, losses = run(model, batches, {"placement": "device", "device_memory": least})
     assert engine.plan.recompute == plan.recompute
     ours, our_losses = run(model, batches, {"placement": "device"})
     assert losses == our_losses
     assert_same_bits(engine, ours)
     measured = engine.memory_stats()["device_peak_bytes"]
-    assert 0.85 <= measured / engine.plan.device_peak_bytes <= 1.0 and measured <= hi, (measured, hi)
+    assert 0.85 <= measured / engine.plan.device_peak_bytes <= 1.0 and measured <= least, (measured, least)
     # the pair's first run runs forward a third time: more forward ops than recomputing the runs alone
     calls = lambda e: sum(1 for n in e.graph.graph.nodes if n.op == "call_function")  # noqa: E731
     assert calls(engine) > calls(ours) and engine.plan.estimate.compute_seconds > free.estimate.compute_seconds
@@ -354,17 +360,13 @@ def test_pairs_of_runs_move_batch_norms_running_statistics_once(fixed_rates):
     torch.manual_seed(0)
     model, data = Deep(), image_batches(2, keywords=False)
     base = {"device": "cpu", "placement": "device", "optimizer": OPT}
-    free = pstar_fx.plan(model, base, data[0])
-    lo, hi = free.device_peak_bytes - free.activation_peak_bytes, free.device_peak_bytes
-    while hi - lo > 1024:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if pstar_fx.plan(model, {**base, "device_memory": mid}, data[0]).fits else (mid, hi)
+    least = least_budget(model, base, data[0])
 
     def compiled(budget=None):
         engine = pstar_fx.compile(model, pstar_fx.Config(device_memory=budget, **base), example_inputs=data[0])
         return engine, [engine.step(*b).item() for b in data]
 
-    engine, losses = compiled(hi)
+    engine, losses = compiled(least)
     assert "pairs too" in engine.plan.recompute, engine.plan.recompute
     stats_updates = [line for line in engine.graph.code.splitlines() if "native_batch_norm.default(" in line]
     updating = [line for line in stats_updates if ", None, None, True" not in line]
