@@ -16,7 +16,14 @@ from pstar_fx.models import GPT, Llama, gpt_config, llama_config
 from pstar_fx.planning.schedule import belady, place_prefetches
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_engine import assert_matches_torch, batch  # noqa: E402
+from test_engine import assert_matches_torch, batch, captured_once  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def one_trace_a_step():
+    """Each test's plans of one step share one capture (`captured_once`): most plan a tiny model many times."""
+    with captured_once():
+        yield
 
 
 # ---- Belady against brute force -------------------------------------------------------------------------
@@ -359,7 +366,7 @@ def test_a_keeping_plan_keeps_one_gradient_slot_where_a_second_costs_its_kept_gr
     fewer once the fixed bytes grow), the chunk's state moves to the host, where it may take the room the kept
     gradients needed: then the plan keeps one slot (it planned `deferred` with two and did not fit: 30.0B with int8
     moments, 1.84 GiB of host missing). With the host one chunk's state larger, two slots."""
-    from pstar_fx.planning import placement, planner
+    from pstar_fx.planning import planner
     torch.manual_seed(0)
     model = Llama(llama_config("tiny", n_layer=4))      # untied: one chunk's gradient at a time, one slot
     cfg = {"device": "cuda", "dtype": "bf16", "optimizer_state": "bf16", "chunk_size": 16384,
@@ -367,7 +374,7 @@ def test_a_keeping_plan_keeps_one_gradient_slot_where_a_second_costs_its_kept_gr
     whole = pstar_fx.plan(model, cfg, batch())
     assert whole.grad_slots == 2 and whole.transaction == "deferred"
     n = len(whole.placement)
-    real, fewest = placement.n_device_chunks, []
+    fewest = []
 
     def place(sizes, config, *, fixed_bytes, **kw):     # half the chunks on the device, one fewer with more fixed
         fewest.append(fixed_bytes)
@@ -655,20 +662,6 @@ def test_the_host_updates_a_correction_finds_queued_cost_it_nothing():
 
 # ---- the largest models one H200 box trains (planned here at its recorded rates) ----------------------------------
 
-def test_the_largest_fp32_state_gpt_fits_one_h200_box_with_110_gib_of_host():
-    """h4096 L99 (20.15B) with fp32 master and moments trained on the H200 box at a 110 GiB host budget (2026-12-01,
-    5.09 s); a 4 GiB process reserve later left its plan one chunk of state short of the host (1 GiB over on the
-    device). Planned on meta at the box's recorded rates and free device memory (bench/plan_at_rates.py): it fits,
-    within both budgets. Activation bytes traced on the CPU are an estimate of CUDA's (the plan notes it)."""
-    from bench_modules import load
-    box = load("plan_at_rates", "plan_at_rates")
-    p = box.plan(99, "fp32")
-    assert p.fits, p.why
-    assert p.device_peak_bytes <= box.BOX["device_memory"]
-    assert p.host_peak_bytes <= 110 * 2**30
-    assert p.placement.count("host") >= 20        # with 19 (the 4 GiB reserve) the device was 1 GiB over
-
-
 def _recorded_fp32(results: str, layers: int) -> tuple:
     """bench/plan_at_rates.py and the H200 box's record (bench/results/`results`) of an h4096 GPT of `layers` layers
     with fp32 moments at 110 GiB of host, and the rates it was planned at."""
@@ -773,7 +766,10 @@ def test_the_largest_fp32_state_gpt_spreads_its_host_chunks_among_the_device_chu
     last 20 of 43 chunks on the host their gradients reach the host Adam one after another, faster than it takes
     them (the H200 box: 1.77 s a step of the launching thread waiting for a buffer, 88 ms of host Adam per chunk).
     Spread every other one from the end, each follows a device chunk's backward: the plan, at the box's recorded
-    rates, chooses that, and hides the host Adam the last-chunks plan leaves exposed."""
+    rates, chooses that, and hides the host Adam the last-chunks plan leaves exposed. And it fits both budgets
+    (trained on the box on 2026-12-01, 5.09 s a step), with at least 20 chunks' state on the host: a 4 GiB process
+    reserve once left its plan one chunk short there, 19, and the device 1 GiB over. Activation bytes traced on the
+    CPU are an estimate of CUDA's (the plan notes it)."""
     from pstar_fx.planning import planner
     box, rates = _s14_fp32(99)
     make, made = planner._make_plan, _made_plans(monkeypatch)
@@ -791,7 +787,7 @@ def test_the_largest_fp32_state_gpt_spreads_its_host_chunks_among_the_device_chu
     assert last.estimate.host_adam_exposed_seconds > 0.1, last.estimate
     assert spread.estimate.host_adam_exposed_seconds < 1e-3, spread.estimate
     assert spread.estimated_step_seconds < last.estimated_step_seconds
-    assert spread.placement.count("host") == last.placement.count("host")
+    assert spread.placement.count("host") == last.placement.count("host") >= 20
     assert spread.host_peak_bytes <= 110 * 2**30 and spread.device_peak_bytes <= box.BOX["device_memory"]
 
 

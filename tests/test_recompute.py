@@ -23,7 +23,7 @@ from pstar_fx.models import GPT, Llama, gpt_config, llama_config
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_engine import (assert_losses_close, assert_matches_torch, assert_weights_close, batch,  # noqa: E402
-                         reference_run, rounding_tolerance)
+                         captured_once, reference_run, rounding_tolerance)
 
 OPT = {"type": "adamw", "lr": 1e-3, "weight_decay": 0.1}
 
@@ -160,9 +160,10 @@ def test_segments_on_top_of_cheap_values_when_those_are_not_enough(fixed_rates):
 def least_budget(model, base: dict, inputs) -> int:
     """The least device budget a step fits in under `base`, to the byte: a plan that does not fit reports the least
     peak its search reached (its most recomputing try); a byte less does not fit."""
-    short = pstar_fx.plan(model, {**base, "device_memory": 1}, inputs)
-    least = short.device_peak_bytes
-    assert not short.fits and not pstar_fx.plan(model, {**base, "device_memory": least - 1}, inputs).fits
+    with captured_once():
+        short = pstar_fx.plan(model, {**base, "device_memory": 1}, inputs)
+        least = short.device_peak_bytes
+        assert not short.fits and not pstar_fx.plan(model, {**base, "device_memory": least - 1}, inputs).fits
     return least
 
 
