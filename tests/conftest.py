@@ -16,6 +16,22 @@ os.environ.setdefault("PSTAR_FX_PLAN_CACHE", "0")
 os.environ.setdefault("PSTAR_FX_BUILD_WORKERS", "0")
 
 
+_CAPTURES: dict = {}      # every step the suite has traced, by what its trace depends on (test_engine._capture_key)
+
+
+@pytest.fixture(autouse=True)
+def one_trace_per_step(request):
+    """Each step is traced once in the suite and every later compile or plan of it takes a copy of that capture
+    (test_engine.captured_once): hundreds of compiles of a few tiny models, each trace up to 2 s on a 2-core CI box.
+    A test about the trace itself is marked `own_trace` and traces every time."""
+    if request.node.get_closest_marker("own_trace"):
+        yield
+        return
+    from test_engine import captured_once
+    with captured_once(_CAPTURES):
+        yield
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -85,20 +85,37 @@ def _probe_key(model, inputs, cfg: dict):
         return None
 
 
+def _capture_key(model, example_inputs, device, dtype, forward_only, signature):
+    """What a capture depends on (`_fingerprint` of each argument), and what a test may have changed around it: the
+    PSTAR_FX_ settings, the forward of every module class in the model (a test may patch a class's), the functions and
+    constants of the capture modules (capture_blocks.MIN_BLOCKS), grad mode and CPU autocast."""
+    import os
+
+    from pstar_fx import capture as capture_mod, capture_blocks
+    around = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("PSTAR_FX_")))
+    forwards = tuple(dict.fromkeys(type(m).forward for m in model.modules()))
+    internals = tuple((mod.__name__, k, v) for mod in (capture_mod, capture_blocks) for k, v in vars(mod).items()
+                      if callable(v) or isinstance(v, (bool, int, float, str)))
+    return (_model_fingerprint(model), _fingerprint(example_inputs), str(device), str(dtype), forward_only,
+            _fingerprint(signature), around, forwards, internals, torch.is_grad_enabled(),
+            torch.is_autocast_enabled("cpu"))
+
+
 @contextlib.contextmanager
-def captured_once():
-    """Within the block, each step is captured once and every later plan of it gets a copy of that capture: a test
-    that plans one model at many budgets pays for one trace (a tiny model's plan is ~2.4 s, of which 1.9 s is the
-    trace). A capture is the same graph for the same model structure, inputs' shapes, device, dtype and signature
-    (what `_fingerprint` keys on); the pipeline rewrites the graph it is given, so each plan takes a deep copy."""
+def captured_once(held: dict | None = None):
+    """Within the block, each step is captured once and every later plan or compile of it gets a copy of that
+    capture (in `held`, where given, beyond the block): a test that plans one model at many budgets pays for one
+    trace (a tiny model's plan is ~2.4 s, of which 1.9 s is the trace). A capture is the same graph under the same
+    `_capture_key`; the pipeline rewrites the graph it is given, so each gets a deep copy. A capture that fails is
+    tried again each time."""
     from pstar_fx.pipeline import lower
-    real, held = lower.capture, {}
+    real, held = lower.capture, {} if held is None else held
 
     def capture(model, example_inputs, device, dtype, forward_only=False, signature=None):
         try:
-            key = (_model_fingerprint(model), _fingerprint(example_inputs), str(device), str(dtype), forward_only,
-                   _fingerprint(signature))
-        except _Uncacheable:
+            key = _capture_key(model, example_inputs, device, dtype, forward_only, signature)
+            hash(key)
+        except (_Uncacheable, TypeError):
             return real(model, example_inputs, device, dtype, forward_only, signature)
         if key not in held:
             held[key] = real(model, example_inputs, device, dtype, forward_only, signature)
