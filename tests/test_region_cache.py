@@ -11,6 +11,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = r"""
@@ -66,6 +68,16 @@ def compile_in_a_fresh_process(cache: Path, workers: int, artifacts: bool = Fals
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """One compile in a fresh process of a cache of its own, no workers, no artifacts (today's torch.compile
+    regions, this machine's CPU capability), started at once beside the first test that asks for it: its folder and
+    (a future of) what it said. The reference of the artifacts' bits, and the cache another CPU capability reads."""
+    folder = tmp_path_factory.mktemp("plain")
+    with ThreadPoolExecutor(1) as pool:
+        yield folder, pool.submit(compile_in_a_fresh_process, folder, workers=0)
 
 
 def test_second_compile_loads_the_regions_the_workers_built_and_trains_the_same_bits(tmp_path):
@@ -188,16 +200,15 @@ def test_workers_are_as_many_as_have_room_for_the_most_regions_and_build_only_th
     assert fit_workers([30 * GiB], 23 * GiB, 4)[2] == []
 
 
-def test_region_artifacts_train_the_same_bits_without_dynamo(tmp_path):
+def test_region_artifacts_train_the_same_bits_without_dynamo(tmp_path, plain):
     """PSTAR_FX_REGION_ARTIFACTS=1: each region is built as a standalone Inductor artifact (by this process, or by
     the build workers), saved by its key beside Inductor's caches and loaded from there by the next compile; no
     region goes through Dynamo, and every run trains the bits of today's torch.compile regions."""
-    with ThreadPoolExecutor(2) as pool:         # (processes of their own caches side by side)
-        plain = pool.submit(compile_in_a_fresh_process, tmp_path / "plain", workers=0)
+    with ThreadPoolExecutor(1) as pool:         # (processes of their own caches side by side, the plain one too)
         by_workers = pool.submit(compile_in_a_fresh_process, tmp_path / "workers", workers=2, artifacts=True)
         cold = compile_in_a_fresh_process(tmp_path / "here", workers=0, artifacts=True)
         warm = compile_in_a_fresh_process(tmp_path / "here", workers=0, artifacts=True)
-        plain, by_workers = plain.result(), by_workers.result()
+        plain, by_workers = plain[1].result(), by_workers.result()
     assert plain["dynamo_graphs"] == 2
     assert len(list((Path(cold["cache"]) / "pstar_fx-artifacts").glob("*.bin"))) == 2
     for run in (cold, warm, by_workers):
@@ -223,14 +234,14 @@ def test_the_artifacts_switch_takes_0_or_1_only(monkeypatch):
             wanted()
 
 
-def test_a_cache_filled_under_one_cpu_capability_serves_another_the_bits_of_its_own(tmp_path):
+def test_a_cache_filled_under_one_cpu_capability_serves_another_the_bits_of_its_own(tmp_path, plain):
     """Inductor's caches live in one folder per ATen CPU capability: filled under this machine's (AVX512 on the
     development VM) and then read under ATEN_CPU_CAPABILITY=default, Inductor's keys alone gave a C++ compile error
     (`at::vec` undeclared). Now the second capability trains the bits it trains on a cache of its own."""
-    with ThreadPoolExecutor(1) as pool:         # (a process of its own cache beside the two of the shared one)
+    with ThreadPoolExecutor(1) as pool:         # (a process of its own cache beside the one of the shared)
         alone = pool.submit(compile_in_a_fresh_process, tmp_path / "alone", workers=0, capability="default")
-        native = compile_in_a_fresh_process(tmp_path / "shared", workers=0)
-        lowered = compile_in_a_fresh_process(tmp_path / "shared", workers=0, capability="default")
+        shared, native = plain[0], plain[1].result()        # (filled under this machine's capability)
+        lowered = compile_in_a_fresh_process(shared, workers=0, capability="default")
         alone = alone.result()
     assert Path(lowered["cache"]).name == "inductor-default"
     if Path(native["cache"]).name != "inductor-default":    # (a machine whose own capability is DEFAULT shares it)
