@@ -576,6 +576,36 @@ def regression_batches(n=STEPS, b=8):
     return [(torch.randn(b, 16, generator=g), torch.randn(b, generator=g)) for _ in range(n)]
 
 
+# ---- the suite's shared traces ------------------------------------------------------------------------------
+
+@pytest.mark.own_trace
+def test_a_copied_capture_compiles_and_trains_as_a_fresh_trace(monkeypatch):
+    """The suite traces each step once (conftest.one_trace_per_step) and compiles later engines from deep copies of
+    that capture: such an engine has the fresh trace's graph, plan and bits, and the copy is taken, not a trace."""
+    from pstar_fx.pipeline import lower
+    torch.manual_seed(0)
+    model = Llama(llama_config("tiny"))
+    batches = [batch(seed=s) for s in range(2)]
+    cfg = pstar_fx.Config(device="cpu", placement="auto", chunk_size=16384, grad_clip=0.5,
+                          device_memory=tight_budget(model, batches[0], device_chunks=1, chunk_size=16384)[0])
+    fresh = pstar_fx.compile(model, cfg, batches[0])
+    traces, real = [], lower.capture
+    monkeypatch.setattr(lower, "capture", lambda *a, **kw: traces.append(a) or real(*a, **kw))
+    held: dict = {}
+    with captured_once(held):
+        first = pstar_fx.compile(model, cfg, batches[0])
+        copied = pstar_fx.compile(model, cfg, batches[0])
+    assert len(traces) == 1 and len(held) == 1
+    assert {"device", "host"} <= set(fresh.plan.placement), fresh.plan.placement
+    for engine in (first, copied):
+        assert engine.graph.code == fresh.graph.code and engine.plan.summary() == fresh.plan.summary()
+    for b in batches:
+        loss = fresh.step(*b)
+        assert torch.equal(copied.step(*b), loss)
+    a, b = copied.state_dict(), fresh.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
 # ---- fp32 equality under a budget -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["gpt", "llama"])
