@@ -16,14 +16,7 @@ from pstar_fx.models import GPT, Llama, gpt_config, llama_config
 from pstar_fx.planning.schedule import belady, place_prefetches
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_engine import assert_matches_torch, batch, captured_once  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def one_trace_a_step():
-    """Each test's plans of one step share one capture (`captured_once`): most plan a tiny model many times."""
-    with captured_once():
-        yield
+from test_engine import assert_matches_torch, batch  # noqa: E402
 
 
 # ---- Belady against brute force -------------------------------------------------------------------------
