@@ -14,7 +14,7 @@ import pstar_fx
 from pstar_fx.models import GPT, gpt_config
 from pstar_fx.planning import blocks
 import pstar_fx.passes.compile_regions  # noqa: F401  (the module, whose BACKEND the tests set)
-from test_engine import batch, tight_budget
+from test_engine import batch, stated_rates, tight_budget
 
 regions_pass = sys.modules["pstar_fx.passes.compile_regions"]
 CHUNK = 69632
@@ -32,9 +32,8 @@ def dynamo_only(monkeypatch):
 
 
 @pytest.fixture
-def stated_rates():
-    from pstar_fx.planning.costs import assumed
-    with assumed(**CPU_RATES):
+def cpu_rates():
+    with stated_rates(CPU_RATES):
         yield
 
 
@@ -54,7 +53,7 @@ def _calls(engine) -> collections.Counter:
     return collections.Counter(n.target for n in engine.graph.graph.nodes if isinstance(n.target, regions_pass.Region))
 
 
-def test_every_blocks_region_is_one_function_and_the_bits_hold(dynamo_only, stated_rates, monkeypatch):
+def test_every_blocks_region_is_one_function_and_the_bits_hold(dynamo_only, cpu_rates, monkeypatch):
     """Planned by block (taken whatever it costs: on the CPU tier this tiny step is a millisecond, of which a block's
     delay in copies and updates is 1-3%), one function runs every block's forward and one every block's backward,
     and the steps give the uncompiled engine's bits. The planner's own choice here is the plan op by op: by block

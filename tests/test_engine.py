@@ -127,6 +127,23 @@ def captured_once(held: dict | None = None):
         lower.capture = real
 
 
+@contextlib.contextmanager
+def stated_rates(figures: dict):
+    """Within the block the cost model plans the CPU tier at `figures` (every field of `Rates` the planner reads),
+    not at this machine's calibration: a plan at a tight budget follows the rates, and a calibration varies between
+    machines and between runs on a loaded one. Nothing is measured in the process either (with an empty cache the
+    first compile would calibrate in-process), so a first run is the same as any other."""
+    from pstar_fx.planning import costs
+    measured = costs._calibrated          # (not the monkeypatch fixture: a test's own monkeypatch.undo() would undo it)
+    costs._calibrated = lambda device, dtype: (costs.Rates("cpu-fixed", **figures) if device.type == "cpu"
+                                               else measured(device, dtype))
+    try:
+        with costs.assumed(**figures):
+            yield
+    finally:
+        costs._calibrated = measured
+
+
 def working_set(model, inputs, **cfg) -> tuple[int, int, int]:
     """(the device working set of the step with every chunk on the host, so nothing recomputed (`_working_bytes`);
     a trainable chunk's fp32 state in bytes: `Layout.state_elems` elements of master and two moments; the number
@@ -154,19 +171,18 @@ def tight_budget(model, inputs, device_chunks=1, **cfg):
     on the working set that plan keeps, until a plan places the trainable chunks asked for on the device. Should
     the budgets come round again without one that does, the largest that places fewer is taken."""
     from pstar_fx.pipeline.lower import Lowered
-    with captured_once():                                       # (the working set's probe and each budget's plan)
-        working, chunk_bytes, n_chunks = working_set(model, inputs, **cfg)
-        key = _probe_key(model, inputs, cfg)
-        if key is not None and (key, device_chunks) in _BUDGETS:
-            return _BUDGETS[key, device_chunks], n_chunks
-        state_bytes, placed = device_chunks * chunk_bytes, {}   # budget -> the trainable chunks its plan places
-        budget = working + state_bytes
-        while budget not in placed:
-            lowered = Lowered(model, pstar_fx.Config(device="cpu", device_memory=budget, **cfg), inputs)
-            placed[budget] = _trainable_on_device(lowered)
-            if placed[budget] == device_chunks:
-                break
-            budget = _working_bytes(lowered) + state_bytes
+    working, chunk_bytes, n_chunks = working_set(model, inputs, **cfg)
+    key = _probe_key(model, inputs, cfg)
+    if key is not None and (key, device_chunks) in _BUDGETS:
+        return _BUDGETS[key, device_chunks], n_chunks
+    state_bytes, placed = device_chunks * chunk_bytes, {}       # budget -> the trainable chunks its plan places
+    budget = working + state_bytes
+    while budget not in placed:
+        lowered = Lowered(model, pstar_fx.Config(device="cpu", device_memory=budget, **cfg), inputs)
+        placed[budget] = _trainable_on_device(lowered)
+        if placed[budget] == device_chunks:
+            break
+        budget = _working_bytes(lowered) + state_bytes
     if placed[budget] != device_chunks:
         budget = max((b for b, n in placed.items() if n < device_chunks), default=min(placed))
     if key is not None:

@@ -16,14 +16,13 @@ import torch.nn.functional as F
 import pstar_fx
 import pstar_fx.passes.seed_random as seed_random
 import pstar_fx.pipeline.recompute_search as search_mod
-import pstar_fx.planning.costs as costs
-from pstar_fx.planning.costs import Rates, assumed
+from pstar_fx.planning.costs import Rates
 from pstar_fx.fxutil import is_random
 from pstar_fx.models import GPT, Llama, gpt_config, llama_config
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_engine import (assert_losses_close, assert_matches_torch, assert_weights_close, batch,  # noqa: E402
-                         captured_once, reference_run, rounding_tolerance)
+                         reference_run, rounding_tolerance, stated_rates)
 
 OPT = {"type": "adamw", "lr": 1e-3, "weight_decay": 0.1}
 
@@ -33,23 +32,17 @@ OPT = {"type": "adamw", "lr": 1e-3, "weight_decay": 0.1}
 # varies by up to 10x (this 2-core VM, an empty cache: flops 3.6e10 and 3.2e11, mem_bw 8e9 and 3e10 in two
 # runs; the second failed `plan.estimated_step_seconds < by_segments.estimated_step_seconds`). The CPU-tier
 # tests plan with these stated figures instead (about this VM's quiet calibration), so the same plan is
-# tested everywhere. `assumed` replaces every field the planner reads; and nothing is measured in the test's
-# process either (with an empty cache the first compile calibrates in-process: a 512² matmul from the global
-# RNG, 256 MB of host Adam runs, the host Adam's thread setting), so a first run is the same as any other.
+# tested everywhere (`test_engine.stated_rates`: every field the planner reads replaced, and nothing measured in
+# the test's process either: with an empty cache the first compile calibrates in-process, a 512² matmul from the
+# global RNG, 256 MB of host Adam runs, the host Adam's thread setting), so a first run is the same as any other.
 CPU_RATES = dict(flops=3e11, mem_bw=1e11, h2d_bw=4e10, d2h_bw=2e10, host_adam=2e9, host_adam_bf16=2e9,
                  host_adam_int8=8.5e8, workspace_bytes=0, coll_bw=2e9, host_undo=1.9e9)
 
 
 @pytest.fixture
 def fixed_rates():
-    measured = costs._calibrated          # (not the monkeypatch fixture: the tests' own monkeypatch.undo() would undo it)
-    costs._calibrated = lambda device, dtype: (Rates("cpu-fixed", **CPU_RATES) if device.type == "cpu"
-                                               else measured(device, dtype))
-    try:
-        with assumed(**CPU_RATES):
-            yield
-    finally:
-        costs._calibrated = measured
+    with stated_rates(CPU_RATES):
+        yield
 
 
 def tiny(kind):
@@ -160,10 +153,9 @@ def test_segments_on_top_of_cheap_values_when_those_are_not_enough(fixed_rates):
 def least_budget(model, base: dict, inputs) -> int:
     """The least device budget a step fits in under `base`, to the byte: a plan that does not fit reports the least
     peak its search reached (its most recomputing try); a byte less does not fit."""
-    with captured_once():
-        short = pstar_fx.plan(model, {**base, "device_memory": 1}, inputs)
-        least = short.device_peak_bytes
-        assert not short.fits and not pstar_fx.plan(model, {**base, "device_memory": least - 1}, inputs).fits
+    short = pstar_fx.plan(model, {**base, "device_memory": 1}, inputs)
+    least = short.device_peak_bytes
+    assert not short.fits and not pstar_fx.plan(model, {**base, "device_memory": least - 1}, inputs).fits
     return least
 
 
