@@ -560,7 +560,7 @@ def test_rates_without_the_host_correction_still_load():
     rates = costs.Rates(**old)
     assert rates.host_undo == 0.0 and rates.host_correction == rates.host_adam
     assert costs.Rates.nominal(torch.device("cuda")).host_correction == 0.96 * 4.0e9
-    assert "rates-v8-" in costs._cache_path("x")
+    assert "rates-v9-" in costs._cache_path("x")
 
 
 def test_rates_measured_by_a_child_started_ahead_are_taken_once(monkeypatch, caplog):

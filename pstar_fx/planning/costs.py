@@ -134,7 +134,7 @@ def write_entry(path: str, entry) -> None:
 
 
 def _cache_path(key: str) -> str:
-    return os.path.join(cache_root(), f"rates-v8-{key}.json")     # v8: the host Adam timed over 2**27 elements
+    return os.path.join(cache_root(), f"rates-v9-{key}.json")     # v9: the matmul timed in sustained windows
 
 
 def _device_key(device: torch.device) -> str:
@@ -310,6 +310,30 @@ def _timeit(fn, device: torch.device, reps: int = 3, at_least: float = 0.0) -> f
     return max(best, 1e-9)
 
 
+def _sustained(fn, device: torch.device, window: float = 0.05, windows: int = 3) -> float:
+    """Seconds per call of `fn` with the device kept busy: calls back to back in windows of at least `window` seconds,
+    the first window not counted (it brings an idle GPU's clocks up), the best of the `windows` after it. A step's
+    matmuls run for seconds on end, so that is the rate the plan needs: the best of three single 4096-cube matmuls
+    (about 0.2 ms each on an H200) read 630 and 723 TFLOPs in two fresh processes of one machine, minutes apart,
+    where the step ran at what 690 predicts (bench/RESULTS.md, session 37)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    calls = max(1, math.ceil(window / max(time.perf_counter() - t0, 1e-9)))
+    best = float("inf")
+    for w in range(windows + 1):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        if w:
+            best = min(best, (time.perf_counter() - t0) / calls)
+    return max(best, 1e-12)
+
+
 def _measure_in_child(device: torch.device, dtype: torch.dtype, key: str) -> Rates:
     """The rates a child process measures: the one `start_calibration` started, else one started now."""
     try:
@@ -348,7 +372,7 @@ def _measure(device: torch.device, dtype: torch.dtype, key: str) -> Rates:
     workspace = _workspace_bytes(device, dtype) if device.type == "cuda" else 0
     n = 4096 if device.type == "cuda" else 512
     a = torch.randn(n, n, device=device, dtype=dtype if device.type == "cuda" else torch.float32)
-    flops = 2 * n**3 / _timeit(lambda: a @ a, device)
+    flops = 2 * n**3 / _sustained(lambda: a @ a, device)
     elems = (64 if device.type == "cuda" else 8) * 2**20
     x = torch.empty(elems, device=device)
     y = torch.empty_like(x)
