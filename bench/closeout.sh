@@ -10,12 +10,15 @@
 # C: issue 24 at 8B and 10B: our LLaMA and HF LlamaForCausalLM at Llama-3-8B's shape, GPT3_10B, clip 1.0 on early
 #    norms (`1e-3@1`: triggers every step, the plan made for it) beside the same engine unclipped (`1e9@0`).
 # D: issue 24 at 18B, bf16 and fp32 moments, the same sweep.
+# E: what session 37's calls left open: the calibration's matmul in fresh processes, old way and new
+#    (bench/calibration_spread.py); GPT3_10B's clipped sweep again (1.118x there, 1.034x in session 26); the 4.2B beside
+#    compiled PyTorch without checkpointing (torch-best's choice there), 10 steps each.
 # Each call's records land in $OUT (gpt.jsonl, ttfs.jsonl, limits.json) and its lines in the output's tail; copy
 # them to bench/results/ and the tables to bench/RESULTS.md with the call's date and device.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-call=${1:?which call: A, B, C or D}
+call=${1:?which call: A, B, C, D or E}
 start=$(date +%s)
 left() { echo $(( ${CLOSEOUT_S:-560} - ($(date +%s) - start) )); }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -50,6 +53,11 @@ case "$call" in
   D)
     row $(( $(left) / 2 )) GPT3_18B pstar_fx 110GiB --optimizer-state bf16 $sweep
     row $(( $(left) - 10 )) GPT3_18B pstar_fx 110GiB $sweep ;;
-  *) echo "closeout: no call $call (A, B, C or D)"; exit 2 ;;
+  E)
+    timeout 90 python3 bench/calibration_spread.py --processes 12 2>&1 | tee "$OUT/spread.txt" | grep SPREAD
+    row $(( $(left) / 2 )) GPT3_10B pstar_fx 108GiB $sweep
+    STEPS=10 row $(( $(left) / 3 )) GPT_h3072_L36 pstar_fx 110GiB
+    STEPS=10 row $(( $(left) - 10 )) GPT_h3072_L36 torch 110GiB --checkpoint none --compile ;;
+  *) echo "closeout: no call $call (A, B, C, D or E)"; exit 2 ;;
 esac
 echo "=== call $call done in $(( $(date +%s) - start )) s"
