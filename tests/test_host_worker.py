@@ -106,6 +106,7 @@ def test_host_updates_in_the_forwards_order_change_no_bit(monkeypatch, clip):
         store = engine.rt.store
         host = sorted(c for c in range(len(store.master)) if store.tier(c) == "host")
         order, ended = {}, {}          # step log -> the host chunks updated, as they ran; the pass ended
+        logs = []                      # every step log seen, held: a freed one's id could name the next step's
         with monkeypatch.context() as m:
             if threaded:
                 real_job, real_queued = updater_module.Updater._host_job, updater_module.Updater.pass_queued
@@ -113,12 +114,14 @@ def test_host_updates_in_the_forwards_order_change_no_bit(monkeypatch, clip):
                 def host_job(self, c, grad, ready, log, *a, **k):
                     if id(log) not in order:            # the step's first to run: held till its pass has ended
                         order[id(log)] = []
+                        logs.append(log)
                         assert ended.setdefault(id(log), threading.Event()).wait(30)
                     order[id(log)].append(c)
                     return real_job(self, c, grad, ready, log, *a, **k)
 
                 def pass_queued(self):
                     real_queued(self)
+                    logs.append(self.step_log)
                     ended.setdefault(id(self.step_log), threading.Event()).set()
                 m.setattr(updater_module.Updater, "_host_job", host_job)
                 m.setattr(updater_module.Updater, "pass_queued", pass_queued)
