@@ -563,6 +563,25 @@ def test_rates_without_the_host_correction_still_load():
     assert "rates-v9-" in costs._cache_path("x")
 
 
+def test_the_matmul_rate_is_what_a_window_of_calls_sustains_not_one_fast_call():
+    """costs._sustained times calls back to back in windows (the first not counted) and takes the best window's mean:
+    a call that runs fast once in a while (an idle GPU's short boost) sets no rate. Here every tenth call sleeps 1 ms
+    and the others 3 ms; the best single call would read 1 ms, a window of them reads about 2.8 ms (a 50 ms window
+    holds about 16 calls, at most two of them fast: 2.6 ms at least). Sleeps are never shorter than asked, and longer
+    ones only raise the mean, so the bound holds on any machine."""
+    import time as clock
+
+    from pstar_fx.planning import costs
+    calls = []
+
+    def call():
+        calls.append(None)
+        clock.sleep(1e-3 if len(calls) % 10 == 0 else 3e-3)
+    seconds = costs._sustained(call, torch.device("cpu"), window=0.05, windows=3)
+    assert seconds >= 2.4e-3, seconds
+    assert len(calls) >= 2 + 4 * 4          # two calls alone, then four windows of several calls each
+
+
 def test_rates_measured_by_a_child_started_ahead_are_taken_once(monkeypatch, caplog):
     """`start_calibration` starts the measuring child before the capture (on a GPU whose rates are not cached;
     here a CPU child stands for it); `_measure_in_child` takes that child's result, and a child that fails leaves

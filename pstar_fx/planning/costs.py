@@ -322,15 +322,18 @@ def _sustained(fn, device: torch.device, window: float = 0.05, windows: int = 3)
     t0 = time.perf_counter()
     fn()
     sync()
-    calls = max(1, math.ceil(window / max(time.perf_counter() - t0, 1e-9)))
-    best = float("inf")
+    sized = lambda took: max(1, math.ceil(window / max(took, 1e-9)))  # noqa: E731  (calls to fill a window)
+    calls, best = sized(time.perf_counter() - t0), float("inf")
     for w in range(windows + 1):
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
         sync()
+        took = (time.perf_counter() - t0) / calls
         if w:
-            best = min(best, (time.perf_counter() - t0) / calls)
+            best = min(best, took)
+        else:       # sized again at the clocks the first window brought up (one call timed alone ran slower)
+            calls = max(calls, sized(took))
     return max(best, 1e-12)
 
 
