@@ -20,12 +20,11 @@ def child(method: str, device: str) -> None:
 
     from pstar_fx.planning import costs
     device = torch.device(device)
-    n, dtype = (4096, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)    # as costs._measure
     if device.type == "cuda":
-        costs._workspace_bytes(device, dtype)
-    a = torch.randn(n, n, device=device, dtype=dtype)
+        costs._workspace_bytes(device, torch.bfloat16)
+    a = costs._matmul_operand(device, torch.bfloat16)
     timer = costs._timeit if method == "single" else costs._sustained
-    print(2 * n**3 / timer(lambda: a @ a, device) / 1e12)
+    print(2 * a.shape[0]**3 / timer(lambda: a @ a, device) / 1e12)
 
 
 def main() -> None:
@@ -39,7 +38,8 @@ def main() -> None:
     got = {"single": [], "sustained": []}
     for i in range(args.processes):
         method = ("single", "sustained")[i % 2]
-        out = subprocess.run([sys.executable, __file__, "--child", method, "--device", args.device], capture_output=True, text=True)
+        out = subprocess.run([sys.executable, __file__, "--child", method, "--device", args.device],
+                             capture_output=True, text=True)
         if out.returncode:
             print(f"process {i} ({method}) failed: {out.stderr.strip()[-400:]}")
             continue

@@ -312,29 +312,23 @@ def _timeit(fn, device: torch.device, reps: int = 3, at_least: float = 0.0) -> f
 
 def _sustained(fn, device: torch.device, window: float = 0.05, windows: int = 3) -> float:
     """Seconds per call of `fn` with the device kept busy: calls back to back in windows of at least `window` seconds,
-    the first window not counted (it brings an idle GPU's clocks up), the best of the `windows` after it. A step's
-    matmuls run for seconds on end, so that is the rate the plan needs: the best of three single 4096-cube matmuls
-    (about 0.2 ms each on an H200) read 630 and 723 TFLOPs in two fresh processes of one machine, minutes apart,
-    where the step ran at what 690 predicts (bench/RESULTS.md, session 37)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn()
-    sync()
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    sized = lambda took: max(1, math.ceil(window / max(took, 1e-9)))  # noqa: E731  (calls to fill a window)
-    calls, best = sized(time.perf_counter() - t0), float("inf")
-    for w in range(windows + 1):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        took = (time.perf_counter() - t0) / calls
-        if w:
-            best = min(best, took)
-        else:       # sized again at the clocks the first window brought up (one call timed alone ran slower)
-            calls = max(calls, sized(took))
-    return max(best, 1e-12)
+    the best of `windows` after uncounted ones that bring an idle GPU's clocks up (`_timeit`'s warm-up, one window
+    each). A step's matmuls run for seconds on end, so that is the rate the plan needs: the best of three single
+    4096-cube matmuls (about 0.2 ms each on an H200) read 630 and 723 TFLOPs in two fresh processes of one machine,
+    minutes apart, where the step ran at what 690 predicts (bench/RESULTS.md, session 37)."""
+    sized = lambda seconds: max(1, math.ceil(window / seconds))  # noqa: E731  (calls that fill a window)
+    burst = lambda calls: lambda: [fn() for _ in range(calls)]  # noqa: E731
+    calls = sized(_timeit(fn, device, reps=1))
+    # sized again at the clocks a window brings up (one call timed alone ran slower, which made the windows short)
+    calls = max(calls, sized(_timeit(burst(calls), device, reps=1) / calls))
+    return _timeit(burst(calls), device, reps=windows) / calls
+
+
+def _matmul_operand(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The square matrix the calibration multiplies by itself: 4096 in the compute dtype on a GPU, 512 in fp32 on the
+    CPU tier (for the test machines' time)."""
+    n = 4096 if device.type == "cuda" else 512
+    return torch.randn(n, n, device=device, dtype=dtype if device.type == "cuda" else torch.float32)
 
 
 def _measure_in_child(device: torch.device, dtype: torch.dtype, key: str) -> Rates:
@@ -373,9 +367,8 @@ def _workspace_bytes(device: torch.device, dtype: torch.dtype) -> int:
 
 def _measure(device: torch.device, dtype: torch.dtype, key: str) -> Rates:
     workspace = _workspace_bytes(device, dtype) if device.type == "cuda" else 0
-    n = 4096 if device.type == "cuda" else 512
-    a = torch.randn(n, n, device=device, dtype=dtype if device.type == "cuda" else torch.float32)
-    flops = 2 * n**3 / _sustained(lambda: a @ a, device)
+    a = _matmul_operand(device, dtype)
+    flops = 2 * a.shape[0]**3 / _sustained(lambda: a @ a, device)
     elems = (64 if device.type == "cuda" else 8) * 2**20
     x = torch.empty(elems, device=device)
     y = torch.empty_like(x)
