@@ -13,12 +13,14 @@
 # E: what session 37's calls left open: the calibration's matmul in fresh processes, old way and new
 #    (bench/calibration_spread.py); GPT3_10B's clipped sweep again (1.118x there, 1.034x in session 26); the 4.2B beside
 #    compiled PyTorch without checkpointing (torch-best's choice there), 10 steps each.
+# F: session 38's device chunks' kept gradients in the memory backward frees (Plan.kept_in_activations): its GPU
+#    tests, then issue 24's 10B and 8B rows again (C's sweep).
 # Each call's records land in $OUT (gpt.jsonl, ttfs.jsonl, limits.json) and its lines in the output's tail; copy
 # them to bench/results/ and the tables to bench/RESULTS.md with the call's date and device.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-call=${1:?which call: A, B, C, D or E}
+call=${1:?which call: A, B, C, D, E or F}
 start=$(date +%s)
 left() { echo $(( ${CLOSEOUT_S:-560} - ($(date +%s) - start) )); }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -58,6 +60,12 @@ case "$call" in
     row $(( $(left) / 2 )) GPT3_10B pstar_fx 108GiB $sweep
     STEPS=10 row $(( $(left) / 3 )) GPT_h3072_L36 pstar_fx 110GiB
     STEPS=10 row $(( $(left) - 10 )) GPT_h3072_L36 torch 110GiB --checkpoint none --compile ;;
-  *) echo "closeout: no call $call (A, B, C, D or E)"; exit 2 ;;
+  F)
+    timeout 150 python3 -m pytest -q -rs -p no:logging --tb=short -o faulthandler_timeout=100 tests/test_gpu.py \
+      -k "speculating_and_deferring or interrupted" 2>&1 | tail -15 | tee "$OUT/tests.txt"
+    row $(( $(left) / 3 )) GPT3_10B pstar_fx 108GiB $sweep
+    row $(( $(left) / 2 )) llama/Llama3_8B pstar_fx 110GiB $sweep
+    row $(( $(left) - 10 )) hf-llama/Llama3_8B pstar_fx 110GiB $sweep ;;
+  *) echo "closeout: no call $call (A, B, C, D, E or F)"; exit 2 ;;
 esac
 echo "=== call $call done in $(( $(date +%s) - start )) s"

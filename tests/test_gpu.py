@@ -176,24 +176,34 @@ def test_gpu_spread_host_chunks_match_torch_fp32(monkeypatch, transaction):
     _close_to_reference(engine, reports, ref, ref_out)
 
 
-@pytest.mark.parametrize("kept_here", [0, 1], ids=["kept-on-host", "one-kept-on-device"])
+@pytest.mark.parametrize("kept_here", [0, 1, "in-activations"],
+                         ids=["kept-on-host", "one-kept-on-device", "kept-in-activations"])
 def test_gpu_speculating_and_deferring_by_turns_match_torch_fp32(monkeypatch, kept_here):
     """Chunks on both tiers, clipping that triggers on some steps; the steps defer and speculate by turns (a
     MayDefer transaction driven by a fixed pattern) on the same kept buffers, with none or one device chunk's kept
     gradient on the GPU (the others' come back from the host on the copy stream for a correction or a deferred
-    update; the budget has room for that one beside the four device chunks): the CPU reference."""
+    update; the budget has room for that one beside the four device chunks), or as many as the memory backward
+    frees holds (Plan.kept_in_activations: allocated in backward, released at the step's end once the work after the
+    verdict that reads them has run): the CPU reference."""
     import pstar_fx.planning.planner as planner_module
     from pstar_fx.runtime.transactions import MayDefer
-    monkeypatch.setattr(planner_module, "n_kept_on_device", lambda n, *a: min(kept_here, n))
+    if kept_here == "in-activations":
+        monkeypatch.setattr(planner_module, "n_kept_on_device", lambda n, *a: 0)
+    else:
+        monkeypatch.setattr(planner_module, "n_kept_on_device", lambda n, *a: min(kept_here, n))
+        monkeypatch.setattr(planner_module, "n_kept_in_activations", lambda *a: 0)
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny"))
     batches = gpt_batches(8)
     _, _, free = reference(model, batches)
     clip = sorted(o[1] for o in free)[3]
     ref, _, ref_out = reference(model, batches, grad_clip=clip, lr_lambda=hf_cosine(2, 8))
-    engine = _mixed(model, _on_gpu(batches[0]), extra_bytes=kept_here * 4 * 16384, grad_clip=clip,
+    engine = _mixed(model, _on_gpu(batches[0]), extra_bytes=(kept_here == 1) * 4 * 16384, grad_clip=clip,
                     transaction="kept_grads", lr_schedule={"type": "cosine", "warmup_steps": 2, "total_steps": 8})
-    assert engine.plan.kept_on_device == kept_here
+    if kept_here == "in-activations":
+        assert engine.plan.kept_in_activations and engine.plan.kept_on_device > 0
+    else:
+        assert engine.plan.kept_on_device == kept_here and not engine.plan.kept_in_activations
     engine.stepper.transaction = MayDefer("kept_grads", 0.5)
     pattern = iter([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0])
     monkeypatch.setattr(engine.stepper, "expected_trigger_rate", lambda: next(pattern))
@@ -232,10 +242,13 @@ def test_gpu_interrupted_step_leaves_the_state_as_before(monkeypatch, where, tra
             engine.step(*_on_gpu(batches[2]))
             engine.step(*_on_gpu(batches[3]))       # a host Adam failure may surface in the next step
     if err.type is RuntimeError:
-        assert "cannot be undone" in str(err.value) and transaction == "replay"
-    if transaction == "replay" and where == "host_adam" and engine.steps != steps:
-        # documented: with nothing kept, a host Adam failure found after its step returned cannot be undone;
-        # the error says so, and the engine goes on training
+        assert "cannot be undone" in str(err.value)
+        assert transaction == "replay" or "released at the step's end" in str(err.value), str(err.value)
+    if where == "host_adam" and engine.steps != steps:
+        # documented: with nothing kept (replay), or device chunks' gradients kept in the memory backward frees
+        # (released at the step's end: Plan.kept_in_activations), a host Adam failure found after its step returned
+        # cannot be undone; the error says so, and the engine goes on training
+        assert transaction == "replay" or engine.plan.kept_in_activations
         assert engine.steps == steps + 1
         engine.step(*_on_gpu(batches[3]))
         assert engine.steps == steps + 2

@@ -639,9 +639,12 @@ def test_a_cuda_plan_that_may_defer_prices_both_and_says_when():
     assert unclipped.defer_above is None
 
 
-def test_as_many_device_chunks_keep_their_gradients_on_the_device_as_fit():
+def test_as_many_device_chunks_keep_their_gradients_on_the_device_as_fit(monkeypatch):
     """A device budget with room beside the peak for one and a half kept gradients keeps one on the device (the
-    first the next forward reads) and the others on the host; the memory model counts each where it is."""
+    first the next forward reads) and the others on the host; the memory model counts each where it is. (None
+    counted in the memory backward frees: patched; the next test.)"""
+    import pstar_fx.planning.planner as planner_module
+    monkeypatch.setattr(planner_module, "n_kept_in_activations", lambda *a: 0)
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny"))
     cfg = {"device": "cpu", "placement": "device", "chunk_size": 16384, "grad_clip": 0.05,
@@ -656,6 +659,25 @@ def test_as_many_device_chunks_keep_their_gradients_on_the_device_as_fit():
     assert tight.device_breakdown["kept gradients"] == chunk_bytes
     assert tight.host_breakdown["kept gradients"] == (n - 1) * chunk_bytes
     assert f"1 of {n} device chunks' on the device" in tight.transaction_cost
+
+
+def test_gradients_kept_in_what_backward_frees_are_counted_node_by_node():
+    """transaction.n_kept_in_activations on a made-up step: live values after each of 8 nodes (their peak, 100, at
+    node 2, the end of forward), 3 device chunks whose updates come at nodes 7, 6 and 4 (backward completes last the
+    one the next forward reads first), 30 bytes a kept gradient, 50 bytes of the device peak besides the values.
+    Each kept gradient counts from its update to the step's end, beside the values live then."""
+    from pstar_fx.planning.transaction import kept_along, kept_in_activations_bytes, n_kept_in_activations
+    acts = [10, 40, 100, 90, 80, 75, 70, 40]
+    kept_at = [7, 6, 4]
+    assert kept_along(8, kept_at[:2], 30) == [0, 0, 0, 0, 0, 0, 30, 60]
+    # with k kept, live values + kept at nodes 4..7: k=1 -> 80 75 70 70; k=2 -> 80 75 100 100; k=3 -> 110 105 130 130
+    assert [kept_in_activations_bytes(kept_at[:k], acts, 30) for k in range(4)] == [0, 0, 0, 30]
+    peak = 100 + 50
+    assert n_kept_in_activations(kept_at, acts, 30, peak, 100, None) == 3      # no budget: all
+    assert n_kept_in_activations(kept_at, acts, 30, peak, 100, 180) == 3      # 50 + 130
+    assert n_kept_in_activations(kept_at, acts, 30, peak, 100, 179) == 2
+    assert n_kept_in_activations(kept_at, acts, 30, peak, 100, 150) == 2      # 50 + 100: the peak unchanged
+    assert n_kept_in_activations(kept_at, acts, 30, peak, 100, 149) == 0      # not even the peak with none fits
 
 
 def test_the_host_updates_a_correction_finds_queued_cost_it_nothing():

@@ -468,12 +468,16 @@ def test_an_interrupted_step_leaves_the_state_as_before(monkeypatch, where, clip
 
 @pytest.mark.parametrize("clip", [None, 0.05])
 def test_a_host_adam_failure_after_the_step_returned_rolls_that_step_back(monkeypatch, clip):
+    """With the device chunk's kept gradient on the host (none fits in the memory backward frees here: patched),
+    everything a failed host update's step did can be undone, even after that step returned."""
+    import pstar_fx.planning.planner as planner_module
+    monkeypatch.setattr(planner_module, "n_kept_in_activations", lambda *a: 0)
     monkeypatch.setattr(chunk_ops_module, "HOST_WORKER_ON_CPU", True)   # host Adam on its worker thread, as on CUDA
     model = tiny_gpt()
     batches = gpt_batches(5)
     ref, _, ref_out = reference(model, batches, grad_clip=clip)
     engine = compile_gpt(model, grad_clip=clip)           # with clipping, corrections run on the worker too
-    assert engine.rt.updater.worker is not None
+    assert engine.rt.updater.worker is not None and engine.plan.kept_on_device == 0
     reports = run(engine, batches[:2])
     engine.drain()
     state, steps = optimizer_state(engine), engine.steps
@@ -487,6 +491,38 @@ def test_a_host_adam_failure_after_the_step_returned_rolls_that_step_back(monkey
     assert_state_restored(engine, state, undone)
     reports += run(engine, batches[2:])
     assert_run_matches(engine, reports, ref, ref_out)
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_a_host_adam_failure_after_a_step_released_its_kept_gradients_says_it_cannot_be_undone(monkeypatch, clip):
+    """The device chunk's gradient kept in the memory backward frees (Plan.kept_in_activations) goes back at the
+    step's end. A host update of that step failing before the step returned rolls it back as ever; failing after,
+    it cannot be undone: the error says so and why, the step stands but for the failed chunk, the run goes on."""
+    monkeypatch.setattr(chunk_ops_module, "HOST_WORKER_ON_CPU", True)
+    model = tiny_gpt()
+    batches = gpt_batches(5)
+    ref, _, ref_out = reference(model, batches[:2], grad_clip=clip)
+    engine = compile_gpt(model, grad_clip=clip)
+    assert engine.plan.kept_in_activations and engine.plan.kept_on_device == 1
+    assert "released at the step's end" in engine.plan.transaction_cost
+    reports = run(engine, batches[:2])
+    assert_run_matches(engine, reports, ref, ref_out)          # exact so far, clipping or not
+    engine.drain()
+    state, steps = optimizer_state(engine), engine.steps
+    with monkeypatch.context() as m:
+        undone = record_undos(m)
+        interrupt(m, engine, "host_adam", at=2)
+        with pytest.raises((Boom, runtime_module.StepRolledBack, RuntimeError)) as err:
+            engine.step(*batches[2])
+            engine.step(*batches[3])
+    if err.type is RuntimeError:
+        assert "released at the step's end" in str(err.value) and "cannot be undone" in str(err.value)
+        assert engine.steps == steps + 1           # the step that returned stands (but for the failed chunk)
+    else:
+        assert engine.steps == steps and undone
+        assert_state_restored(engine, state, undone)
+    losses = [engine.step(*b).item() for b in batches[3:]]
+    assert all(math.isfinite(x) for x in losses) and engine.steps == steps + (3 if err.type is RuntimeError else 2)
 
 
 def test_a_host_chunks_prefetch_does_not_wait_for_its_update(monkeypatch):
@@ -814,10 +850,12 @@ def test_the_expected_trigger_rate_is_measured_over_the_last_steps_or_fixed():
             pstar_fx.Config(expected_trigger_rate=bad)
 
 
-def test_device_chunks_keeping_some_gradients_on_the_device_train_exactly():
-    """Every chunk on the device, room beside the peak for one kept gradient: that chunk's stays on the device,
-    the others' go to the host and come back for the correction. Clipping triggers every step; the run equals
-    clip_grad_norm_ + AdamW."""
+def test_device_chunks_keeping_some_gradients_on_the_device_train_exactly(monkeypatch):
+    """Every chunk on the device, room beside the peak for one kept gradient (and none counted in what backward
+    frees: patched): that chunk's stays on the device, the others' go to the host and come back for the correction.
+    Clipping triggers every step; the run equals clip_grad_norm_ + AdamW."""
+    import pstar_fx.planning.planner as planner_module
+    monkeypatch.setattr(planner_module, "n_kept_in_activations", lambda *a: 0)
     model = tiny_gpt()
     batches = gpt_batches(4)
     _, _, free = reference(model, batches)
@@ -833,6 +871,34 @@ def test_device_chunks_keeping_some_gradients_on_the_device_train_exactly():
     assert engine.rt.store.stats.host_bytes == (n - 1) * chunk_bytes     # the others' kept gradients, no more
     reports = run(engine, batches)
     assert all(r.clip_coef < 1.0 for r in reports)
+    assert_run_matches(engine, reports, ref, ref_out)
+
+
+@pytest.mark.parametrize("transaction", ["kept_grads", "deferred"])
+def test_device_chunks_keeping_gradients_in_what_backward_frees_train_exactly(transaction):
+    """A device budget with no room beside the peak for any kept gradient: the device chunks the next forward reads
+    first keep theirs in the memory backward has freed by the time it completes them (Plan.kept_in_activations:
+    allocated then, released at the step's end), the others' go to the host. Clipping triggers every step; the
+    run equals clip_grad_norm_ + AdamW, and the host holds the others' kept gradients alone."""
+    model = tiny_gpt()
+    batches = gpt_batches(4)
+    _, _, free = reference(model, batches)
+    clip = sorted(o[1] for o in free)[0] * 0.5
+    ref, _, ref_out = reference(model, batches, grad_clip=clip)
+    cfg = {"device": "cpu", "placement": "device", "chunk_size": CHUNK, "optimizer": OPT, "grad_clip": clip,
+           "transaction": transaction}
+    roomy = pstar_fx.plan(model, cfg, batch())
+    n, chunk_bytes = len(roomy.placement), roomy.memory.grad_chunk_bytes
+    assert roomy.kept_on_device == n and not roomy.kept_in_activations
+    budget = roomy.memory.device_peak_bytes - n * chunk_bytes + chunk_bytes // 2   # none fits beside the peak
+    engine = pstar_fx.compile(model, dict(cfg, device_memory=budget), example_inputs=batch())
+    k = engine.plan.kept_on_device
+    assert engine.plan.kept_in_activations and 0 < k and set(engine.plan.placement) == {"device"}
+    assert engine.plan.device_peak_bytes <= budget and "in the memory backward frees" in engine.plan.transaction_cost
+    assert engine.rt.store.stats.host_bytes == (n - k) * chunk_bytes
+    reports = run(engine, batches)
+    assert all(r.clip_coef < 1.0 for r in reports)
+    assert not engine.rt.updater.kept.grads.keys() & engine.rt.updater.kept.in_activations   # released each step
     assert_run_matches(engine, reports, ref, ref_out)
 
 

@@ -44,6 +44,7 @@ import torch.fx as fx
 from ..config import format_bytes
 from .. import planning as plan_mod
 from ..planning.blocks import SPAN
+from ..planning.transaction import kept_along
 from ..fxutil import aliases_input, args_by_position, mutated_args, node_copy, role_nodes
 from . import region_builders
 from .region_builders import inductor_cache_dir
@@ -611,12 +612,29 @@ def _frees(order: list[fx.Node], compiled: list) -> dict[fx.Node, list[fx.Node]]
     return frees
 
 
-def _profile(g: fx.Graph, runs: list, compiled: list, cuda: bool) -> tuple[list[fx.Node], list[int], int]:
+def _profile(g: fx.Graph, runs: list, compiled: list, cuda: bool, plan) -> tuple[list[fx.Node], list[int], int]:
+    """The nodes in the order the regions run them, the live bytes after each, their peak: the graph's values and the
+    gradients kept in backward's freed memory (`_kept_along`)."""
     order = _order(g, runs)
     skip = set(role_nodes(g, "rt")) | set(role_nodes(g, "buffer"))
     per_node, peak = plan_mod.activation_profile(g, skip, round_to=plan_mod.CUDA_BLOCK_BYTES if cuda else 1,
                                                  cuda=cuda, order=order, frees=_frees(order, compiled))
+    kept = _kept_along(order, plan)
+    if kept:
+        per_node = [a + b for a, b in zip(per_node, kept)]
+        peak = max(peak, max(per_node, default=0))
     return order, per_node, peak
+
+
+def _kept_along(order: list[fx.Node], plan) -> list[int] | None:
+    """Bytes of the device chunks' gradients kept in the memory backward frees (`plan.kept_in_activations`) after
+    each node of `order`: each from its chunk's update on (planning.transaction.kept_along)."""
+    if not plan.kept_in_activations:
+        return None
+    updates = {n: n.args[1] for n in order if n.op == "call_method" and n.target == "adam"}
+    kept = set([c for c in sorted(updates.values()) if plan.placement[c] == "device"][:plan.kept_on_device])
+    at = [i for i, n in enumerate(order) if updates.get(n) in kept]
+    return kept_along(len(order), at, plan.memory.grad_chunk_bytes)
 
 
 def compile_regions(gm: fx.GraphModule, plan, *, cuda: bool, backend: str | None = None,
@@ -629,13 +647,16 @@ def compile_regions(gm: fx.GraphModule, plan, *, cuda: bool, backend: str | None
     backend = backend or BACKEND
     g = gm.graph
     runs = [r for r in find_runs(g, plan.moves.by_block) if _kernels(r[1]) >= min_kernels]
-    _, _, eager_peak = _profile(g, [], [], cuda)
+    _, _, eager_peak = _profile(g, [], [], cuda, plan)
     budget = plan_mod.usable_budget(plan.budget_bytes, cuda)
-    limit = None if budget is None else budget - (plan.device_peak_bytes - plan.activation_peak_bytes)
+    # (the device peak less what the profile counts: the graph's values, and the gradients kept among them)
+    in_profile = plan.activation_peak_bytes + (plan.device_breakdown.get("kept gradients", 0)
+                                               if plan.kept_in_activations else 0)
+    limit = None if budget is None else budget - (plan.device_peak_bytes - in_profile)
     chosen = list(runs)
     left_eager = 0
     while True:
-        order, per_node, peak = _profile(g, chosen, chosen, cuda)
+        order, per_node, peak = _profile(g, chosen, chosen, cuda, plan)
         if limit is None or peak <= max(limit, eager_peak) or not chosen:
             break
         # over the budget: the region whose span holds the peak runs eager (its nodes stay where they were)

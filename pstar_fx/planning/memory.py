@@ -200,9 +200,11 @@ def host_breakdown(sizes: StepBytes, *, host_chunks: list[int], n_host_grad_buff
     return host
 
 
-def with_kept_on_device(device: dict[str, int], host: dict[str, int],
-                        device_kept_bytes: int) -> tuple[dict[str, int], dict[str, int]]:
-    """The breakdowns with the device chunks' kept gradients moved from the host to the device."""
-    device = {**device, "kept gradients": device_kept_bytes}
-    host = {**host, "kept gradients": host["kept gradients"] - device_kept_bytes}
+def with_kept_on_device(device: dict[str, int], host: dict[str, int], device_peak_adds: int,
+                        moved_bytes: int) -> tuple[dict[str, int], dict[str, int]]:
+    """The breakdowns with `moved_bytes` of the device chunks' kept gradients moved from the host to the device, where
+    they add `device_peak_adds` to the peak: as much, allocated for the whole step; less, allocated in backward's
+    freed activations (`Transaction.kept_in_activations`)."""
+    device = {**device, "kept gradients": device_peak_adds}
+    host = {**host, "kept gradients": host["kept gradients"] - moved_bytes}
     return device, host

@@ -78,6 +78,9 @@ class Transaction:
     # this (runtime/transactions.py MayDefer)
     kept_in_shadow: bool = False     # deferred: a host chunk's gradient is kept in its 16-bit shadow
     cost: str = ""                   # what it costs, and how much smaller it makes the largest model
+    kept_in_activations: bool = False  # the `kept_on_device` gradients are allocated as backward completes each, in
+    # the memory it frees, and released at the step's end (planned node by node beside the graph's live values);
+    # False: allocated once, beside the peak
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,7 @@ class Memory:
     state_bytes_per_param: float           # chunk state per element: master + moments (+ int8 scales)
     budget_bytes: int | None = None        # Config.device_memory
     host_budget_bytes: int | None = None   # Config.host_memory
+    grad_chunk_bytes: int = 0              # a gradient slot's bytes: a kept gradient's too
 
 
 @dataclass(frozen=True)
@@ -171,6 +175,7 @@ class Plan:
     replayable = property(lambda self: self.step_transaction.replayable)
     two_passes = property(lambda self: self.step_transaction.two_passes)
     kept_on_device = property(lambda self: self.step_transaction.kept_on_device)
+    kept_in_activations = property(lambda self: self.step_transaction.kept_in_activations)
     kept_in_shadow = property(lambda self: self.step_transaction.kept_in_shadow)
     defer_above = property(lambda self: self.step_transaction.defer_above)
     transaction_cost = property(lambda self: self.step_transaction.cost)

@@ -31,8 +31,8 @@ from .report import (KEEPS_COMPUTE_COPIES_NOTE, _transaction_cost, _why, cuda_me
 from .schedule import Schedule, belady, place_prefetches
 from .shipping import (_choose_shipping, copy_seconds, fallback_code, keeps_compute_copies, kept_in_shadow,
                        ship_bytes_per_elem, ship_codes)
-from .transaction import (KEEPS, _choose_transaction, defer_above, n_grad_slots_to_keep, n_kept_on_device,
-                          two_passes)
+from .transaction import (KEEPS, _choose_transaction, defer_above, kept_in_activations_bytes, n_grad_slots_to_keep,
+                          n_kept_in_activations, n_kept_on_device, two_passes)
 
 
 # what a plan by block may cost the step over one op by op, estimated, for its fewer compiled functions (a cold
@@ -215,6 +215,8 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
     # (chunked: a ring broadcast or reduce moves the whole buffer through every link: bytes / bus bandwidth)
     coll_seconds = sizes.compute_chunk_bytes / rates.coll_bw if chunked else 0.0
     slot_reads = [{c for c in r if needs_slot[c]} for r in use.reads]
+    # the updated device chunks' update nodes, in the order the next forward reads them (which keep theirs first)
+    kept_at = [use.adam_at[c] for c in sorted(use.adam_at) if rank0_placement[c] == "device"]
 
     def ship_and_move(pool: int) -> _Moving:
         """Shipping, the chunk moves, the memory and the host Adam beside the copies, with `pool` host gradient
@@ -238,11 +240,20 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
                                   host_ship=host_ship, chunk_elems=chunk_elems, fp32=fp32)
         host = host_breakdown(sizes, host_chunks=host_chunks, n_host_grad_buffers=n_pool, host_ship=host_ship,
                               kept_in_shadow=in_shadow, kept_bytes=kept)
-        kept_on_device = (on.kept_on_device if on is not None else
-                          n_kept_on_device(n_updated_device, sizes.grad_chunk_bytes, sum(device.values()),
-                                           budget_bytes) if transaction in KEEPS else 0)
+        kept_on_device, in_acts = (on.kept_on_device, on.kept_in_activations) if on is not None else (0, False)
+        if on is None and transaction in KEEPS:
+            kept_on_device = n_kept_on_device(n_updated_device, sizes.grad_chunk_bytes, sum(device.values()),
+                                              budget_bytes)
+            if kept_on_device < n_updated_device and not chunked:
+                # none or some fit beside the peak all step: more may in what backward frees, allocated as it
+                # completes each, released at the step's end
+                n_acts = n_kept_in_activations(kept_at, act_bytes_per_node, sizes.grad_chunk_bytes,
+                                               sum(device.values()), device["activations"], budget_bytes)
+                kept_on_device, in_acts = (n_acts, True) if n_acts > kept_on_device else (kept_on_device, False)
         if kept_on_device:
-            device, host = with_kept_on_device(device, host, kept_on_device * sizes.grad_chunk_bytes)
+            here = (kept_in_activations_bytes(kept_at[:kept_on_device], act_bytes_per_node, sizes.grad_chunk_bytes)
+                    if in_acts else kept_on_device * sizes.grad_chunk_bytes)
+            device, host = with_kept_on_device(device, host, here, kept_on_device * sizes.grad_chunk_bytes)
             kept -= kept_on_device * sizes.grad_chunk_bytes
 
         # the host Adam shares the host's memory with the step's PCIe copies: its rate beside them (costs.py
@@ -257,8 +268,8 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
             if share < 1.0 and not after_verdict:
                 _, exposed, hidden = _host_adam_pipeline(rank0_placement, layout, node_secs, use.reads, use.adam_at,
                                                          rate, cuda, n_spare_buffers, buffers=pool)
-        return _Moving(n_pool, host_ship, ship_of, ship, copy_s, sched, device, host, kept_on_device, kept,
-                       kept_copy_s, rate, exposed, hidden)
+        return _Moving(n_pool, host_ship, ship_of, ship, copy_s, sched, device, host, kept_on_device, in_acts,
+                       kept, kept_copy_s, rate, exposed, hidden)
 
     moving = ship_and_move(n_host_grad)
     if on is None and cuda and not after_verdict and not kept_bytes and moving.host_adam_exposed > 1e-3:
@@ -272,8 +283,8 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
             other = ship_and_move(larger)
             if other.exposed_seconds < moving.exposed_seconds - 1e-4:
                 n_host_grad, moving = larger, other
-    (n_host_grad, host_ship, ship_of, ship, copy_s, sched, device, host, kept_on_device, kept_bytes, kept_copy_s,
-     host_adam_rate, adam_exposed, adam_hidden) = moving
+    (n_host_grad, host_ship, ship_of, ship, copy_s, sched, device, host, kept_on_device, kept_in_acts, kept_bytes,
+     kept_copy_s, host_adam_rate, adam_exposed, adam_hidden) = moving
     if sched.exposed_seconds > 1e-4:
         notes.append(exposed_copies_note(sched.exposed_seconds, rates))
     # backward's gradients copied out of the gradient slots: host chunks', and device chunks' kept on the host
@@ -304,7 +315,7 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
     chunks = Placement(placement, n_device, world, rank, host_order)
     memory = Memory(sum(device.values()), sum(host.values()), device, host, act_peak_bytes, config.optimizer_state,
                     config.state_bytes_per_param, budget_bytes=config.device_memory,
-                    host_budget_bytes=config.host_memory)
+                    host_budget_bytes=config.host_memory, grad_chunk_bytes=sizes.grad_chunk_bytes)
 
     # kept_grads or replay chosen by "auto" with clipping: the step is also priced with its updates waiting for the
     # verdict, on the same buffers (kept_grads: deferred; replay: two_pass, measuring first, which keeps nothing
@@ -361,7 +372,7 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
     cost = _transaction_cost(transaction, config, compute_itemsize, kept_bytes, sizes.accum_bytes,
                              sizes.split(device_chunks)[0], sizes.split(host_chunks)[0],   # trainable chunks
                              host_ship, sum(node_secs) if measures_first else 0.0, kept_copy_s,
-                             (kept_on_device, n_updated_device), in_shadow, switch)
+                             (kept_on_device, n_updated_device), in_shadow, switch, kept_in_acts)
     if adam_exposed > 1e-3:
         notes.append(host_adam_note(adam_exposed, after_verdict=after_verdict,
                                     kept_on_device=kept_on_device == n_updated_device,
@@ -379,7 +390,7 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
                     {c: nodes[i].name for c, i in facts.updates_after.items()}, facts.by_block),
         memory=memory, shipping=Shipping(ship, keeps_copies),
         step_transaction=Transaction(transaction, not random_ops, measures_first, kept_on_device, switch, in_shadow,
-                                     cost),
+                                     cost, kept_in_acts),
         estimate=Estimate(step_seconds, rates, triggered_seconds, config.grad_clip is not None, deferred_seconds,
                           compute_seconds=sum(node_secs) * (2 if measures_first else 1),
                           copies_exposed_seconds=sched.exposed_seconds + grad_waits,
@@ -440,6 +451,7 @@ class _Moving(NamedTuple):
     device: dict[str, int]
     host: dict[str, int]
     kept_on_device: int
+    kept_in_activations: bool
     kept_bytes: int
     kept_copy_s: float
     host_adam_rate: float       # beside the step's copies

@@ -66,9 +66,10 @@ def _ranges(placement: list[str]) -> str:
 def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_bytes: int, accum_bytes: int,
                       n_device: int, n_host: int, ship: list[str], second_pass_s: float, kept_copy_s: float,
                       kept_on_device: tuple[int, int], kept_in_shadow: bool = False,
-                      defer_above: float | None = None) -> str:
+                      defer_above: float | None = None, kept_in_activations: bool = False) -> str:
     """What the chosen transaction costs, and how much smaller the largest model is for it. `kept_on_device`:
-    (device chunks whose kept gradient stays on the device, device chunks updated)."""
+    (device chunks whose kept gradient stays on the device, device chunks updated); `kept_in_activations`: those
+    are allocated in backward and released at the step's end (`Transaction.kept_in_activations`)."""
     shadow = itemsize if "shadow" in ship else 0
     state = round(config.state_bytes_per_param, 2)
     host_base = round(state + shadow, 2)                      # bytes per parameter of a host chunk without it
@@ -78,21 +79,25 @@ def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_byte
                 f"the verdict, exactly. Chunk state {state} -> {state + 4} B/param on "
                 f"the device and {host_base} -> {host_base + 4} on the host: the largest model is about "
                 f"{100 * 4 / (host_base + 4):.0f}% smaller")
+    n_here, n_updated = kept_on_device
+    room = ("in the memory backward frees (each allocated as backward completes it, released at the step's end: a "
+            "host Adam failure after the step returned cannot undo that step)" if kept_in_activations else
+            "(spare room)")
+    where = ("no device chunk updated" if not n_updated else
+             f"device chunks' on the device {room}" if n_here == n_updated else
+             f"device chunks' copied to the host (about {kept_copy_s * 1e3:.0f} ms of device->host copies, "
+             "overlapped)" if not n_here else
+             f"{n_here} of {n_updated} device chunks' on the device {room}, the others' copied to the host "
+             f"(about {kept_copy_s * 1e3:.0f} ms of device->host copies, overlapped)")
     if transaction == "deferred":
         shadows = (", a host chunk's in its 16-bit shadow (free again before the host Adam writes the new weights "
                    "there)" if kept_in_shadow else "")
         return (f"each chunk's gradient kept until the verdict{shadows}, {itemsize} B/param "
-                f"({format_bytes(kept_bytes)} on the host), nothing updated inside backward; every update is applied "
+                f"({format_bytes(kept_bytes)} on the host), {where}; nothing updated inside backward; every update is "
+                "applied "
                 "after the verdict from the kept gradients, exactly: no undo (what bf16 and int8 moments need), "
                 "the host Adam runs after backward, into the next step's forward")
     if transaction == "kept_grads":
-        n_here, n_updated = kept_on_device
-        where = ("no device chunk updated" if not n_updated else
-                 "device chunks' on the device (spare room)" if n_here == n_updated else
-                 f"device chunks' copied to the host (about {kept_copy_s * 1e3:.0f} ms of device->host copies, "
-                 "overlapped)" if not n_here else
-                 f"{n_here} of {n_updated} device chunks' on the device (spare room), the others' copied to the host "
-                 f"(about {kept_copy_s * 1e3:.0f} ms of device->host copies, overlapped)")
         switch = ("" if defer_above is None else
                   f"; a step defers its updates to the verdict instead (as 'deferred', on the same buffers: no "
                   f"correction) while the expected trigger rate (Config.expected_trigger_rate) is above "

@@ -48,6 +48,46 @@ def n_kept_on_device(n_updated_device: int, chunk_bytes: int, device_peak_bytes:
     return max(0, min(n_updated_device, (budget_bytes - device_peak_bytes) // chunk_bytes))
 
 
+def kept_along(n_nodes: int, kept_at: list[int], chunk_bytes: int) -> list[int]:
+    """Device bytes of kept gradients after each of `n_nodes` nodes, each kept from its update's node (`kept_at`) on
+    (`KeptGradients.keep`: the gradient slot it fills is kept, and a fresh one joins the slot pool)."""
+    out, at, n = [], sorted(kept_at), 0
+    for i in range(n_nodes):
+        while n < len(at) and at[n] <= i:
+            n += 1
+        out.append(n * chunk_bytes)
+    return out
+
+
+def n_kept_in_activations(kept_at: list[int], activation_bytes: list[int], chunk_bytes: int,
+                          device_peak_bytes: int, activation_peak_bytes: int, budget_bytes: int | None) -> int:
+    """How many device chunks may keep their gradients on the device when each is allocated as backward completes it
+    and released at the step's end (`Transaction.kept_in_activations`), counted node by node beside the graph's live
+    values: the first `k` of `kept_at` (each chunk's update node, in the order the next forward reads the chunks,
+    which backward completes last, where backward has freed the most). `device_peak_bytes`: the peak with none
+    kept. At GPT3_10B's shape every one of the 37 device chunks' (14.9 GB) fits in what backward frees, where none
+    fit beside the peak (bench/RESULTS.md, session 38)."""
+    if budget_bytes is None:
+        return len(kept_at)
+    rest = device_peak_bytes - activation_peak_bytes
+
+    def fits(k: int) -> bool:
+        kept = kept_along(len(activation_bytes), kept_at[:k], chunk_bytes)
+        return rest + max((a + b for a, b in zip(activation_bytes, kept)), default=0) <= budget_bytes
+
+    lo, hi = 0, len(kept_at)          # fits(lo); more kept never lowers the peak
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def kept_in_activations_bytes(kept_at: list[int], activation_bytes: list[int], chunk_bytes: int) -> int:
+    """What kept gradients allocated in backward add to the activation peak (0 where they fit under it)."""
+    kept = kept_along(len(activation_bytes), kept_at, chunk_bytes)
+    return max(0, max((a + b for a, b in zip(activation_bytes, kept)), default=0) - max(activation_bytes, default=0))
+
+
 def defer_above(speculated: float, triggered: float, deferred: float) -> float | None:
     """The expected trigger rate above which a kept_grads (replay) step is cheaper deferred (measuring first), on
     the same buffers: at

@@ -28,14 +28,19 @@ class KeptGradients:
         # (plan.kept_in_shadow: a host chunk's gradient lands in its 16-bit shadow, which the host Adam then
         # overwrites with the new weights; `shadows_from_masters` rewrites them when that did not happen)
         self.in_shadow: list[int] = []
+        self.kept: set[int] = set()                     # the chunks whose gradient is kept
+        self.in_activations: set[int] = set()           # of those, kept on the device from backward to the step's end
         if plan.transaction in KEEPS and not accumulates:
             # the first `plan.kept_on_device` updated device chunks keep theirs on the device: the ones the next
-            # forward reads first (the planner counted them beside the device peak)
+            # forward reads first (the planner counted them beside the device peak, or node by node in what backward
+            # frees: `plan.kept_in_activations`, allocated as `keep` takes each and released by `release`)
             here = set([c for c in updated if store.tier(c) == "device"][:plan.kept_on_device])
             where = lambda c: "device" if c in here else "host"  # noqa: E731
             self.in_shadow = [c for c in updated if plan.kept_in_shadow and store.tier(c) == "host"]
+            self.kept = set(updated)
+            self.in_activations = here if plan.kept_in_activations else set()
             self.grads = {c: store.shadow[c] if c in self.in_shadow else store.alloc(where(c), elems, dtype)
-                          for c in updated}
+                          for c in updated if c not in self.in_activations}
         self.acc = {c: store.alloc(store.tier(c), elems, torch.float32) for c in updated} if accumulates else {}
         staging = 0 if (self.grads or not host) else max(1, plan.host_grad_buffers)
         self.host_grads = Pool([store.alloc("host", elems, dtype) for _ in range(staging)], blocking=blocking)
@@ -51,7 +56,7 @@ class KeptGradients:
 
     def __contains__(self, c: int) -> bool:
         """Whether chunk c's gradient is kept (in its own buffer) until the verdict."""
-        return c in self.grads
+        return c in self.kept
 
     def get(self, c: int) -> torch.Tensor | None:
         """Chunk c's kept gradient buffer."""
@@ -64,7 +69,11 @@ class KeptGradients:
         """A device chunk's gradient kept until the verdict; returns the buffer for the gradient slot pool. Kept
         on the device, the slot itself becomes the kept buffer and the one it replaces (as large, and free: its
         last reader was the last step's verdict) joins the pool: no copy (bench/RESULTS.md, session 6). Kept on
-        the host, the gradient is shipped there and the slot goes back."""
+        the host, the gradient is shipped there and the slot goes back. Kept in the activations' memory, the slot is
+        kept and a new one joins the pool, allocated now where backward has freed activations."""
+        if c in self.in_activations:
+            self.grads[c] = grad
+            return torch.empty_like(grad)
         kept = self.grads[c]
         if kept.device == grad.device:
             self.grads[c] = grad
@@ -136,6 +145,14 @@ class KeptGradients:
     def done_with(self, grad: torch.Tensor, c: int) -> None:
         if grad is not self.acc.get(c) and grad is not self.grads.get(c):
             self.mover.give_back(grad)
+
+    def release(self) -> bool:
+        """The step's end: the gradients kept in the activations' memory go back to the allocator, each once the
+        work queued after the verdict that reads it has run (`copies.free_after`). Returns whether any was held."""
+        held = [self.grads.pop(c) for c in self.in_activations if c in self.grads]
+        for buf in held:
+            self.copies.free_after(buf, "late")
+        return bool(held)
 
     def shadows_from_masters(self) -> None:
         """The shadows that hold a kept gradient instead of weights (a step that did not apply its updates, or

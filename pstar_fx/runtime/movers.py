@@ -22,7 +22,8 @@ What differs between a CPU playing the device tier and a GPU is only how copies 
 runs every copy at once; `CudaCopies` puts them on a host->device and a device->host stream (and the work
 after a verdict, with the kept gradients it brings back, on two more: `Mover.after_verdict`; with
 the casts of chunks crossing as fp32 on a fifth: `copy_in_pieces`) and orders every
-cross-stream use by an explicit event (no `record_stream`; all buffers come from pools allocated once), with
+cross-stream use by an explicit event (no `record_stream`, but for gradients kept in the activations' memory:
+`free_after`; every other buffer comes from a pool allocated once), with
 timing events around each wait of the compute stream.
 """
 from __future__ import annotations
@@ -125,6 +126,9 @@ class CpuCopies:
     def sync(self) -> None:
         pass
 
+    def free_after(self, t: torch.Tensor, stream: str) -> None:
+        """`t` is dropped now; its memory may be reused once `stream`'s work queued so far has run."""
+
 
 class CudaCopies:
     def __init__(self, device: torch.device, telemetry: Telemetry):
@@ -173,6 +177,11 @@ class CudaCopies:
     def host_waits(self, event) -> None:
         if event is not None:
             event.synchronize()
+
+    def free_after(self, t: torch.Tensor, stream: str) -> None:
+        # the one buffer not from a pool allocated once (KeptGradients.release): the caching allocator holds its
+        # block until `stream` has run what it queued so far
+        t.record_stream(self.streams[stream])
 
     def landed(self, event) -> bool:
         query = getattr(event, "query", None)

@@ -53,6 +53,7 @@ class StepLog:
     host: dict[int, Future | bool] = field(default_factory=dict)   # host chunk -> applied (or its future)
     host_sq: dict[int, float] = field(default_factory=dict)   # parameter -> its squared norm, measured on the host
     undoable: bool = False
+    why_not_undoable: str = "with nothing kept ('replay')"   # what a failed settling step's error says
     redo: bool = False                                     # a replay that applies the corrected update
     hyper_of: dict[int, Hyper | None] = field(default_factory=dict)   # a chunk corrected (or undone) since: its Hyper
     # the verdict's update, once a correction is decided (undo.py `correct`): a host update of this step that starts

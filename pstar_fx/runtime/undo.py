@@ -169,7 +169,7 @@ class Undo:
         self.kept.shadows_from_masters()
         if not settling.undoable:
             raise RuntimeError(f"the host Adam of an earlier step failed after that step returned ({type(e).__name__}: "
-                               f"{e}); with nothing kept ('replay') that step cannot be undone: its other chunks stay "
+                               f"{e}); {settling.why_not_undoable}, that step cannot be undone: its other chunks stay "
                                "updated, the failed one does not") from e
         raise StepRolledBack(f"the host Adam of an earlier step failed after that step returned "
                              f"({type(e).__name__}: {e}); that step was rolled back") from e

@@ -176,6 +176,7 @@ class Updater:
         """A deferred step's updates, from the kept gradients, now that the verdict allows them (it found every
         gradient finite: no check)."""
         self.step_log.undoable = self.store.config.moments_undoable   # from the kept gradients; not bf16 or int8
+        self.step_log.why_not_undoable = f"with {self.store.config.optimizer_state} moments (which cannot be undone)"
         self._apply_after_verdict(hyper, self.kept.grads, check_host=False)
 
     def skip_deferred(self) -> None:
@@ -243,8 +244,15 @@ class Updater:
         return self.undo.applied_chunks(self.step_log)
 
     def commit(self) -> None:
-        """The step stands. Host updates may still be running: the step settles as they finish."""
-        self.host_worker.committed(self.step_log)
+        """The step stands. Host updates may still be running: the step settles as they finish. The gradients kept in
+        the activations' memory go back now, before the next forward needs that memory: should a host update of
+        this step fail after this, the step cannot be undone (it needs them), as with a replay."""
+        log = self.step_log
+        if self.kept.release() and log.pending_host() and log.undoable:
+            log.undoable = False
+            log.why_not_undoable = ("its device chunks' kept gradients were released at the step's end (kept in the "
+                                    "memory backward frees: Plan.kept_in_activations)")
+        self.host_worker.committed(log)
         self.step_log = None
 
     def abandon(self) -> list[int]:
@@ -264,6 +272,7 @@ class Updater:
         if self.step_log is not None:
             restored += self.undo.undo(self.step_log, swallow=True)
             self.step_log = None
+        self.kept.release()
         self.kept.shadows_from_masters()
         return restored
 
