@@ -137,10 +137,15 @@ def test_three_lengths_in_one_run_equal_eager_adamw_with_clipping_and_warmup(kin
     assert engine.memory_stats()["device_peak_bytes"] <= engine.config.device_memory
 
 
-def test_shorter_lengths_on_a_plan_keeping_a_device_chunks_gradient_on_the_device():
+@pytest.mark.parametrize("in_activations", [False, True], ids=["beside-the-peak", "in-activations"])
+def test_shorter_lengths_on_a_plan_keeping_a_device_chunks_gradient_on_the_device(monkeypatch, in_activations):
     """Every chunk on the device, room for one kept gradient beside the peak at length 32 (plan.kept_on_device 1,
-    the others' kept on the host): the graphs of shorter lengths keep that split, which the runtime's kept buffers
-    were allocated for, and train equal to eager with clipping on every step."""
+    the others' kept on the host), or for more in the memory backward frees (plan.kept_in_activations): the graphs
+    of shorter lengths keep that split, which the runtime's kept buffers were allocated for, and train equal to
+    eager with clipping on every step."""
+    import pstar_fx.planning.planner as planner_module
+    if not in_activations:
+        monkeypatch.setattr(planner_module, "n_kept_in_activations", lambda *a: 0)
     model = tiny_gpt()
     batches = [gpt_batch(t, seed=s) for s, t in enumerate([16, 24, 32])]
     _, free = reference(model, batches, grad_clip=math.inf, twin=False)
@@ -152,10 +157,13 @@ def test_shorter_lengths_on_a_plan_keeping_a_device_chunks_gradient_on_the_devic
     n, chunk_bytes = len(roomy.placement), roomy.device_breakdown["kept gradients"] // len(roomy.placement)
     budget = roomy.memory.device_peak_bytes - (n - 1) * chunk_bytes + chunk_bytes // 2
     engine = pstar_fx.compile(model, dict(cfg, device_memory=budget), example_inputs=gpt_batch(32, 9))
-    assert engine.plan.kept_on_device == 1 and set(engine.plan.placement) == {"device"}
+    k = engine.plan.kept_on_device
+    assert (k > 1 if in_activations else k == 1) and set(engine.plan.placement) == {"device"}
+    assert engine.plan.kept_in_activations == in_activations
     losses = [engine.step(*b).item() for b in batches]
-    assert all(plan.kept_on_device == 1 for plan in engine.shapes.plans.values())
-    assert len(engine.shapes) == 3 and engine.rt.store.stats.host_bytes == (n - 1) * chunk_bytes
+    assert all((plan.kept_on_device, plan.kept_in_activations) == (k, in_activations)
+               for plan in engine.shapes.plans.values())
+    assert len(engine.shapes) == 3 and engine.rt.store.stats.host_bytes == (n - k) * chunk_bytes
     assert_losses_close(losses, [o[0] for o in ref_out], [o[0] for o in ref.__dict__["float64_truth"][2]])
     assert_weights_close(engine.state_dict(), ref)
 
