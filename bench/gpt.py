@@ -259,6 +259,7 @@ def pstar_system(cfg, args, example):
              "host_shipping": {k: engine.plan.shipping.ship.count(k) for k in set(engine.plan.shipping.ship)},
              "host_order": engine.plan.chunks.host_order,
              "defer_above": engine.plan.defer_above, "kept_on_device": engine.plan.kept_on_device,
+             "kept_in_activations": engine.plan.kept_in_activations,
              "rates": dataclasses.asdict(engine.plan.rates) if engine.plan.rates else None,
              "placement_device_chunks": engine.plan.placement.count("device"),
              "chunks": len(engine.plan.placement), "recompute": engine.plan.recompute,
@@ -829,6 +830,12 @@ def main(argv=None):
         result["host_rss_bytes"] = max(rss, proc.memory_info().rss)
         result["host_max_rss_bytes"] = _max_rss()
     result["host_anon_huge_bytes"] = anon_huge_bytes()
+    if cuda and torch.cuda.is_available():
+        # the caching allocator's retries (a cudaMalloc that failed, its cache freed and tried again: each a device
+        # sync) and reserved peak, for buffers allocated in the step (Plan.kept_in_activations)
+        stats = torch.cuda.memory_stats()
+        result["alloc_retries"] = stats.get("num_alloc_retries")
+        result["gpu_reserved_peak_bytes"] = stats.get("reserved_bytes.all.peak")
     emit(result, args.json)
 
 
