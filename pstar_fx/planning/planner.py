@@ -31,8 +31,8 @@ from .report import (KEEPS_COMPUTE_COPIES_NOTE, _transaction_cost, _why, cuda_me
 from .schedule import Schedule, belady, place_prefetches
 from .shipping import (_choose_shipping, copy_seconds, fallback_code, keeps_compute_copies, kept_in_shadow,
                        ship_bytes_per_elem, ship_codes)
-from .transaction import (KEEPS, _choose_transaction, defer_above, kept_in_activations_bytes, n_grad_slots_to_keep,
-                          n_kept_in_activations, n_kept_on_device, two_passes)
+from .transaction import (KEEPS, _choose_transaction, defer_above, kept_in_activations_bytes, kept_in_activations_on,
+                          n_grad_slots_to_keep, n_kept_in_activations, n_kept_on_device, two_passes)
 
 
 # what a plan by block may cost the step over one op by op, estimated, for its fewer compiled functions (a cold
@@ -244,7 +244,7 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
         if on is None and transaction in KEEPS:
             kept_on_device = n_kept_on_device(n_updated_device, sizes.grad_chunk_bytes, sum(device.values()),
                                               budget_bytes)
-            if kept_on_device < n_updated_device and not chunked:
+            if kept_on_device < n_updated_device and not chunked and kept_in_activations_on():
                 # none or some fit beside the peak all step: more may in what backward frees, allocated as it
                 # completes each, released at the step's end
                 n_acts = n_kept_in_activations(kept_at, act_bytes_per_node, sizes.grad_chunk_bytes,

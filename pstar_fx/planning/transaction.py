@@ -4,7 +4,9 @@ device), and whether "two_pass" measures first.
 """
 from __future__ import annotations
 
-from ..config import Config
+import os
+
+from ..config import Config, parse_flag
 
 KEEPS = ("kept_grads", "deferred")   # the transactions that keep every chunk's gradient until the verdict
 
@@ -57,6 +59,12 @@ def kept_along(n_nodes: int, kept_at: list[int], chunk_bytes: int) -> list[int]:
             n += 1
         out.append(n * chunk_bytes)
     return out
+
+
+def kept_in_activations_on() -> bool:
+    """PSTAR_FX_KEPT_IN_ACTIVATIONS (default 1; 0: device chunks' kept gradients only beside the peak, the rest on the
+    host, as before session 38): for timing the two side by side."""
+    return parse_flag(os.environ.get("PSTAR_FX_KEPT_IN_ACTIVATIONS", "1"), "PSTAR_FX_KEPT_IN_ACTIVATIONS")
 
 
 def n_kept_in_activations(kept_at: list[int], activation_bytes: list[int], chunk_bytes: int,
