@@ -17,12 +17,13 @@
 #    tests, then issue 24's 10B and 8B rows again (C's sweep).
 # G: those kept gradients on (PSTAR_FX_KEPT_IN_ACTIVATIONS=1) and off, side by side: GPT3_10B, then our LLaMA 8B.
 # H: the same on and off at GPT3_10B (clip sweep) and GPT3_18B with bf16 moments (deferred, unclipped).
+# I: G's LLaMA rows alone (after the kept gradients left a chunk's margin free on CUDA).
 # Each call's records land in $OUT (gpt.jsonl, ttfs.jsonl, limits.json) and its lines in the output's tail; copy
 # them to bench/results/ and the tables to bench/RESULTS.md with the call's date and device.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-call=${1:?which call: A, B, C, D, E, F, G or H}
+call=${1:?which call: A to I}
 start=$(date +%s)
 left() { echo $(( ${CLOSEOUT_S:-560} - ($(date +%s) - start) )); }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -78,6 +79,9 @@ case "$call" in
     PSTAR_FX_KEPT_IN_ACTIVATIONS=0 row $(( $(left) / 3 )) GPT3_10B pstar_fx 108GiB $sweep
     row $(( $(left) / 2 )) GPT3_18B pstar_fx 110GiB --optimizer-state bf16
     PSTAR_FX_KEPT_IN_ACTIVATIONS=0 row $(( $(left) - 10 )) GPT3_18B pstar_fx 110GiB --optimizer-state bf16 ;;
-  *) echo "closeout: no call $call (A, B, C, D, E, F, G or H)"; exit 2 ;;
+  I)
+    row $(( $(left) / 2 )) llama/Llama3_8B pstar_fx 110GiB $sweep
+    PSTAR_FX_KEPT_IN_ACTIVATIONS=0 row $(( $(left) - 5 )) llama/Llama3_8B pstar_fx 110GiB $sweep ;;
+  *) echo "closeout: no call $call (A-I)"; exit 2 ;;
 esac
 echo "=== call $call done in $(( $(date +%s) - start )) s"

@@ -191,7 +191,7 @@ def test_gpu_speculating_and_deferring_by_turns_match_torch_fp32(monkeypatch, ke
         monkeypatch.setattr(planner_module, "n_kept_on_device", lambda n, *a: 0)
     else:
         monkeypatch.setattr(planner_module, "n_kept_on_device", lambda n, *a: min(kept_here, n))
-        monkeypatch.setattr(planner_module, "n_kept_in_activations", lambda *a: 0)
+        monkeypatch.setattr(planner_module, "n_kept_in_activations", lambda *a, **k: 0)
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny"))
     batches = gpt_batches(8)

@@ -644,7 +644,7 @@ def test_as_many_device_chunks_keep_their_gradients_on_the_device_as_fit(monkeyp
     first the next forward reads) and the others on the host; the memory model counts each where it is. (None
     counted in the memory backward frees: patched; the next test.)"""
     import pstar_fx.planning.planner as planner_module
-    monkeypatch.setattr(planner_module, "n_kept_in_activations", lambda *a: 0)
+    monkeypatch.setattr(planner_module, "n_kept_in_activations", lambda *a, **k: 0)
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny"))
     cfg = {"device": "cpu", "placement": "device", "chunk_size": 16384, "grad_clip": 0.05,
@@ -677,7 +677,10 @@ def test_gradients_kept_in_what_backward_frees_are_counted_node_by_node():
     assert n_kept_in_activations(kept_at, acts, 30, peak, 100, 180) == 3      # 50 + 130
     assert n_kept_in_activations(kept_at, acts, 30, peak, 100, 179) == 2
     assert n_kept_in_activations(kept_at, acts, 30, peak, 100, 150) == 2      # 50 + 100: the peak unchanged
-    assert n_kept_in_activations(kept_at, acts, 30, peak, 100, 149) == 0      # not even the peak with none fits
+    assert n_kept_in_activations(kept_at, acts, 30, peak, 100, 149) == 1      # 50 + 70 at node 7 alone
+    assert n_kept_in_activations(kept_at, acts, 30, peak, 100, 119) == 0
+    # a margin kept free where any is kept: 180 less 30 holds two (150 at nodes 6 and 7), not three (180)
+    assert n_kept_in_activations(kept_at, acts, 30, peak, 100, 180, margin_bytes=30) == 2
 
 
 def test_the_host_updates_a_correction_finds_queued_cost_it_nothing():

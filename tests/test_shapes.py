@@ -145,7 +145,7 @@ def test_shorter_lengths_on_a_plan_keeping_a_device_chunks_gradient_on_the_devic
     eager with clipping on every step."""
     import pstar_fx.planning.planner as planner_module
     if not in_activations:
-        monkeypatch.setattr(planner_module, "n_kept_in_activations", lambda *a: 0)
+        monkeypatch.setattr(planner_module, "n_kept_in_activations", lambda *a, **k: 0)
     model = tiny_gpt()
     batches = [gpt_batch(t, seed=s) for s, t in enumerate([16, 24, 32])]
     _, free = reference(model, batches, grad_clip=math.inf, twin=False)

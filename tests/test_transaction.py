@@ -471,7 +471,7 @@ def test_a_host_adam_failure_after_the_step_returned_rolls_that_step_back(monkey
     """With the device chunk's kept gradient on the host (none fits in the memory backward frees here: patched),
     everything a failed host update's step did can be undone, even after that step returned."""
     import pstar_fx.planning.planner as planner_module
-    monkeypatch.setattr(planner_module, "n_kept_in_activations", lambda *a: 0)
+    monkeypatch.setattr(planner_module, "n_kept_in_activations", lambda *a, **k: 0)
     monkeypatch.setattr(chunk_ops_module, "HOST_WORKER_ON_CPU", True)   # host Adam on its worker thread, as on CUDA
     model = tiny_gpt()
     batches = gpt_batches(5)
@@ -855,7 +855,7 @@ def test_device_chunks_keeping_some_gradients_on_the_device_train_exactly(monkey
     frees: patched): that chunk's stays on the device, the others' go to the host and come back for the correction.
     Clipping triggers every step; the run equals clip_grad_norm_ + AdamW."""
     import pstar_fx.planning.planner as planner_module
-    monkeypatch.setattr(planner_module, "n_kept_in_activations", lambda *a: 0)
+    monkeypatch.setattr(planner_module, "n_kept_in_activations", lambda *a, **k: 0)
     model = tiny_gpt()
     batches = gpt_batches(4)
     _, _, free = reference(model, batches)
