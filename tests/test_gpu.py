@@ -188,6 +188,7 @@ def test_gpu_speculating_and_deferring_by_turns_match_torch_fp32(monkeypatch, ke
     import pstar_fx.planning.planner as planner_module
     from pstar_fx.runtime.transactions import MayDefer
     if kept_here == "in-activations":
+        monkeypatch.setenv("PSTAR_FX_KEPT_IN_ACTIVATIONS", "1")
         monkeypatch.setattr(planner_module, "n_kept_on_device", lambda n, *a: 0)
     else:
         monkeypatch.setattr(planner_module, "n_kept_on_device", lambda n, *a: min(kept_here, n))

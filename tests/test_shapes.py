@@ -144,6 +144,7 @@ def test_shorter_lengths_on_a_plan_keeping_a_device_chunks_gradient_on_the_devic
     of shorter lengths keep that split, which the runtime's kept buffers were allocated for, and train equal to
     eager with clipping on every step."""
     import pstar_fx.planning.planner as planner_module
+    monkeypatch.setenv("PSTAR_FX_KEPT_IN_ACTIVATIONS", "1" if in_activations else "0")
     if not in_activations:
         monkeypatch.setattr(planner_module, "n_kept_in_activations", lambda *a, **k: 0)
     model = tiny_gpt()

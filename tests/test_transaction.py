@@ -498,6 +498,7 @@ def test_a_host_adam_failure_after_a_step_released_its_kept_gradients_says_it_ca
     """The device chunk's gradient kept in the memory backward frees (Plan.kept_in_activations) goes back at the
     step's end. A host update of that step failing before the step returned rolls it back as ever; failing after,
     it cannot be undone: the error says so and why, the step stands but for the failed chunk, the run goes on."""
+    monkeypatch.setenv("PSTAR_FX_KEPT_IN_ACTIVATIONS", "1")
     monkeypatch.setattr(chunk_ops_module, "HOST_WORKER_ON_CPU", True)
     model = tiny_gpt()
     batches = gpt_batches(5)
@@ -875,11 +876,12 @@ def test_device_chunks_keeping_some_gradients_on_the_device_train_exactly(monkey
 
 
 @pytest.mark.parametrize("transaction", ["kept_grads", "deferred"])
-def test_device_chunks_keeping_gradients_in_what_backward_frees_train_exactly(transaction):
+def test_device_chunks_keeping_gradients_in_what_backward_frees_train_exactly(monkeypatch, transaction):
     """A device budget with no room beside the peak for any kept gradient: the device chunks the next forward reads
     first keep theirs in the memory backward has freed by the time it completes them (Plan.kept_in_activations:
     allocated then, released at the step's end), the others' go to the host. Clipping triggers every step; the
     run equals clip_grad_norm_ + AdamW, and the host holds the others' kept gradients alone."""
+    monkeypatch.setenv("PSTAR_FX_KEPT_IN_ACTIVATIONS", "1")
     model = tiny_gpt()
     batches = gpt_batches(4)
     _, _, free = reference(model, batches)
@@ -891,6 +893,10 @@ def test_device_chunks_keeping_gradients_in_what_backward_frees_train_exactly(tr
     n, chunk_bytes = len(roomy.placement), roomy.memory.grad_chunk_bytes
     assert roomy.kept_on_device == n and not roomy.kept_in_activations
     budget = roomy.memory.device_peak_bytes - n * chunk_bytes + chunk_bytes // 2   # none fits beside the peak
+    monkeypatch.setenv("PSTAR_FX_KEPT_IN_ACTIVATIONS", "0")                           # (the default)
+    off = pstar_fx.plan(model, dict(cfg, device_memory=budget), batch())
+    assert off.kept_on_device == 0 and not off.kept_in_activations
+    monkeypatch.setenv("PSTAR_FX_KEPT_IN_ACTIVATIONS", "1")
     engine = pstar_fx.compile(model, dict(cfg, device_memory=budget), example_inputs=batch())
     k = engine.plan.kept_on_device
     assert engine.plan.kept_in_activations and 0 < k and set(engine.plan.placement) == {"device"}

@@ -62,9 +62,15 @@ def kept_along(n_nodes: int, kept_at: list[int], chunk_bytes: int) -> list[int]:
 
 
 def kept_in_activations_on() -> bool:
-    """PSTAR_FX_KEPT_IN_ACTIVATIONS (default 1; 0: device chunks' kept gradients only beside the peak, the rest on the
-    host, as before session 38): for timing the two side by side."""
-    return parse_flag(os.environ.get("PSTAR_FX_KEPT_IN_ACTIVATIONS", "1"), "PSTAR_FX_KEPT_IN_ACTIVATIONS")
+    """PSTAR_FX_KEPT_IN_ACTIVATIONS (default 0: device chunks' kept gradients beside the peak alone, the rest on the
+    host; 1: as many more as fit in the memory backward frees, `Transaction.kept_in_activations`). Off by default
+    until it is timed where it should pay: on an H100 at Llama-3-8B's shape (8 of 16 chunks on the GPU, each
+    device chunk's kept gradient 1 GB) a step whose clipping triggered ran 1.1-2.5% faster with it and an untriggered
+    one 1.4-1.7% slower, the caching allocator freeing its cache and retrying about once a step (15-17 retries
+    against 1 in about 19 steps: a chunk-sized gradient carved from freed activations); not yet timed on the H200
+    at GPT3_10B's shape, where 37 device chunks' 14.9 GB would stop crossing to the host and back (bench/RESULTS.md,
+    session 38; `bench/closeout.sh H`)."""
+    return parse_flag(os.environ.get("PSTAR_FX_KEPT_IN_ACTIVATIONS", "0"), "PSTAR_FX_KEPT_IN_ACTIVATIONS")
 
 
 def n_kept_in_activations(kept_at: list[int], activation_bytes: list[int], chunk_bytes: int,
@@ -76,8 +82,8 @@ def n_kept_in_activations(kept_at: list[int], activation_bytes: list[int], chunk
     which backward completes last, where backward has freed the most). `device_peak_bytes`: the peak with none
     kept. At GPT3_10B's shape every one of the 37 device chunks' (14.9 GB) fits in what backward frees, where none
     fit beside the peak (bench/RESULTS.md, session 38). `margin_bytes`: kept free of the budget wherever one is kept
-    (CUDA: a chunk's gradient; each is carved from freed activations, and a plan without that room made the caching
-    allocator free its cache and retry about once a step on an H100, session 38)."""
+    (CUDA: a chunk's gradient, each being carved from freed activations; on an H100 the allocator retried about once
+    a step with or without it, session 38)."""
     if budget_bytes is None:
         return len(kept_at)
     rest = device_peak_bytes - activation_peak_bytes
