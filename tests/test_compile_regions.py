@@ -379,9 +379,11 @@ def test_the_build_measures_what_a_compiled_region_holds_beyond_its_ops_on_cuda(
     assert regions_pass._extra_bytes(region, [x], device) == 0
 
 
-def test_a_region_out_of_memory_at_its_build_runs_op_by_op(dynamo_only, monkeypatch):
+@pytest.mark.parametrize("wrapped", [False, True], ids=["raised", "wrapped-by-inductor"])
+def test_a_region_out_of_memory_at_its_build_runs_op_by_op(dynamo_only, monkeypatch, wrapped):
     """A region whose compiled code runs out of device memory at its build (no activation is held yet: the step's
-    call would too) runs op by op; the step keeps the uncompiled step's bits."""
+    call would too) runs op by op; the step keeps the uncompiled step's bits. So does one whose build raised the
+    error wrapped (Inductor's autotuning raises an InductorError caused by it: an H100 compile failed so)."""
     model = _gpt()
     batches = [batch(seed=s) for s in range(2)]
     first = []
@@ -390,6 +392,11 @@ def test_a_region_out_of_memory_at_its_build_runs_op_by_op(dynamo_only, monkeypa
     def short(region, *args):
         first.extend([] if first else [region])
         if region is first[0]:
+            if wrapped:
+                try:
+                    raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+                except torch.OutOfMemoryError as e:
+                    raise RuntimeError("Failed to run autotuning code block (stand-in)") from e
             raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
         return compiled(region, *args)
 
