@@ -248,8 +248,7 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
                 # none or some fit beside the peak all step: more may in what backward frees, allocated as it
                 # completes each, released at the step's end
                 n_acts = n_kept_in_activations(kept_at, act_bytes_per_node, sizes.grad_chunk_bytes,
-                                               sum(device.values()), device["activations"], budget_bytes,
-                                               margin_bytes=sizes.grad_chunk_bytes if cuda else 0)
+                                               sum(device.values()), device["activations"], budget_bytes)
                 kept_on_device, in_acts = (n_acts, True) if n_acts > kept_on_device else (kept_on_device, False)
         if kept_on_device:
             here = (kept_in_activations_bytes(kept_at[:kept_on_device], act_bytes_per_node, sizes.grad_chunk_bytes)

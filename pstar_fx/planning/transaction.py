@@ -74,16 +74,15 @@ def kept_in_activations_on() -> bool:
 
 
 def n_kept_in_activations(kept_at: list[int], activation_bytes: list[int], chunk_bytes: int,
-                          device_peak_bytes: int, activation_peak_bytes: int, budget_bytes: int | None,
-                          margin_bytes: int = 0) -> int:
+                          device_peak_bytes: int, activation_peak_bytes: int, budget_bytes: int | None) -> int:
     """How many device chunks may keep their gradients on the device when each is allocated as backward completes it
     and released at the step's end (`Transaction.kept_in_activations`), counted node by node beside the graph's live
     values: the first `k` of `kept_at` (each chunk's update node, in the order the next forward reads the chunks,
     which backward completes last, where backward has freed the most). `device_peak_bytes`: the peak with none
     kept. At GPT3_10B's shape every one of the 37 device chunks' (14.9 GB) fits in what backward frees, where none
-    fit beside the peak (bench/RESULTS.md, session 38). `margin_bytes`: kept free of the budget wherever one is kept
-    (CUDA: a chunk's gradient, each being carved from freed activations; on an H100 the allocator retried about once
-    a step with or without it, session 38)."""
+    fit beside the peak (bench/RESULTS.md, session 38, planned at the H200's rates; on an H100 at Llama-3-8B's shape
+    the caching allocator retried about once a step, with or without a gradient's margin kept free of the budget
+    where one is kept)."""
     if budget_bytes is None:
         return len(kept_at)
     rest = device_peak_bytes - activation_peak_bytes
@@ -91,7 +90,7 @@ def n_kept_in_activations(kept_at: list[int], activation_bytes: list[int], chunk
     def fits(k: int) -> bool:        # (the nodes where none is kept are within the plan's peak as they were)
         kept = kept_along(len(activation_bytes), kept_at[:k], chunk_bytes)
         peak = rest + max((a + b for a, b in zip(activation_bytes, kept) if b), default=0)
-        return peak <= budget_bytes - margin_bytes
+        return peak <= budget_bytes
 
     lo, hi = 0, len(kept_at)          # fits(lo); more kept never lowers the peak
     while lo < hi:
