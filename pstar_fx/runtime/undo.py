@@ -168,6 +168,7 @@ class Undo:
         self.undo(settling, swallow=True)
         self.kept.shadows_from_masters()
         if not settling.undoable:
+            self.not_undone = []        # (the error says so; the failed step's own abandon warns of its own)
             raise RuntimeError(f"the host Adam of an earlier step failed after that step returned ({type(e).__name__}: "
                                f"{e}); {settling.why_not_undoable}, that step cannot be undone: its other chunks stay "
                                "updated, the failed one does not") from e
