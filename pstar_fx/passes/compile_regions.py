@@ -361,7 +361,7 @@ def _ran_out_of_memory(e: BaseException) -> bool:
         if isinstance(e, torch.OutOfMemoryError) or "CUDA out of memory" in str(e):
             return True
         seen.add(id(e))
-        e = e.__cause__ or e.__context__
+        e = e.__cause__ or getattr(e, "inner_exception", None)    # (InductorError keeps it there)
     return False
 
 
