@@ -851,20 +851,26 @@ def test_the_expected_trigger_rate_is_measured_over_the_last_steps_or_fixed():
             pstar_fx.Config(expected_trigger_rate=bad)
 
 
-def test_device_chunks_keeping_some_gradients_on_the_device_train_exactly(monkeypatch):
-    """Every chunk on the device, room beside the peak for one kept gradient (and none counted in what backward
-    frees: patched): that chunk's stays on the device, the others' go to the host and come back for the correction.
-    Clipping triggers every step; the run equals clip_grad_norm_ + AdamW."""
-    import pstar_fx.planning.planner as planner_module
-    monkeypatch.setattr(planner_module, "n_kept_in_activations", lambda *a, **k: 0)
+def _clipped_every_step_on_the_device(transaction: str) -> tuple:
+    """The tiny GPT, 4 batches, torch's run with a threshold that clips every step, the config with every chunk on
+    the device under `transaction`, and its plan with no device budget (every kept gradient beside the peak)."""
     model = tiny_gpt()
     batches = gpt_batches(4)
     _, _, free = reference(model, batches)
     clip = sorted(o[1] for o in free)[0] * 0.5
     ref, _, ref_out = reference(model, batches, grad_clip=clip)
     cfg = {"device": "cpu", "placement": "device", "chunk_size": CHUNK, "optimizer": OPT, "grad_clip": clip,
-           "transaction": "kept_grads"}
-    roomy = pstar_fx.plan(model, cfg, batch())
+           "transaction": transaction}
+    return model, batches, ref, ref_out, cfg, pstar_fx.plan(model, cfg, batch())
+
+
+def test_device_chunks_keeping_some_gradients_on_the_device_train_exactly(monkeypatch):
+    """Every chunk on the device, room beside the peak for one kept gradient (and none counted in what backward
+    frees: patched): that chunk's stays on the device, the others' go to the host and come back for the correction.
+    Clipping triggers every step; the run equals clip_grad_norm_ + AdamW."""
+    import pstar_fx.planning.planner as planner_module
+    monkeypatch.setattr(planner_module, "n_kept_in_activations", lambda *a, **k: 0)
+    model, batches, ref, ref_out, cfg, roomy = _clipped_every_step_on_the_device("kept_grads")
     n, chunk_bytes = len(roomy.placement), roomy.device_breakdown["kept gradients"] // len(roomy.placement)
     budget = roomy.memory.device_peak_bytes - (n - 1) * chunk_bytes + chunk_bytes // 2
     engine = pstar_fx.compile(model, dict(cfg, device_memory=budget), example_inputs=batch())
@@ -882,14 +888,7 @@ def test_device_chunks_keeping_gradients_in_what_backward_frees_train_exactly(mo
     allocated then, released at the step's end), the others' go to the host. Clipping triggers every step; the
     run equals clip_grad_norm_ + AdamW, and the host holds the others' kept gradients alone."""
     monkeypatch.setenv("PSTAR_FX_KEPT_IN_ACTIVATIONS", "1")
-    model = tiny_gpt()
-    batches = gpt_batches(4)
-    _, _, free = reference(model, batches)
-    clip = sorted(o[1] for o in free)[0] * 0.5
-    ref, _, ref_out = reference(model, batches, grad_clip=clip)
-    cfg = {"device": "cpu", "placement": "device", "chunk_size": CHUNK, "optimizer": OPT, "grad_clip": clip,
-           "transaction": transaction}
-    roomy = pstar_fx.plan(model, cfg, batch())
+    model, batches, ref, ref_out, cfg, roomy = _clipped_every_step_on_the_device(transaction)
     n, chunk_bytes = len(roomy.placement), roomy.memory.grad_chunk_bytes
     assert roomy.kept_on_device == n and not roomy.kept_in_activations
     budget = roomy.memory.device_peak_bytes - n * chunk_bytes + chunk_bytes // 2   # none fits beside the peak

@@ -93,10 +93,9 @@ def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_byte
         shadows = (", a host chunk's in its 16-bit shadow (free again before the host Adam writes the new weights "
                    "there)" if kept_in_shadow else "")
         return (f"each chunk's gradient kept until the verdict{shadows}, {itemsize} B/param "
-                f"({format_bytes(kept_bytes)} on the host), {where}; nothing updated inside backward; every update is "
-                "applied "
-                "after the verdict from the kept gradients, exactly: no undo (what bf16 and int8 moments need), "
-                "the host Adam runs after backward, into the next step's forward")
+                f"({format_bytes(kept_bytes)} on the host), {where}; nothing updated inside backward; every update "
+                "is applied after the verdict from the kept gradients, exactly: no undo (what bf16 and int8 moments "
+                "need), the host Adam runs after backward, into the next step's forward")
     if transaction == "kept_grads":
         switch = ("" if defer_above is None else
                   f"; a step defers its updates to the verdict instead (as 'deferred', on the same buffers: no "
