@@ -70,17 +70,17 @@ case "$call" in
     row $(( $(left) / 2 )) llama/Llama3_8B pstar_fx 110GiB $sweep
     row $(( $(left) - 10 )) hf-llama/Llama3_8B pstar_fx 110GiB $sweep ;;
   G)
-    row $(( $(left) / 4 )) GPT3_10B pstar_fx 108GiB $sweep
+    PSTAR_FX_KEPT_IN_ACTIVATIONS=1 row $(( $(left) / 4 )) GPT3_10B pstar_fx 108GiB $sweep
     PSTAR_FX_KEPT_IN_ACTIVATIONS=0 row $(( $(left) / 3 )) GPT3_10B pstar_fx 108GiB $sweep
-    row $(( $(left) / 2 )) llama/Llama3_8B pstar_fx 110GiB $sweep
+    PSTAR_FX_KEPT_IN_ACTIVATIONS=1 row $(( $(left) / 2 )) llama/Llama3_8B pstar_fx 110GiB $sweep
     PSTAR_FX_KEPT_IN_ACTIVATIONS=0 row $(( $(left) - 10 )) llama/Llama3_8B pstar_fx 110GiB $sweep ;;
   H)
-    row $(( $(left) / 4 )) GPT3_10B pstar_fx 108GiB $sweep
+    PSTAR_FX_KEPT_IN_ACTIVATIONS=1 row $(( $(left) / 4 )) GPT3_10B pstar_fx 108GiB $sweep
     PSTAR_FX_KEPT_IN_ACTIVATIONS=0 row $(( $(left) / 3 )) GPT3_10B pstar_fx 108GiB $sweep
-    row $(( $(left) / 2 )) GPT3_18B pstar_fx 110GiB --optimizer-state bf16
+    PSTAR_FX_KEPT_IN_ACTIVATIONS=1 row $(( $(left) / 2 )) GPT3_18B pstar_fx 110GiB --optimizer-state bf16
     PSTAR_FX_KEPT_IN_ACTIVATIONS=0 row $(( $(left) - 10 )) GPT3_18B pstar_fx 110GiB --optimizer-state bf16 ;;
   I)
-    row $(( $(left) / 2 )) llama/Llama3_8B pstar_fx 110GiB $sweep
+    PSTAR_FX_KEPT_IN_ACTIVATIONS=1 row $(( $(left) / 2 )) llama/Llama3_8B pstar_fx 110GiB $sweep
     PSTAR_FX_KEPT_IN_ACTIVATIONS=0 row $(( $(left) - 5 )) llama/Llama3_8B pstar_fx 110GiB $sweep ;;
   *) echo "closeout: no call $call (A-I)"; exit 2 ;;
 esac
