@@ -44,7 +44,7 @@ import torch.fx as fx
 from ..config import format_bytes
 from .. import planning as plan_mod
 from ..planning.blocks import SPAN
-from ..planning.transaction import kept_along
+from ..planning.transaction import kept_along, kept_here
 from ..fxutil import aliases_input, args_by_position, mutated_args, node_copy, role_nodes
 from . import region_builders
 from .region_builders import inductor_cache_dir
@@ -648,7 +648,7 @@ def _kept_along(order: list[fx.Node], plan) -> list[int] | None:
     if not plan.kept_in_activations:
         return None
     updates = {n: n.args[1] for n in order if n.op == "call_method" and n.target == "adam"}
-    kept = set([c for c in sorted(updates.values()) if plan.placement[c] == "device"][:plan.kept_on_device])
+    kept = set(kept_here([c for c in updates.values() if plan.placement[c] == "device"], plan.kept_on_device))
     at = [i for i, n in enumerate(order) if updates.get(n) in kept]
     return kept_along(len(order), at, plan.memory.grad_chunk_bytes)
 

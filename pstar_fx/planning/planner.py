@@ -31,8 +31,9 @@ from .report import (KEEPS_COMPUTE_COPIES_NOTE, _transaction_cost, _why, cuda_me
 from .schedule import Schedule, belady, place_prefetches
 from .shipping import (_choose_shipping, copy_seconds, fallback_code, keeps_compute_copies, kept_in_shadow,
                        ship_bytes_per_elem, ship_codes)
-from .transaction import (KEEPS, _choose_transaction, defer_above, kept_in_activations_bytes, kept_in_activations_on,
-                          n_grad_slots_to_keep, n_kept_in_activations, n_kept_on_device, two_passes)
+from .transaction import (KEEPS, _choose_transaction, defer_above, kept_here, kept_in_activations_bytes,
+                          kept_in_activations_on, n_grad_slots_to_keep, n_kept_in_activations, n_kept_on_device,
+                          two_passes)
 
 
 # what a plan by block may cost the step over one op by op, estimated, for its fewer compiled functions (a cold
@@ -216,7 +217,8 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
     coll_seconds = sizes.compute_chunk_bytes / rates.coll_bw if chunked else 0.0
     slot_reads = [{c for c in r if needs_slot[c]} for r in use.reads]
     # the updated device chunks' update nodes, in the order the next forward reads them (which keep theirs first)
-    kept_at = [use.adam_at[c] for c in sorted(use.adam_at) if rank0_placement[c] == "device"]
+    kept_at = [use.adam_at[c] for c in kept_here([c for c in use.adam_at if rank0_placement[c] == "device"],
+                                                 len(use.adam_at))]
 
     def ship_and_move(pool: int) -> _Moving:
         """Shipping, the chunk moves, the memory and the host Adam beside the copies, with `pool` host gradient

@@ -50,6 +50,13 @@ def n_kept_on_device(n_updated_device: int, chunk_bytes: int, device_peak_bytes:
     return max(0, min(n_updated_device, (budget_bytes - device_peak_bytes) // chunk_bytes))
 
 
+def kept_here(updated_device: list[int], kept_on_device: int) -> list[int]:
+    """The device chunks (of `updated_device`, the ones a rank updates) whose kept gradient stays on the device: the
+    first `kept_on_device` in chunk order, the ones the next forward reads first (and backward completes last). The
+    planner, `compile_regions` and the runtime's `KeptGradients` all pick them by this."""
+    return sorted(updated_device)[:kept_on_device]
+
+
 def kept_along(n_nodes: int, kept_at: list[int], chunk_bytes: int) -> list[int]:
     """Device bytes of kept gradients after each of `n_nodes` nodes, each kept from its update's node (`kept_at`) on
     (`KeptGradients.keep`: the gradient slot it fills is kept, and a fresh one joins the slot pool)."""

@@ -12,7 +12,7 @@ from typing import Iterator
 import torch
 
 from ..planning import Plan
-from ..planning.transaction import KEEPS
+from ..planning.transaction import KEEPS, kept_here
 from .movers import Mover
 from .store import ChunkStore, Pool
 
@@ -34,7 +34,7 @@ class KeptGradients:
             # the first `plan.kept_on_device` updated device chunks keep theirs on the device: the ones the next
             # forward reads first (the planner counted them beside the device peak, or node by node in what backward
             # frees: `plan.kept_in_activations`, allocated as `keep` takes each and released by `release`)
-            here = set([c for c in updated if store.tier(c) == "device"][:plan.kept_on_device])
+            here = set(kept_here([c for c in updated if store.tier(c) == "device"], plan.kept_on_device))
             where = lambda c: "device" if c in here else "host"  # noqa: E731
             self.in_shadow = [c for c in updated if plan.kept_in_shadow and store.tier(c) == "host"]
             self.kept = set(updated)
