@@ -6,6 +6,7 @@ instead. Without kept buffers, host chunks' gradients land in a small pool of ho
 """
 from __future__ import annotations
 
+import os
 from collections import deque
 from typing import Iterator
 
@@ -15,6 +16,9 @@ from ..planning import Plan
 from ..planning.transaction import KEEPS, kept_here
 from .movers import Mover
 from .store import ChunkStore, Pool
+
+
+_COPY = os.environ.get("PSTAR_FX_KEPT_COPY", "0") == "1"
 
 
 class KeptGradients:
@@ -72,6 +76,9 @@ class KeptGradients:
         the host, the gradient is shipped there and the slot goes back. Kept in the activations' memory, the slot is
         kept and a new one joins the pool, allocated now where backward has freed activations."""
         if c in self.in_activations:
+            if _COPY:           # (experiment: the slot goes back, so the pool's slots stay where they were allocated)
+                self.grads[c] = torch.empty_like(grad).copy_(grad)
+                return grad
             self.grads[c] = grad
             return torch.empty_like(grad)
         kept = self.grads[c]
