@@ -18,14 +18,14 @@
 # G: those kept gradients on (PSTAR_FX_KEPT_IN_ACTIVATIONS=1) and off, side by side: GPT3_10B, then our LLaMA 8B.
 # H: the same on and off at GPT3_10B (clip sweep) and GPT3_18B with bf16 moments (deferred, unclipped).
 # I: G's LLaMA rows alone (after the kept gradients left a chunk's margin free on CUDA).
-# J: our LLaMA 8B with those kept gradients copied out of their slot (PSTAR_FX_KEPT_COPY=1: the slot pool's buffers
-#    stay where they were allocated), kept in their slot, and off: the allocator's retries of each.
+#    (Session 39 ran a call J at a0ce50c: I's rows with a third, the kept gradients copied out of their slots,
+#    which has since become how they are kept.)
 # Each call's records land in $OUT (gpt.jsonl, ttfs.jsonl, limits.json) and its lines in the output's tail; copy
 # them to bench/results/ and the tables to bench/RESULTS.md with the call's date and device.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-call=${1:?which call: A to J}
+call=${1:?which call: A to I}
 start=$(date +%s)
 left() { echo $(( ${CLOSEOUT_S:-560} - ($(date +%s) - start) )); }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -84,11 +84,7 @@ case "$call" in
   I)
     PSTAR_FX_KEPT_IN_ACTIVATIONS=1 row $(( $(left) / 2 )) llama/Llama3_8B pstar_fx 110GiB $sweep
     PSTAR_FX_KEPT_IN_ACTIVATIONS=0 row $(( $(left) - 5 )) llama/Llama3_8B pstar_fx 110GiB $sweep ;;
-  J)
-    PSTAR_FX_KEPT_IN_ACTIVATIONS=1 PSTAR_FX_KEPT_COPY=1 row $(( $(left) / 3 )) llama/Llama3_8B pstar_fx 110GiB $sweep
-    PSTAR_FX_KEPT_IN_ACTIVATIONS=1 row $(( $(left) / 2 )) llama/Llama3_8B pstar_fx 110GiB $sweep
-    PSTAR_FX_KEPT_IN_ACTIVATIONS=0 row $(( $(left) - 5 )) llama/Llama3_8B pstar_fx 110GiB $sweep ;;
-  *) echo "closeout: no call $call (A-J)"; exit 2 ;;
+  *) echo "closeout: no call $call (A-I)"; exit 2 ;;
 esac
 [[ -s "$OUT/gpt.jsonl" ]] && python3 bench/sweep_summary.py "$OUT/gpt.jsonl"     # a line per row, at a glance
 echo "=== call $call done in $(( $(date +%s) - start )) s"

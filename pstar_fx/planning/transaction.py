@@ -59,7 +59,7 @@ def kept_here(updated_device: list[int], kept_on_device: int) -> list[int]:
 
 def kept_along(n_nodes: int, kept_at: list[int], chunk_bytes: int) -> list[int]:
     """Device bytes of kept gradients after each of `n_nodes` nodes, each kept from its update's node (`kept_at`) on
-    (`KeptGradients.keep`: the gradient slot it fills is kept, and a fresh one joins the slot pool)."""
+    (`KeptGradients.keep`: the gradient is copied out of its slot into a buffer allocated then)."""
     out, at, n = [], sorted(kept_at), 0
     for i in range(n_nodes):
         while n < len(at) and at[n] <= i:
