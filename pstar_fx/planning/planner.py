@@ -344,7 +344,10 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
                                                   host_adam_rate, copy_s, device_s)
     if after_verdict:
         adam_exposed = deferred_exposed
-    step_seconds = sum(node_secs) + sched.exposed_seconds + grad_waits + adam_exposed
+    # device chunks' gradients kept in activations are copied out of their slot (KeptGradients.keep): each read
+    # and written once at the device's memory speed, in backward
+    acts_copy = kept_on_device * sizes.grad_chunk_bytes * 2 / rates.mem_bw if kept_in_acts and cuda else 0.0
+    step_seconds = sum(node_secs) + sched.exposed_seconds + grad_waits + acts_copy + adam_exposed
     if chunked:
         # every broadcast and reduce runs on one collective stream, in graph order: the step takes at least
         # their sum. The broadcasts' wait is in the schedule's exposed time; the reduces overlap backward.
@@ -367,7 +370,7 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
         replay_host_exposed=replay_host_exposed, host_adam_rate=host_adam_rate)
     deferred_seconds = None
     if adaptive:
-        deferred_seconds = (sum(node_secs) + sched.exposed_seconds + grad_waits + deferred_exposed
+        deferred_seconds = (sum(node_secs) + sched.exposed_seconds + grad_waits + acts_copy + deferred_exposed
                             if transaction == "kept_grads"
                             else step_seconds + sum(node_secs))    # two_pass's estimate: one more forward+backward
     switch = defer_above(step_seconds, triggered_seconds, deferred_seconds) if adaptive else None
@@ -395,7 +398,7 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
                                      cost, kept_in_acts),
         estimate=Estimate(step_seconds, rates, triggered_seconds, config.grad_clip is not None, deferred_seconds,
                           compute_seconds=sum(node_secs) * (2 if measures_first else 1),
-                          copies_exposed_seconds=sched.exposed_seconds + grad_waits,
+                          copies_exposed_seconds=sched.exposed_seconds + grad_waits + acts_copy,
                           grad_slot_waits_seconds=grad_waits, host_adam_exposed_seconds=adam_exposed,
                           host_adam_rate=host_adam_rate if host_chunks else 0.0),
         remarks=Remarks(notes, _why(memory, chunks, config, use.min_slots, budget_bytes, room_chunks,
