@@ -38,7 +38,9 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
+t0=$(date +%s.%N)
 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3
+echo "installed in $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s (the C++ CPU Adam built)"
 # The box's packages come without bytecode and PYTHONDONTWRITEBYTECODE=1 is set: every process compiled torch's
 # modules from source at each import (10.5-11.8 s to import torch and Inductor; a build worker's start, and the
 # capture's first Dynamo import, session 30). pip writes them at install; written here once per box, as pip would.
