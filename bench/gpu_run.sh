@@ -34,7 +34,6 @@ export TORCH_CUDA_ARCH_LIST=9.0 DS_BUILD_OPS=0      # DeepSpeed JIT-builds its C
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi -L; nproc; free -g | head -2; echo "THP: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null)"
 lscpu | grep -iE "^(NUMA node|Socket|Model name|Thread)" | tr -s " "
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
@@ -57,6 +56,8 @@ for name in ('torch', 'triton', 'sympy', 'transformers', 'pstar_fx'):
 took=$(python3 -c "print(round($(date +%s.%N) - $t0, 1))")
 cached=$(python3 -c "import os, torch; print(len(os.listdir(os.path.join(os.path.dirname(torch.__file__), '__pycache__'))))")
 echo "bytecode written in $took s ($(grep -c . /tmp/compileall.log) lines of complaints; $cached files in torch/__pycache__)"
+# (torch's first import after its bytecode is written: about 10 s less than before it)
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 python3 -c "import pstar_fx.kernels as k; print(k.build_info())"
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
