@@ -20,12 +20,15 @@
 # I: G's LLaMA rows alone (after the kept gradients left a chunk's margin free on CUDA).
 #    (Session 39 ran a call J at a0ce50c: I's rows with a third, the kept gradients copied out of their slots,
 #    which has since become how they are kept.)
+# K: our LLaMA 8B deferred every step (`--transaction deferred`) with the device chunks' kept gradients in
+#    activations and without, then the auto plan with them (which speculates and corrects): which a triggered step
+#    should choose once no kept gradient crosses to the host (session 39's H100 call J left it open).
 # Each call's records land in $OUT (gpt.jsonl, ttfs.jsonl, limits.json) and its lines in the output's tail; copy
 # them to bench/results/ and the tables to bench/RESULTS.md with the call's date and device.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-call=${1:?which call: A to I}
+call=${1:?which call: A to K}
 start=$(date +%s)
 left() { echo $(( ${CLOSEOUT_S:-560} - ($(date +%s) - start) )); }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -84,7 +87,11 @@ case "$call" in
   I)
     PSTAR_FX_KEPT_IN_ACTIVATIONS=1 row $(( $(left) / 2 )) llama/Llama3_8B pstar_fx 110GiB $sweep
     PSTAR_FX_KEPT_IN_ACTIVATIONS=0 row $(( $(left) - 5 )) llama/Llama3_8B pstar_fx 110GiB $sweep ;;
-  *) echo "closeout: no call $call (A-I)"; exit 2 ;;
+  K)
+    PSTAR_FX_KEPT_IN_ACTIVATIONS=1 row $(( $(left) / 3 )) llama/Llama3_8B pstar_fx 110GiB $sweep --transaction deferred
+    PSTAR_FX_KEPT_IN_ACTIVATIONS=0 row $(( $(left) / 2 )) llama/Llama3_8B pstar_fx 110GiB $sweep --transaction deferred
+    PSTAR_FX_KEPT_IN_ACTIVATIONS=1 row $(( $(left) - 5 )) llama/Llama3_8B pstar_fx 110GiB $sweep ;;
+  *) echo "closeout: no call $call (A-K)"; exit 2 ;;
 esac
 [[ -s "$OUT/gpt.jsonl" ]] && python3 bench/sweep_summary.py "$OUT/gpt.jsonl"     # a line per row, at a glance
 echo "=== call $call done in $(( $(date +%s) - start )) s"
