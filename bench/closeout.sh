@@ -21,8 +21,8 @@
 #    (Session 39 ran a call J at a0ce50c: I's rows with a third, the kept gradients copied out of their slots,
 #    which has since become how they are kept.)
 # K: our LLaMA 8B deferred every step (`--transaction deferred`) with the device chunks' kept gradients in
-#    activations and without, then the auto plan with them (which speculates and corrects): which a triggered step
-#    should choose once no kept gradient crosses to the host (session 39's H100 call J left it open).
+#    activations and without, to read beside J's auto plan with them (which speculates and corrects): which a
+#    triggered step should choose once no kept gradient crosses to the host (session 39's H100 call J left it open).
 # Each call's records land in $OUT (gpt.jsonl, ttfs.jsonl, limits.json) and its lines in the output's tail; copy
 # them to bench/results/ and the tables to bench/RESULTS.md with the call's date and device.
 set -uo pipefail
@@ -88,9 +88,8 @@ case "$call" in
     PSTAR_FX_KEPT_IN_ACTIVATIONS=1 row $(( $(left) / 2 )) llama/Llama3_8B pstar_fx 110GiB $sweep
     PSTAR_FX_KEPT_IN_ACTIVATIONS=0 row $(( $(left) - 5 )) llama/Llama3_8B pstar_fx 110GiB $sweep ;;
   K)
-    PSTAR_FX_KEPT_IN_ACTIVATIONS=1 row $(( $(left) / 3 )) llama/Llama3_8B pstar_fx 110GiB $sweep --transaction deferred
-    PSTAR_FX_KEPT_IN_ACTIVATIONS=0 row $(( $(left) / 2 )) llama/Llama3_8B pstar_fx 110GiB $sweep --transaction deferred
-    PSTAR_FX_KEPT_IN_ACTIVATIONS=1 row $(( $(left) - 5 )) llama/Llama3_8B pstar_fx 110GiB $sweep ;;
+    PSTAR_FX_KEPT_IN_ACTIVATIONS=1 row $(( $(left) / 2 )) llama/Llama3_8B pstar_fx 110GiB $sweep --transaction deferred
+    PSTAR_FX_KEPT_IN_ACTIVATIONS=0 row $(( $(left) - 5 )) llama/Llama3_8B pstar_fx 110GiB $sweep --transaction deferred ;;
   *) echo "closeout: no call $call (A-K)"; exit 2 ;;
 esac
 [[ -s "$OUT/gpt.jsonl" ]] && python3 bench/sweep_summary.py "$OUT/gpt.jsonl"     # a line per row, at a glance
