@@ -901,9 +901,16 @@ def test_device_chunks_keeping_gradients_in_what_backward_frees_train_exactly(mo
     assert engine.plan.kept_in_activations and 0 < k and set(engine.plan.placement) == {"device"}
     assert engine.plan.device_peak_bytes <= budget and "in the memory backward frees" in engine.plan.transaction_cost
     assert engine.rt.store.stats.host_bytes == (n - k) * chunk_bytes
+    slots, kept = engine.rt.mover.grad_slots, engine.rt.updater.kept
+    # (a gradient kept beside the peak trades buffers with the slot that held it: no copy, no new buffer)
+    allocated = {b.data_ptr() for b in [*slots._free, *kept.grads.values()]}
     reports = run(engine, batches)
     assert all(r.clip_coef < 1.0 for r in reports)
-    assert not engine.rt.updater.kept.grads.keys() & engine.rt.updater.kept.in_activations   # released each step
+    assert not kept.grads.keys() & kept.in_activations                                  # released each step
+    # each gradient kept in activations was copied out of its slot: the pool holds only buffers allocated at compile
+    # (a slot kept and a new one allocated in its place moved the pool into the activations' memory: RESULTS,
+    # session 39)
+    assert slots.free == slots.size and {b.data_ptr() for b in slots._free} <= allocated
     assert_run_matches(engine, reports, ref, ref_out)
 
 
