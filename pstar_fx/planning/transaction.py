@@ -71,12 +71,11 @@ def kept_along(n_nodes: int, kept_at: list[int], chunk_bytes: int) -> list[int]:
 def kept_in_activations_on() -> bool:
     """PSTAR_FX_KEPT_IN_ACTIVATIONS (default 0: device chunks' kept gradients beside the peak alone, the rest on the
     host; 1: as many more as fit in the memory backward frees, `Transaction.kept_in_activations`). Off by default
-    until it is timed where it should pay: on an H100 at Llama-3-8B's shape (8 of 16 chunks on the GPU, each
-    device chunk's kept gradient 1 GB) a step whose clipping triggered ran 1.1-2.5% faster with it and an untriggered
-    one 1.4-1.7% slower, the caching allocator freeing its cache and retrying about once a step (15-17 retries
-    against 1 in about 19 steps: a chunk-sized gradient carved from freed activations); not yet timed on the H200
-    at GPT3_10B's shape, where 37 device chunks' 14.9 GB would stop crossing to the host and back (bench/RESULTS.md,
-    session 38; `bench/closeout.sh H`)."""
+    until it is timed where it should pay: on the H200 at GPT3_10B's shape, where 37 device chunks' 14.9 GB would
+    stop crossing to the host and back (`bench/closeout.sh H`, not yet run). On an H100 at Llama-3-8B's shape (8 of
+    16 chunks on the GPU, 1 GB a kept gradient), each copied out of its slot (`KeptGradients.keep`), the untriggered
+    step ran 1.0% faster than without, with 6 allocator retries in 19 steps against 0; the triggered step there is
+    the host's correction of 8 host chunks either way (bench/RESULTS.md, sessions 38 and 39)."""
     return parse_flag(os.environ.get("PSTAR_FX_KEPT_IN_ACTIVATIONS", "0"), "PSTAR_FX_KEPT_IN_ACTIVATIONS")
 
 
@@ -87,9 +86,8 @@ def n_kept_in_activations(kept_at: list[int], activation_bytes: list[int], chunk
     values: the first `k` of `kept_at` (each chunk's update node, in the order the next forward reads the chunks,
     which backward completes last, where backward has freed the most). `device_peak_bytes`: the peak with none
     kept. At GPT3_10B's shape every one of the 37 device chunks' (14.9 GB) fits in what backward frees, where none
-    fit beside the peak (bench/RESULTS.md, session 38, planned at the H200's rates; on an H100 at Llama-3-8B's shape
-    the caching allocator retried about once a step, with or without a gradient's margin kept free of the budget
-    where one is kept)."""
+    fit beside the peak (bench/RESULTS.md, session 38, planned at the H200's rates; a gradient's margin kept free of
+    the budget where one is kept changed nothing on an H100)."""
     if budget_bytes is None:
         return len(kept_at)
     rest = device_peak_bytes - activation_peak_bytes
