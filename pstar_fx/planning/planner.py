@@ -216,9 +216,10 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
     # (chunked: a ring broadcast or reduce moves the whole buffer through every link: bytes / bus bandwidth)
     coll_seconds = sizes.compute_chunk_bytes / rates.coll_bw if chunked else 0.0
     slot_reads = [{c for c in r if needs_slot[c]} for r in use.reads]
-    # the updated device chunks' update nodes, in the order the next forward reads them (which keep theirs first)
-    kept_at = [use.adam_at[c] for c in kept_here([c for c in use.adam_at if rank0_placement[c] == "device"],
-                                                 len(use.adam_at))]
+    # the updated device chunks in the order they keep their gradients on the device (`kept_here`: the first
+    # kept_on_device do, the others' go to the host), and their update nodes
+    updated_device = kept_here([c for c in use.adam_at if rank0_placement[c] == "device"], len(use.adam_at))
+    kept_at = [use.adam_at[c] for c in updated_device]
 
     def ship_and_move(pool: int) -> _Moving:
         """Shipping, the chunk moves, the memory and the host Adam beside the copies, with `pool` host gradient
@@ -294,7 +295,7 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
     if cuda and not chunked:
         shipped = {c for c in use.adam_at if rank0_placement[c] == "host"}
         if transaction in KEEPS:
-            shipped |= set([c for c in sorted(use.adam_at) if rank0_placement[c] == "device"][kept_on_device:])
+            shipped |= set(updated_device[kept_on_device:])
         copy_out = sizes.grad_chunk_bytes / rates.d2h_bw
         grad_waits = slot_waits(use.grad_first, use.adam_at, shipped, node_secs, n_grad, copy_out)
         if (grad_waits > 1e-3 and n_grad < 2 and on is None and budget_bytes is not None
@@ -334,7 +335,6 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
     if cuda and (after_verdict or (adaptive and transaction == "kept_grads")):
         # device chunks' updates after the verdict: those whose kept gradient is on the device (the first
         # `kept_on_device`), and those whose comes back from the host
-        updated_device = [c for c in sorted(use.adam_at) if rank0_placement[c] == "device"]
         device_s = device_after_verdict_seconds(updated_device[:kept_on_device], updated_device[kept_on_device:],
                                                 layout, node_secs, use.reads, compute_itemsize, rates)
         # (at the host Adam's rate beside the step's copies: priced beside the kept gradients coming back as well,
