@@ -671,14 +671,14 @@ def test_gradients_kept_in_what_backward_frees_are_counted_node_by_node():
     kept_at = [7, 6, 4]
     assert kept_along(8, kept_at[:2], 30) == [0, 0, 0, 0, 0, 0, 30, 60]
     # with k kept, live values + kept at nodes 4..7: k=1 -> 80 75 70 70; k=2 -> 80 75 100 100; k=3 -> 110 105 130 130
-    assert [kept_in_activations_bytes(kept_at[:k], acts, 30) for k in range(4)] == [0, 0, 0, 30]
+    assert [kept_in_activations_bytes(kept_at[:k], acts, 30, 100) for k in range(4)] == [0, 0, 0, 30]
+    assert kept_in_activations_bytes(kept_at, acts, 30, 120) == 10     # over a peak the plan counts higher
     peak = 100 + 50
     assert n_kept_in_activations(kept_at, acts, 30, peak, 100, None) == 3      # no budget: all
     assert n_kept_in_activations(kept_at, acts, 30, peak, 100, 180) == 3      # 50 + 130
     assert n_kept_in_activations(kept_at, acts, 30, peak, 100, 179) == 2
     assert n_kept_in_activations(kept_at, acts, 30, peak, 100, 150) == 2      # 50 + 100: the peak unchanged
-    assert n_kept_in_activations(kept_at, acts, 30, peak, 100, 149) == 1      # 50 + 70 at node 7 alone
-    assert n_kept_in_activations(kept_at, acts, 30, peak, 100, 119) == 0
+    assert n_kept_in_activations(kept_at, acts, 30, peak, 100, 149) == 0      # the step itself over the budget
 
 
 def test_the_host_updates_a_correction_finds_queued_cost_it_nothing():

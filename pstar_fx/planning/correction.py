@@ -9,6 +9,7 @@ from __future__ import annotations
 from ..layout import Layout
 from .costs import Rates, host_adam_share
 from .host_adam import first_reads, worker_stall
+from .transaction import kept_here
 
 
 def device_correction_bytes(itemsize: int) -> int:
@@ -117,9 +118,10 @@ def _triggered_seconds(transaction: str, step_seconds: float, *, cuda: bool, pla
         return step_seconds + elems(device + host) / undo + again
     if transaction == "kept_grads":
         host = [c for c in host if c not in not_started(host, adam_at, layout, adam_hidden, host_adam_rate)]
-        undo *= host_correction_share(undo, elems(host), elems(device[kept_on_device:]) * itemsize, rates)
-        device_s = device_after_verdict_seconds(device[:kept_on_device], device[kept_on_device:], layout, node_secs,
-                                                reads, itemsize, rates)
+        here = kept_here(device, kept_on_device)
+        back = [c for c in device if c not in here]        # their kept gradients come back from the host
+        undo *= host_correction_share(undo, elems(host), elems(back) * itemsize, rates)
+        device_s = device_after_verdict_seconds(here, back, layout, node_secs, reads, itemsize, rates)
         return step_seconds + device_s + worker_stall(host, layout, node_secs, reads, undo, copy_s,
                                                       worker_start=adam_hidden, forward_start=device_s)
     device_s = elems(device) * DEVICE_RESTORE_BYTES / rates.mem_bw

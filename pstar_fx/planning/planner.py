@@ -254,8 +254,9 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
                                                sum(device.values()), device["activations"], budget_bytes)
                 kept_on_device, in_acts = (n_acts, True) if n_acts > kept_on_device else (kept_on_device, False)
         if kept_on_device:
-            here = (kept_in_activations_bytes(kept_at[:kept_on_device], act_bytes_per_node, sizes.grad_chunk_bytes)
-                    if in_acts else kept_on_device * sizes.grad_chunk_bytes)
+            here = (kept_in_activations_bytes(kept_at[:kept_on_device], act_bytes_per_node, sizes.grad_chunk_bytes,
+                                              device["activations"]) if in_acts
+                    else kept_on_device * sizes.grad_chunk_bytes)
             device, host = with_kept_on_device(device, host, here, kept_on_device * sizes.grad_chunk_bytes)
             kept -= kept_on_device * sizes.grad_chunk_bytes
 

@@ -90,24 +90,27 @@ def n_kept_in_activations(kept_at: list[int], activation_bytes: list[int], chunk
     the budget where one is kept changed nothing on an H100)."""
     if budget_bytes is None:
         return len(kept_at)
-    rest = device_peak_bytes - activation_peak_bytes
 
-    def fits(k: int) -> bool:        # (the nodes where none is kept are within the plan's peak as they were)
-        kept = kept_along(len(activation_bytes), kept_at[:k], chunk_bytes)
-        peak = rest + max((a + b for a, b in zip(activation_bytes, kept) if b), default=0)
-        return peak <= budget_bytes
+    def fits(k: int) -> bool:
+        return device_peak_bytes + kept_in_activations_bytes(kept_at[:k], activation_bytes, chunk_bytes,
+                                                             activation_peak_bytes) <= budget_bytes
 
-    lo, hi = 0, len(kept_at)          # fits(lo); more kept never lowers the peak
+    lo, hi = 0, len(kept_at)          # none kept where the step itself is over the budget; more never lowers the peak
+    if not fits(0):
+        return 0
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
     return lo
 
 
-def kept_in_activations_bytes(kept_at: list[int], activation_bytes: list[int], chunk_bytes: int) -> int:
-    """What kept gradients allocated in backward add to the activation peak (0 where they fit under it)."""
+def kept_in_activations_bytes(kept_at: list[int], activation_bytes: list[int], chunk_bytes: int,
+                              activation_peak_bytes: int) -> int:
+    """What kept gradients allocated in backward (each from its update's node, `kept_at`, to the step's end) add to
+    the plan's activation peak: live values plus kept gradients node by node, over `activation_peak_bytes` (0 where
+    they fit under it). The one form of that peak: the planner's memory breakdown and `n_kept_in_activations`."""
     kept = kept_along(len(activation_bytes), kept_at, chunk_bytes)
-    return max(0, max((a + b for a, b in zip(activation_bytes, kept)), default=0) - max(activation_bytes, default=0))
+    return max(0, max((a + b for a, b in zip(activation_bytes, kept)), default=0) - activation_peak_bytes)
 
 
 def defer_above(speculated: float, triggered: float, deferred: float) -> float | None:
