@@ -23,12 +23,14 @@
 # K: our LLaMA 8B deferred every step (`--transaction deferred`) with the device chunks' kept gradients in
 #    activations and without, to read beside J's auto plan with them (which speculates and corrects): which a
 #    triggered step should choose once no kept gradient crosses to the host (session 39's H100 call J left it open).
+# L: H's GPT3_10B rows alone (issue 24's 10B, in activations on and off), for a session with less device time left
+#    than H needs (CLOSEOUT_S=420 is enough for the two).
 # Each call's records land in $OUT (gpt.jsonl, ttfs.jsonl, limits.json) and its lines in the output's tail; copy
 # them to bench/results/ and the tables to bench/RESULTS.md with the call's date and device.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-call=${1:?which call: A to K}
+call=${1:?which call: A to L}
 start=$(date +%s)
 left() { echo $(( ${CLOSEOUT_S:-560} - ($(date +%s) - start) )); }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -90,7 +92,10 @@ case "$call" in
   K)
     PSTAR_FX_KEPT_IN_ACTIVATIONS=1 row $(( $(left) / 2 )) llama/Llama3_8B pstar_fx 110GiB $sweep --transaction deferred
     PSTAR_FX_KEPT_IN_ACTIVATIONS=0 row $(( $(left) - 5 )) llama/Llama3_8B pstar_fx 110GiB $sweep --transaction deferred ;;
-  *) echo "closeout: no call $call (A-K)"; exit 2 ;;
+  L)
+    PSTAR_FX_KEPT_IN_ACTIVATIONS=1 row $(( $(left) / 2 )) GPT3_10B pstar_fx 108GiB $sweep
+    PSTAR_FX_KEPT_IN_ACTIVATIONS=0 row $(( $(left) - 5 )) GPT3_10B pstar_fx 108GiB $sweep ;;
+  *) echo "closeout: no call $call (A-L)"; exit 2 ;;
 esac
 [[ -s "$OUT/gpt.jsonl" ]] && python3 bench/sweep_summary.py "$OUT/gpt.jsonl"     # a line per row, at a glance
 echo "=== call $call done in $(( $(date +%s) - start )) s"
