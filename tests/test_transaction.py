@@ -895,11 +895,14 @@ def test_device_chunks_keeping_gradients_in_what_backward_frees_train_exactly(mo
     monkeypatch.setenv("PSTAR_FX_KEPT_IN_ACTIVATIONS", "0")                           # (the default)
     off = pstar_fx.plan(model, dict(cfg, device_memory=budget), batch())
     assert off.kept_on_device == 0 and not off.kept_in_activations
+    said = [m for m in off.notes if "PSTAR_FX_KEPT_IN_ACTIVATIONS=1" in m]        # what turning it on would keep
+    assert len(said) == 1 and f"of the {n} device chunks' kept gradients would stay" in said[0], off.notes
     monkeypatch.setenv("PSTAR_FX_KEPT_IN_ACTIVATIONS", "1")
     engine = pstar_fx.compile(model, dict(cfg, device_memory=budget), example_inputs=batch())
     k = engine.plan.kept_on_device
     assert engine.plan.kept_in_activations and 0 < k and set(engine.plan.placement) == {"device"}
     assert engine.plan.device_peak_bytes <= budget and "in the memory backward frees" in engine.plan.transaction_cost
+    assert said[0].startswith(f"{k} of the {n} ") and not any("KEPT_IN_ACTIVATIONS" in m for m in engine.plan.notes)
     assert engine.rt.store.stats.host_bytes == (n - k) * chunk_bytes
     slots, kept = engine.rt.mover.grad_slots, engine.rt.updater.kept
     # (a gradient kept beside the peak trades buffers with the slot that held it: no copy, no new buffer)

@@ -27,7 +27,7 @@ from .placement import (ChunkUse, chunk_use, device_order, host_room_chunks, n_c
 from . import blocks, placement as placement_module
 from .plan import Estimate, Memory, Moves, NodeProfile, Placement, Plan, Remarks, Shipping, Slots, Transaction
 from .report import (KEEPS_COMPUTE_COPIES_NOTE, _transaction_cost, _why, cuda_memory_note, data_parallel_note,
-                     exposed_copies_note, host_adam_note)
+                     exposed_copies_note, host_adam_note, kept_in_activations_note)
 from .schedule import Schedule, belady, place_prefetches
 from .shipping import (_choose_shipping, copy_seconds, fallback_code, keeps_compute_copies, kept_in_shadow,
                        ship_bytes_per_elem, ship_codes)
@@ -244,15 +244,19 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
         host = host_breakdown(sizes, host_chunks=host_chunks, n_host_grad_buffers=n_pool, host_ship=host_ship,
                               kept_in_shadow=in_shadow, kept_bytes=kept)
         kept_on_device, in_acts = (on.kept_on_device, on.kept_in_activations) if on is not None else (0, False)
+        would = 0                      # how many would stay in what backward frees, were that on (a note)
         if on is None and transaction in KEEPS:
             kept_on_device = n_kept_on_device(n_updated_device, sizes.grad_chunk_bytes, sum(device.values()),
                                               budget_bytes)
-            if kept_on_device < n_updated_device and not chunked and kept_in_activations_on():
+            if kept_on_device < n_updated_device and not chunked:
                 # none or some fit beside the peak all step: more may in what backward frees, allocated as it
                 # completes each, released at the step's end
                 n_acts = n_kept_in_activations(kept_at, act_bytes_per_node, sizes.grad_chunk_bytes,
                                                sum(device.values()), device["activations"], budget_bytes)
-                kept_on_device, in_acts = (n_acts, True) if n_acts > kept_on_device else (kept_on_device, False)
+                if n_acts > kept_on_device and kept_in_activations_on():
+                    kept_on_device, in_acts = n_acts, True
+                elif n_acts > kept_on_device:
+                    would = n_acts
         if kept_on_device:
             here = (kept_in_activations_bytes(kept_at[:kept_on_device], act_bytes_per_node, sizes.grad_chunk_bytes,
                                               device["activations"]) if in_acts
@@ -273,7 +277,7 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
                 _, exposed, hidden = _host_adam_pipeline(rank0_placement, layout, node_secs, use.reads, use.adam_at,
                                                          rate, cuda, n_spare_buffers, buffers=pool)
         return _Moving(n_pool, host_ship, ship_of, ship, copy_s, sched, device, host, kept_on_device, in_acts,
-                       kept, kept_copy_s, rate, exposed, hidden)
+                       would, kept, kept_copy_s, rate, exposed, hidden)
 
     moving = ship_and_move(n_host_grad)
     if on is None and cuda and not after_verdict and not kept_bytes and moving.host_adam_exposed > 1e-3:
@@ -287,10 +291,12 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
             other = ship_and_move(larger)
             if other.exposed_seconds < moving.exposed_seconds - 1e-4:
                 n_host_grad, moving = larger, other
-    (n_host_grad, host_ship, ship_of, ship, copy_s, sched, device, host, kept_on_device, kept_in_acts, kept_bytes,
-     kept_copy_s, host_adam_rate, adam_exposed, adam_hidden) = moving
+    (n_host_grad, host_ship, ship_of, ship, copy_s, sched, device, host, kept_on_device, kept_in_acts, would,
+     kept_bytes, kept_copy_s, host_adam_rate, adam_exposed, adam_hidden) = moving
     if sched.exposed_seconds > 1e-4:
         notes.append(exposed_copies_note(sched.exposed_seconds, rates))
+    if would:
+        notes.append(kept_in_activations_note(would, kept_on_device, n_updated_device))
     # backward's gradients copied out of the gradient slots: host chunks', and device chunks' kept on the host
     grad_waits = 0.0
     if cuda and not chunked:
@@ -458,6 +464,7 @@ class _Moving(NamedTuple):
     host: dict[str, int]
     kept_on_device: int
     kept_in_activations: bool
+    kept_in_activations_would: int   # (off) how many would stay in what backward frees, were it on
     kept_bytes: int
     kept_copy_s: float
     host_adam_rate: float       # beside the step's copies

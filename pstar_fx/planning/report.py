@@ -206,6 +206,14 @@ def data_parallel_note(world: int, n_fetches: int, n_reduced: int, comm_seconds:
             f"{comm_seconds * 1e3:.1f} ms per micro-batch at a bus bandwidth of {rates.coll_bw / 1e9:.0f} GB/s")
 
 
+def kept_in_activations_note(would: int, kept_on_device: int, n_updated_device: int) -> str:
+    """A keeping plan made with PSTAR_FX_KEPT_IN_ACTIVATIONS off, where turning it on would keep `would` of the
+    `n_updated_device` device chunks' gradients on the device instead of `kept_on_device`."""
+    return (f"{would} of the {n_updated_device} device chunks' kept gradients would stay on the device in the memory "
+            f"backward frees (now {kept_on_device}: the others cross to the host in backward and back after the "
+            "verdict): PSTAR_FX_KEPT_IN_ACTIVATIONS=1, experimental")
+
+
 def host_adam_note(adam_exposed_seconds: float, *, after_verdict: bool, kept_on_device: bool, kept: bool,
                    n_updated_device: int, n_host_grad_buffers: int) -> str:
     """`kept`: host chunks' gradients land in kept buffers (or the device chunks' stay on the device)."""
