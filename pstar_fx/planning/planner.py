@@ -253,10 +253,11 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
                 # completes each, released at the step's end
                 n_acts = n_kept_in_activations(kept_at, act_bytes_per_node, sizes.grad_chunk_bytes,
                                                sum(device.values()), device["activations"], budget_bytes)
-                if n_acts > kept_on_device and kept_in_activations_on():
-                    kept_on_device, in_acts = n_acts, True
-                elif n_acts > kept_on_device:
-                    would = n_acts
+                if n_acts > kept_on_device:
+                    if kept_in_activations_on():
+                        kept_on_device, in_acts = n_acts, True
+                    else:
+                        would = n_acts
         if kept_on_device:
             here = (kept_in_activations_bytes(kept_at[:kept_on_device], act_bytes_per_node, sizes.grad_chunk_bytes,
                                               device["activations"]) if in_acts

@@ -95,9 +95,9 @@ def n_kept_in_activations(kept_at: list[int], activation_bytes: list[int], chunk
         return device_peak_bytes + kept_in_activations_bytes(kept_at[:k], activation_bytes, chunk_bytes,
                                                              activation_peak_bytes) <= budget_bytes
 
-    lo, hi = 0, len(kept_at)          # none kept where the step itself is over the budget; more never lowers the peak
-    if not fits(0):
+    if not fits(0):                   # the step itself over the budget: none kept
         return 0
+    lo, hi = 0, len(kept_at)          # fits(lo); more kept never lowers the peak
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
