@@ -25,12 +25,15 @@
 #    triggered step should choose once no kept gradient crosses to the host (session 39's H100 call J left it open).
 # L: H's GPT3_10B rows alone (issue 24's 10B, in activations on and off), for a session with less device time left
 #    than H needs (CLOSEOUT_S=420 is enough for the two).
+# M: the step that may defer choosing by its timed steps (runtime/timed_switch.py): its GPU tests, then our LLaMA 8B
+#    "auto" with the kept gradients in activations (session 39's call J: speculated and corrected 2.168 s where
+#    deferring, call K, ran 1.833), 10 steps a point, with the timed switch and without (PSTAR_FX_TIMED_SWITCH=0).
 # Each call's records land in $OUT (gpt.jsonl, ttfs.jsonl, limits.json) and its lines in the output's tail; copy
 # them to bench/results/ and the tables to bench/RESULTS.md with the call's date and device.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-call=${1:?which call: A to L}
+call=${1:?which call: A to M}
 start=$(date +%s)
 left() { echo $(( ${CLOSEOUT_S:-560} - ($(date +%s) - start) )); }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -95,7 +98,13 @@ case "$call" in
   L)
     PSTAR_FX_KEPT_IN_ACTIVATIONS=1 row $(( $(left) / 2 )) GPT3_10B pstar_fx 108GiB $sweep
     PSTAR_FX_KEPT_IN_ACTIVATIONS=0 row $(( $(left) - 5 )) GPT3_10B pstar_fx 108GiB $sweep ;;
-  *) echo "closeout: no call $call (A-L)"; exit 2 ;;
+  M)
+    timeout 150 python3 -m pytest -q -rs -p no:logging --tb=short -o faulthandler_timeout=100 tests/test_gpu.py \
+      -k "timed_steps or by_turns" 2>&1 | tail -15 | tee "$OUT/tests.txt"
+    export STEPS=10 PSTAR_FX_KEPT_IN_ACTIVATIONS=1
+    row $(( $(left) / 2 )) llama/Llama3_8B pstar_fx 110GiB $sweep
+    PSTAR_FX_TIMED_SWITCH=0 row $(( $(left) - 5 )) llama/Llama3_8B pstar_fx 110GiB $sweep ;;
+  *) echo "closeout: no call $call (A-M)"; exit 2 ;;
 esac
 [[ -s "$OUT/gpt.jsonl" ]] && python3 bench/sweep_summary.py "$OUT/gpt.jsonl"     # a line per row, at a glance
 echo "=== call $call done in $(( $(date +%s) - start )) s"

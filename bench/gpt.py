@@ -603,6 +603,12 @@ def _stream_timeline(prof, label: str) -> list:
     return summary["steps"]
 
 
+def _timed_switch(engine) -> str | None:
+    """What the step that may defer has timed so far (runtime/timed_switch.py), or None without one."""
+    switch = getattr(engine.stepper.transaction, "switch", None)
+    return switch.summary() if switch is not None else None
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  allow_abbrev=False)   # torch-best rewrites its argv for the children
@@ -777,6 +783,7 @@ def main(argv=None):
             result["host_adam_rate_learned"] = engine.host_rate.learned
             result["memory_stats"] = engine.memory_stats()
             result["reports"] = reports
+            result["timed_switch"] = _timed_switch(engine)
             if args.clip_sweep:
                 result["sweep"] = []
                 for point in args.clip_sweep.split(","):
@@ -818,7 +825,8 @@ def main(argv=None):
                                             "step_s": round(med, 4),
                                             "steps_s": [round(x, 3) for x in t], "window_s": window[-1],
                                             "phases": phases,
-                                            "clipped": sum(r["clip_coef"] < 1 for r in rep), "reports": rep})
+                                            "clipped": sum(r["clip_coef"] < 1 for r in rep), "reports": rep,
+                                            "timed_switch": _timed_switch(engine)})
     except Exception as e:  # noqa: BLE001 - a model that does not fit is a result, not a crash
         result["error"] = f"{type(e).__name__}: {str(e)[:1500]}"
         traceback.print_exc(file=sys.stderr)

@@ -1,11 +1,16 @@
 """A line per bench/gpt.py record with a --clip-sweep: the step that never triggers, the one that triggers on every
-step, their ratio (issue 24's figure), where the device chunks' kept gradients were, and the caching allocator's
-retries, for reading a device call's output at a glance (bench/closeout.sh prints it after its rows).
+step, their ratio (issue 24's figure), where the device chunks' kept gradients were, the caching allocator's retries,
+which way each step ran (deferred or speculated) and what the step that may defer timed, for reading a device call's output at a glance (bench/closeout.sh prints it after its rows).
 
     python bench/sweep_summary.py FILE.jsonl [...]
 """
 import json
 import sys
+
+
+def _ways(point: dict) -> str:
+    """Each step of a sweep point: D deferred, S speculated (a step that may defer: runtime/timed_switch.py)."""
+    return "".join("D" if rep.get("deferred") else "S" for rep in point.get("reports", []))
 
 
 def lines(path: str) -> list[str]:
@@ -22,7 +27,10 @@ def lines(path: str) -> list[str]:
             elif never and every:
                 out.append(f"SWEEP {r.get('model')} {r.get('optimizer_state')} {r.get('transaction')}, kept {kept}: "
                            f"never {never['step_s']:.4f} s, every {every['step_s']:.4f} s, "
-                           f"{every['step_s'] / never['step_s']:.3f}x; retries {r.get('alloc_retries')}")
+                           f"{every['step_s'] / never['step_s']:.3f}x; retries {r.get('alloc_retries')}"
+                           + "".join(f"; {name} {_ways(p)}" for name, p in (("never", never), ("every", every))
+                                     if r.get("transaction") in ("kept_grads", "replay"))
+                           + (f"; timed: {every['timed_switch']}" if every.get("timed_switch") else ""))
             else:
                 out.append(f"SWEEP {r.get('model')} {r.get('optimizer_state')} {r.get('transaction')}, kept {kept}: "
                            f"step {r.get('step_s')} s ({r.get('tflops')} TFLOPs); retries {r.get('alloc_retries')}")

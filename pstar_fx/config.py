@@ -173,7 +173,10 @@ class Config:
     first, as two_pass), and a step defers while this rate is above the break-even (`plan.defer_above`), else
     speculates; each is exact. None: measured, the share of the last 8 steps
     whose clipping triggered, counting the steps not yet run as triggering (a run's first steps clip: norms start
-    far above 1.0). A number in [0, 1] fixes it (0: always speculate; 1: defer whenever deferring can pay), and
+    far above 1.0). On the CUDA runtime of one process the costs compared at this rate are the run's own timed
+    steps once it has timed some (runtime/timed_switch.py; PSTAR_FX_TIMED_SWITCH=0: the plan's alone).
+    A number in [0, 1] fixes it (0: speculate, unless this run timed deferred steps cheaper; 1: defer whenever
+    deferring can pay), and
     the plan is made for it: the recompute search minimizes the step expected at that rate
     (`plan.estimate.expected_step_seconds`), so a run that clips on most steps (a fine-tune's) may recompute more
     to hold more chunks on the device, whose updates need no host correction."""

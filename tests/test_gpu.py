@@ -215,6 +215,40 @@ def test_gpu_speculating_and_deferring_by_turns_match_torch_fp32(monkeypatch, ke
     assert any(r.clip_coef < 1 and not r.deferred for r in reports)      # some speculated step was corrected
 
 
+def test_gpu_a_step_that_may_defer_switches_by_its_timed_steps_and_matches_torch_fp32():
+    """kept_grads chosen by "auto" with clipping on the CUDA runtime: the step that may defer has a TimedSwitch
+    (runtime/timed_switch.py). Given one whose prices are all alike and a clock that makes a deferred step cost half
+    a speculated one, with clipping on every step, the run speculates until a steady step is timed, probes
+    deferring, and defers from then on, switching on the same kept buffers while host Adams and corrections run
+    beside the next forward: the CPU reference."""
+    from pstar_fx.runtime.timed_switch import CORRECTED, DEFERRED, PROBE, SETTLE, SPECULATED, TimedSwitch
+    from pstar_fx.runtime.transactions import MayDefer
+    torch.manual_seed(0)
+    model = GPT(gpt_config("tiny"))
+    batches = gpt_batches(SETTLE + 1 + PROBE + 3)
+    _, _, free = reference(model, batches)
+    clip = sorted(o[1] for o in free)[0] * 0.5                     # triggers every step
+    ref, _, ref_out = reference(model, batches, grad_clip=clip)
+    engine = _mixed(model, _on_gpu(batches[0]), grad_clip=clip, transaction="auto")
+    assert engine.plan.transaction == "kept_grads"
+    assert isinstance(engine.stepper.transaction.switch, TimedSwitch)     # built for the CUDA runtime
+    switch = TimedSwitch({SPECULATED: 1.0, CORRECTED: 1.0, DEFERRED: 1.0}, None)
+    engine.stepper.transaction = MayDefer("kept_grads", None, switch)
+    now = [0.0, False]
+
+    def clock():
+        if now[1]:
+            now[0] += 1.0 if engine.stepper.transaction.deferring else 2.0
+        now[1] = not now[1]
+        return now[0]
+    switch.clock = clock
+    reports = _run_gpu(engine, batches)
+    assert [r.deferred for r in reports] == [False] * (SETTLE + 1) + [True] * (PROBE + 3)
+    assert switch.timed(CORRECTED) == 2.0 and switch.timed(DEFERRED) == 1.0
+    _close_to_reference(engine, reports, ref, ref_out)
+    assert all(r.clip_coef < 1 for r in reports)
+
+
 def test_gpu_accumulation_matches_torch_fp32():
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny"))

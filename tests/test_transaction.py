@@ -851,6 +851,112 @@ def test_the_expected_trigger_rate_is_measured_over_the_last_steps_or_fixed():
             pstar_fx.Config(expected_trigger_rate=bad)
 
 
+def test_a_timed_switch_chooses_by_the_plan_until_it_has_timed_steady_steps():
+    """timed_switch.TimedSwitch: with nothing timed, the plan's break-even (None: never defer); a step is timed for
+    its kind only after the run's first SETTLE steps and after a step of the same kind (the one before spilled into
+    it); a kind never timed is priced at its estimate scaled by how the timed kinds came out against theirs; a
+    failed step makes the next one unsteady."""
+    from pstar_fx.runtime.timed_switch import CORRECTED, DEFERRED, SETTLE, SPECULATED, TimedSwitch
+    est = {SPECULATED: 1.0, CORRECTED: 2.0, DEFERRED: 1.6}
+    never = TimedSwitch(est, None)
+    assert not never.defer(1.0) and not never.defer(0.0)
+    switch = TimedSwitch(est, 0.6)
+    assert switch.defer(0.7) and not switch.defer(0.5)
+    for _ in range(SETTLE):
+        switch.record(CORRECTED, 9.0)                 # the run's first steps: not timed
+    switch.record(DEFERRED, 9.0)                      # after a corrected step: not steady
+    assert not any(switch.samples.values())
+    switch.record(DEFERRED, 2.4)
+    assert list(switch.samples[DEFERRED]) == [2.4]
+    # the others at their estimates x 1.5 (2.4 / 1.6): corrected 3.0, speculated 1.5
+    assert switch.seconds(CORRECTED) == pytest.approx(3.0) and switch.seconds(SPECULATED) == pytest.approx(1.5)
+    assert switch.cost(False, 0.5) == pytest.approx(2.25) and switch.cost(True, 0.5) == pytest.approx(2.4)
+    switch.forget_last()
+    switch.record(DEFERRED, 5.0)                      # after a failed step: not steady
+    assert list(switch.samples[DEFERRED]) == [2.4]
+    switch.record(None, 1.0)                          # a skipped step times nothing
+    switch.record(None, 1.0)
+    assert all(len(s) <= 1 for s in switch.samples.values())
+
+
+def test_a_timed_switch_probes_a_way_never_timed_once_where_it_is_priced_close():
+    """Where clipping is expected on most steps and the way not taken has never been timed and is priced within
+    MARGIN of the way taken, it runs PROBE steps, once; then the timed costs choose, whatever the plan's break-even
+    said. A way priced further off is not tried, nor one at a low expected rate."""
+    from pstar_fx.runtime.timed_switch import (CORRECTED, DEFERRED, MARGIN, PROBE, PROBE_RATE, SETTLE, SPECULATED,
+                                               TimedSwitch)
+
+    def steps(switch, rate, seconds, n):
+        ways = []
+        for _ in range(n):
+            defer = switch.defer(rate)
+            ways.append(defer)
+            switch.record(DEFERRED if defer else CORRECTED, seconds[defer])
+        return ways
+    # the plan says speculate at any rate (deferring priced above a corrected step); the box defers faster
+    est = {SPECULATED: 1.62, CORRECTED: 2.15, DEFERRED: 2.19}
+    switch = TimedSwitch(est, None)
+    ways = steps(switch, 1.0, {False: 2.17, True: 1.83}, SETTLE + 1 + PROBE + 3)
+    assert ways == [False] * (SETTLE + 1) + [True] * PROBE + [True] * 3
+    assert switch.timed(DEFERRED) == pytest.approx(1.83) and switch.timed(CORRECTED) == pytest.approx(2.17)
+    assert "deferred 1.83 s timed over" in switch.summary()
+    # ... and where the probe finds it dearer, back to speculating; never probed again
+    switch = TimedSwitch(est, None)
+    ways = steps(switch, 1.0, {False: 2.17, True: 2.40}, SETTLE + 1 + PROBE + 6)
+    assert ways == [False] * (SETTLE + 1) + [True] * PROBE + [False] * 6
+    # a way priced beyond MARGIN of the timed one is not tried
+    far = {SPECULATED: 1.0, CORRECTED: 2.0, DEFERRED: 2.0 * MARGIN * 1.01}
+    switch = TimedSwitch(far, None)
+    assert steps(switch, 1.0, {False: 2.0, True: 1.0}, 10) == [False] * 10
+    # nor where clipping is expected on fewer than PROBE_RATE of the steps (speculated steps weigh most)
+    switch = TimedSwitch(est, None)
+    assert steps(switch, PROBE_RATE - 0.01, {False: 2.17, True: 1.83}, 10) == [False] * 10
+
+
+def test_a_step_that_may_defer_chooses_by_its_timed_steps_and_still_equals_torch():
+    """MayDefer with a TimedSwitch (on the CUDA runtime of one process by default; here given one on the CPU, with
+    a clock that makes a deferred step cost 2 s and a speculated one 1 s): clipping triggers every step and the
+    plan's prices say defer; the run defers until it has timed a deferred step, probes speculating, finds it
+    cheaper and speculates from then on, and the run equals clip_grad_norm_ + AdamW."""
+    from pstar_fx.runtime.timed_switch import CORRECTED, DEFERRED, PROBE, SETTLE, SPECULATED, TimedSwitch
+    from pstar_fx.runtime.transactions import MayDefer
+    model = tiny_gpt()
+    batches = gpt_batches(SETTLE + 1 + PROBE + 2)
+    _, _, free = reference(model, batches)
+    clip = sorted(o[1] for o in free)[0] * 0.5                     # triggers every step
+    ref, _, ref_out = reference(model, batches, grad_clip=clip)
+    engine = compile_gpt(model, grad_clip=clip, transaction="auto")
+    assert engine.plan.transaction == "kept_grads"
+    assert engine.stepper.transaction.switch is None              # the CPU runtime: the plan's break-even alone
+    switch = TimedSwitch({SPECULATED: 1.0, CORRECTED: 1.6, DEFERRED: 1.5}, 0.5)
+    engine.stepper.transaction = MayDefer("kept_grads", 0.5, switch)
+    now = [0.0, False]                                            # (the time, whether the clock ends a step)
+
+    def clock():
+        if now[1]:
+            now[0] += 2.0 if engine.stepper.transaction.deferring else 1.0
+        now[1] = not now[1]
+        return now[0]
+    switch.clock = clock
+    reports = run(engine, batches)
+    assert [r.deferred for r in reports] == [True] * (SETTLE + 1) + [False] * (PROBE + 2)
+    assert switch.timed(DEFERRED) == 2.0 and switch.timed(CORRECTED) == 1.0
+    assert all(r.clip_coef < 1.0 for r in reports)
+    assert_run_matches(engine, reports, ref, ref_out)
+
+
+def test_the_timed_switch_takes_0_or_1():
+    """PSTAR_FX_TIMED_SWITCH: "1" (the default) or "0"; anything else a clear error naming it."""
+    from pstar_fx.runtime.timed_switch import timed_switch_on
+    assert timed_switch_on() is True
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PSTAR_FX_TIMED_SWITCH", "0")
+        assert timed_switch_on() is False
+        mp.setenv("PSTAR_FX_TIMED_SWITCH", "yes")
+        with pytest.raises(ValueError, match="PSTAR_FX_TIMED_SWITCH: expected 0 or 1"):
+            timed_switch_on()
+
+
 def _clipped_every_step_on_the_device(transaction: str) -> tuple:
     """The tiny GPT, 4 batches, torch's run with a threshold that clips every step, the config with every chunk on
     the device under `transaction`, and its plan with no device budget (every kept gradient beside the peak)."""

@@ -18,6 +18,7 @@ from torch.profiler import record_function
 from ..optim import Hyper, LossScaler, LrSchedule, clip_coefficient
 from .chunk_ops import ChunkRuntime
 from .step_log import StepRolledBack
+from .timed_switch import CORRECTED, DEFERRED, SPECULATED, TimedSwitch, timed_switch_on
 from .transactions import for_plan
 
 
@@ -38,13 +39,25 @@ class StepReport:
 TRIGGER_WINDOW = 8
 
 
+def _timed_switch(rt: ChunkRuntime, transaction: str) -> TimedSwitch | None:
+    """A kept_grads or replay plan that priced deferring (chosen by "auto" with clipping) chooses step by step by
+    timed steps (timed_switch.py) on the CUDA runtime of one process; None: by the plan's break-even alone."""
+    est = rt.plan.estimate
+    if (transaction not in ("kept_grads", "replay") or est.deferred_step_seconds is None
+            or rt.device.type != "cuda" or rt.dp is not None or not timed_switch_on()):
+        return None
+    return TimedSwitch({SPECULATED: est.step_seconds, CORRECTED: est.triggered_step_seconds,
+                        DEFERRED: est.deferred_step_seconds}, rt.plan.defer_above)
+
+
 class Stepper:
     """Runs optimizer steps on a runtime: owns the applied-update count, the schedule and the loss scaler."""
 
     def __init__(self, rt: ChunkRuntime, config, transaction: str,
                  run: Callable[[list, torch.Tensor], torch.Tensor], buffers: list[torch.Tensor]):
         self.rt, self.config, self._run = rt, config, run
-        self.transaction = for_plan(transaction, rt.plan.two_passes, rt.plan.defer_above)
+        self.transaction = for_plan(transaction, rt.plan.two_passes, rt.plan.defer_above,
+                                    _timed_switch(rt, transaction))
         self.buffers = buffers
         self.schedule = LrSchedule(config.lr_schedule, config.optimizer["lr"])
         self.scaler = LossScaler(config.loss_scaler_spec)

@@ -16,6 +16,7 @@ import torch
 
 from ..optim import Hyper
 from .step_log import ACCUMULATE, APPLY, DEFER, MEASURE, SPECULATE, SPECULATE_KEEPING, StepPass
+from .timed_switch import CORRECTED, DEFERRED, SPECULATED, TimedSwitch
 
 # Each transaction is handed the Stepper (`st`: the step's runner, verdict, updater and buffers) and reads it by
 # its fields; it does not import step.py, which picks the transaction (`for_plan`): the arrow runs one way.
@@ -190,12 +191,12 @@ class MayDefer(Transaction):
     (kept_grads, replay) or lets its updates wait for the verdict (kept_grads: deferred, from the same kept
     gradients; replay: two_pass, measuring first, which needs no buffer a replay lacks), by the expected trigger
     rate (Stepper.expected_trigger_rate): above the plan's break-even, waiting costs less than the corrections
-    expected. Each is exact, and they need the same buffers, so a step may switch without recompiling and changes
-    no result."""
+    expected. With a `switch` (timed_switch.py), by the steps this run has timed, once it has timed some. Each is
+    exact, and they need the same buffers, so a step may switch without recompiling and changes no result."""
 
-    def __init__(self, name: str, defer_above: float):
+    def __init__(self, name: str, defer_above: float | None, switch: TimedSwitch | None = None):
         super().__init__(name)
-        self.defer_above = defer_above
+        self.defer_above, self.switch = defer_above, switch
         self._speculate, self._defer = ((KeptGrads(name), Deferred(name)) if name == "kept_grads" else
                                         (Replay(name), TwoPass(name)))
         self.reruns = self._speculate.reruns or self._defer.reruns
@@ -205,10 +206,21 @@ class MayDefer(Transaction):
         return self._defer if self.deferring else self._speculate
 
     def run(self, st, batches, hyper, tangent, saved):
-        self.deferring = st.expected_trigger_rate() > self.defer_above
-        return self._running.run(st, batches, hyper, tangent, saved)
+        rate = st.expected_trigger_rate()
+        if self.switch is None:
+            self.deferring = self.defer_above is not None and rate > self.defer_above
+            return self._running.run(st, batches, hyper, tangent, saved)
+        self.deferring = self.switch.defer(rate)
+        guess, t0 = st.last_coef, self.switch.clock()
+        out = self._running.run(st, batches, hyper, tangent, saved)
+        kind = (None if not out.finite else DEFERRED if self.deferring else
+                CORRECTED if out.coef != guess else SPECULATED)
+        self.switch.record(kind, self.switch.clock() - t0)
+        return out
 
     def roll_back(self, st, batches, tangent, saved):
+        if self.switch is not None:
+            self.switch.forget_last()
         return self._running.roll_back(st, batches, tangent, saved)
 
 
@@ -216,11 +228,13 @@ _BY_NAME = {"kept_grads": KeptGrads, "replay": Replay, "deferred": Deferred, "tw
             "none": NoTransaction, "accumulate": Accumulate}
 
 
-def for_plan(transaction: str, two_passes: bool, defer_above: float | None = None) -> Transaction:
+def for_plan(transaction: str, two_passes: bool, defer_above: float | None = None,
+             switch: TimedSwitch | None = None) -> Transaction:
     """The object for `plan.transaction`; a "two_pass" plan that measures nothing first runs as a replay, and a
-    kept_grads or replay plan with `plan.defer_above` may defer step by step."""
+    kept_grads or replay plan with `plan.defer_above` (or a `switch`: the plan priced deferring, which the run may
+    find cheaper than planned) may defer step by step."""
     if transaction == "two_pass" and not two_passes:
         return Replay(transaction)
-    if transaction in ("kept_grads", "replay") and defer_above is not None:
-        return MayDefer(transaction, defer_above)
+    if transaction in ("kept_grads", "replay") and (defer_above is not None or switch is not None):
+        return MayDefer(transaction, defer_above, switch)
     return _BY_NAME[transaction](transaction)

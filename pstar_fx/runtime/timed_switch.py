@@ -1,0 +1,129 @@
+"""timed_switch: a step that may defer (transactions.MayDefer) chooses by the steps this run has timed.
+
+The plan prices three kinds of step: speculated (clipping did not trigger), speculated then corrected (it did),
+and deferred (updates after the verdict, from the same kept gradients; a replay plan's: measuring first). Its
+break-even (`plan.defer_above`) is only as good as those prices, and the after-verdict host Adam is the hardest to
+price: on an H100 at Llama-3-8B's shape the plan priced a deferred step 2.19 s and a corrected one 2.15 s, so a run
+clipping every step speculated, where the box ran them in 1.83 s and 2.17 s (bench/RESULTS.md, sessions 39 and 41).
+
+So the runtime times them. A step's seconds (its `run`, from its first launch through the verdict to the last
+launch after it) hold the previous step's work that spilled into its forward (a deferred host Adam, a correction's
+host chunks): a step is counted for its kind only after a step of the same kind (steady). Each kind's cost is the
+median of its last SAMPLES steady steps; a kind not timed yet is priced at the plan's estimate scaled by how the
+timed kinds came out against theirs. At the expected trigger rate r, speculating costs
+speculated + r x (corrected - speculated) and deferring costs deferred; the cheaper runs. Where clipping is
+expected on most steps (r >= PROBE_RATE: the corrections, the plan's least sure price, weigh most) and the way not
+taken has never been timed and is priced within MARGIN of the way taken, it runs PROBE steps (the last PROBE - 1 of
+them steady) to be timed, once. Each way is exact and uses the same buffers, so the choice changes no result.
+
+On the CUDA runtime of one process (`timed_switch_on`: PSTAR_FX_TIMED_SWITCH, "1" by default). The CPU runtime's
+host Adam is inline, so its ways cost alike, and ranks of a data-parallel run must choose alike: both keep the
+plan's break-even alone.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from collections import deque
+
+from ..config import parse_flag
+
+log = logging.getLogger("pstar_fx")
+
+SPECULATED, CORRECTED, DEFERRED = "speculated", "corrected", "deferred"
+SAMPLES = 5         # steady steps kept for each kind (their median is its cost)
+PROBE = 3           # steps a way never timed runs to be timed
+MARGIN = 1.25       # a way never timed is probed where priced within this factor of the way taken
+PROBE_RATE = 0.5    # ... and only at an expected trigger rate of at least this
+SETTLE = 2          # the run's first steps (allocator, caches, first launches) are not timed
+
+
+def timed_switch_on() -> bool:
+    """PSTAR_FX_TIMED_SWITCH: "1" (default) a step that may defer chooses by timed steps; "0" by the plan alone."""
+    return parse_flag(os.environ.get("PSTAR_FX_TIMED_SWITCH", "1"), "PSTAR_FX_TIMED_SWITCH")
+
+
+class TimedSwitch:
+    """Whether the next step defers, by the plan's estimates (`estimates`: seconds of each kind) and `defer_above`
+    until steps are timed, then by the timed steps (`record`)."""
+
+    clock = staticmethod(time.perf_counter)
+
+    def __init__(self, estimates: dict[str, float], defer_above: float | None):
+        self.estimates = dict(estimates)
+        self.defer_above = defer_above
+        self.samples = {k: deque(maxlen=SAMPLES) for k in (SPECULATED, CORRECTED, DEFERRED)}
+        self.seen = 0                     # steps recorded (timed or not)
+        self.last_kind: str | None = None
+        self.probing: bool | None = None  # the way being probed (True: deferring) while `probe_left`
+        self.probe_left = 0
+        self.probed: set[bool] = set()    # ways probed once already
+        self._said: bool | None = None    # the last choice logged against the plan's
+
+    # ---- what each kind costs --------------------------------------------------------------------------------
+    def timed(self, kind: str) -> float | None:
+        s = self.samples[kind]
+        return statistics.median(s) if s else None
+
+    def seconds(self, kind: str) -> float:
+        """The kind's timed cost, or its estimate scaled by the median of timed / estimated over the timed kinds."""
+        timed = self.timed(kind)
+        if timed is not None:
+            return timed
+        ratios = [self.timed(k) / self.estimates[k] for k in self.samples
+                  if self.samples[k] and self.estimates.get(k)]
+        return self.estimates[kind] * (statistics.median(ratios) if ratios else 1.0)
+
+    def cost(self, defer: bool, rate: float) -> float:
+        if defer:
+            return self.seconds(DEFERRED)
+        return self.seconds(SPECULATED) + rate * (self.seconds(CORRECTED) - self.seconds(SPECULATED))
+
+    def _never_timed(self, defer: bool) -> bool:
+        """The way has no timed step of the kind it runs at a rate of PROBE_RATE or more."""
+        return not self.samples[DEFERRED if defer else CORRECTED]
+
+    # ---- the choice -----------------------------------------------------------------------------------------
+    def defer(self, rate: float) -> bool:
+        """Whether the next step defers at expected trigger rate `rate`."""
+        if self.probe_left:
+            return self.probing
+        if not any(self.samples.values()):
+            return self.defer_above is not None and rate > self.defer_above
+        defer = self.cost(True, rate) < self.cost(False, rate)
+        other = not defer
+        if (rate >= PROBE_RATE and other not in self.probed and self._never_timed(other)
+                and self.cost(other, rate) <= MARGIN * self.cost(defer, rate)):
+            self.probing, self.probe_left = other, PROBE
+            self.probed.add(other)
+            log.info("pstar_fx: timing %d %s steps (priced %.3g s against %.3g s %s, timed)", PROBE,
+                     "deferred" if other else "speculated", self.cost(other, rate), self.cost(defer, rate),
+                     "deferred" if defer else "speculated")
+            return other
+        planned = self.defer_above is not None and rate > self.defer_above
+        if defer != planned and self._said is not defer:
+            log.info("pstar_fx: %s at an expected trigger rate of %.0f%%, by this run's timed steps (%s); the plan's "
+                     "break-even said %s", "deferring" if defer else "speculating", rate * 100, self.summary(),
+                     "defer" if planned else "speculate")
+        self._said = defer
+        return defer
+
+    def record(self, kind: str | None, seconds: float) -> None:
+        """The step just run: its kind (None: skipped or failed, which times nothing) and its seconds."""
+        self.seen += 1
+        if self.probe_left:
+            self.probe_left -= 1
+        if kind is not None and kind == self.last_kind and self.seen > SETTLE:
+            self.samples[kind].append(seconds)
+        self.last_kind = kind
+
+    def forget_last(self) -> None:
+        """A failed step: the next one is not steady."""
+        self.last_kind = None
+
+    def summary(self) -> str:
+        """Each kind's cost, timed (with its count) or planned."""
+        return ", ".join(f"{k} {self.timed(k):.3g} s timed over {len(self.samples[k])}" if self.samples[k]
+                         else f"{k} {self.estimates[k]:.3g} s planned" for k in self.samples)
