@@ -855,7 +855,7 @@ def test_a_timed_switch_chooses_by_the_plan_until_it_has_timed_steady_steps():
     """timed_switch.TimedSwitch: with nothing timed, the plan's break-even (None: never defer); a step is timed for
     its kind only after the run's first SETTLE steps and after a step of the same kind (the one before spilled into
     it); a kind never timed is priced at its estimate scaled by how the timed kinds came out against theirs; a
-    failed step makes the next one unsteady."""
+    failed step makes the next one unsteady; each input shape is timed on its own."""
     from pstar_fx.runtime.timed_switch import CORRECTED, DEFERRED, SETTLE, SPECULATED, TimedSwitch
     est = {SPECULATED: 1.0, CORRECTED: 2.0, DEFERRED: 1.6}
     never = TimedSwitch(est, None)
@@ -865,18 +865,26 @@ def test_a_timed_switch_chooses_by_the_plan_until_it_has_timed_steady_steps():
     for _ in range(SETTLE):
         switch.record(CORRECTED, 9.0)                 # the run's first steps: not timed
     switch.record(DEFERRED, 9.0)                      # after a corrected step: not steady
-    assert not any(switch.samples.values())
+    assert not any(switch.now.samples.values())
     switch.record(DEFERRED, 2.4)
-    assert list(switch.samples[DEFERRED]) == [2.4]
+    assert list(switch.now.samples[DEFERRED]) == [2.4]
     # the others at their estimates x 1.5 (2.4 / 1.6): corrected 3.0, speculated 1.5
     assert switch.seconds(CORRECTED) == pytest.approx(3.0) and switch.seconds(SPECULATED) == pytest.approx(1.5)
     assert switch.cost(False, 0.5) == pytest.approx(2.25) and switch.cost(True, 0.5) == pytest.approx(2.4)
     switch.forget_last()
     switch.record(DEFERRED, 5.0)                      # after a failed step: not steady
-    assert list(switch.samples[DEFERRED]) == [2.4]
+    assert list(switch.now.samples[DEFERRED]) == [2.4]
     switch.record(None, 1.0)                          # a skipped step times nothing
     switch.record(None, 1.0)
-    assert all(len(s) <= 1 for s in switch.samples.values())
+    assert all(len(s) <= 1 for s in switch.now.samples.values())
+    # another input shape is timed on its own: nothing yet, the plan's break-even (a step after a deferred one of
+    # the first shape is steady all the same)
+    assert switch.defer(0.7, shape=(8, 512)) and not switch.defer(0.5, shape=(8, 512))
+    switch.record(DEFERRED, 1.2)
+    switch.record(DEFERRED, 1.1)
+    assert list(switch.now.samples[DEFERRED]) == [1.1]
+    switch.defer(0.5)
+    assert list(switch.now.samples[DEFERRED]) == [2.4]
 
 
 def test_a_timed_switch_probes_a_way_never_timed_once_where_it_is_priced_close():

@@ -16,6 +16,8 @@ expected on most steps (r >= PROBE_RATE: the corrections, the plan's least sure 
 taken has never been timed and is priced within MARGIN of the way taken, it runs PROBE steps (the last PROBE - 1 of
 them steady) to be timed, once. Each way is exact and uses the same buffers, so the choice changes no result.
 
+Each input shape (sequence length) is timed on its own: a step's seconds depend on it.
+
 On the CUDA runtime of one process (`timed_switch_on`: PSTAR_FX_TIMED_SWITCH, "1" by default). The CPU runtime's
 host Adam is inline, so its ways cost alike, and ranks of a data-parallel run must choose alike: both keep the
 plan's break-even alone.
@@ -45,26 +47,39 @@ def timed_switch_on() -> bool:
     return parse_flag(os.environ.get("PSTAR_FX_TIMED_SWITCH", "1"), "PSTAR_FX_TIMED_SWITCH")
 
 
+class _Timings:
+    """One input shape's timed steps (a step's seconds depend on its sequence length: pipeline/shapes.py) and its
+    probes."""
+
+    def __init__(self):
+        self.samples = {k: deque(maxlen=SAMPLES) for k in (SPECULATED, CORRECTED, DEFERRED)}
+        self.probing: bool | None = None  # the way being probed (True: deferring) while `probe_left`
+        self.probe_left = 0
+        self.probed: set[bool] = set()    # ways probed once already
+        self.said: bool | None = None     # the last choice logged against the plan's
+
+
 class TimedSwitch:
     """Whether the next step defers, by the plan's estimates (`estimates`: seconds of each kind) and `defer_above`
-    until steps are timed, then by the timed steps (`record`)."""
+    until steps of its input shape are timed, then by those timed steps (`record`)."""
 
     clock = staticmethod(time.perf_counter)
 
     def __init__(self, estimates: dict[str, float], defer_above: float | None):
         self.estimates = dict(estimates)
         self.defer_above = defer_above
-        self.samples = {k: deque(maxlen=SAMPLES) for k in (SPECULATED, CORRECTED, DEFERRED)}
-        self.seen = 0                     # steps recorded (timed or not)
+        self.shapes: dict[object, _Timings] = {}
+        self.shape: object = None         # the input shape of the step chosen last
+        self.seen = 0                     # steps recorded (timed or not), of any shape
         self.last_kind: str | None = None
-        self.probing: bool | None = None  # the way being probed (True: deferring) while `probe_left`
-        self.probe_left = 0
-        self.probed: set[bool] = set()    # ways probed once already
-        self._said: bool | None = None    # the last choice logged against the plan's
 
-    # ---- what each kind costs --------------------------------------------------------------------------------
+    @property
+    def now(self) -> _Timings:
+        return self.shapes.setdefault(self.shape, _Timings())
+
+    # ---- what each kind costs (at the last chosen step's shape) ------------------------------------------------
     def timed(self, kind: str) -> float | None:
-        s = self.samples[kind]
+        s = self.now.samples[kind]
         return statistics.median(s) if s else None
 
     def seconds(self, kind: str) -> float:
@@ -72,8 +87,8 @@ class TimedSwitch:
         timed = self.timed(kind)
         if timed is not None:
             return timed
-        ratios = [self.timed(k) / self.estimates[k] for k in self.samples
-                  if self.samples[k] and self.estimates.get(k)]
+        ratios = [self.timed(k) / self.estimates[k] for k in self.now.samples
+                  if self.now.samples[k] and self.estimates.get(k)]
         return self.estimates[kind] * (statistics.median(ratios) if ratios else 1.0)
 
     def cost(self, defer: bool, rate: float) -> float:
@@ -81,42 +96,43 @@ class TimedSwitch:
             return self.seconds(DEFERRED)
         return self.seconds(SPECULATED) + rate * (self.seconds(CORRECTED) - self.seconds(SPECULATED))
 
-    def _never_timed(self, defer: bool) -> bool:
-        """The way has no timed step of the kind it runs at a rate of PROBE_RATE or more."""
-        return not self.samples[DEFERRED if defer else CORRECTED]
-
     # ---- the choice -----------------------------------------------------------------------------------------
-    def defer(self, rate: float) -> bool:
-        """Whether the next step defers at expected trigger rate `rate`."""
-        if self.probe_left:
-            return self.probing
-        if not any(self.samples.values()):
+    def defer(self, rate: float, shape: object = None) -> bool:
+        """Whether the next step (of input `shape`) defers at expected trigger rate `rate`."""
+        self.shape = shape
+        at = self.now
+        if at.probe_left:
+            return at.probing
+        if not any(at.samples.values()):
             return self.defer_above is not None and rate > self.defer_above
         defer = self.cost(True, rate) < self.cost(False, rate)
         other = not defer
-        if (rate >= PROBE_RATE and other not in self.probed and self._never_timed(other)
+        never_timed = not at.samples[DEFERRED if other else CORRECTED]    # (the kind it runs at PROBE_RATE)
+        if (rate >= PROBE_RATE and other not in at.probed and never_timed
                 and self.cost(other, rate) <= MARGIN * self.cost(defer, rate)):
-            self.probing, self.probe_left = other, PROBE
-            self.probed.add(other)
+            at.probing, at.probe_left = other, PROBE
+            at.probed.add(other)
             log.info("pstar_fx: timing %d %s steps (priced %.3g s against %.3g s %s, timed)", PROBE,
                      "deferred" if other else "speculated", self.cost(other, rate), self.cost(defer, rate),
                      "deferred" if defer else "speculated")
             return other
         planned = self.defer_above is not None and rate > self.defer_above
-        if defer != planned and self._said is not defer:
+        if defer != planned and at.said is not defer:
             log.info("pstar_fx: %s at an expected trigger rate of %.0f%%, by this run's timed steps (%s); the plan's "
                      "break-even said %s", "deferring" if defer else "speculating", rate * 100, self.summary(),
                      "defer" if planned else "speculate")
-        self._said = defer
+        at.said = defer
         return defer
 
     def record(self, kind: str | None, seconds: float) -> None:
-        """The step just run: its kind (None: skipped or failed, which times nothing) and its seconds."""
+        """The step just chosen has run: its kind (None: skipped or failed, which times nothing) and its seconds.
+        Steady only after a step of the same kind, whatever that step's shape (its spill is of that kind)."""
         self.seen += 1
-        if self.probe_left:
-            self.probe_left -= 1
+        at = self.now
+        if at.probe_left:
+            at.probe_left -= 1
         if kind is not None and kind == self.last_kind and self.seen > SETTLE:
-            self.samples[kind].append(seconds)
+            at.samples[kind].append(seconds)
         self.last_kind = kind
 
     def forget_last(self) -> None:
@@ -124,6 +140,7 @@ class TimedSwitch:
         self.last_kind = None
 
     def summary(self) -> str:
-        """Each kind's cost, timed (with its count) or planned."""
-        return ", ".join(f"{k} {self.timed(k):.3g} s timed over {len(self.samples[k])}" if self.samples[k]
-                         else f"{k} {self.estimates[k]:.3g} s planned" for k in self.samples)
+        """Each kind's cost at the last chosen step's shape, timed (with its count) or planned."""
+        samples = self.now.samples
+        return ", ".join(f"{k} {self.timed(k):.3g} s timed over {len(samples[k])}" if samples[k]
+                         else f"{k} {self.estimates[k]:.3g} s planned" for k in samples)

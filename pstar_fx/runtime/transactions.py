@@ -210,7 +210,8 @@ class MayDefer(Transaction):
         if self.switch is None:
             self.deferring = self.defer_above is not None and rate > self.defer_above
             return self._running.run(st, batches, hyper, tangent, saved)
-        self.deferring = self.switch.defer(rate)
+        shape = tuple(tuple(x.shape) for x in batches[0] if isinstance(x, torch.Tensor))
+        self.deferring = self.switch.defer(rate, shape)
         guess, t0 = st.last_coef, self.switch.clock()
         out = self._running.run(st, batches, hyper, tangent, saved)
         kind = (None if not out.finite else DEFERRED if self.deferring else
