@@ -221,11 +221,11 @@ def test_gpu_a_step_that_may_defer_switches_by_its_timed_steps_and_matches_torch
     a speculated one, with clipping on every step, the run speculates until a steady step is timed, probes
     deferring, and defers from then on, switching on the same kept buffers while host Adams and corrections run
     beside the next forward: the CPU reference."""
-    from pstar_fx.runtime.timed_switch import CORRECTED, DEFERRED, PROBE, SETTLE, SPECULATED, TimedSwitch
+    from pstar_fx.runtime.timed_switch import CORRECTED, DEFERRED, MIN_SAMPLES, PROBE, SETTLE, SPECULATED, TimedSwitch
     from pstar_fx.runtime.transactions import MayDefer
     torch.manual_seed(0)
     model = GPT(gpt_config("tiny"))
-    batches = gpt_batches(SETTLE + 1 + PROBE + 3)
+    batches = gpt_batches(SETTLE + MIN_SAMPLES + PROBE + 3)
     _, _, free = reference(model, batches)
     clip = sorted(o[1] for o in free)[0] * 0.5                     # triggers every step
     ref, _, ref_out = reference(model, batches, grad_clip=clip)
@@ -243,7 +243,7 @@ def test_gpu_a_step_that_may_defer_switches_by_its_timed_steps_and_matches_torch
         return now[0]
     switch.clock = clock
     reports = _run_gpu(engine, batches)
-    assert [r.deferred for r in reports] == [False] * (SETTLE + 1) + [True] * (PROBE + 3)
+    assert [r.deferred for r in reports] == [False] * (SETTLE + MIN_SAMPLES) + [True] * (PROBE + 3)
     assert switch.timed(CORRECTED) == 2.0 and switch.timed(DEFERRED) == 1.0
     _close_to_reference(engine, reports, ref, ref_out)
     assert all(r.clip_coef < 1 for r in reports)

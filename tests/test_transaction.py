@@ -856,7 +856,8 @@ def test_a_timed_switch_chooses_by_the_plan_until_it_has_timed_steady_steps():
     its kind only after the run's first SETTLE steps and after a step of the same kind (the one before spilled into
     it); a kind never timed is priced at its estimate scaled by how the timed kinds came out against theirs; a
     failed step makes the next one unsteady; each input shape is timed on its own."""
-    from pstar_fx.runtime.timed_switch import CORRECTED, DEFERRED, SETTLE, SPECULATED, TimedSwitch
+    from pstar_fx.runtime.timed_switch import CORRECTED, DEFERRED, MIN_SAMPLES, SETTLE, SPECULATED, TimedSwitch
+    assert MIN_SAMPLES == 2
     est = {SPECULATED: 1.0, CORRECTED: 2.0, DEFERRED: 1.6}
     never = TimedSwitch(est, None)
     assert not never.defer(1.0) and not never.defer(0.0)
@@ -866,17 +867,20 @@ def test_a_timed_switch_chooses_by_the_plan_until_it_has_timed_steady_steps():
         switch.record(CORRECTED, 9.0)                 # the run's first steps: not timed
     switch.record(DEFERRED, 9.0)                      # after a corrected step: not steady
     assert not any(switch.now.samples.values())
-    switch.record(DEFERRED, 2.4)
-    assert list(switch.now.samples[DEFERRED]) == [2.4]
+    switch.record(DEFERRED, 2.3)
+    assert list(switch.now.samples[DEFERRED]) == [2.3] and switch.timed(DEFERRED) is None     # one: not yet timed
+    assert switch.seconds(DEFERRED) == 1.6 and switch.defer(0.7) and not switch.defer(0.5)  # the plan's, still
+    switch.record(DEFERRED, 2.5)
+    assert switch.timed(DEFERRED) == pytest.approx(2.4)
     # the others at their estimates x 1.5 (2.4 / 1.6): corrected 3.0, speculated 1.5
     assert switch.seconds(CORRECTED) == pytest.approx(3.0) and switch.seconds(SPECULATED) == pytest.approx(1.5)
     assert switch.cost(False, 0.5) == pytest.approx(2.25) and switch.cost(True, 0.5) == pytest.approx(2.4)
     switch.forget_last()
     switch.record(DEFERRED, 5.0)                      # after a failed step: not steady
-    assert list(switch.now.samples[DEFERRED]) == [2.4]
+    assert list(switch.now.samples[DEFERRED]) == [2.3, 2.5]
     switch.record(None, 1.0)                          # a skipped step times nothing
     switch.record(None, 1.0)
-    assert all(len(s) <= 1 for s in switch.now.samples.values())
+    assert [len(s) for s in switch.now.samples.values()] == [0, 0, 2]
     # another input shape is timed on its own: nothing yet, the plan's break-even (a step after a deferred one of
     # the first shape is steady all the same)
     assert switch.defer(0.7, shape=(8, 512)) and not switch.defer(0.5, shape=(8, 512))
@@ -884,15 +888,15 @@ def test_a_timed_switch_chooses_by_the_plan_until_it_has_timed_steady_steps():
     switch.record(DEFERRED, 1.1)
     assert list(switch.now.samples[DEFERRED]) == [1.1]
     switch.defer(0.5)
-    assert list(switch.now.samples[DEFERRED]) == [2.4]
+    assert list(switch.now.samples[DEFERRED]) == [2.3, 2.5]
 
 
 def test_a_timed_switch_probes_a_way_never_timed_once_where_it_is_priced_close():
     """Where clipping is expected on most steps and the way not taken has never been timed and is priced within
     MARGIN of the way taken, it runs PROBE steps, once; then the timed costs choose, whatever the plan's break-even
     said. A way priced further off is not tried, nor one at a low expected rate."""
-    from pstar_fx.runtime.timed_switch import (CORRECTED, DEFERRED, MARGIN, PROBE, PROBE_RATE, SETTLE, SPECULATED,
-                                               TimedSwitch)
+    from pstar_fx.runtime.timed_switch import (CORRECTED, DEFERRED, MARGIN, MIN_SAMPLES, PROBE, PROBE_RATE, SETTLE,
+                                               SPECULATED, TimedSwitch)
 
     def steps(switch, rate, seconds, n):
         ways = []
@@ -904,14 +908,15 @@ def test_a_timed_switch_probes_a_way_never_timed_once_where_it_is_priced_close()
     # the plan says speculate at any rate (deferring priced above a corrected step); the box defers faster
     est = {SPECULATED: 1.62, CORRECTED: 2.15, DEFERRED: 2.19}
     switch = TimedSwitch(est, None)
-    ways = steps(switch, 1.0, {False: 2.17, True: 1.83}, SETTLE + 1 + PROBE + 3)
-    assert ways == [False] * (SETTLE + 1) + [True] * PROBE + [True] * 3
+    timing = SETTLE + MIN_SAMPLES            # the steps before the way taken is timed
+    ways = steps(switch, 1.0, {False: 2.17, True: 1.83}, timing + PROBE + 3)
+    assert ways == [False] * timing + [True] * PROBE + [True] * 3
     assert switch.timed(DEFERRED) == pytest.approx(1.83) and switch.timed(CORRECTED) == pytest.approx(2.17)
     assert "deferred 1.83 s timed over" in switch.summary()
     # ... and where the probe finds it dearer, back to speculating; never probed again
     switch = TimedSwitch(est, None)
-    ways = steps(switch, 1.0, {False: 2.17, True: 2.40}, SETTLE + 1 + PROBE + 6)
-    assert ways == [False] * (SETTLE + 1) + [True] * PROBE + [False] * 6
+    ways = steps(switch, 1.0, {False: 2.17, True: 2.40}, timing + PROBE + 6)
+    assert ways == [False] * timing + [True] * PROBE + [False] * 6
     # a way priced beyond MARGIN of the timed one is not tried
     far = {SPECULATED: 1.0, CORRECTED: 2.0, DEFERRED: 2.0 * MARGIN * 1.01}
     switch = TimedSwitch(far, None)
@@ -926,10 +931,10 @@ def test_a_step_that_may_defer_chooses_by_its_timed_steps_and_still_equals_torch
     a clock that makes a deferred step cost 2 s and a speculated one 1 s): clipping triggers every step and the
     plan's prices say defer; the run defers until it has timed a deferred step, probes speculating, finds it
     cheaper and speculates from then on, and the run equals clip_grad_norm_ + AdamW."""
-    from pstar_fx.runtime.timed_switch import CORRECTED, DEFERRED, PROBE, SETTLE, SPECULATED, TimedSwitch
+    from pstar_fx.runtime.timed_switch import CORRECTED, DEFERRED, MIN_SAMPLES, PROBE, SETTLE, SPECULATED, TimedSwitch
     from pstar_fx.runtime.transactions import MayDefer
     model = tiny_gpt()
-    batches = gpt_batches(SETTLE + 1 + PROBE + 2)
+    batches = gpt_batches(SETTLE + MIN_SAMPLES + PROBE + 2)
     _, _, free = reference(model, batches)
     clip = sorted(o[1] for o in free)[0] * 0.5                     # triggers every step
     ref, _, ref_out = reference(model, batches, grad_clip=clip)
@@ -947,7 +952,7 @@ def test_a_step_that_may_defer_chooses_by_its_timed_steps_and_still_equals_torch
         return now[0]
     switch.clock = clock
     reports = run(engine, batches)
-    assert [r.deferred for r in reports] == [True] * (SETTLE + 1) + [False] * (PROBE + 2)
+    assert [r.deferred for r in reports] == [True] * (SETTLE + MIN_SAMPLES) + [False] * (PROBE + 2)
     assert switch.timed(DEFERRED) == 2.0 and switch.timed(CORRECTED) == 1.0
     assert all(r.clip_coef < 1.0 for r in reports)
     assert_run_matches(engine, reports, ref, ref_out)

@@ -8,8 +8,8 @@ clipping every step speculated, where the box ran them in 1.83 s and 2.17 s (ben
 
 So the runtime times them. A step's seconds (its `run`, from its first launch through the verdict to the last
 launch after it) hold the previous step's work that spilled into its forward (a deferred host Adam, a correction's
-host chunks): a step is counted for its kind only after a step of the same kind (steady). Each kind's cost is the
-median of its last SAMPLES steady steps; a kind not timed yet is priced at the plan's estimate scaled by how the
+host chunks): a step is counted for its kind only after a step of the same kind (steady). A kind is timed once it
+has MIN_SAMPLES steady steps, its cost the median of its last SAMPLES; a kind not timed yet is priced at the plan's estimate scaled by how the
 timed kinds came out against theirs. At the expected trigger rate r, speculating costs
 speculated + r x (corrected - speculated) and deferring costs deferred; the cheaper runs. Where clipping is
 expected on most steps (r >= PROBE_RATE: the corrections, the plan's least sure price, weigh most) and the way not
@@ -36,10 +36,11 @@ log = logging.getLogger("pstar_fx")
 
 SPECULATED, CORRECTED, DEFERRED = "speculated", "corrected", "deferred"
 SAMPLES = 5         # steady steps kept for each kind (their median is its cost)
-PROBE = 3           # steps a way never timed runs to be timed
 MARGIN = 1.25       # a way never timed is probed where priced within this factor of the way taken
 PROBE_RATE = 0.5    # ... and only at an expected trigger rate of at least this
 SETTLE = 2          # the run's first steps (allocator, caches, first launches) are not timed
+MIN_SAMPLES = 2     # a kind is timed once it has this many steady steps (one alone misled call M: RESULTS s41)
+PROBE = MIN_SAMPLES + 1   # steps a way never timed runs to be timed (its first is not steady)
 
 
 def timed_switch_on() -> bool:
@@ -80,7 +81,7 @@ class TimedSwitch:
     # ---- what each kind costs (at the last chosen step's shape) ------------------------------------------------
     def timed(self, kind: str) -> float | None:
         s = self.now.samples[kind]
-        return statistics.median(s) if s else None
+        return statistics.median(s) if len(s) >= MIN_SAMPLES else None
 
     def seconds(self, kind: str) -> float:
         """The kind's timed cost, or its estimate scaled by the median of timed / estimated over the timed kinds."""
@@ -88,7 +89,7 @@ class TimedSwitch:
         if timed is not None:
             return timed
         ratios = [self.timed(k) / self.estimates[k] for k in self.now.samples
-                  if self.now.samples[k] and self.estimates.get(k)]
+                  if self.timed(k) is not None and self.estimates.get(k)]
         return self.estimates[kind] * (statistics.median(ratios) if ratios else 1.0)
 
     def cost(self, defer: bool, rate: float) -> float:
@@ -103,11 +104,11 @@ class TimedSwitch:
         at = self.now
         if at.probe_left:
             return at.probing
-        if not any(at.samples.values()):
+        if all(self.timed(k) is None for k in at.samples):
             return self.defer_above is not None and rate > self.defer_above
         defer = self.cost(True, rate) < self.cost(False, rate)
         other = not defer
-        never_timed = not at.samples[DEFERRED if other else CORRECTED]    # (the kind it runs at PROBE_RATE)
+        never_timed = self.timed(DEFERRED if other else CORRECTED) is None    # (the kind it runs at PROBE_RATE)
         if (rate >= PROBE_RATE and other not in at.probed and never_timed
                 and self.cost(other, rate) <= MARGIN * self.cost(defer, rate)):
             at.probing, at.probe_left = other, PROBE
@@ -142,5 +143,5 @@ class TimedSwitch:
     def summary(self) -> str:
         """Each kind's cost at the last chosen step's shape, timed (with its count) or planned."""
         samples = self.now.samples
-        return ", ".join(f"{k} {self.timed(k):.3g} s timed over {len(samples[k])}" if samples[k]
+        return ", ".join(f"{k} {self.timed(k):.3g} s timed over {len(samples[k])}" if self.timed(k) is not None
                          else f"{k} {self.estimates[k]:.3g} s planned" for k in samples)
