@@ -616,7 +616,8 @@ def test_a_cuda_plan_that_may_defer_prices_both_and_says_when():
     """kept_grads chosen by "auto" with clipping, host chunks (their Adam after the verdict is exposed when
     deferred): the plan's break-even is the formula over its own estimates, explain() says it; pinned
     "kept_grads" or no clipping, the plan never defers; every chunk on the device, a correction costs what
-    deferring costs and the plan always speculates."""
+    deferring costs and the plan always speculates. It says the run's timed steps choose once it has some.
+    """
     from pstar_fx.planning.transaction import defer_above
     plan, _ = _clip_plan("cuda", "host", "kept_grads")   # pinned: no switch
     assert plan.defer_above is None and plan.estimate.deferred_step_seconds is None
@@ -634,6 +635,8 @@ def test_a_cuda_plan_that_may_defer_prices_both_and_says_when():
     assert auto.defer_above == defer_above(est.step_seconds, est.triggered_step_seconds, est.deferred_step_seconds)
     assert 0 < auto.defer_above < 1
     assert f"above {auto.defer_above:.0%}" in auto.transaction_cost
+    assert "timed its steps, they choose" in auto.transaction_cost      # runtime/timed_switch.py
+    assert "timed its steps" not in plan.transaction_cost
     assert "s deferred" in auto.summary()
     assert device.transaction == "kept_grads" and device.defer_above is None
     assert unclipped.defer_above is None

@@ -385,7 +385,8 @@ def _make_plan(gm: fx.GraphModule, layout: Layout, config: Config, *, compute_it
     cost = _transaction_cost(transaction, config, compute_itemsize, kept_bytes, sizes.accum_bytes,
                              sizes.split(device_chunks)[0], sizes.split(host_chunks)[0],   # trainable chunks
                              host_ship, sum(node_secs) if measures_first else 0.0, kept_copy_s,
-                             (kept_on_device, n_updated_device), in_shadow, switch, kept_in_acts)
+                             (kept_on_device, n_updated_device), in_shadow, switch, kept_in_acts,
+                             timed=adaptive and cuda and world == 1)
     if adam_exposed > 1e-3:
         notes.append(host_adam_note(adam_exposed, after_verdict=after_verdict,
                                     kept_on_device=kept_on_device == n_updated_device,

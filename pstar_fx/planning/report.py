@@ -66,10 +66,14 @@ def _ranges(placement: list[str]) -> str:
 def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_bytes: int, accum_bytes: int,
                       n_device: int, n_host: int, ship: list[str], second_pass_s: float, kept_copy_s: float,
                       kept_on_device: tuple[int, int], kept_in_shadow: bool = False,
-                      defer_above: float | None = None, kept_in_activations: bool = False) -> str:
+                      defer_above: float | None = None, kept_in_activations: bool = False,
+                      timed: bool = False) -> str:
     """What the chosen transaction costs, and how much smaller the largest model is for it. `kept_on_device`:
     (device chunks whose kept gradient stays on the device, device chunks updated); `kept_in_activations`: those
-    are allocated in backward and released at the step's end (`Transaction.kept_in_activations`)."""
+    are allocated in backward and released at the step's end (`Transaction.kept_in_activations`); `timed`: a step
+    that may defer chooses by the run's timed steps (runtime/timed_switch.py: the CUDA runtime of one process)."""
+    by_timing = ("; once the run has timed its steps, they choose between speculating and waiting for the verdict "
+                 "(runtime/timed_switch.py; PSTAR_FX_TIMED_SWITCH=0: the break-even alone)" if timed else "")
     shadow = itemsize if "shadow" in ship else 0
     state = round(config.state_bytes_per_param, 2)
     host_base = round(state + shadow, 2)                      # bytes per parameter of a host chunk without it
@@ -103,7 +107,7 @@ def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_byte
                   f"{defer_above:.0%}")
         return (f"speculative updates inside backward; each chunk's gradient kept until the verdict, "
                 f"{itemsize} B/param ({format_bytes(kept_bytes)} on the host), {where}; clipping that triggers "
-                f"costs a correction pass over every chunk{switch}; rollback within fp32 rounding. Host bytes per "
+                f"costs a correction pass over every chunk{switch}{by_timing}; rollback within fp32 rounding. Host bytes per "
                 f"parameter of a host-bound model {host_base} -> {host_base + itemsize}: the largest model is "
                 f"about {100 * itemsize / (host_base + itemsize):.0f}% smaller")
     if transaction == "replay":
@@ -114,6 +118,7 @@ def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_byte
                 + ("" if defer_above is None else
                    "a step measures first instead (as 'two_pass': no correction) while the expected trigger rate "
                    f"(Config.expected_trigger_rate) is above {defer_above:.0%}; ")
+                + (by_timing[2:] + "; " if by_timing else "")
                 + "a host Adam failure after the step returned cannot be undone")
     if transaction == "two_pass":
         if not second_pass_s:
