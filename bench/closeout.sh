@@ -24,7 +24,7 @@
 #    activations and without, to read beside J's auto plan with them (which speculates and corrects): which a
 #    triggered step should choose once no kept gradient crosses to the host (session 39's H100 call J left it open).
 # L: H's GPT3_10B rows alone (issue 24's 10B, in activations on and off), for a session with less device time left
-#    than H needs (CLOSEOUT_S=420 is enough for the two).
+#    than H needs (CLOSEOUT_S=420 was enough for the two at 6 steps; 10 steps a point now, CLOSEOUT_S=470).
 # M: the step that may defer choosing by its timed steps (runtime/timed_switch.py): its GPU tests, then our LLaMA 8B
 #    "auto" with the kept gradients in activations (session 39's call J: speculated and corrected 2.168 s where
 #    deferring, call K, ran 1.833), 10 steps a point, with the timed switch and without (PSTAR_FX_TIMED_SWITCH=0).
@@ -96,6 +96,7 @@ case "$call" in
     PSTAR_FX_KEPT_IN_ACTIVATIONS=1 row $(( $(left) / 2 )) llama/Llama3_8B pstar_fx 110GiB $sweep --transaction deferred
     PSTAR_FX_KEPT_IN_ACTIVATIONS=0 row $(( $(left) - 5 )) llama/Llama3_8B pstar_fx 110GiB $sweep --transaction deferred ;;
   L)
+    export STEPS=${STEPS:-10}       # (10 a point: room for the timed switch's probe, runtime/timed_switch.py)
     PSTAR_FX_KEPT_IN_ACTIVATIONS=1 row $(( $(left) / 2 )) GPT3_10B pstar_fx 108GiB $sweep
     PSTAR_FX_KEPT_IN_ACTIVATIONS=0 row $(( $(left) - 5 )) GPT3_10B pstar_fx 108GiB $sweep ;;
   M)
