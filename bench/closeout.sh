@@ -28,12 +28,14 @@
 # M: the step that may defer choosing by its timed steps (runtime/timed_switch.py): its GPU tests, then our LLaMA 8B
 #    "auto" with the kept gradients in activations (session 39's call J: speculated and corrected 2.168 s where
 #    deferring, call K, ran 1.833), 10 steps a point, with the timed switch and without (PSTAR_FX_TIMED_SWITCH=0).
+# N: L's first row alone (GPT3_10B, the kept gradients in activations, the timed switch), for a session with less
+#    device time still (CLOSEOUT_S=300).
 # Each call's records land in $OUT (gpt.jsonl, ttfs.jsonl, limits.json) and its lines in the output's tail; copy
 # them to bench/results/ and the tables to bench/RESULTS.md with the call's date and device.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-call=${1:?which call: A to M}
+call=${1:?which call: A to N}
 start=$(date +%s)
 left() { echo $(( ${CLOSEOUT_S:-560} - ($(date +%s) - start) )); }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -105,7 +107,9 @@ case "$call" in
     export STEPS=10 PSTAR_FX_KEPT_IN_ACTIVATIONS=1
     row $(( $(left) / 2 )) llama/Llama3_8B pstar_fx 110GiB $sweep
     PSTAR_FX_TIMED_SWITCH=0 row $(( $(left) - 5 )) llama/Llama3_8B pstar_fx 110GiB $sweep ;;
-  *) echo "closeout: no call $call (A-M)"; exit 2 ;;
+  N)
+    STEPS=${STEPS:-10} PSTAR_FX_KEPT_IN_ACTIVATIONS=1 row $(( $(left) - 5 )) GPT3_10B pstar_fx 108GiB $sweep ;;
+  *) echo "closeout: no call $call (A-N)"; exit 2 ;;
 esac
 [[ -s "$OUT/gpt.jsonl" ]] && python3 bench/sweep_summary.py "$OUT/gpt.jsonl"     # a line per row, at a glance
 echo "=== call $call done in $(( $(date +%s) - start )) s"
