@@ -930,7 +930,8 @@ def test_a_step_that_may_defer_chooses_by_its_timed_steps_and_still_equals_torch
     """MayDefer with a TimedSwitch (on the CUDA runtime of one process by default; here given one on the CPU, with
     a clock that makes a deferred step cost 2 s and a speculated one 1 s): clipping triggers every step and the
     plan's prices say defer; the run defers until it has timed a deferred step, probes speculating, finds it
-    cheaper and speculates from then on, and the run equals clip_grad_norm_ + AdamW."""
+    cheaper and speculates from then on, and the run equals clip_grad_norm_ + AdamW. A step that fails is not
+    followed by a steady one."""
     from pstar_fx.runtime.timed_switch import CORRECTED, DEFERRED, MIN_SAMPLES, PROBE, SETTLE, SPECULATED, TimedSwitch
     from pstar_fx.runtime.transactions import MayDefer
     model = tiny_gpt()
@@ -956,6 +957,11 @@ def test_a_step_that_may_defer_chooses_by_its_timed_steps_and_still_equals_torch
     assert switch.timed(DEFERRED) == 2.0 and switch.timed(CORRECTED) == 1.0
     assert all(r.clip_coef < 1.0 for r in reports)
     assert_run_matches(engine, reports, ref, ref_out)
+    with pytest.MonkeyPatch.context() as m:               # a step that fails: the next one is not steady
+        m.setattr(engine.stepper, "run_pass", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+        with pytest.raises(RuntimeError, match="boom"):
+            engine.step(*batches[0])
+    assert switch.last_kind is None and engine.steps == len(batches)
 
 
 def test_the_timed_switch_takes_0_or_1():

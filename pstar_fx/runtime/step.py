@@ -114,11 +114,13 @@ class Stepper:
             up.commit()
         except StepRolledBack:
             rt.clear()
+            self.transaction.failed()
             self._abandon()
             self.rolled_back()
             raise
         except BaseException:
             rt.clear()
+            self.transaction.failed()
             if not self.transaction.roll_back(self, micro_batches, tangent, saved):
                 self._abandon()
             raise

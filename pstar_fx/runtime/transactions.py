@@ -47,6 +47,10 @@ class Transaction:
         which undoes every update it can (the kept gradients or accumulators it needs are intact)."""
         return False
 
+    def failed(self) -> None:
+        """The step did not commit (an exception, or rolled back): what the transaction learns from its steps
+        forgets it (MayDefer's timed switch)."""
+
 
 def _speculate(st, batch, hyper: Hyper, tangent, kind: StepPass) -> tuple[float, Outcome]:
     """One pass updating each chunk inside backward with a guessed clip coefficient; returns (guess, outcome).
@@ -220,9 +224,11 @@ class MayDefer(Transaction):
         return out
 
     def roll_back(self, st, batches, tangent, saved):
-        if self.switch is not None:
-            self.switch.forget_last()
         return self._running.roll_back(st, batches, tangent, saved)
+
+    def failed(self) -> None:
+        if self.switch is not None:
+            self.switch.forget_last()       # the next step is not steady
 
 
 _BY_NAME = {"kept_grads": KeptGrads, "replay": Replay, "deferred": Deferred, "two_pass": TwoPass,
