@@ -1,6 +1,7 @@
 """A line per bench/gpt.py record with a --clip-sweep: the step that never triggers, the one that triggers on every
 step, their ratio (issue 24's figure), where the device chunks' kept gradients were, the caching allocator's retries,
-which way each step ran (deferred or speculated) and what the step that may defer timed, for reading a device call's output at a glance (bench/closeout.sh prints it after its rows).
+which way each step ran (deferred or speculated) and what the step that may defer timed, for reading a device
+call's output at a glance (bench/closeout.sh prints it after its rows).
 
     python bench/sweep_summary.py FILE.jsonl [...]
 """

@@ -107,9 +107,9 @@ def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_byte
                   f"{defer_above:.0%}")
         return (f"speculative updates inside backward; each chunk's gradient kept until the verdict, "
                 f"{itemsize} B/param ({format_bytes(kept_bytes)} on the host), {where}; clipping that triggers "
-                f"costs a correction pass over every chunk{switch}{by_timing}; rollback within fp32 rounding. Host bytes per "
-                f"parameter of a host-bound model {host_base} -> {host_base + itemsize}: the largest model is "
-                f"about {100 * itemsize / (host_base + itemsize):.0f}% smaller")
+                f"costs a correction pass over every chunk{switch}{by_timing}; rollback within fp32 rounding. "
+                f"Host bytes per parameter of a host-bound model {host_base} -> {host_base + itemsize}: the largest "
+                f"model is about {100 * itemsize / (host_base + itemsize):.0f}% smaller")
     if transaction == "replay":
         return ("speculative updates inside backward, nothing kept (the host budget does not hold the "
                 f"{itemsize} B/param of kept gradients); a step that must be corrected (clipping that "

@@ -9,8 +9,8 @@ clipping every step speculated, where the box ran them in 1.83 s and 2.17 s (ben
 So the runtime times them. A step's seconds (its `run`, from its first launch through the verdict to the last
 launch after it) hold the previous step's work that spilled into its forward (a deferred host Adam, a correction's
 host chunks): a step is counted for its kind only after a step of the same kind (steady). A kind is timed once it
-has MIN_SAMPLES steady steps, its cost the median of its last SAMPLES; a kind not timed yet is priced at the plan's estimate scaled by how the
-timed kinds came out against theirs. At the expected trigger rate r, speculating costs
+has MIN_SAMPLES steady steps, its cost the median of its last SAMPLES; a kind not timed yet is priced at the plan's
+estimate scaled by how the timed kinds came out against theirs. At the expected trigger rate r, speculating costs
 speculated + r x (corrected - speculated) and deferring costs deferred; the cheaper runs. Where clipping is
 expected on most steps (r >= PROBE_RATE: the corrections, the plan's least sure price, weigh most) and the way not
 taken has never been timed and is priced within MARGIN of the way taken, it runs PROBE steps (the last PROBE - 1 of
