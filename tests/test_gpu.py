@@ -8,7 +8,7 @@ import pstar_fx
 from pstar_fx.models import GPT, gpt_config
 from pstar_fx.planning.memory import usable_budget
 from pstar_fx.runtime import StepRolledBack
-from test_transaction import OPT, gpt_batches, hf_cosine, optimizer_state, reference
+from test_transaction import OPT, gpt_batches, hf_cosine, optimizer_state, reference, step_clock
 
 pytestmark = pytest.mark.gpu
 
@@ -234,14 +234,7 @@ def test_gpu_a_step_that_may_defer_switches_by_its_timed_steps_and_matches_torch
     assert isinstance(engine.stepper.transaction.switch, TimedSwitch)     # built for the CUDA runtime
     switch = TimedSwitch({SPECULATED: 1.0, CORRECTED: 1.0, DEFERRED: 1.0}, None)
     engine.stepper.transaction = MayDefer("kept_grads", None, switch)
-    now = [0.0, False]
-
-    def clock():
-        if now[1]:
-            now[0] += 1.0 if engine.stepper.transaction.deferring else 2.0
-        now[1] = not now[1]
-        return now[0]
-    switch.clock = clock
+    switch.clock = step_clock(engine, deferred=1.0, speculated=2.0)
     reports = _run_gpu(engine, batches)
     assert [r.deferred for r in reports] == [False] * (SETTLE + MIN_SAMPLES) + [True] * (PROBE + 3)
     assert switch.timed(CORRECTED) == 2.0 and switch.timed(DEFERRED) == 1.0

@@ -926,6 +926,19 @@ def test_a_timed_switch_probes_a_way_never_timed_once_where_it_is_priced_close()
     assert steps(switch, PROBE_RATE - 0.01, {False: 2.17, True: 1.83}, 10) == [False] * 10
 
 
+def step_clock(engine, *, deferred: float, speculated: float):
+    """A clock for a TimedSwitch (MayDefer reads it as a step starts and ends) under which each step of `engine`
+    takes `deferred` or `speculated` seconds, by the way it ran."""
+    now = [0.0, False]                                            # (the time, whether the next reading ends a step)
+
+    def clock():
+        if now[1]:
+            now[0] += deferred if engine.stepper.transaction.deferring else speculated
+        now[1] = not now[1]
+        return now[0]
+    return clock
+
+
 def test_a_step_that_may_defer_chooses_by_its_timed_steps_and_still_equals_torch():
     """MayDefer with a TimedSwitch (on the CUDA runtime of one process by default; here given one on the CPU, with
     a clock that makes a deferred step cost 2 s and a speculated one 1 s): clipping triggers every step and the
@@ -944,14 +957,7 @@ def test_a_step_that_may_defer_chooses_by_its_timed_steps_and_still_equals_torch
     assert engine.stepper.transaction.switch is None              # the CPU runtime: the plan's break-even alone
     switch = TimedSwitch({SPECULATED: 1.0, CORRECTED: 1.6, DEFERRED: 1.5}, 0.5)
     engine.stepper.transaction = MayDefer("kept_grads", 0.5, switch)
-    now = [0.0, False]                                            # (the time, whether the clock ends a step)
-
-    def clock():
-        if now[1]:
-            now[0] += 2.0 if engine.stepper.transaction.deferring else 1.0
-        now[1] = not now[1]
-        return now[0]
-    switch.clock = clock
+    switch.clock = step_clock(engine, deferred=2.0, speculated=1.0)
     reports = run(engine, batches)
     assert [r.deferred for r in reports] == [True] * (SETTLE + MIN_SAMPLES) + [False] * (PROBE + 2)
     assert switch.timed(DEFERRED) == 2.0 and switch.timed(CORRECTED) == 1.0

@@ -43,6 +43,11 @@ MIN_SAMPLES = 2     # a kind is timed once it has this many steady steps (one al
 PROBE = MIN_SAMPLES + 1   # steps a way never timed runs to be timed (its first is not steady)
 
 
+def above_break_even(defer_above: float | None, rate: float) -> bool:
+    """The plan's rule: defer while the expected trigger rate is above its break-even (None: never)."""
+    return defer_above is not None and rate > defer_above
+
+
 def timed_switch_on() -> bool:
     """PSTAR_FX_TIMED_SWITCH: "1" (default) a step that may defer chooses by timed steps; "0" by the plan alone."""
     return parse_flag(os.environ.get("PSTAR_FX_TIMED_SWITCH", "1"), "PSTAR_FX_TIMED_SWITCH")
@@ -105,7 +110,7 @@ class TimedSwitch:
         if at.probe_left:
             return at.probing
         if all(self.timed(k) is None for k in at.samples):
-            return self.defer_above is not None and rate > self.defer_above
+            return above_break_even(self.defer_above, rate)
         defer = self.cost(True, rate) < self.cost(False, rate)
         other = not defer
         never_timed = self.timed(DEFERRED if other else CORRECTED) is None    # (the kind it runs at PROBE_RATE)
@@ -117,7 +122,7 @@ class TimedSwitch:
                      "deferred" if other else "speculated", self.cost(other, rate), self.cost(defer, rate),
                      "deferred" if defer else "speculated")
             return other
-        planned = self.defer_above is not None and rate > self.defer_above
+        planned = above_break_even(self.defer_above, rate)
         if defer != planned and at.said is not defer:
             log.info("pstar_fx: %s at an expected trigger rate of %.0f%%, by this run's timed steps (%s); the plan's "
                      "break-even said %s", "deferring" if defer else "speculating", rate * 100, self.summary(),

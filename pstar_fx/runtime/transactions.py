@@ -16,7 +16,7 @@ import torch
 
 from ..optim import Hyper
 from .step_log import ACCUMULATE, APPLY, DEFER, MEASURE, SPECULATE, SPECULATE_KEEPING, StepPass
-from .timed_switch import CORRECTED, DEFERRED, SPECULATED, TimedSwitch
+from .timed_switch import CORRECTED, DEFERRED, SPECULATED, TimedSwitch, above_break_even
 
 # Each transaction is handed the Stepper (`st`: the step's runner, verdict, updater and buffers) and reads it by
 # its fields; it does not import step.py, which picks the transaction (`for_plan`): the arrow runs one way.
@@ -52,13 +52,18 @@ class Transaction:
         forgets it (MayDefer's timed switch)."""
 
 
+def _guess(st) -> float:
+    """The clip coefficient a speculated step updates with: the last step's (1.0 without clipping)."""
+    return st.last_coef if st.config.grad_clip is not None else 1.0
+
+
 def _speculate(st, batch, hyper: Hyper, tangent, kind: StepPass) -> tuple[float, Outcome]:
     """One pass updating each chunk inside backward with a guessed clip coefficient; returns (guess, outcome).
     The guess is the last step's coefficient: norms change slowly, so a correction then moves each update a little,
     and its undo loses nothing to cancellation (undoing a step speculated at 1 that should have been 0.01 would
     subtract nearly equal numbers)."""
     scale = hyper.grad_scale
-    guess = st.last_coef if st.config.grad_clip is not None else 1.0
+    guess = _guess(st)
     st.updater.open(hyper.scaled(scale / guess), kind)
     loss = st.run_pass(batch, tangent)
     return guess, Outcome(loss, *st.verdict(scale))
@@ -212,11 +217,11 @@ class MayDefer(Transaction):
     def run(self, st, batches, hyper, tangent, saved):
         rate = st.expected_trigger_rate()
         if self.switch is None:
-            self.deferring = self.defer_above is not None and rate > self.defer_above
+            self.deferring = above_break_even(self.defer_above, rate)
             return self._running.run(st, batches, hyper, tangent, saved)
         shape = tuple(tuple(x.shape) for x in batches[0] if isinstance(x, torch.Tensor))
         self.deferring = self.switch.defer(rate, shape)
-        guess, t0 = st.last_coef, self.switch.clock()
+        guess, t0 = _guess(st), self.switch.clock()     # (a speculated step that guessed wrong is corrected)
         out = self._running.run(st, batches, hyper, tangent, saved)
         kind = (None if not out.finite else DEFERRED if self.deferring else
                 CORRECTED if out.coef != guess else SPECULATED)
