@@ -30,12 +30,15 @@
 #    deferring, call K, ran 1.833), 10 steps a point, with the timed switch and without (PSTAR_FX_TIMED_SWITCH=0).
 # N: L's first row alone (GPT3_10B, the kept gradients in activations, the timed switch), for a session with less
 #    device time still (CLOSEOUT_S=300).
+# O: what flipping PSTAR_FX_KEPT_IN_ACTIVATIONS on by default waits for, in one call shorter than H: GPT3_10B's clip
+#    sweep with them on (N's row; its off side is session 37's 1.118x), then GPT3_18B with bf16 moments with them on
+#    (>= 480 TFLOPs still?), CLOSEOUT_S=420.
 # Each call's records land in $OUT (gpt.jsonl, ttfs.jsonl, limits.json) and its lines in the output's tail; copy
 # them to bench/results/ and the tables to bench/RESULTS.md with the call's date and device.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-call=${1:?which call: A to N}
+call=${1:?which call: A to O}
 start=$(date +%s)
 left() { echo $(( ${CLOSEOUT_S:-560} - ($(date +%s) - start) )); }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -109,7 +112,10 @@ case "$call" in
     PSTAR_FX_TIMED_SWITCH=0 row $(( $(left) - 5 )) llama/Llama3_8B pstar_fx 110GiB $sweep ;;
   N)
     STEPS=${STEPS:-10} PSTAR_FX_KEPT_IN_ACTIVATIONS=1 row $(( $(left) - 5 )) GPT3_10B pstar_fx 108GiB $sweep ;;
-  *) echo "closeout: no call $call (A-N)"; exit 2 ;;
+  O)
+    STEPS=${STEPS:-10} PSTAR_FX_KEPT_IN_ACTIVATIONS=1 row $(( $(left) - 150 )) GPT3_10B pstar_fx 108GiB $sweep
+    PSTAR_FX_KEPT_IN_ACTIVATIONS=1 row $(( $(left) - 5 )) GPT3_18B pstar_fx 110GiB --optimizer-state bf16 ;;
+  *) echo "closeout: no call $call (A-O)"; exit 2 ;;
 esac
 [[ -s "$OUT/gpt.jsonl" ]] && python3 bench/sweep_summary.py "$OUT/gpt.jsonl"     # a line per row, at a glance
 echo "=== call $call done in $(( $(date +%s) - start )) s"
