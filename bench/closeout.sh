@@ -30,9 +30,10 @@
 #    deferring, call K, ran 1.833), 10 steps a point, with the timed switch and without (PSTAR_FX_TIMED_SWITCH=0).
 # N: L's first row alone (GPT3_10B, the kept gradients in activations, the timed switch), for a session with less
 #    device time still (CLOSEOUT_S=300).
-# O: what flipping PSTAR_FX_KEPT_IN_ACTIVATIONS on by default waits for, in one call shorter than H: GPT3_10B's clip
-#    sweep with them on (N's row; its off side is session 37's 1.118x), then GPT3_18B with bf16 moments with them on
-#    (>= 480 TFLOPs still?), CLOSEOUT_S=420.
+# O: what issues 24 and 27 still need from an H200, in one call: the calibration's matmul in fresh processes, old way
+#    and new (E's first line: issue 27's estimates), then what flipping PSTAR_FX_KEPT_IN_ACTIVATIONS on by default
+#    waits for: GPT3_10B's clip sweep with them on (N's row; its off side is session 37's 1.118x), then GPT3_18B
+#    with bf16 moments with them on (>= 480 TFLOPs still?). CLOSEOUT_S=510.
 # Each call's records land in $OUT (gpt.jsonl, ttfs.jsonl, limits.json) and its lines in the output's tail; copy
 # them to bench/results/ and the tables to bench/RESULTS.md with the call's date and device.
 set -uo pipefail
@@ -113,6 +114,7 @@ case "$call" in
   N)
     STEPS=${STEPS:-10} PSTAR_FX_KEPT_IN_ACTIVATIONS=1 row $(( $(left) - 5 )) GPT3_10B pstar_fx 108GiB $sweep ;;
   O)
+    timeout 90 python3 bench/calibration_spread.py --processes 12 2>&1 | tee "$OUT/spread.txt" | grep SPREAD
     STEPS=${STEPS:-10} PSTAR_FX_KEPT_IN_ACTIVATIONS=1 row $(( $(left) - 150 )) GPT3_10B pstar_fx 108GiB $sweep
     PSTAR_FX_KEPT_IN_ACTIVATIONS=1 row $(( $(left) - 5 )) GPT3_18B pstar_fx 110GiB --optimizer-state bf16 ;;
   *) echo "closeout: no call $call (A-O)"; exit 2 ;;
