@@ -53,6 +53,8 @@ row() {
   timeout "$secs" python3 bench/gpt.py --model "$model" --system "$system" --batch 16 --seq 1024 --steps "${STEPS:-6}" \
     --host-memory "$host" "$@" --json "$OUT/gpt.jsonl" 2>> "$OUT/gpt.log" | grep -E "^(step|RESULT)" | cut -c1-600
 }
+# the calibration's matmul in fresh processes, old way and new (bench/calibration_spread.py), one line a method
+spread() { timeout 90 python3 bench/calibration_spread.py --processes 12 2>&1 | tee "$OUT/spread.txt" | grep SPREAD; }
 sweep="--grad-clip 1.0 --expected-trigger-rate 1 --clip-sweep=1e9@0,1e-3@1"
 case "$call" in
   A)
@@ -75,7 +77,7 @@ case "$call" in
     row $(( $(left) / 2 )) GPT3_18B pstar_fx 110GiB --optimizer-state bf16 $sweep
     row $(( $(left) - 10 )) GPT3_18B pstar_fx 110GiB $sweep ;;
   E)
-    timeout 90 python3 bench/calibration_spread.py --processes 12 2>&1 | tee "$OUT/spread.txt" | grep SPREAD
+    spread
     row $(( $(left) / 2 )) GPT3_10B pstar_fx 108GiB $sweep
     STEPS=10 row $(( $(left) / 3 )) GPT_h3072_L36 pstar_fx 110GiB
     STEPS=10 row $(( $(left) - 10 )) GPT_h3072_L36 torch 110GiB --checkpoint none --compile ;;
@@ -114,7 +116,7 @@ case "$call" in
   N)
     STEPS=${STEPS:-10} PSTAR_FX_KEPT_IN_ACTIVATIONS=1 row $(( $(left) - 5 )) GPT3_10B pstar_fx 108GiB $sweep ;;
   O)
-    timeout 90 python3 bench/calibration_spread.py --processes 12 2>&1 | tee "$OUT/spread.txt" | grep SPREAD
+    spread
     STEPS=${STEPS:-10} PSTAR_FX_KEPT_IN_ACTIVATIONS=1 row $(( $(left) - 150 )) GPT3_10B pstar_fx 108GiB $sweep
     PSTAR_FX_KEPT_IN_ACTIVATIONS=1 row $(( $(left) - 5 )) GPT3_18B pstar_fx 110GiB --optimizer-state bf16 ;;
   *) echo "closeout: no call $call (A-O)"; exit 2 ;;

@@ -72,7 +72,7 @@ def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_byte
     (device chunks whose kept gradient stays on the device, device chunks updated); `kept_in_activations`: those
     are allocated in backward and released at the step's end (`Transaction.kept_in_activations`); `timed`: a step
     that may defer chooses by the run's timed steps (runtime/timed_switch.py: the CUDA runtime of one process)."""
-    by_timing = ("; once the run has timed its steps, they choose between speculating and waiting for the verdict "
+    by_timing = ("once the run has timed its steps, they choose between speculating and waiting for the verdict "
                  "(runtime/timed_switch.py; PSTAR_FX_TIMED_SWITCH=0: the break-even alone)" if timed else "")
     shadow = itemsize if "shadow" in ship else 0
     state = round(config.state_bytes_per_param, 2)
@@ -107,7 +107,8 @@ def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_byte
                   f"{defer_above:.0%}")
         return (f"speculative updates inside backward; each chunk's gradient kept until the verdict, "
                 f"{itemsize} B/param ({format_bytes(kept_bytes)} on the host), {where}; clipping that triggers "
-                f"costs a correction pass over every chunk{switch}{by_timing}; rollback within fp32 rounding. "
+                f"costs a correction pass over every chunk{switch}{'; ' + by_timing if timed else ''}; rollback "
+                f"within fp32 rounding. "
                 f"Host bytes per parameter of a host-bound model {host_base} -> {host_base + itemsize}: the largest "
                 f"model is about {100 * itemsize / (host_base + itemsize):.0f}% smaller")
     if transaction == "replay":
@@ -118,7 +119,7 @@ def _transaction_cost(transaction: str, config: Config, itemsize: int, kept_byte
                 + ("" if defer_above is None else
                    "a step measures first instead (as 'two_pass': no correction) while the expected trigger rate "
                    f"(Config.expected_trigger_rate) is above {defer_above:.0%}; ")
-                + (by_timing[2:] + "; " if by_timing else "")
+                + (by_timing + "; " if timed else "")
                 + "a host Adam failure after the step returned cannot be undone")
     if transaction == "two_pass":
         if not second_pass_s:
